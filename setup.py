@@ -1,0 +1,39 @@
+"""megatron_kd: knowledge distillation for Megatron-Core at pretraining scale."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="megatron_kd",
+    version="0.1.0",
+    description=(
+        "Knowledge distillation for Megatron-Core: a fused vocab-parallel KD loss, an offline "
+        "top-K teacher cache, a disaggregated teacher and a memory/traffic planner."
+    ),
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    license="Apache-2.0",
+    python_requires=">=3.10",
+    packages=find_packages(include=["megatron_kd", "megatron_kd.*"]),
+    include_package_data=True,
+    install_requires=[
+        "torch>=2.4",
+        "megatron-core>=0.16",
+        "numpy",
+    ],
+    extras_require={
+        # What the test suite needs beyond the core (tokenizer and HF import parity tests).
+        "test": ["pytest>=7", "tokenizers", "safetensors", "transformers", "matplotlib"],
+        # Transformer Engine layer specs: GPU only, never imported unguarded.
+        "te": ["transformer-engine[pytorch]"],
+        # Peers for benchmarks: ModelOpt's LogitsKLLoss (Megatron-LM's KD loss) and the
+        # dependencies ModelOpt imports without declaring them.
+        "peers": ["nvidia-modelopt", "requests", "huggingface_hub"],
+        # The CPU demo: loading a GGUF teacher through transformers.
+        "demo": ["transformers", "gguf", "accelerate", "tokenizers", "safetensors", "matplotlib"],
+    },
+    entry_points={"console_scripts": ["megatron-kd = megatron_kd.cli:main"]},
+    classifiers=[
+        "Programming Language :: Python :: 3",
+        "Topic :: Scientific/Engineering :: Artificial Intelligence",
+    ],
+)
