@@ -21,7 +21,6 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "import-hf": ("megatron_kd.hf_import", "Hugging Face Llama checkpoint -> Megatron-Core"),
     "cache": ("megatron_kd.cache.cli", "offline top-K teacher cache: build / verify / info"),
     "plan": ("megatron_kd.planner.cli", "memory and traffic plan: colocated or disaggregated"),
-    "bench-loss": ("megatron_kd.loss.bench", "benchmark the fused loss against dense peers"),
 }
 
 

@@ -1,0 +1,11 @@
+"""The fused vocab-parallel KD loss.
+
+``vocab_parallel_kd_loss`` computes the exact full-vocabulary KD (+ CE) loss from hidden states
+and output-layer shards, in row windows, combining per-row values across the tensor-parallel
+group; the ``[tokens, vocab]`` logits never exist.
+"""
+
+from megatron_kd.loss.config import KDLossConfig
+from megatron_kd.loss.fused import vocab_parallel_kd_loss
+
+__all__ = ["KDLossConfig", "vocab_parallel_kd_loss"]

@@ -1,0 +1,68 @@
+"""Naive dense reference of the KD loss, written independently of megatron_kd.loss.
+
+Full logits, ``log_softmax`` and textbook formulas, in whatever dtype the inputs have (tests
+pass fp64); gradients come from autograd. Only for tests: memory is O(tokens x vocab).
+"""
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+
+def reference_kd_loss(student_hidden, student_weight, teacher_hidden=None, teacher_weight=None,
+                      topk_ids=None, topk_logprobs=None, labels=None, loss_mask=None, *,
+                      kind="forward_kl", temperature=1.0, beta=0.5, kd_weight=1.0, ce_weight=0.0,
+                      topk_tail="renormalize", vocab_size=None, ignore_index=-100):
+    """Sum over tokens of ``loss_mask * (kd_weight * KD + ce_weight * CE)``; full weights."""
+    h = student_hidden.shape[-1]
+    x = student_hidden.reshape(-1, h)
+    n = x.shape[0]
+    v = student_weight.shape[0] if vocab_size is None else vocab_size
+    z_s = (x @ student_weight.t())[:, :v]
+    t = temperature
+    logp_s = F.log_softmax(z_s / t, dim=-1)
+    p_s = logp_s.exp()
+    mask = torch.ones(n, dtype=x.dtype) if loss_mask is None else loss_mask.reshape(n).to(x.dtype)
+
+    kd = torch.zeros(n, dtype=x.dtype)
+    if teacher_hidden is not None:
+        xt = teacher_hidden.reshape(n, -1)
+        z_t = (xt @ teacher_weight.t())[:, :v]
+        logp_t = F.log_softmax(z_t / t, dim=-1)
+        p_t = logp_t.exp()
+        if kind == "forward_kl":
+            kd = (p_t * (logp_t - logp_s)).sum(-1)
+        elif kind == "reverse_kl":
+            kd = (p_s * (logp_s - logp_t)).sum(-1)
+        elif kind == "jsd":
+            # log m = log(beta p_t + (1 - beta) p_s), in log space so tiny p do not underflow
+            log_m = torch.logsumexp(torch.stack([logp_t + math.log(beta),
+                                                 logp_s + math.log(1 - beta)]), dim=0)
+            # 0 * log 0 = 0: probabilities that underflow contribute nothing
+            kd = beta * torch.where(p_t > 0, p_t * (logp_t - log_m), 0.0).sum(-1) + (
+                1 - beta) * torch.where(p_s > 0, p_s * (logp_s - log_m), 0.0).sum(-1)
+        else:
+            raise ValueError(kind)
+        kd = kd * t * t
+    elif topk_ids is not None:
+        ids = topk_ids.reshape(n, -1)
+        lp = topk_logprobs.reshape(n, -1).to(x.dtype)
+        logp_s_k = logp_s.gather(1, ids)
+        if topk_tail == "renormalize":
+            log_q = F.log_softmax(lp / t, dim=-1)
+            kd = (log_q.exp() * (log_q - logp_s_k)).sum(-1) * t * t
+        else:
+            q = lp.exp()
+            q_tail = (1 - q.sum(-1)).clamp(min=0)
+            in_k = torch.zeros_like(p_s, dtype=torch.bool).scatter(1, ids, True)
+            p_tail = torch.where(in_k, 0.0, p_s).sum(-1)
+            head = torch.where(q > 0, q * (lp - logp_s_k), 0.0).sum(-1)
+            tail = torch.where(q_tail > 0, q_tail * (q_tail.log() - p_tail.log()), 0.0)
+            kd = head + tail
+    loss = mask * kd_weight * kd
+    if ce_weight > 0:
+        lab = labels.reshape(n)
+        ce = F.cross_entropy(z_s, lab, ignore_index=ignore_index, reduction="none")
+        loss = loss + mask * ce_weight * ce
+    return loss.sum()

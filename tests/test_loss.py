@@ -1,0 +1,300 @@
+"""Fused KD loss, tier 1: one process, no process group (tp_group=None).
+
+Every case is compared with the independent dense reference (tests/kd_reference.py) on the
+forward value and the gradients of student_hidden and student_weight.
+"""
+
+import pytest
+import torch
+
+from kd_cases import compare, make_inputs, run_ours, spec
+from megatron_kd.loss import KDLossConfig, vocab_parallel_kd_loss
+from megatron_kd.loss import fused
+
+KINDS = ["forward_kl", "reverse_kl", "jsd"]
+
+
+def _single(sp, tol=None):
+    inp = make_inputs(sp)
+    ours = run_ours(sp, inp, [sp["padded_vocab"]], 0, None)
+    compare(sp, inp, [ours], 1, tol)
+    return ours
+
+
+@pytest.mark.parametrize("backward", ["precompute", "recompute"])
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("temperature,ce_weight", [(1.0, 0.0), (2.5, 0.0), (1.0, 0.7), (0.6, 0.3)])
+def test_dense_kinds_fp64(kind, temperature, ce_weight, backward):
+    _single(spec(kind=kind, temperature=temperature, ce_weight=ce_weight, backward=backward,
+                 mask=True, vocab_size=1000))
+
+
+@pytest.mark.parametrize("backward", ["precompute", "recompute"])
+@pytest.mark.parametrize("tail,temperature", [("renormalize", 1.0), ("renormalize", 2.0),
+                                              ("ghost", 1.0)])
+@pytest.mark.parametrize("ce_weight", [0.0, 0.5])
+def test_sparse_teacher_fp64(tail, temperature, ce_weight, backward):
+    _single(spec(teacher=tail, topk_tail=tail, temperature=temperature, ce_weight=ce_weight,
+                 backward=backward, mask=True, vocab_size=1003))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_fp32_within_1e5(kind):
+    _single(spec(kind=kind, dtype=torch.float32, ce_weight=0.4, temperature=1.5, window_size=64))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_bf16_against_fp64_of_same_values(kind):
+    _single(spec(kind=kind, dtype=torch.bfloat16, ce_weight=0.4, window_size=64))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_huge_logits_do_not_overflow(kind, dtype):
+    # logits around +-1000: exp overflows in both fp32 and fp64 without the max shift
+    sp = spec(kind=kind, dtype=dtype, scale=300.0, ce_weight=0.2)
+    inp = make_inputs(sp)
+    z = inp["student_hidden"].double().reshape(-1, 16) @ inp["student_weight"].double().t()
+    z_max = float(z.abs().max())
+    assert z_max > 750  # the case really overflows a naive exp
+    # Rounding a logit of size |z| to the input dtype moves exp(z) by |z| * eps relative, so
+    # probabilities and gradients carry that error whatever the algorithm (reference: fp64 on
+    # the same values); 8x covers the h=16-term GEMM accumulation.
+    eps = torch.finfo(dtype).eps
+    _single(sp, tol=max(8 * z_max * eps, 1e-9))
+
+
+def test_huge_logits_sparse_ghost():
+    # same bound as above: 8 * |z|max * eps32 with |z| ~ 1000
+    _single(spec(teacher="ghost", topk_tail="ghost", scale=300.0, dtype=torch.float32),
+            tol=8 * 1200 * torch.finfo(torch.float32).eps)
+
+
+@pytest.mark.parametrize("window_size", [1, 2, 7, 15, None])
+def test_window_sizes_give_the_same_result(window_size):
+    _single(spec(window_size=window_size, ce_weight=0.5, mask=True))
+
+
+def test_ce_only_without_teacher():
+    _single(spec(teacher=None, kd_weight=0.0, ce_weight=1.0))
+
+
+def test_window_bounds_rows_in_flight(monkeypatch):
+    """No projection ever covers more than window_size rows (so no [tokens, V] tensor)."""
+    seen = []
+    real = fused._KDMath.logits
+
+    def spy(self, x, w):
+        out = real(self, x, w)
+        seen.append(tuple(out.shape))
+        return out
+
+    monkeypatch.setattr(fused._KDMath, "logits", spy)
+    _single(spec(window_size=4, s=7, b=3))
+    assert seen and max(r for r, _ in seen) <= 4
+    assert sum(r for r, _ in seen) == 2 * 21  # student + teacher projection of every row, once
+
+
+def test_recompute_saves_no_window_tensors(monkeypatch):
+    """The recomputing strategy keeps per-row statistics only between forward and backward."""
+    sp = spec(backward="recompute", s=6, b=2)
+    inp = make_inputs(sp)
+    hidden = inp["student_hidden"].clone().requires_grad_(True)
+    weight = inp["student_weight"].clone().requires_grad_(True)
+    loss, _ = vocab_parallel_kd_loss(hidden, weight, inp["teacher_hidden"],
+                                     inp["teacher_weight"],
+                                     config=KDLossConfig(window_size=4, backward="recompute"))
+    stats = loss.grad_fn.saved_stats
+    assert all(t.dim() == 1 and t.numel() <= 4 for s in stats for t in s.values())
+
+
+def test_all_masked_gives_zero_and_zero_grads():
+    sp = spec(ce_weight=0.5)
+    inp = make_inputs(sp)
+    hidden = inp["student_hidden"].clone().requires_grad_(True)
+    weight = inp["student_weight"].clone().requires_grad_(True)
+    loss, n = vocab_parallel_kd_loss(
+        hidden, weight, inp["teacher_hidden"], inp["teacher_weight"], labels=inp["labels"],
+        loss_mask=torch.zeros(5, 3), config=KDLossConfig(ce_weight=0.5))
+    loss.backward()
+    assert float(loss.detach()) == 0.0 and float(n) == 0.0
+    assert torch.count_nonzero(hidden.grad) == 0 and torch.count_nonzero(weight.grad) == 0
+
+
+def test_returns_fp32_loss_and_input_dtype_grads_for_bf16():
+    r = _single(spec(dtype=torch.bfloat16, window_size=64))
+    assert r["loss_dtype"] == torch.float32 and r["grad_dtype"] == torch.bfloat16
+
+
+def test_terms_out_reports_kd_and_ce_sums():
+    sp = spec(ce_weight=0.5, mask=True)
+    inp = make_inputs(sp)
+    terms = {}
+    loss, _ = vocab_parallel_kd_loss(
+        inp["student_hidden"], inp["student_weight"], inp["teacher_hidden"],
+        inp["teacher_weight"], labels=inp["labels"], loss_mask=inp["loss_mask"],
+        config=KDLossConfig(ce_weight=0.5), terms_out=terms)
+    assert torch.allclose(terms["kd_sum"] + terms["ce_sum"], loss.detach())
+    only_kd, _ = vocab_parallel_kd_loss(
+        inp["student_hidden"], inp["student_weight"], inp["teacher_hidden"],
+        inp["teacher_weight"], loss_mask=inp["loss_mask"], config=KDLossConfig())
+    assert torch.allclose(terms["kd_sum"], only_kd)
+
+
+# --- bad input --------------------------------------------------------------------------------
+def _dense(**over):
+    sp = spec(ce_weight=0.5)
+    inp = make_inputs(sp)
+    args = dict(student_hidden=inp["student_hidden"], student_weight=inp["student_weight"],
+                teacher_hidden=inp["teacher_hidden"], teacher_weight=inp["teacher_weight"],
+                labels=inp["labels"], config=KDLossConfig(ce_weight=0.5))
+    args.update(over)
+    return args
+
+
+def _sparse(**over):
+    sp = spec(teacher="renormalize")
+    inp = make_inputs(sp)
+    args = dict(student_hidden=inp["student_hidden"], student_weight=inp["student_weight"],
+                teacher_topk_ids=inp["teacher_topk_ids"],
+                teacher_topk_logprobs=inp["teacher_topk_logprobs"], config=KDLossConfig())
+    args.update(over)
+    return args
+
+
+def test_error_hidden_weight_mismatch():
+    args = _dense()
+    args["student_weight"] = args["student_weight"][:, :15]
+    with pytest.raises(ValueError, match=r"student hidden size 16 != student_weight columns 15"):
+        vocab_parallel_kd_loss(**args)
+
+
+def test_error_teacher_hidden_mismatch():
+    args = _dense()
+    args["teacher_weight"] = args["teacher_weight"][:, :20]
+    with pytest.raises(ValueError, match=r"teacher hidden size 24"):
+        vocab_parallel_kd_loss(**args)
+
+
+def test_error_teacher_and_student_shards_differ():
+    args = _dense()
+    args["teacher_weight"] = args["teacher_weight"][:1000]
+    with pytest.raises(ValueError, match=r"teacher shard has 1000 vocab rows but the student "
+                                         r"shard has 1009"):
+        vocab_parallel_kd_loss(**args)
+
+
+def test_error_dtype_mismatch():
+    args = _dense()
+    args["student_weight"] = args["student_weight"].float()
+    with pytest.raises(ValueError, match=r"dtype torch.float64 != student_weight dtype "
+                                         r"torch.float32"):
+        vocab_parallel_kd_loss(**args)
+
+
+def test_error_ids_out_of_range():
+    args = _sparse()
+    ids = args["teacher_topk_ids"].clone()
+    ids[1, 1, 3] = 1009
+    args["teacher_topk_ids"] = ids
+    with pytest.raises(ValueError, match=r"teacher_topk_ids value 1009 out of range \[0, 1009\)"):
+        vocab_parallel_kd_loss(**args)
+
+
+def test_error_ids_past_true_vocab():
+    args = _sparse(config=KDLossConfig(vocab_size=1000))
+    ids = args["teacher_topk_ids"].clone()
+    ids[0, 0, 0] = 1004
+    args["teacher_topk_ids"] = ids
+    with pytest.raises(ValueError, match=r"value 1004 out of range \[0, 1000\)"):
+        vocab_parallel_kd_loss(**args)
+
+
+def test_error_duplicate_ids():
+    args = _sparse()
+    ids = args["teacher_topk_ids"].clone()
+    ids[2, 1, 4] = ids[2, 1, 2]
+    args["teacher_topk_ids"] = ids
+    with pytest.raises(ValueError, match=rf"id {int(ids[2, 1, 2])} twice in token row 7"):
+        vocab_parallel_kd_loss(**args)
+
+
+@pytest.mark.parametrize("kind", ["reverse_kl", "jsd"])
+def test_error_sparse_teacher_needs_forward_kl(kind):
+    with pytest.raises(ValueError, match=rf"forward_kl' only, got '{kind}'"):
+        vocab_parallel_kd_loss(**_sparse(config=KDLossConfig(kind=kind)))
+
+
+def test_error_ghost_needs_t1():
+    with pytest.raises(ValueError, match=r"ghost' needs temperature 1, got 2.0"):
+        vocab_parallel_kd_loss(**_sparse(config=KDLossConfig(topk_tail="ghost", temperature=2.0)))
+
+
+def test_error_ghost_mass_above_one():
+    args = _sparse(config=KDLossConfig(topk_tail="ghost"))
+    args["teacher_topk_logprobs"] = torch.full_like(args["teacher_topk_logprobs"], -0.1)
+    with pytest.raises(ValueError, match=r"sum to 6\.33\d* > 1"):
+        vocab_parallel_kd_loss(**args)
+
+
+def test_error_both_teachers():
+    sp = spec(teacher="renormalize")
+    inp = make_inputs(sp)
+    args = _dense(teacher_topk_ids=inp["teacher_topk_ids"],
+                  teacher_topk_logprobs=inp["teacher_topk_logprobs"])
+    with pytest.raises(ValueError, match="not both"):
+        vocab_parallel_kd_loss(**args)
+
+
+def test_error_no_teacher_with_kd_weight():
+    args = _dense(teacher_hidden=None, teacher_weight=None)
+    with pytest.raises(ValueError, match=r"kd_weight=1.0 > 0 but no teacher"):
+        vocab_parallel_kd_loss(**args)
+
+
+def test_error_label_out_of_range():
+    args = _dense()
+    labels = args["labels"].clone()
+    labels[1, 1] = 5000
+    args["labels"] = labels
+    with pytest.raises(ValueError, match=r"label 5000 out of range \[0, 1009\)"):
+        vocab_parallel_kd_loss(**args)
+
+
+def test_error_vocab_size_larger_than_layer():
+    with pytest.raises(ValueError, match=r"vocab_size 2000 > rows of the output layer"):
+        vocab_parallel_kd_loss(**_dense(config=KDLossConfig(vocab_size=2000, ce_weight=0.5)))
+
+
+def test_error_mask_shape():
+    with pytest.raises(ValueError, match=r"loss_mask shape \(3, 5\) != token shape \(5, 3\)"):
+        vocab_parallel_kd_loss(**_dense(loss_mask=torch.ones(3, 5)))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_nan_raises_floating_point_error_naming_the_term(kind):
+    args = _dense(config=KDLossConfig(kind=kind, ce_weight=0.5))
+    hidden = args["teacher_hidden"].clone()
+    hidden[2, 1, 0] = float("nan")
+    args["teacher_hidden"] = hidden
+    with pytest.raises(FloatingPointError, match=rf"non-finite KD \({kind}\) loss"):
+        vocab_parallel_kd_loss(**args)
+
+
+def test_nan_in_ce_only_names_ce():
+    args = _dense(teacher_hidden=None, teacher_weight=None,
+                  config=KDLossConfig(kd_weight=0.0, ce_weight=1.0))
+    w = args["student_weight"].clone()
+    w[3, 0] = float("inf")
+    args["student_weight"] = w
+    with pytest.raises(FloatingPointError, match=r"non-finite CE loss"):
+        vocab_parallel_kd_loss(**args)
+
+
+@pytest.mark.parametrize("bad", [dict(kind="kl"), dict(beta=1.0, kind="jsd"),
+                                 dict(temperature=0.0), dict(kd_weight=-1.0),
+                                 dict(window_size=0), dict(kd_weight=0.0, ce_weight=0.0),
+                                 dict(topk_tail="drop"), dict(backward="lazy")])
+def test_config_validation(bad):
+    with pytest.raises(ValueError):
+        KDLossConfig(**bad)

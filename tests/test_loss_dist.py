@@ -1,0 +1,101 @@
+"""Fused KD loss, tier 2: gloo ranks on CPU, vocabulary sharded unevenly over 1..4 ranks.
+
+The vocabulary (1009 rows) does not divide by any world size; shards are in ratio 1:2:3:4.
+Each rank's loss, full hidden gradient and weight-shard gradient are compared with the
+unsharded reference.
+"""
+
+import pytest
+import torch
+
+from kd_cases import compare, dist_case, make_inputs, shard_sizes, spec
+from megatron_kd.testing import RankFailure
+
+WORLD = 4
+WORLDS = [1, 2, 3, 4]
+
+CASES = {
+    "fwd_kl_T2_ce_mask": spec(kind="forward_kl", temperature=2.0, ce_weight=0.5, mask=True),
+    "rev_kl_T07": spec(kind="reverse_kl", temperature=0.7, mask=True, s=3, b=5),
+    "jsd_b03_ce": spec(kind="jsd", beta=0.3, ce_weight=0.3, temperature=1.5),
+    "fwd_kl_recompute_pad": spec(kind="forward_kl", backward="recompute", vocab_size=1000,
+                                 ce_weight=0.2, mask=True),
+    "jsd_recompute": spec(kind="jsd", backward="recompute", ce_weight=0.1),
+    "rev_kl_recompute_ce_T3": spec(kind="reverse_kl", backward="recompute", ce_weight=0.4,
+                                   temperature=3.0),
+    "topk_renorm_T2": spec(teacher="renormalize", topk_tail="renormalize", temperature=2.0,
+                           k=11, ce_weight=0.5, mask=True),
+    "topk_ghost": spec(teacher="ghost", topk_tail="ghost", k=9, mask=True, vocab_size=1001),
+    "topk_ghost_recompute": spec(teacher="ghost", topk_tail="ghost", backward="recompute",
+                                 ce_weight=0.3),
+    "fp32_huge": spec(dtype=torch.float32, scale=1.0, ce_weight=0.5, window_size=3),
+    "bf16": spec(dtype=torch.bfloat16, kind="jsd", ce_weight=0.5, window_size=64),
+    # the last shard (rows 603..1008 at world 3, 605..1008 at world 4) is only padding
+    "padding_only_shard": spec(vocab_size=600, ce_weight=0.5),
+}
+
+
+@pytest.fixture(scope="module")
+def pool(dist_pool_factory):
+    return dist_pool_factory(WORLD)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("name", list(CASES))
+def test_parity_with_reference(pool, name, world):
+    sp = CASES[name]
+    results = pool.run(dist_case, sp, world)
+    ours = results[:world]
+    assert all(r is None for r in results[world:])
+    compare(sp, make_inputs(sp), ours, world)
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("backward", ["precompute", "recompute"])
+def test_sequence_parallel_inputs(pool, world, backward):
+    # s = 12 divides by every world size; hidden states arrive as [s/tp, b, h]
+    sp = spec(s=12, b=2, sequence_parallel=True, backward=backward, ce_weight=0.5, mask=True)
+    ours = pool.run(dist_case, sp, world)[:world]
+    compare(sp, make_inputs(sp), ours, world)
+
+
+def test_shards_are_uneven_and_do_not_divide():
+    assert shard_sizes(1009, 4) == [100, 201, 302, 406]
+    assert all(1009 % w for w in (2, 3, 4))
+
+
+def _mismatched_shards(ctx):
+    from megatron_kd.loss import KDLossConfig, vocab_parallel_kd_loss
+    group = ctx.group(2)
+    if group is None:
+        return None
+    torch.manual_seed(0)
+    h = torch.randn(4, 2, 8)
+    w = torch.randn(50, 8)
+    th = torch.randn(4, 2, 6)
+    tw = torch.randn(50 if ctx.rank == 0 else 49, 6)  # rank 1's teacher shard is wrong
+    vocab_parallel_kd_loss(h, w, th, tw, config=KDLossConfig(), tp_group=group)
+
+
+def _token_count_disagrees(ctx):
+    from megatron_kd.loss import KDLossConfig, vocab_parallel_kd_loss
+    group = ctx.group(2)
+    if group is None:
+        return None
+    h = torch.randn(4 + ctx.rank, 2, 8)
+    vocab_parallel_kd_loss(h, torch.randn(50, 8), torch.randn(4 + ctx.rank, 2, 6),
+                           torch.randn(50, 6), config=KDLossConfig(), tp_group=group)
+
+
+def test_bad_shard_on_one_rank_raises_on_every_rank_without_hanging(pool):
+    with pytest.raises(RankFailure) as info:
+        pool.run(_mismatched_shards, timeout=60)
+    text = str(info.value)
+    assert "teacher shard has 49 vocab rows but the student shard has 50" in text
+    assert "invalid input on tensor-parallel rank(s) [1]" in text  # rank 0 raised as well
+    assert "did not finish" not in text
+
+
+def test_ranks_with_different_token_counts_raise(pool):
+    with pytest.raises(RankFailure, match=r"disagree on the number of tokens: \[8, 10\]"):
+        pool.run(_token_count_disagrees, timeout=60)
