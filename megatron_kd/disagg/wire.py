@@ -1,0 +1,235 @@
+"""The teacher -> student wire: self-describing messages and the student's prefetch ring.
+
+A message is a fixed-size ``int64`` header followed by the payload, a sequence chunk of the
+teacher's final hidden states ``[s / tp_s, b, h_t]``. The header carries the step, the
+microbatch, the chunk, the global sample ids, the shape and the dtype; the student compares it
+with what it expects and raises :class:`HeaderMismatchError` naming both sides on any
+difference. Headers and payloads travel with their own tags, each in order, between one teacher
+rank and one student rank.
+
+The receiving student rank owns a :class:`PrefetchRing` of ``depth`` preallocated slots. Receives
+are posted ``depth`` messages ahead; taking message ``i`` re-posts its slot for ``i + depth``.
+Receives complete only once the teacher sends, and the teacher's sends complete only once a
+receive is posted, so the teacher runs at most ``depth`` messages ahead (backpressure) and
+memory stays at ``depth`` slots. A teacher that stalls past ``timeout`` seconds or dies raises
+:class:`TeacherUnavailableError` naming its rank.
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["Header", "HeaderMismatchError", "TeacherUnavailableError", "HiddenSender",
+           "PrefetchRing", "header_size"]
+
+MAGIC = 0x4B44_5749  # "KDWI"
+VERSION = 1
+TAG_HEADER = 101
+TAG_PAYLOAD = 102
+_DTYPES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3, torch.float64: 4}
+_DTYPE_OF = {v: k for k, v in _DTYPES.items()}
+_FIXED = 11  # header fields before the sample ids
+
+
+class TeacherUnavailableError(RuntimeError):
+    """The teacher rank feeding this student rank died or stalled past the timeout."""
+
+    def __init__(self, teacher_rank: int, message_index: int, reason: str):
+        self.teacher_rank = teacher_rank
+        super().__init__(f"teacher rank {teacher_rank} unavailable while receiving message "
+                         f"{message_index}: {reason}")
+
+
+class HeaderMismatchError(ValueError):
+    """A message's header differs from what the student expected (wrong teacher data)."""
+
+
+def header_size(max_samples: int) -> int:
+    return _FIXED + max_samples
+
+
+@dataclass(frozen=True)
+class Header:
+    """What one message holds."""
+
+    step: int
+    microbatch: int
+    chunk: int
+    num_chunks: int
+    sample_ids: tuple[int, ...]
+    shape: tuple[int, int, int]  # [s_chunk, b, h]
+    dtype: torch.dtype
+
+    def encode(self, max_samples: int) -> torch.Tensor:
+        if len(self.sample_ids) > max_samples:
+            raise ValueError(f"{len(self.sample_ids)} sample ids > max {max_samples}")
+        out = torch.full((header_size(max_samples),), -1, dtype=torch.int64)
+        fixed = [MAGIC, VERSION, self.step, self.microbatch, self.chunk, self.num_chunks,
+                 *self.shape, _DTYPES[self.dtype], len(self.sample_ids)]
+        out[:_FIXED] = torch.tensor(fixed, dtype=torch.int64)
+        if self.sample_ids:
+            out[_FIXED:_FIXED + len(self.sample_ids)] = torch.tensor(self.sample_ids)
+        return out
+
+    @classmethod
+    def decode(cls, t: torch.Tensor) -> "Header":
+        v = t.tolist()
+        if v[0] != MAGIC or v[1] != VERSION:
+            raise HeaderMismatchError(f"not a megatron_kd wire header (magic {v[0]:#x}, "
+                                      f"version {v[1]}; expected {MAGIC:#x}, {VERSION})")
+        if v[9] not in _DTYPE_OF:
+            raise HeaderMismatchError(f"unknown dtype code {v[9]} in header")
+        n = v[10]
+        return cls(step=v[2], microbatch=v[3], chunk=v[4], num_chunks=v[5],
+                   sample_ids=tuple(v[_FIXED:_FIXED + n]), shape=(v[6], v[7], v[8]),
+                   dtype=_DTYPE_OF[v[9]])
+
+    def check_against(self, expected: "Header", *, teacher_rank: int, student_rank: int) -> None:
+        """Raise :class:`HeaderMismatchError` naming both sides if anything differs."""
+        diffs = [f"{name}: teacher rank {teacher_rank} sent {getattr(self, name)!r}, student "
+                 f"rank {student_rank} expected {getattr(expected, name)!r}"
+                 for name in ("step", "microbatch", "chunk", "num_chunks", "sample_ids", "shape",
+                              "dtype")
+                 if getattr(self, name) != getattr(expected, name)]
+        if diffs:
+            raise HeaderMismatchError("teacher message does not match the student's batch; "
+                                      + "; ".join(diffs))
+
+
+class HiddenSender:
+    """Teacher side of one stream: sends headers and payloads to one student rank.
+
+    At most one message is in flight per stream: sending message ``i`` first waits until message
+    ``i - 1`` was taken by a posted receive, so the teacher holds at most one payload per
+    stream while it computes the next one.
+    """
+
+    def __init__(self, *, dst: int, max_samples: int, group=None,
+                 timeout: float | None = None):
+        self.dst = dst
+        self.max_samples = max_samples
+        self.group = group
+        self.timeout = None if timeout is None else datetime.timedelta(seconds=timeout)
+        self.bytes_sent = 0
+        self.messages_sent = 0
+        self._pending: list = []
+
+    def send(self, header: Header, payload: torch.Tensor) -> None:
+        if tuple(payload.shape) != tuple(header.shape) or payload.dtype != header.dtype:
+            raise ValueError(f"payload {tuple(payload.shape)} {payload.dtype} does not match its "
+                             f"header {header.shape} {header.dtype}")
+        self.wait()
+        payload = payload.contiguous()
+        # Header first (small), then the payload; each tag is delivered in order.
+        self._pending = [
+            dist.isend(header.encode(self.max_samples), dst=self.dst, group=self.group,
+                       tag=TAG_HEADER),
+            dist.isend(payload, dst=self.dst, group=self.group, tag=TAG_PAYLOAD),
+            payload,  # keep the buffer alive until the send completes
+        ]
+        self.bytes_sent += payload.numel() * payload.element_size()
+        self.messages_sent += 1
+
+    def wait(self) -> None:
+        for work in self._pending[:2]:
+            if self.timeout is None:
+                work.wait()
+            else:
+                work.wait(timeout=self.timeout)
+        self._pending = []
+
+
+class PrefetchRing:
+    """Student side of one stream: ``depth`` receive slots posted ahead.
+
+    ``get(i, expected)`` returns the payload of message ``i`` (a view into slot ``i % depth``,
+    valid until :meth:`release` of that message) after checking its header.
+    """
+
+    def __init__(self, *, src: int, depth: int, shape: tuple[int, int, int], dtype: torch.dtype,
+                 max_samples: int, total_messages: int, timeout: float, group=None,
+                 student_rank: int | None = None):
+        if depth < 1:
+            raise ValueError(f"prefetch depth must be >= 1, got {depth}")
+        if timeout <= 0:
+            raise ValueError(f"teacher timeout must be > 0 seconds, got {timeout}")
+        self.src = src
+        self.depth = depth
+        self.shape = tuple(shape)
+        self.dtype = dtype
+        self.max_samples = max_samples
+        self.total = total_messages
+        self.timeout = datetime.timedelta(seconds=timeout)
+        self.group = group
+        self.student_rank = dist.get_rank() if student_rank is None else student_rank
+        self._headers = [torch.empty(header_size(max_samples), dtype=torch.int64)
+                         for _ in range(depth)]
+        self._payloads = [torch.empty(self.shape, dtype=dtype) for _ in range(depth)]
+        self._works: dict[int, tuple] = {}
+        self._next_post = 0
+        self._taken: int | None = None
+        self.bytes_received = 0
+        for _ in range(min(depth, total_messages)):
+            self._post()
+
+    @property
+    def slot_bytes(self) -> int:
+        return self._payloads[0].numel() * self._payloads[0].element_size()
+
+    def _post(self) -> None:
+        i = self._next_post
+        slot = i % self.depth
+        try:
+            self._works[i] = (
+                dist.irecv(self._headers[slot], src=self.src, group=self.group, tag=TAG_HEADER),
+                dist.irecv(self._payloads[slot], src=self.src, group=self.group,
+                           tag=TAG_PAYLOAD),
+            )
+        except RuntimeError as e:  # the connection is already gone
+            raise TeacherUnavailableError(self.src, i, str(e).splitlines()[0]) from e
+        self._next_post += 1
+
+    def get(self, index: int, expected: Header) -> torch.Tensor:
+        if self._taken is not None:
+            raise RuntimeError(f"message {self._taken} was not released before taking {index}")
+        if index not in self._works:
+            raise RuntimeError(f"message {index} is not posted (posted up to "
+                               f"{self._next_post - 1}, depth {self.depth})")
+        slot = index % self.depth
+        header_work, payload_work = self._works.pop(index)
+        self._wait(header_work, index)
+        # The header is checked before the payload is used: a wrong shape (say another hidden
+        # size) is reported as such, not as a transport error.
+        header = Header.decode(self._headers[slot])
+        header.check_against(expected, teacher_rank=self.src, student_rank=self.student_rank)
+        self._wait(payload_work, index)
+        self._taken = index
+        self.bytes_received += self.slot_bytes
+        return self._payloads[slot]
+
+    def _wait(self, work, index: int) -> None:
+        try:
+            work.wait(timeout=self.timeout)
+        except RuntimeError as e:
+            reason = str(e).splitlines()[0]
+            if "timed out" in reason.lower() or "timeout" in reason.lower():
+                reason = (f"no data within {self.timeout.total_seconds():g} s "
+                          f"(--kd-teacher-timeout): {reason}")
+            raise TeacherUnavailableError(self.src, index, reason) from e
+
+    def release(self, index: int) -> None:
+        """The slot of message ``index`` is free: post the receive ``depth`` messages ahead."""
+        if self._taken != index:
+            raise RuntimeError(f"releasing message {index}, but {self._taken} is taken")
+        self._taken = None
+        if self._next_post < self.total:
+            self._post()
+
+    def close(self) -> None:
+        """All messages were consumed (pending receives are only those past the end)."""
+        if self._works:
+            raise RuntimeError(f"ring closed with messages {sorted(self._works)} not received")

@@ -1,0 +1,398 @@
+"""Planner terms against hand-computed small cases (no torch, no process group).
+
+Every expected number is worked out by hand in the comments next to it, never by calling the code
+under test. Arithmetic is exact integer or exactly representable in binary, so comparisons are
+exact unless a tolerance says why.
+"""
+
+import math
+
+import pytest
+
+from megatron_kd.planner import memory as mem
+from megatron_kd.planner import traffic as tr
+from megatron_kd.planner.memory import ActivationOptions, ParallelLayout, Precision
+from megatron_kd.planner.models import ModelConfig
+
+# A tiny dense GQA/SwiGLU model: L=2, h=8, a=2, g=1, d=4, f=16, V=10, untied.
+TINY = ModelConfig(
+    name="tiny",
+    num_layers=2,
+    hidden_size=8,
+    num_attention_heads=2,
+    num_query_groups=1,
+    head_dim=4,
+    ffn_hidden_size=16,
+    vocab_size=10,
+    tie_embeddings=False,
+)
+
+# A tiny MoE: L=1, h=8, a=g=2, d=4, E=4 experts of f_e=4, top-2, V=10, tied.
+TINY_MOE = ModelConfig(
+    name="tiny-moe",
+    num_layers=1,
+    hidden_size=8,
+    num_attention_heads=2,
+    num_query_groups=2,
+    head_dim=4,
+    ffn_hidden_size=0,
+    vocab_size=10,
+    tie_embeddings=True,
+    num_experts=4,
+    moe_router_topk=2,
+    moe_ffn_hidden_size=4,
+)
+
+
+# --- parameter counts ----------------------------------------------------------------------------
+
+
+def test_dense_param_count():
+    # attention: q 8*2*4=64, k 8*1*4=32, v 32, o 2*4*8=64 -> 192; SwiGLU 3*8*16=384; norms 2*8=16
+    assert TINY.attention_params() == 192
+    assert TINY.layer_dense_params(0) == 192 + 384 + 16
+    # 2 layers * 592 + final norm 8 + embedding 80 + output layer 80
+    assert TINY.total_params() == 1352
+    # active: layers 1184 + final norm 8 + output layer 80 (input lookup excluded)
+    assert TINY.active_params() == 1272
+    assert TINY.active_params(include_input_embedding=True) == 1352
+
+
+def test_moe_param_count():
+    # attention: q, k, v, o = 8*2*4 = 64 each -> 256; experts 4 * 3*8*4 = 384; router 4*8 = 32;
+    # norms 16
+    assert TINY_MOE.layer_dense_params(0) == 256 + 32 + 16
+    assert TINY_MOE.layer_expert_params() == 384
+    # 688 + final norm 8 + tied embedding 80
+    assert TINY_MOE.total_params() == 776
+    # active: 256 + 2 experts * 96 + 32 + 16 = 496, + final norm 8 + output layer (tied) 80
+    assert TINY_MOE.active_params() == 584
+    assert TINY_MOE.active_params(include_input_embedding=True) == 584  # tied: one matrix
+
+
+def test_gated_attention_and_linear_attention_params():
+    m = ModelConfig(
+        name="hyb",
+        num_layers=4,
+        hidden_size=8,
+        num_attention_heads=2,
+        num_query_groups=1,
+        head_dim=4,
+        ffn_hidden_size=16,
+        vocab_size=10,
+        tie_embeddings=False,
+        qk_layernorm=True,
+        attention_output_gate=True,
+        linear_attention_freq=4,
+        linear_num_key_heads=1,
+        linear_num_value_heads=2,
+        linear_key_head_dim=2,
+        linear_value_head_dim=3,
+        linear_conv_kernel_dim=4,
+    )
+    # gated q 2*(8*2*4)=128, k 32, v 32, o 64, qk-norm 2*4=8 -> 264
+    assert m.attention_params() == 264
+    # kd=1*2=2, vd=2*3=6, nv=2: qkvz 8*(4+12)=128, ba 8*4=32, conv (4+6)*4=40, A/dt 4, norm 3, out
+    # 6*8=48
+    assert m.linear_attention_params() == 128 + 32 + 40 + 4 + 3 + 48
+    assert [m.is_full_attention(i) for i in range(4)] == [False, False, False, True]
+
+
+def test_model_config_rejects_bad_values():
+    with pytest.raises(ValueError, match="num_query_groups=3"):
+        ModelConfig(
+            name="x",
+            num_layers=1,
+            hidden_size=8,
+            num_attention_heads=4,
+            num_query_groups=3,
+            head_dim=2,
+            ffn_hidden_size=8,
+            vocab_size=10,
+            tie_embeddings=True,
+        )
+    with pytest.raises(ValueError, match="moe_router_topk=5"):
+        ModelConfig(
+            name="x",
+            num_layers=1,
+            hidden_size=8,
+            num_attention_heads=2,
+            num_query_groups=2,
+            head_dim=4,
+            ffn_hidden_size=0,
+            vocab_size=10,
+            tie_embeddings=True,
+            num_experts=4,
+            moe_router_topk=5,
+            moe_ffn_hidden_size=4,
+        )
+
+
+# --- layout helpers -------------------------------------------------------------------------------
+
+
+def test_padded_vocab_like_megatron():
+    # multiple of 128 * tp: 151936 / 1024 = 148.375 -> 149 * 1024
+    assert ParallelLayout(tp=8).padded_vocab(151936) == 152576
+    # 248320 / 512 = 485 exactly (tp=4)
+    assert ParallelLayout(tp=4).padded_vocab(248320) == 248320
+    assert ParallelLayout(tp=8).padded_vocab(248320) == 248832
+
+
+def test_stage_layers_and_in_flight():
+    # 94 layers over 4 stages: 24, 24, 23, 23, contiguous
+    assert [len(mem.stage_layers(94, 4, i)) for i in range(4)] == [24, 24, 23, 23]
+    assert mem.stage_layers(94, 4, 2) == range(48, 71)
+    # 1F1B: stage i holds min(p - i, m)
+    assert [mem.in_flight_microbatches(4, i, 8) for i in range(4)] == [4, 3, 2, 1]
+    assert mem.in_flight_microbatches(4, 0, 2) == 2
+
+
+def test_layout_validation_names_values():
+    with pytest.raises(ValueError, match="ep\\*etp=3\\*1"):
+        ParallelLayout(tp=2, dp=2, ep=3)
+    with pytest.raises(ValueError, match="needs sequence_parallel"):
+        mem.validate_layout(TINY_MOE, ParallelLayout(tp=2, dp=1, ep=2), "student")
+
+
+# --- model state
+# ------------------------------------------------------------------------------------
+
+
+def test_model_state_bytes_dense():
+    layout = ParallelLayout(dp=2, use_distributed_optimizer=True, make_vocab_size_divisible_by=1)
+    out = mem.model_state_bytes(TINY, layout, 0, Precision(), trainable=True)
+    # 1352 params: bf16 2 * 1352, fp32 grads 4 * 1352, Adam 12 * 1352 / dp 2
+    assert out == {"weights": 2704, "grads": 5408, "optimizer": 8112}
+    layout = ParallelLayout(dp=2, make_vocab_size_divisible_by=1)
+    assert mem.model_state_bytes(TINY, layout, 0, Precision(), trainable=True)["optimizer"] == 16224
+    # a frozen teacher: weights only
+    assert mem.model_state_bytes(TINY, layout, 0, Precision(), trainable=False) == {"weights": 2704}
+
+
+def test_rank_params_pipeline_and_tensor_parallel():
+    # pp=2: stage 0 = layer 0 (592) + embedding 80; stage 1 = layer 1 (592) + final norm 8 + output
+    # 80
+    layout = ParallelLayout(pp=2, make_vocab_size_divisible_by=1)
+    assert mem.rank_params(TINY, layout, 0) == (672, 0)
+    assert mem.rank_params(TINY, layout, 1) == (680, 0)
+    # tp=2: per layer (192 + 384) / 2 + replicated norms 16 = 304, two layers 608;
+    # vocab padded to a multiple of 1*2 = 10: embedding and output 10*8/2 = 40 each; final norm 8
+    layout = ParallelLayout(tp=2, make_vocab_size_divisible_by=1)
+    assert mem.rank_params(TINY, layout, 0) == (608 + 40 + 40 + 8, 0)
+
+
+def test_rank_params_experts_over_ep():
+    # ep=2: 2 of 4 experts (96 each) = 192; dense = attention 256 + router 32 + norms 16 + tied
+    # embedding 80 (pp=1: one copy) + final norm 8
+    layout = ParallelLayout(dp=2, ep=2, make_vocab_size_divisible_by=1)
+    assert mem.rank_params(TINY_MOE, layout, 0) == (256 + 32 + 16 + 80 + 8, 192)
+    out = mem.model_state_bytes(
+        TINY_MOE,
+        ParallelLayout(dp=2, ep=2, use_distributed_optimizer=True, make_vocab_size_divisible_by=1),
+        0,
+        Precision(),
+        trainable=True,
+    )
+    # expert-data-parallel size = tp*dp/(ep*etp) = 1: expert Adam state unsharded
+    # optimizer = 12*392/2 + 12*192/1 = 2352 + 2304
+    assert out["optimizer"] == 4656
+
+
+# --- activations
+# --------------------------------------------------------------------------------------
+
+
+GPT = ModelConfig(
+    name="gpt",
+    num_layers=1,
+    hidden_size=64,
+    num_attention_heads=4,
+    num_query_groups=4,
+    head_dim=16,
+    ffn_hidden_size=256,
+    vocab_size=128,
+    tie_embeddings=True,
+    gated_linear_unit=False,
+)
+PAPER = ActivationOptions(flash_attention=False, hidden_dropout=True, attention_dropout=True)
+
+
+@pytest.mark.parametrize(
+    "tp, sp, recompute, expected",
+    [
+        # Korthikanti et al. eq. 1: s*b*h*(34 + 5*a*s/h); s=32, b=2, h=64, a=4:
+        # per token 34*64 + 5*4*32 = 2816, times 64 tokens
+        (1, False, "none", 64 * 2816),
+        # eq. 2 (TP, no SP): s*b*h*(10 + 24/t + 5*a*s/(h*t)), t=2: 64*(640 + 768 + 320)
+        (2, False, "none", 64 * (640 + 768 + 320)),
+        # eq. 4 (TP + SP): s*b*h/t*(34 + 5*a*s/h), t=2
+        (2, True, "none", 64 * 2816 // 2),
+        # eq. 5 (selective recompute + SP): s*b*h*34/t
+        (2, True, "selective", 64 * 64 * 34 // 2),
+        # full recompute keeps the layer input 2*s*b*h, /t with SP
+        (2, True, "full", 64 * 2 * 64 // 2),
+    ],
+)
+def test_activations_reproduce_korthikanti(tp, sp, recompute, expected):
+    layout = ParallelLayout(tp=tp, sequence_parallel=sp, recompute=recompute)
+    got = mem.layer_activation_bytes(GPT, layout, 0, 32, 2, PAPER)
+    assert got == expected
+
+
+def test_activations_gqa_swiglu_flash():
+    m = ModelConfig(
+        name="g",
+        num_layers=1,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_query_groups=2,
+        head_dim=16,
+        ffn_hidden_size=128,
+        vocab_size=128,
+        tie_embeddings=True,
+    )
+    # per token: R = attention 2h + 2h = 256, MLP 2h + 2h = 256;
+    # S = Q 2ad 128 + K 2gd 64 + V 64 + O 128 + lse 4a 16 = 400; SwiGLU 6f = 768 -> 1680; s*b = 8
+    assert mem.layer_activation_bytes(m, ParallelLayout(), 0, 8, 1) == 8 * 1680
+
+
+def test_activations_moe():
+    # attention (a=g=2, d=4, flash): R 4h = 32; S 16 + 16 + 16 + 16 + lse 8 = 72
+    # MoE: R = 2h + 2h + 8E = 64; S = k*(4h + 6 f_e) = 2*(32 + 24) = 112; n = 10 tokens
+    assert mem.layer_activation_bytes(TINY_MOE, ParallelLayout(), 0, 10, 1) == 10 * (
+        32 + 72 + 64 + 112
+    )
+
+
+def test_stage_activations_pipeline_and_full_recompute():
+    # pp=2, m=8: stage 0 holds 2 micro-batches of layer 0; per layer 8 tokens * 1680 (see above)
+    m = ModelConfig(
+        name="g",
+        num_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_query_groups=2,
+        head_dim=16,
+        ffn_hidden_size=128,
+        vocab_size=128,
+        tie_embeddings=True,
+    )
+    assert mem.stage_activation_bytes(m, ParallelLayout(pp=2), 0, 8, 1, 8) == 2 * 8 * 1680
+    # full recompute, pp=1, m=3: 1 in flight * 2 layers * 2h*8 = 2048, plus one layer
+    # re-materialised
+    got = mem.stage_activation_bytes(m, ParallelLayout(recompute="full"), 0, 8, 1, 3)
+    assert got == 2 * 2 * 64 * 8 + 8 * 1680
+
+
+# --- the loss
+# -------------------------------------------------------------------------------------------
+
+
+def test_loss_terms():
+    stu = ModelConfig(
+        name="s",
+        num_layers=1,
+        hidden_size=8,
+        num_attention_heads=2,
+        num_query_groups=2,
+        head_dim=4,
+        ffn_hidden_size=8,
+        vocab_size=200,
+        tie_embeddings=True,
+    )
+    tea = ModelConfig(
+        name="t",
+        num_layers=1,
+        hidden_size=16,
+        num_attention_heads=2,
+        num_query_groups=2,
+        head_dim=8,
+        ffn_hidden_size=8,
+        vocab_size=250,
+        tie_embeddings=True,
+    )
+    layout = ParallelLayout(tp=2)  # pads both vocabularies to 256, local 128
+    # dense: n=4 tokens * (10*128 + 10*128)
+    assert mem.dense_loss_bytes(stu, tea, layout, 4, 1) == 4 * 2560
+    # fused, w=2 rows, v=128 local columns, dense teacher: bf16 matmul output 2 + four fp32 buffers
+    # 16 -> 2*128*18 = 4608; fp32 grad accumulators: hidden 4*4*8 = 128, output layer 4*128*8 = 4096
+    fused = mem.fused_loss_bytes(stu, layout, 4, 1, 2, dense_teacher=True, teacher_hidden_size=16)
+    assert fused == {"window": 4608, "gradients": 4224, "gathered": 0.0, "row statistics": 128}
+    # top-K targets (two fp32 buffers), window larger than the 4 rows: clamped, 4*128*10
+    assert mem.fused_loss_bytes(stu, layout, 4, 1, 100, dense_teacher=False)["window"] == 5120
+    # sequence parallel: the gathered student and teacher hidden states, 4 tokens * (8 + 16) * 2
+    # bytes
+    sp = ParallelLayout(tp=2, sequence_parallel=True)
+    assert (
+        mem.fused_loss_bytes(stu, sp, 4, 1, 2, dense_teacher=True, teacher_hidden_size=16)[
+            "gathered"
+        ]
+        == 192
+    )
+    # the loss's default window: 2^24 fp32 elements / 128 local columns
+    assert mem.window_rows(stu, layout, None) == 131072
+    # cache: (D+1)=3 micro-batches * 4 tokens * (K=3 * 6 + 4)
+    assert mem.cache_reader_bytes(4, 1, 3, 2, 6) == 264
+    # ring, D=3: 3 slots * 4 tokens * 16 * 2 bytes / t=2 = 192; gathered 4*16*2 = 128
+    assert mem.ring_bytes(tea, layout, 4, 1, 3) == {"ring_slots": 192, "gathered_hidden": 128}
+    # teacher output layer shard: 256/2 * 16 * 2 bytes
+    assert mem.teacher_output_layer_bytes(tea, layout) == 4096
+    with pytest.raises(ValueError, match="prefetch_depth"):
+        mem.ring_bytes(tea, layout, 4, 1, 0)
+
+
+# --- FLOPs, time, traffic -----------------------------------------------------------------------
+
+
+def test_attention_keys():
+    # causal, s=8: (1+...+8)/8 = 4.5; window 4: (1+2+3+4+4+4+4+4)/8 = 3.25
+    assert tr.attention_keys_mean(8, 8) == 4.5
+    assert tr.attention_keys_mean(8, 4) == 3.25
+
+
+def test_flops_per_token():
+    # forward: 2 * 1272 + per layer 4*a*d*keys = 4*2*4*4.5 = 144, two layers -> 2544 + 288
+    assert tr.forward_flops_per_token(TINY, 8) == 2832
+    assert tr.training_flops_per_token(TINY, 8, "none") == 3 * 2832
+    assert tr.training_flops_per_token(TINY, 8, "full") == 4 * 2832
+    assert tr.training_flops_per_token(TINY, 8, "selective") == 3 * 2832 + 288
+    # without the output layer: 2 * (1272 - 80) + 288
+    assert tr.forward_flops_per_token(TINY, 8, include_output_layer=False) == 2384 + 288
+
+
+def test_step_time_and_replicas():
+    # 1e15 / (8 * 1e14 * 0.5) * (1 + 1/4) = 2.5 * 1.25
+    assert tr.step_time_s(1e15, 8, 1e14, 0.5, 2, 4) == pytest.approx(
+        3.125, rel=1e-12
+    )  # float division
+    # one replica: 2 GPUs * 100 * 0.5 / 40 flops = 2.5 tokens/s; 1000 tokens/s needs 400
+    assert tr.replicas_needed(1000.0, 2, 100.0, 0.5, 40.0) == (400, 2.5)
+    assert tr.replicas_needed(1.0, 2, 100.0, 0.5, 40.0)[0] == 1
+
+
+def test_wire_bytes():
+    tea = ModelConfig(
+        name="t",
+        num_layers=1,
+        hidden_size=32,
+        num_attention_heads=2,
+        num_query_groups=2,
+        head_dim=16,
+        ffn_hidden_size=8,
+        vocab_size=10,
+        tie_embeddings=True,
+    )
+    # G=8 sequences over dp=2 -> 4 per DP rank * s=16 * h_t=32 * 2 bytes
+    assert tr.hidden_bytes_per_step_per_dp_rank(tea, 8, 2, 16) == 4096
+    assert tr.hidden_bytes_per_step_per_tp_rank(tea, 8, 2, 4, 16) == 1024
+    # all-gather: m=4 * 3/4 * 16 tokens * 32 * 2
+    assert tr.allgather_bytes_per_step_per_rank(tea, 4, 16, 1, 4) == 3072
+    # loss all-reduce: m=4 * 16 rows * 6 stats * 4 bytes * 2*3/4
+    assert tr.loss_allreduce_bytes_per_step_per_rank(4, 16, 1, 4, 6) == 2304
+    # 16 rows in windows of 5 -> 4 windows * 2 rounds * m=4
+    assert tr.loss_allreduce_count_per_step(4, 16, 1, 5) == 32
+    assert tr.loss_allreduce_bytes_per_step_per_rank(4, 16, 1, 1, 6) == 0  # tp=1: no peers
+    with pytest.raises(ValueError, match="global_batch_size=7"):
+        tr.hidden_bytes_per_step_per_dp_rank(tea, 7, 2, 16)
+    assert math.isclose(tr.hidden_bytes_per_step_per_tp_rank(tea, 8, 2, 3, 16), 4096 / 3)
