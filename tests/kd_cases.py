@@ -25,7 +25,7 @@ def spec(**kw) -> dict:
                 teacher="dense", topk_tail="renormalize", k=7, s=5, b=3, h_s=16, h_t=24,
                 padded_vocab=1009, vocab_size=None, mask=False, dtype=torch.float64,
                 backward="precompute", window_size=4, scale=1.0, sequence_parallel=False,
-                seed=0)
+                seed=0, labels=False)
     base.update(kw)
     return base
 
@@ -59,7 +59,7 @@ def make_inputs(sp: dict) -> dict:
         out["teacher_topk_ids"] = ids.view(s, b, k)
         out["teacher_topk_logprobs"] = logp.view(s, b, k).to(torch.float32 if dt != torch.float64
                                                                 else dt)
-    if sp["ce_weight"] > 0:
+    if sp["ce_weight"] > 0 or sp["labels"]:
         labels = torch.randint(0, v, (s, b), generator=g)
         labels[0, 0] = v - 1
         labels[-1, -1] = IGNORE

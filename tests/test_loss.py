@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from kd_cases import compare, make_inputs, run_ours, spec
+from kd_reference import reference_kd_loss
 from megatron_kd.loss import KDLossConfig, vocab_parallel_kd_loss
 from megatron_kd.loss import fused
 
@@ -75,6 +76,13 @@ def test_window_sizes_give_the_same_result(window_size):
     _single(spec(window_size=window_size, ce_weight=0.5, mask=True))
 
 
+@pytest.mark.parametrize("temperature", [1.0, 2.0])
+@pytest.mark.parametrize("backward", ["precompute", "recompute"])
+def test_labels_with_zero_ce_weight_do_not_change_the_gradient(temperature, backward):
+    # labels are given for logging only: loss and gradients are the KD ones
+    _single(spec(labels=True, ce_weight=0.0, temperature=temperature, backward=backward))
+
+
 def test_ce_only_without_teacher():
     _single(spec(teacher=None, kd_weight=0.0, ce_weight=1.0))
 
@@ -126,19 +134,35 @@ def test_returns_fp32_loss_and_input_dtype_grads_for_bf16():
     assert r["loss_dtype"] == torch.float32 and r["grad_dtype"] == torch.bfloat16
 
 
-def test_terms_out_reports_kd_and_ce_sums():
+def test_terms_out_reports_unweighted_kd_and_ce_sums():
     sp = spec(ce_weight=0.5, mask=True)
     inp = make_inputs(sp)
-    terms = {}
-    loss, _ = vocab_parallel_kd_loss(
-        inp["student_hidden"], inp["student_weight"], inp["teacher_hidden"],
-        inp["teacher_weight"], labels=inp["labels"], loss_mask=inp["loss_mask"],
-        config=KDLossConfig(ce_weight=0.5), terms_out=terms)
-    assert torch.allclose(terms["kd_sum"] + terms["ce_sum"], loss.detach())
-    only_kd, _ = vocab_parallel_kd_loss(
-        inp["student_hidden"], inp["student_weight"], inp["teacher_hidden"],
-        inp["teacher_weight"], loss_mask=inp["loss_mask"], config=KDLossConfig())
-    assert torch.allclose(terms["kd_sum"], only_kd)
+
+    def call(kd_weight, ce_weight):
+        terms = {}
+        loss, _ = vocab_parallel_kd_loss(
+            inp["student_hidden"], inp["student_weight"], inp["teacher_hidden"],
+            inp["teacher_weight"], labels=inp["labels"], loss_mask=inp["loss_mask"],
+            config=KDLossConfig(kd_weight=kd_weight, ce_weight=ce_weight, ignore_index=-100),
+            terms_out=terms)
+        return loss.detach(), terms
+
+    loss, terms = call(0.3, 0.5)
+    assert torch.allclose(0.3 * terms["kd_sum"] + 0.5 * terms["ce_sum"], loss)
+    kd_only, terms_kd = call(1.0, 0.0)  # CE still reported, KD-only loss
+    assert torch.allclose(kd_only, terms["kd_sum"]) and torch.allclose(terms_kd["ce_sum"],
+                                                                       terms["ce_sum"])
+    ce_only, _ = call(0.0, 1.0)
+    assert torch.allclose(ce_only, terms["ce_sum"])
+    # against the reference's separate terms
+    ref_kd = reference_kd_loss(*(inp[k].double() for k in ("student_hidden", "student_weight",
+                                                            "teacher_hidden", "teacher_weight")),
+                               loss_mask=inp["loss_mask"])
+    ref_ce = reference_kd_loss(inp["student_hidden"].double(), inp["student_weight"].double(),
+                               labels=inp["labels"], loss_mask=inp["loss_mask"], kd_weight=0.0,
+                               ce_weight=1.0)
+    assert abs(float(terms["kd_sum"] - ref_kd)) < 1e-9 * abs(float(ref_kd))
+    assert abs(float(terms["ce_sum"] - ref_ce)) < 1e-9 * abs(float(ref_ce))
 
 
 # --- bad input --------------------------------------------------------------------------------

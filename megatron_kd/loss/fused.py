@@ -125,7 +125,8 @@ class _KDMath:
         self.shard = shard
         self.sparse = sparse
         self.dense = dense
-        self.ce = ce
+        self.ce = ce  # labels given: the CE term is computed (and reported)
+        self.ce_grad = ce and config.ce_weight > 0  # ... and it contributes to the gradient
         self.cdt = cdt
         self.inv_t = 1.0 / config.temperature
         self.t = config.temperature
@@ -299,7 +300,7 @@ class _KDMath:
         cfg, t = self.cfg, self.t
         w_kd = win.w_kd * t  # d(T^2 KD)/dz = T * d KD / da
         w_ce = win.w_ce
-        ce_shared = self.ce and t == 1.0  # CE's softmax is the student's KD softmax
+        ce_shared = self.ce_grad and t == 1.0  # CE's softmax is the student's KD softmax
         if "norm" in bufs:
             tot = bufs["norm"]
             norm_s = tot["se_s"]
@@ -347,7 +348,7 @@ class _KDMath:
             g = gg.sub_(stats["dot"][:, None]).mul_(p_s).mul_(w_kd[:, None])
             if ce_shared:
                 g.addcmul_(p_s, w_ce[:, None])
-        if self.ce:
+        if self.ce_grad:
             if not ce_shared:
                 g.addcmul_(bufs["e_c"], scaled(tot["se_c"] if norm_s is not None else None, w_ce))
             win.labels.scatter_add_(g, -w_ce[:, None])
@@ -357,7 +358,7 @@ class _KDMath:
         """Recomputing backward: exponentials relative to the saved lse (so normalisers are 1)."""
         cfg, t = self.cfg, self.t
         z_s, z_t = bufs.pop("z_s"), bufs.pop("z_t", None)
-        if self.ce and t != 1.0:
+        if self.ce_grad and t != 1.0:
             bufs["e_c"] = (z_s - stats["lse_c"][:, None]).exp_()
         a_s = z_s.mul_(self.inv_t) if t != 1.0 else z_s
         a_t = None if z_t is None else (z_t.mul_(self.inv_t) if t != 1.0 else z_t)
@@ -414,7 +415,7 @@ class _FusedKDLoss(torch.autograd.Function):
         w_t = None if teacher_weight is None else teacher_weight[: shard.local_valid]
 
         sparse = topk_ids is not None
-        ce = config.ce_weight > 0
+        ce = labels is not None
         maths = _KDMath(config, shard, sparse, x_t is not None, ce, cdt)
 
         mask = loss_mask.reshape(n_rows).to(cdt)
@@ -448,9 +449,9 @@ class _FusedKDLoss(torch.autograd.Function):
             if config.check_finite:
                 _check_finite(kd_row, ce_row, win, config, start)
             if kd_row is not None:
-                kd_total += (win.w_kd * kd_row).sum()
+                kd_total += (win.m * kd_row).sum()
             if ce_row is not None:
-                ce_total += torch.where(win.w_ce != 0, win.w_ce * ce_row, 0.0).sum()
+                ce_total += torch.where(win.ce_m != 0, win.ce_m * ce_row, 0.0).sum()
             if precompute:
                 g = maths.grad(bufs, stats, win)
                 _accumulate(g, xs_w, w_s, rows, grad_x, grad_w)
@@ -458,7 +459,7 @@ class _FusedKDLoss(torch.autograd.Function):
                 saved_stats.append(stats)
             del bufs
 
-        loss = kd_total + ce_total
+        loss = config.kd_weight * kd_total + config.ce_weight * ce_total
         if terms_out is not None:
             terms_out["kd_sum"] = kd_total.detach()
             terms_out["ce_sum"] = ce_total.detach()
@@ -598,14 +599,15 @@ def _reduce_hidden_grad(grad_x, shard: _Shard, sp: bool, lead, h_s) -> torch.Ten
 
 def _make_window(rows, mask, labels, ids, lp, config: KDLossConfig, shard: _Shard, cdt):
     m = mask[rows]
-    win = _Window(w_kd=m * config.kd_weight, labels=None, topk=None)
-    if config.ce_weight > 0:
+    win = _Window(m=m, w_kd=m * config.kd_weight, labels=None, topk=None)
+    if labels is not None:
         lab = labels[rows]
         valid = lab != config.ignore_index
-        win.w_ce = torch.where(valid, m * config.ce_weight, 0.0)
+        win.ce_m = torch.where(valid, m, 0.0)  # the CE term's token weights
+        win.w_ce = win.ce_m * config.ce_weight
         win.labels = _Ids(torch.where(valid, lab, -1)[:, None], shard)
     else:
-        win.w_ce = torch.zeros_like(m)
+        win.w_ce = win.ce_m = torch.zeros_like(m)
     if ids is not None:
         win.topk = _Ids(ids[rows], shard)
         lp_w = lp[rows].to(cdt)
@@ -622,7 +624,7 @@ def _make_window(rows, mask, labels, ids, lp, config: KDLossConfig, shard: _Shar
 
 
 def _check_finite(kd_row, ce_row, win, config: KDLossConfig, offset: int) -> None:
-    for name, row, weight in (("KD", kd_row, win.w_kd), ("CE", ce_row, win.w_ce)):
+    for name, row, weight in (("KD", kd_row, win.m), ("CE", ce_row, win.ce_m)):
         if row is None:
             continue
         bad = (weight != 0) & ~torch.isfinite(row)
@@ -666,7 +668,10 @@ def vocab_parallel_kd_loss(
         loss_mask: ``[s, b]`` per-token weights (default ones), multiplying both terms.
         config: what to compute (:class:`KDLossConfig`).
         tp_group: the tensor-parallel group over which the vocabulary is sharded (None: 1 rank).
-        terms_out: optional dict receiving detached ``kd_sum`` and ``ce_sum`` (weighted sums).
+        terms_out: optional dict receiving the detached, *unweighted* sums ``kd_sum`` =
+            ``sum(loss_mask * KD)`` and ``ce_sum`` = ``sum(loss_mask * CE)`` (CE over tokens
+            whose label is not ``ignore_index``; computed whenever labels are given, also with
+            ``ce_weight == 0``, for logging at no extra projection).
 
     Returns:
         ``(loss_sum, num_tokens)``: the scalar ``sum(loss_mask * (kd_weight*KD + ce_weight*CE))``
@@ -814,7 +819,7 @@ def _shard_from_sizes(sizes, tp_rank, tp_group, tp_world_size, config) -> _Shard
 def _check_global(topk_ids, topk_logprobs, labels, config, shard: _Shard) -> None:
     """Value checks on replicated inputs (identical on every rank, so all raise alike)."""
     v = shard.vocab_size
-    if labels is not None and config.ce_weight > 0:
+    if labels is not None:
         bad = (labels != config.ignore_index) & ((labels < 0) | (labels >= v))
         if bool(bad.any()):
             value = int(labels[bad][0])
