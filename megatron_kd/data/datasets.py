@@ -1,0 +1,139 @@
+"""Training and validation data: Megatron-Core ``GPTDataset`` splits, or synthetic tokens.
+
+The batch order is a pure function of the number of samples consumed so far, so a run resumed
+from a checkpoint (which stores that number) sees exactly the batches the uninterrupted run saw.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+def parse_data_path(data_path: list[str]) -> tuple[list[str], list[float] | None]:
+    """Megatron's ``--data-path``: ``PREFIX ...`` or ``W1 PREFIX1 W2 PREFIX2 ...``."""
+    if not data_path:
+        raise ValueError("--data-path is empty")
+    if len(data_path) == 1:
+        return [data_path[0]], None
+    try:
+        weights = [float(w) for w in data_path[0::2]]
+    except ValueError:
+        return list(data_path), None
+    if len(data_path) % 2:
+        raise ValueError(f"--data-path with weights needs WEIGHT PREFIX pairs, got {data_path}")
+    return list(data_path[1::2]), weights
+
+
+def check_data_prefixes(prefixes: list[str], tokenizer=None) -> None:
+    """ValueError when a prefix lacks its ``.bin``/``.idx`` or was made with another tokenizer."""
+    for prefix in prefixes:
+        missing = [ext for ext in (".bin", ".idx") if not os.path.isfile(prefix + ext)]
+        if missing:
+            files = " and ".join(prefix + e for e in missing)
+            raise ValueError(f"--data-path {prefix!r}: missing {files} "
+                             f"(make them with `megatron-kd preprocess`)")
+        sidecar = prefix + ".json"
+        if tokenizer is not None and os.path.isfile(sidecar):
+            with open(sidecar, encoding="utf-8") as f:
+                info = json.load(f)
+            sha = getattr(tokenizer, "sha256", None)
+            if sha and info.get("tokenizer_sha256") and info["tokenizer_sha256"] != sha:
+                raise ValueError(f"--data-path {prefix!r} was tokenized with another tokenizer "
+                                 f"(sha256 {info['tokenizer_sha256'][:12]}... vs "
+                                 f"{sha[:12]}... of --tokenizer-model)")
+
+
+def build_gpt_datasets(*, data_path: list[str], split: str, seq_length: int, seed: int,
+                       tokenizer, train_samples: int, valid_samples: int,
+                       cache_path: str | None = None):
+    """``(train, valid)`` ``GPTDataset``s through ``BlendedMegatronDatasetBuilder`` (collective)."""
+    from megatron.core.datasets.blended_megatron_dataset_builder import (
+        BlendedMegatronDatasetBuilder,
+    )
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+
+    prefixes, weights = parse_data_path(data_path)
+    check_data_prefixes(prefixes, tokenizer)
+    config = GPTDatasetConfig(
+        random_seed=seed,
+        sequence_length=seq_length,
+        blend=(prefixes, weights),
+        split=split,
+        path_to_cache=cache_path,
+        tokenizer=tokenizer,
+        reset_position_ids=False,
+        reset_attention_mask=False,
+        eod_mask_loss=False,
+        create_attention_mask=False,
+    )
+    train, valid, _ = BlendedMegatronDatasetBuilder(
+        GPTDataset, [train_samples, valid_samples, 0], lambda: True, config).build()
+    if train is None:
+        raise ValueError(f"--split {split!r} leaves no training data")
+    return train, valid
+
+
+class MockGPTDataset(torch.utils.data.Dataset):
+    """Synthetic, learnable token sequences (``--mock-data``): no files, no tokenizer.
+
+    Sample ``i`` is an arithmetic progression ``(a + k * d) % vocab_size`` with ``a`` and
+    ``d in {1, 2, 3}`` drawn from ``(seed, i)``: a model can learn it, so losses fall.
+    """
+
+    def __init__(self, *, vocab_size: int, seq_length: int, num_samples: int, seed: int) -> None:
+        self.vocab_size, self.seq_length = vocab_size, seq_length
+        self.num_samples, self.seed = num_samples, seed
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __getitem__(self, idx: int) -> dict:
+        rng = np.random.default_rng([self.seed, int(idx)])
+        a = int(rng.integers(self.vocab_size))
+        d = int(rng.integers(1, 4))
+        text = (a + d * np.arange(self.seq_length + 1)) % self.vocab_size
+        text = torch.from_numpy(text).long()
+        return {"tokens": text[:-1], "labels": text[1:],
+                "loss_mask": torch.ones(self.seq_length, dtype=torch.float32),
+                "position_ids": torch.arange(self.seq_length)}
+
+
+def collate(samples: list[dict]) -> dict:
+    keys = ("tokens", "labels", "loss_mask", "position_ids")
+    return {k: torch.stack([torch.as_tensor(s[k]) for s in samples]) for k in keys}
+
+
+@dataclass
+class BatchPlan:
+    """Which samples a data-parallel rank reads: ``global_batch_size`` per step, in order."""
+
+    global_batch_size: int
+    micro_batch_size: int
+    dp_rank: int
+    dp_size: int
+
+    def __post_init__(self) -> None:
+        per_rank = self.micro_batch_size * self.dp_size
+        if self.global_batch_size % per_rank:
+            raise ValueError(f"--global-batch-size {self.global_batch_size} is not divisible by "
+                             f"--micro-batch-size {self.micro_batch_size} x data-parallel size "
+                             f"{self.dp_size}")
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.global_batch_size // (self.micro_batch_size * self.dp_size)
+
+    def microbatches(self, dataset, consumed_samples: int) -> Iterator[dict]:
+        """This rank's microbatches of the global batch starting at ``consumed_samples``."""
+        local = self.global_batch_size // self.dp_size
+        start = consumed_samples + self.dp_rank * local
+        n = len(dataset)
+        for m in range(self.num_microbatches):
+            first = start + m * self.micro_batch_size
+            yield collate([dataset[(first + j) % n] for j in range(self.micro_batch_size)])

@@ -1,0 +1,287 @@
+"""The pieces a Megatron training loop needs to distil with the fused KD loss.
+
+* :func:`add_kd_args` -- the ``--kd-*`` flags, callable on Megatron-LM's own parser too (pass it
+  as ``extra_args_provider``), and :class:`KDArgs` / :func:`kd_loss_config_from_args` turning
+  them into a validated :class:`~megatron_kd.loss.KDLossConfig`.
+* :func:`bypass_output_layer` -- makes a Megatron-Core ``GPTModel`` return its final hidden
+  states (after the final norm) instead of logits: the output layer never runs, the logits never
+  exist; :func:`output_layer_weight` is this rank's ``[local_vocab_size, h]`` output shard.
+* :func:`make_kd_loss_func` -- a Megatron-style ``loss_func(output_tensor)`` for
+  ``get_forward_backward_func`` schedules (``calculate_per_token_loss`` contract: it returns
+  ``(loss_sum, num_tokens, report)``).
+
+Later issues add flags: append them in :func:`add_kd_args` and a field in :class:`KDArgs`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+KD_MODES = ("colocated", "disaggregated", "offline")
+KD_LOSSES = ("forward_kl", "reverse_kl", "jsd")
+TEACHER_DTYPES = ("fp32", "bf16")
+
+
+def add_kd_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the ``--kd-*`` flags to ``parser`` (an argparse parser, e.g. Megatron-LM's)."""
+    group = parser.add_argument_group("knowledge distillation")
+    group.add_argument("--kd-mode", choices=KD_MODES, default="colocated",
+                       help="where the teacher runs: 'colocated' (same ranks as the student), "
+                            "'disaggregated' (its own ranks) or 'offline' (a top-K cache)")
+    group.add_argument("--kd-teacher-load", default=None, metavar="DIR",
+                       help="teacher checkpoint (megatron_kd format: dist_checkpointing + "
+                            "model_config.json); its architecture comes from model_config.json")
+    group.add_argument("--kd-loss", choices=KD_LOSSES, default="forward_kl",
+                       help="divergence between teacher and student distributions")
+    group.add_argument("--kd-temperature", type=float, default=1.0,
+                       help="softmax temperature of the KD term (the term is scaled by T^2)")
+    group.add_argument("--kd-beta", type=float, default=0.5,
+                       help="teacher weight in the JSD mixture (0 < beta < 1)")
+    group.add_argument("--kd-weight", type=float, default=1.0,
+                       help="weight of the KD term in the loss")
+    group.add_argument("--kd-ce-weight", type=float, default=0.0,
+                       help="weight of the student's cross-entropy on the labels")
+    group.add_argument("--kd-window-size", type=int, default=None,
+                       help="hard upper bound on tokens projected onto the vocabulary at once "
+                            "(default: a 64 MiB fp32 window)")
+    group.add_argument("--kd-teacher-dtype", choices=TEACHER_DTYPES, default="fp32",
+                       help="parameter dtype of the frozen teacher (the loss computes in fp32 "
+                            "either way)")
+    return parser
+
+
+@dataclass(kw_only=True)
+class KDArgs:
+    """The ``--kd-*`` flags, validated."""
+
+    mode: str = "colocated"
+    """``colocated``, ``disaggregated`` or ``offline``."""
+
+    teacher_load: str | None = None
+    """Teacher checkpoint directory; required when ``weight > 0`` in colocated mode."""
+
+    loss: str = "forward_kl"
+    """``forward_kl``, ``reverse_kl`` or ``jsd``."""
+
+    temperature: float = 1.0
+    """KD softmax temperature."""
+
+    beta: float = 0.5
+    """JSD mixture weight of the teacher."""
+
+    weight: float = 1.0
+    """Weight of the KD term."""
+
+    ce_weight: float = 0.0
+    """Weight of the cross-entropy term."""
+
+    window_size: int | None = None
+    """Rows projected at once (None: the loss's default)."""
+
+    teacher_dtype: str = "fp32"
+    """Parameter dtype of the teacher: ``fp32`` or ``bf16``."""
+
+    def __post_init__(self) -> None:
+        if self.mode not in KD_MODES:
+            raise ValueError(f"--kd-mode must be one of {KD_MODES}, got {self.mode!r}")
+        if self.loss not in KD_LOSSES:
+            raise ValueError(f"--kd-loss must be one of {KD_LOSSES}, got {self.loss!r}")
+        if not (math.isfinite(self.temperature) and self.temperature > 0):
+            raise ValueError(f"--kd-temperature must be > 0, got {self.temperature}")
+        if self.loss == "jsd" and not 0 < self.beta < 1:
+            raise ValueError(f"--kd-beta must be in (0, 1) for jsd, got {self.beta}")
+        for flag, value in (("--kd-weight", self.weight), ("--kd-ce-weight", self.ce_weight)):
+            if not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"{flag} must be >= 0, got {value}")
+        if self.weight == 0 and self.ce_weight == 0:
+            raise ValueError("--kd-weight and --kd-ce-weight are both 0: nothing to train on")
+        if self.window_size is not None and self.window_size < 1:
+            raise ValueError(f"--kd-window-size must be >= 1, got {self.window_size}")
+        if self.teacher_dtype not in TEACHER_DTYPES:
+            raise ValueError(f"--kd-teacher-dtype must be one of {TEACHER_DTYPES}, "
+                             f"got {self.teacher_dtype!r}")
+        if self.mode == "colocated" and self.weight > 0 and not self.teacher_load:
+            raise ValueError(f"--kd-weight {self.weight} > 0 in colocated mode needs "
+                             f"--kd-teacher-load")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> KDArgs:
+        """Read the flags added by :func:`add_kd_args`."""
+        return cls(mode=args.kd_mode, teacher_load=args.kd_teacher_load, loss=args.kd_loss,
+                   temperature=args.kd_temperature, beta=args.kd_beta, weight=args.kd_weight,
+                   ce_weight=args.kd_ce_weight, window_size=args.kd_window_size,
+                   teacher_dtype=getattr(args, "kd_teacher_dtype", "fp32"))
+
+    def loss_config(self, vocab_size: int | None = None, **overrides: Any):
+        """The :class:`~megatron_kd.loss.KDLossConfig` for these flags.
+
+        ``vocab_size`` is the true vocabulary (columns at or past it are padding).
+        """
+        from megatron_kd.loss import KDLossConfig
+
+        kw = {"kind": self.loss, "temperature": self.temperature, "beta": self.beta,
+              "kd_weight": self.weight, "ce_weight": self.ce_weight,
+              "window_size": self.window_size, "vocab_size": vocab_size}
+        kw.update(overrides)
+        return KDLossConfig(**kw)
+
+
+def kd_loss_config_from_args(args: argparse.Namespace, vocab_size: int | None = None):
+    """``KDArgs.from_args(args).loss_config(vocab_size)``."""
+    return KDArgs.from_args(args).loss_config(vocab_size)
+
+
+# ----------------------------------------------------------------------------------------------
+# final hidden states instead of logits
+# ----------------------------------------------------------------------------------------------
+def unwrap_model(model):
+    """The ``GPTModel`` inside DDP / Float16Module wrappers."""
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+def _bypass_forward(input_, weight=None, runtime_gather_output=None):
+    # Stands in for ColumnParallelLinear.forward: the hidden states pass through unchanged.
+    return input_, None
+
+
+def bypass_output_layer(model):
+    """Make ``model`` (a ``GPTModel``, possibly wrapped) skip its output layer, for good.
+
+    On the last pipeline stage the model then returns the final hidden states (after the final
+    norm) as ``[b, s, h]`` where it would have returned ``[b, s, V/tp]`` logits; the output-layer
+    weight still exists (and trains) through the loss. Idempotent. Sequence-parallel models are
+    refused (the hidden states would stay sharded along the sequence).
+    """
+    inner = unwrap_model(model)
+    layer = getattr(inner, "output_layer", None)
+    if layer is None:
+        return model  # not the last pipeline stage
+    if getattr(layer, "sequence_parallel", False):
+        raise ValueError("bypass_output_layer does not support sequence_parallel models")
+    if getattr(inner.config, "mtp_num_layers", None):
+        raise ValueError("bypass_output_layer does not support multi-token prediction")
+    layer.forward = _bypass_forward
+    return model
+
+
+@contextlib.contextmanager
+def output_layer_bypassed(model):
+    """Context manager form of :func:`bypass_output_layer` (restores the output layer)."""
+    layer = getattr(unwrap_model(model), "output_layer", None)
+    had = layer is not None and "forward" in vars(layer)
+    old = vars(layer).get("forward") if layer is not None else None
+    bypass_output_layer(model)
+    try:
+        yield model
+    finally:
+        if layer is not None:
+            if had:
+                layer.forward = old
+            else:
+                del layer.forward
+
+
+def output_layer_weight(model) -> torch.Tensor:
+    """This rank's ``[local_vocab_size, h]`` output-layer shard (the embedding when tied)."""
+    inner = unwrap_model(model)
+    if not getattr(inner, "post_process", True):
+        raise ValueError("output_layer_weight: this pipeline stage has no output layer")
+    if inner.share_embeddings_and_output_weights:
+        return inner.shared_embedding_or_output_weight()
+    return inner.output_layer.weight
+
+
+def to_sbh(hidden: torch.Tensor) -> torch.Tensor:
+    """``[b, s, h]`` (what a bypassed GPTModel returns) -> ``[s, b, h]`` (a view)."""
+    return hidden.transpose(0, 1)
+
+
+# ----------------------------------------------------------------------------------------------
+# Megatron-style loss function
+# ----------------------------------------------------------------------------------------------
+def make_kd_loss_func(
+    *,
+    student_weight: torch.Tensor,
+    teacher_hidden: torch.Tensor | None,
+    teacher_weight: torch.Tensor | None,
+    labels: torch.Tensor,
+    loss_mask: torch.Tensor,
+    config,
+    tp_group=None,
+    report_lm_loss: bool = True,
+    report_kd_loss: bool = True,
+    report_teacher_lm_loss: bool = False,
+    loss_fn: Callable | None = None,
+) -> Callable[[torch.Tensor], tuple]:
+    """A ``loss_func(output_tensor)`` for a ``get_forward_backward_func`` schedule.
+
+    Args:
+        student_weight: ``[local_vocab_size, h_s]`` the student's output-layer shard.
+        teacher_hidden: ``[s, b, h_t]`` teacher final hidden states (None without a teacher).
+        teacher_weight: ``[local_vocab_size, h_t]`` teacher output-layer shard.
+        labels: ``[b, s]`` next-token ids (Megatron dataset layout).
+        loss_mask: ``[b, s]`` per-token weights.
+        config: the :class:`~megatron_kd.loss.KDLossConfig` that is trained on.
+        report_lm_loss / report_kd_loss: also report the student's CE / the KD divergence when
+            the trained loss does not weight them (the loss computes both in its one pass; a
+            KD report without KD training costs the teacher's projection).
+        report_teacher_lm_loss: also report the teacher's own CE on the labels
+            (``teacher_lm_loss``; for evaluation).
+        loss_fn: the loss (default ``vocab_parallel_kd_loss``; tests pass a dense reference).
+
+    The returned function takes the bypassed student output ``[b, s, h_s]`` and returns
+    ``(loss_sum, num_tokens, report)`` (Megatron's ``calculate_per_token_loss`` contract), where
+    ``report`` maps ``loss``, ``kd_loss``, ``lm_loss`` (and ``teacher_lm_loss``) to detached
+    ``[sum, tokens]`` pairs (``kd_loss`` / ``lm_loss`` unweighted; ``kd_loss`` includes the
+    ``T^2`` factor; absent when not computed).
+    """
+    from megatron_kd.loss import vocab_parallel_kd_loss
+
+    loss_fn = loss_fn or vocab_parallel_kd_loss
+    labels_sb = labels.transpose(0, 1)
+    mask_sb = loss_mask.transpose(0, 1).float()
+    teacher_kw = {"teacher_hidden": teacher_hidden, "teacher_weight": teacher_weight}
+
+    def loss_func(output_tensor: torch.Tensor):
+        student_hidden = to_sbh(output_tensor)
+        if student_hidden.dtype != student_weight.dtype:
+            student_hidden = student_hidden.to(student_weight.dtype)
+        terms: dict = {}
+        # Labels always go in: the loss reports the unweighted CE at no extra projection. The
+        # teacher goes in when it is trained on or its divergence is reported.
+        kw = {"labels": labels_sb, "loss_mask": mask_sb, "config": config, "tp_group": tp_group}
+        with_teacher = teacher_hidden is not None and (config.kd_weight > 0 or report_kd_loss)
+        if with_teacher:
+            kw.update(teacher_kw)
+        loss_sum, num_tokens = loss_fn(student_hidden, student_weight, terms_out=terms, **kw)
+        n = num_tokens.detach().float()
+        report = {"loss": torch.stack([loss_sum.detach().float(), n])}
+        if with_teacher:
+            report["kd_loss"] = torch.stack([terms["kd_sum"].float(), n])
+        if config.ce_weight > 0 or report_lm_loss:
+            report["lm_loss"] = torch.stack([terms["ce_sum"].float(), n])
+        with torch.no_grad():
+            if report_teacher_lm_loss and teacher_hidden is not None:
+                ce_cfg = _replace(config, kd_weight=0.0, ce_weight=1.0)
+                t_sum, _ = loss_fn(teacher_hidden.detach(), teacher_weight.detach(),
+                                   labels=labels_sb, loss_mask=mask_sb, config=ce_cfg,
+                                   tp_group=tp_group)
+                report["teacher_lm_loss"] = torch.stack([t_sum.float(), n])
+        return loss_sum, num_tokens.detach().to(torch.int), report
+
+    return loss_func
+
+
+def _replace(config, **changes):
+    import dataclasses
+
+    return dataclasses.replace(config, **changes)

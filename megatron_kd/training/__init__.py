@@ -1,0 +1,1 @@
+"""Colocated distillation training on Megatron-Core (``megatron-kd train``)."""
