@@ -54,6 +54,20 @@ def add_kd_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--kd-teacher-dtype", choices=TEACHER_DTYPES, default="fp32",
                        help="parameter dtype of the frozen teacher (the loss computes in fp32 "
                             "either way)")
+    d = parser.add_argument_group("knowledge distillation: disaggregated teacher")
+    d.add_argument("--kd-teacher-world-size", type=int, default=0, metavar="N",
+                   help="disaggregated: the last N ranks of the world run the teacher; the "
+                        "first ranks train the student")
+    d.add_argument("--kd-teacher-tensor-model-parallel-size", type=int, default=1,
+                   help="disaggregated: the teacher's own tensor-parallel size")
+    d.add_argument("--kd-teacher-pipeline-model-parallel-size", type=int, default=1,
+                   help="disaggregated: the teacher's own pipeline-parallel size")
+    d.add_argument("--kd-prefetch-depth", type=int, default=2,
+                   help="disaggregated: receive slots per student rank; the teacher runs up to "
+                        "this many microbatches ahead")
+    d.add_argument("--kd-teacher-timeout", type=float, default=600.0, metavar="SECONDS",
+                   help="disaggregated: a teacher silent this long is reported unavailable "
+                        "(TeacherUnavailableError naming its rank)")
     return parser
 
 
@@ -88,6 +102,21 @@ class KDArgs:
     teacher_dtype: str = "fp32"
     """Parameter dtype of the teacher: ``fp32`` or ``bf16``."""
 
+    teacher_world_size: int = 0
+    """Disaggregated: ranks of the teacher (the last ones of the world)."""
+
+    teacher_tp: int = 1
+    """Disaggregated: the teacher's tensor-parallel size."""
+
+    teacher_pp: int = 1
+    """Disaggregated: the teacher's pipeline-parallel size."""
+
+    prefetch_depth: int = 2
+    """Disaggregated: receive slots per receiving student rank."""
+
+    teacher_timeout: float = 600.0
+    """Disaggregated: seconds of teacher silence before ``TeacherUnavailableError``."""
+
     def __post_init__(self) -> None:
         if self.mode not in KD_MODES:
             raise ValueError(f"--kd-mode must be one of {KD_MODES}, got {self.mode!r}")
@@ -107,9 +136,26 @@ class KDArgs:
         if self.teacher_dtype not in TEACHER_DTYPES:
             raise ValueError(f"--kd-teacher-dtype must be one of {TEACHER_DTYPES}, "
                              f"got {self.teacher_dtype!r}")
-        if self.mode == "colocated" and self.weight > 0 and not self.teacher_load:
-            raise ValueError(f"--kd-weight {self.weight} > 0 in colocated mode needs "
+        if self.mode in ("colocated", "disaggregated") and self.weight > 0 \
+                and not self.teacher_load:
+            raise ValueError(f"--kd-weight {self.weight} > 0 in {self.mode} mode needs "
                              f"--kd-teacher-load")
+        for flag, value in (("--kd-teacher-tensor-model-parallel-size", self.teacher_tp),
+                            ("--kd-teacher-pipeline-model-parallel-size", self.teacher_pp),
+                            ("--kd-prefetch-depth", self.prefetch_depth)):
+            if value < 1:
+                raise ValueError(f"{flag} must be >= 1, got {value}")
+        if not self.teacher_timeout > 0:
+            raise ValueError(f"--kd-teacher-timeout must be > 0, got {self.teacher_timeout}")
+        if self.mode == "disaggregated":
+            if self.teacher_world_size < 1:
+                raise ValueError(f"--kd-mode disaggregated needs --kd-teacher-world-size >= 1, "
+                                 f"got {self.teacher_world_size}")
+            if not self.teacher_load:
+                raise ValueError("--kd-mode disaggregated needs --kd-teacher-load")
+        elif self.teacher_world_size:
+            raise ValueError(f"--kd-teacher-world-size {self.teacher_world_size} is only for "
+                             f"--kd-mode disaggregated (mode is {self.mode!r})")
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> KDArgs:
@@ -117,7 +163,12 @@ class KDArgs:
         return cls(mode=args.kd_mode, teacher_load=args.kd_teacher_load, loss=args.kd_loss,
                    temperature=args.kd_temperature, beta=args.kd_beta, weight=args.kd_weight,
                    ce_weight=args.kd_ce_weight, window_size=args.kd_window_size,
-                   teacher_dtype=getattr(args, "kd_teacher_dtype", "fp32"))
+                   teacher_dtype=getattr(args, "kd_teacher_dtype", "fp32"),
+                   teacher_world_size=getattr(args, "kd_teacher_world_size", 0),
+                   teacher_tp=getattr(args, "kd_teacher_tensor_model_parallel_size", 1),
+                   teacher_pp=getattr(args, "kd_teacher_pipeline_model_parallel_size", 1),
+                   prefetch_depth=getattr(args, "kd_prefetch_depth", 2),
+                   teacher_timeout=getattr(args, "kd_teacher_timeout", 600.0))
 
     def loss_config(self, vocab_size: int | None = None, **overrides: Any):
         """The :class:`~megatron_kd.loss.KDLossConfig` for these flags.

@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass, field
 
-__all__ = ["Layout", "Route", "DisaggTopology", "initialize_model_parallel_split"]
+__all__ = ["Layout", "Route", "DisaggTopology", "initialize_model_parallel_split", "default_group"]
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -262,3 +262,23 @@ def initialize_model_parallel_split(topology: DisaggTopology, *, order: tuple[st
     for n, v in mine.items():
         setattr(ps, n, v)
     return topology.side(rank)
+
+
+@contextlib.contextmanager
+def default_group(group):
+    """Make ``group`` the default process group of this process for the duration.
+
+    One side of a split world runs code that uses the default group implicitly (Megatron-Core's
+    ``dist_checkpointing``, barriers, report all-reduces) as if it were the whole world. The
+    student's ranks are ``0 .. S-1``, so its group ranks equal its global ranks and rank-based
+    logic stays right. Point-to-point traffic to the other side must name the real world group.
+    """
+    import torch.distributed as dist
+
+    world = dist.distributed_c10d._world
+    previous = world.default_pg
+    world.default_pg = group
+    try:
+        yield
+    finally:
+        world.default_pg = previous

@@ -129,11 +129,14 @@ class BatchPlan:
     def num_microbatches(self) -> int:
         return self.global_batch_size // (self.micro_batch_size * self.dp_size)
 
+    def sample_ids(self, consumed_samples: int, microbatch: int, num_samples: int) -> list[int]:
+        """Dataset indices of one of this rank's microbatches (a dataset of ``num_samples``)."""
+        local = self.global_batch_size // self.dp_size
+        first = consumed_samples + self.dp_rank * local + microbatch * self.micro_batch_size
+        return [(first + j) % num_samples for j in range(self.micro_batch_size)]
+
     def microbatches(self, dataset, consumed_samples: int) -> Iterator[dict]:
         """This rank's microbatches of the global batch starting at ``consumed_samples``."""
-        local = self.global_batch_size // self.dp_size
-        start = consumed_samples + self.dp_rank * local
         n = len(dataset)
         for m in range(self.num_microbatches):
-            first = start + m * self.micro_batch_size
-            yield collate([dataset[(first + j) % n] for j in range(self.micro_batch_size)])
+            yield collate([dataset[i] for i in self.sample_ids(consumed_samples, m, n)])

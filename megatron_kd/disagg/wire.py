@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["Header", "HeaderMismatchError", "TeacherUnavailableError", "HiddenSender",
-           "PrefetchRing", "header_size"]
+           "PrefetchRing", "header_size", "token_fingerprint"]
 
 MAGIC = 0x4B44_5749  # "KDWI"
 VERSION = 1
@@ -32,7 +32,7 @@ TAG_HEADER = 101
 TAG_PAYLOAD = 102
 _DTYPES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3, torch.float64: 4}
 _DTYPE_OF = {v: k for k, v in _DTYPES.items()}
-_FIXED = 11  # header fields before the sample ids
+_FIXED = 12  # header fields before the sample ids
 
 
 class TeacherUnavailableError(RuntimeError):
@@ -46,6 +46,16 @@ class TeacherUnavailableError(RuntimeError):
 
 class HeaderMismatchError(ValueError):
     """A message's header differs from what the student expected (wrong teacher data)."""
+
+
+def token_fingerprint(tokens: torch.Tensor) -> int:
+    """A 56-bit hash of a microbatch's token ids: teacher and student derive their samples
+    independently, and this catches a teacher reading other data under the same sample ids
+    (another dataset, seed or split) without sending any token data."""
+    import hashlib
+
+    data = tokens.detach().to("cpu", torch.int64).contiguous().numpy().tobytes()
+    return int(hashlib.blake2b(data, digest_size=7).hexdigest(), 16)
 
 
 def header_size(max_samples: int) -> int:
@@ -63,13 +73,14 @@ class Header:
     sample_ids: tuple[int, ...]
     shape: tuple[int, int, int]  # [s_chunk, b, h]
     dtype: torch.dtype
+    fingerprint: int = 0  # of the microbatch's tokens (see token_fingerprint)
 
     def encode(self, max_samples: int) -> torch.Tensor:
         if len(self.sample_ids) > max_samples:
             raise ValueError(f"{len(self.sample_ids)} sample ids > max {max_samples}")
         out = torch.full((header_size(max_samples),), -1, dtype=torch.int64)
         fixed = [MAGIC, VERSION, self.step, self.microbatch, self.chunk, self.num_chunks,
-                 *self.shape, _DTYPES[self.dtype], len(self.sample_ids)]
+                 *self.shape, _DTYPES[self.dtype], len(self.sample_ids), self.fingerprint]
         out[:_FIXED] = torch.tensor(fixed, dtype=torch.int64)
         if self.sample_ids:
             out[_FIXED:_FIXED + len(self.sample_ids)] = torch.tensor(self.sample_ids)
@@ -86,14 +97,14 @@ class Header:
         n = v[10]
         return cls(step=v[2], microbatch=v[3], chunk=v[4], num_chunks=v[5],
                    sample_ids=tuple(v[_FIXED:_FIXED + n]), shape=(v[6], v[7], v[8]),
-                   dtype=_DTYPE_OF[v[9]])
+                   dtype=_DTYPE_OF[v[9]], fingerprint=v[11])
 
     def check_against(self, expected: "Header", *, teacher_rank: int, student_rank: int) -> None:
         """Raise :class:`HeaderMismatchError` naming both sides if anything differs."""
         diffs = [f"{name}: teacher rank {teacher_rank} sent {getattr(self, name)!r}, student "
                  f"rank {student_rank} expected {getattr(expected, name)!r}"
                  for name in ("step", "microbatch", "chunk", "num_chunks", "sample_ids", "shape",
-                              "dtype")
+                              "dtype", "fingerprint")
                  if getattr(self, name) != getattr(expected, name)]
         if diffs:
             raise HeaderMismatchError("teacher message does not match the student's batch; "

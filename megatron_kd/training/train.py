@@ -190,8 +190,9 @@ def plan_run(args: argparse.Namespace, world_size: int) -> Plan:
     from megatron_kd.training.parallel import check_parallel_sizes
 
     kd = KDArgs.from_args(args)
-    if kd.mode != "colocated":
-        raise ValueError(f"--kd-mode {kd.mode!r} is not implemented yet; use colocated")
+    if kd.mode not in ("colocated", "disaggregated"):
+        raise ValueError(f"--kd-mode {kd.mode!r} is not implemented yet; use colocated or "
+                         f"disaggregated")
     _positive(args, "num_layers", "hidden_size", "num_attention_heads", "seq_length",
               "micro_batch_size", "train_iters", "tensor_model_parallel_size",
               "pipeline_model_parallel_size", "eval_interval", "log_interval")
@@ -238,7 +239,11 @@ def plan_run(args: argparse.Namespace, world_size: int) -> Plan:
         teacher_arch = read_checkpoint_arch(kd.teacher_load)
         check_checkpoint_tensors(kd.teacher_load, teacher_arch)
         try:
+            # the student's ranks hold the teacher's output layer in the student's partition
             teacher_arch.check_tensor_parallel(tp)
+            if kd.mode == "disaggregated":
+                teacher_arch.check_tensor_parallel(kd.teacher_tp)
+                teacher_arch.check_pipeline_parallel(kd.teacher_pp)
         except ValueError as e:
             raise ValueError(f"teacher {kd.teacher_load!r}: {e}") from None
         teacher_tok_file = os.path.join(kd.teacher_load, "tokenizer.json")
@@ -380,15 +385,39 @@ def _mean(pair: torch.Tensor | None) -> float | None:
     return float(pair[0] / pair[1])
 
 
+def build_datasets(args: argparse.Namespace, plan: Plan, *, need_valid: bool = True):
+    """``(train, valid)`` datasets of a run: the same samples on every rank that asks (the
+    disaggregated teacher derives the student's samples from these)."""
+    from megatron_kd.data.datasets import MockGPTDataset, build_gpt_datasets
+
+    train_samples = args.train_iters * plan.global_batch_size
+    valid_samples = max(1, args.eval_iters) * plan.global_batch_size
+    if args.mock_data:
+        train = MockGPTDataset(vocab_size=plan.student_arch.vocab_size,
+                               seq_length=args.seq_length, num_samples=train_samples,
+                               seed=args.seed)
+        valid = (MockGPTDataset(vocab_size=plan.student_arch.vocab_size,
+                                seq_length=args.seq_length, num_samples=valid_samples,
+                                seed=args.seed + 1) if need_valid else None)
+        return train, valid
+    return build_gpt_datasets(
+        data_path=args.data_path, split=args.split, seq_length=args.seq_length, seed=args.seed,
+        tokenizer=plan.tokenizer, train_samples=train_samples, valid_samples=valid_samples,
+        cache_path=args.data_cache_path)
+
+
 class Trainer:
     """One colocated distillation run; ``parallel_state`` must be initialised (TP x PP)."""
 
     REPORT_KEYS = ("loss", "kd_loss", "lm_loss", "teacher_lm_loss")
 
-    def __init__(self, args: argparse.Namespace, plan: Plan, *, loss_fn=None) -> None:
+    def __init__(self, args: argparse.Namespace, plan: Plan, *, loss_fn=None,
+                 remote=None) -> None:
         from megatron.core import parallel_state as ps
 
         self.args, self.plan = args, plan
+        self.remote = remote  # disaggregated: a RemoteTeacher instead of a local teacher
+        self._expected: list = []
         self.loss_fn = loss_fn  # None: the fused loss; tests pass a dense reference
         self.rank = dist.get_rank()
         self.is_first = ps.is_pipeline_first_stage()
@@ -455,7 +484,7 @@ class Trainer:
         keeps it (see the module docstring)."""
         self.teacher = None
         plan = self.plan
-        if plan.teacher_arch is None:
+        if plan.teacher_arch is None or self.remote is not None:
             return
         from megatron.core.process_groups_config import ProcessGroupCollection
 
@@ -483,29 +512,11 @@ class Trainer:
 
     # -- data -------------------------------------------------------------------------------
     def _build_data(self) -> None:
-        from megatron_kd.data.datasets import (
-            BatchPlan,
-            MockGPTDataset,
-            build_gpt_datasets,
-        )
+        from megatron_kd.data.datasets import BatchPlan
 
-        args, plan = self.args, self.plan
-        train_samples = args.train_iters * plan.global_batch_size
-        valid_samples = max(1, args.eval_iters) * plan.global_batch_size
-        if args.mock_data:
-            self.train_ds = MockGPTDataset(vocab_size=plan.student_arch.vocab_size,
-                                           seq_length=args.seq_length,
-                                           num_samples=train_samples, seed=args.seed)
-            self.valid_ds = MockGPTDataset(vocab_size=plan.student_arch.vocab_size,
-                                           seq_length=args.seq_length,
-                                           num_samples=valid_samples, seed=args.seed + 1)
-        else:
-            self.train_ds, self.valid_ds = build_gpt_datasets(
-                data_path=args.data_path, split=args.split, seq_length=args.seq_length,
-                seed=args.seed, tokenizer=plan.tokenizer, train_samples=train_samples,
-                valid_samples=valid_samples, cache_path=args.data_cache_path)
-        self.batches = BatchPlan(plan.global_batch_size, args.micro_batch_size,
-                                 self.dp_rank, plan.dp)
+        self.train_ds, self.valid_ds = build_datasets(self.args, self.plan)
+        self.batches = BatchPlan(self.plan.global_batch_size, self.args.micro_batch_size,
+                                 self.dp_rank, self.plan.dp)
 
     # -- one step ---------------------------------------------------------------------------
     def _forward_step(self, data_iterator, model):
@@ -518,7 +529,11 @@ class Trainer:
         if not self.is_last:
             return output, _never_called
         teacher_hidden = teacher_weight = None
-        if self.teacher is not None:
+        if self.remote is not None and not self._evaluating:
+            step, m, ids = self._expected.pop(0)
+            teacher_hidden = self.remote.hidden(step, m, ids, tokens)
+            teacher_weight = self.remote.weight
+        elif self.teacher is not None:
             with torch.no_grad():
                 teacher_hidden = to_sbh(self.teacher(tokens, position_ids, None))
             teacher_weight = output_layer_weight(self.teacher)
@@ -567,6 +582,11 @@ class Trainer:
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         microbatches = list(self.batches.microbatches(self.train_ds, consumed_samples))
+        if self.remote is not None and self.is_last:
+            step = consumed_samples // self.plan.global_batch_size
+            n = len(self.train_ds)
+            self._expected = [(step, m, self.batches.sample_ids(consumed_samples, m, n))
+                              for m in range(len(microbatches))]
         reports = self._run_schedule(microbatches, forward_only=False)
         with device_context():
             update_ok, grad_norm, _ = self.optimizer.step()
@@ -575,9 +595,16 @@ class Trainer:
         lr = self.optimizer.param_groups[0]["lr"]
         self.scheduler.step(increment=1)
         red = self._reduce_reports(reports)
-        return {"loss": _mean(red["loss"]), "kd_loss": _mean(red["kd_loss"]),
-                "lm_loss": _mean(red["lm_loss"]), "lr": lr,
-                "grad_norm": None if grad_norm is None else float(grad_norm)}
+        record = {"loss": _mean(red["loss"]), "kd_loss": _mean(red["kd_loss"]),
+                  "lm_loss": _mean(red["lm_loss"]), "lr": lr,
+                  "grad_norm": None if grad_norm is None else float(grad_norm)}
+        if self.remote is not None:
+            # teacher -> student bytes of this step, summed over the student's ranks
+            wire = torch.tensor([float(self.remote.take_step_bytes())], dtype=torch.float64)
+            dist.all_reduce(wire)
+            record["kd_wire_bytes"] = int(wire.item())
+            record["kd_wire_bytes_per_dp_rank"] = int(wire.item()) // self.plan.dp
+        return record
 
     def evaluate(self) -> dict:
         if self.valid_ds is None or self.args.eval_iters == 0:
@@ -616,6 +643,13 @@ class Trainer:
             start_iter, consumed = load_training_checkpoint(
                 args.load, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
                 arch=plan.student_arch)
+        if self.remote is not None:
+            from megatron_kd.disagg.runtime import run_schedule_bounds
+
+            first, stop = run_schedule_bounds(args)
+            if first != start_iter:
+                raise RuntimeError(f"resume point {start_iter} != {first} read from --load")
+            self.remote.start(first, stop)
         progress = Progress(args.train_iters, self.log_rank and not args.no_progress)
         log = JsonLog(args.log_json, self.log_rank)
         if args.load and self.log_rank:
@@ -673,6 +707,8 @@ class Trainer:
         finally:
             progress.close()
             log.close()
+        if self.remote is not None:
+            self.remote.close()
         wall = time.perf_counter() - t_start
         total_steps = len(steps)
         return {
@@ -715,6 +751,8 @@ def train(args: argparse.Namespace, *, loss_fn=None) -> dict:
         torch.set_flush_denormal(True)  # denormal softmax tails make CPU matmuls ~50x slower
     created = init_distributed_from_env()
     try:
+        if KDArgs.from_args(args).mode == "disaggregated":
+            return _train_disaggregated(args, loss_fn=loss_fn)
         plan = plan_run(args, dist.get_world_size())  # every check before any model is built
         with model_parallel(plan.tp, plan.pp), device_context():
             trainer = Trainer(args, plan, loss_fn=loss_fn)
@@ -727,9 +765,55 @@ def train(args: argparse.Namespace, *, loss_fn=None) -> dict:
             dist.destroy_process_group()
 
 
+def _train_disaggregated(args: argparse.Namespace, *, loss_fn=None) -> dict:
+    """Student ranks train, teacher ranks serve hidden states (see megatron_kd.disagg)."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_kd.disagg.runtime import RemoteTeacher, TeacherServer, world_size_note
+    from megatron_kd.parallel import (
+        DisaggTopology,
+        default_group,
+        initialize_model_parallel_split,
+    )
+
+    kd = KDArgs.from_args(args)
+    world = dist.get_world_size()
+    topology = DisaggTopology.from_world(
+        world_size=world, teacher_world_size=kd.teacher_world_size,
+        student_tp=args.tensor_model_parallel_size, student_pp=args.pipeline_model_parallel_size,
+        teacher_tp=kd.teacher_tp, teacher_pp=kd.teacher_pp)
+    plan = plan_run(args, topology.student.world_size)  # every check before any model is built
+    world_group = dist.group.WORLD
+    # Every rank creates both sides' groups, in one order (new_group is collective).
+    student_group = dist.new_group(list(topology.student.ranks))
+    side = initialize_model_parallel_split(topology)
+    try:
+        if dist.get_rank() == 0 and not args.no_progress:
+            print(f"megatron-kd: {world_size_note(topology)}", file=sys.stderr, flush=True)
+        # Both sides read the teacher checkpoint in one collective load over the whole world:
+        # the teacher its layers, the student only its output-layer shard.
+        if side == "teacher":
+            with device_context():
+                server = TeacherServer(topology=topology, world_group=world_group, args=args,
+                                       plan=plan)
+                return server.serve()
+        remote = RemoteTeacher(topology=topology, world_group=world_group, args=args, plan=plan)
+        # The student's own collectives (reports, checkpoints, barriers) stay among its ranks.
+        with default_group(student_group), device_context():
+            trainer = Trainer(args, plan, loss_fn=loss_fn, remote=remote)
+            try:
+                summary = trainer.fit()
+            finally:
+                trainer.close()
+        summary["side"] = "student"
+        return summary
+    finally:
+        ps.destroy_model_parallel()
+
+
 def run(args: argparse.Namespace) -> int:
     summary = train(args)
-    if summary["rank"] != 0:
+    if summary.get("side") == "teacher" or summary["rank"] != 0:
         return 0
     last_eval = summary.get("final_eval_lm_loss")
     print(json.dumps({k: summary[k] for k in ("iterations", "final_loss", "tokens_per_s",
