@@ -221,7 +221,8 @@ def _build_in_model_parallel(args, codec, CacheSpec, build_cache):
             valid_samples=valid_samples, cache_path=args.data_cache_path)
 
     params_dtype = torch.bfloat16 if args.kd_teacher_dtype == "bf16" else torch.float32
-    teacher = build_gpt_model(arch, params_dtype=params_dtype, seed=None,
+    # seeded only so Megatron's model-parallel RNG exists; the weights are loaded next
+    teacher = build_gpt_model(arch, params_dtype=params_dtype, seed=args.seed,
                               perform_initialization=False)
     load_model_checkpoint(teacher, args.kd_teacher_load)
     bypass_output_layer(teacher)
