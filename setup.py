@@ -22,14 +22,16 @@ setup(
     ],
     extras_require={
         # What the test suite needs beyond the core (tokenizer and HF import parity tests).
-        "test": ["pytest>=7", "tokenizers", "safetensors", "transformers", "matplotlib"],
+        "test": ["pytest>=7", "tokenizers", "safetensors", "transformers>=4.56", "matplotlib",
+                 "gguf"],
         # Transformer Engine layer specs: GPU only, never imported unguarded.
         "te": ["transformer-engine[pytorch]"],
         # Peers for benchmarks: ModelOpt's LogitsKLLoss (Megatron-LM's KD loss) and the
         # dependencies ModelOpt imports without declaring them.
         "peers": ["nvidia-modelopt", "requests", "huggingface_hub"],
         # The CPU demo: loading a GGUF teacher through transformers.
-        "demo": ["transformers", "gguf", "accelerate", "tokenizers", "safetensors", "matplotlib"],
+        "demo": ["transformers>=4.56", "gguf", "accelerate", "tokenizers", "safetensors",
+                 "matplotlib"],
     },
     entry_points={"console_scripts": ["megatron-kd = megatron_kd.cli:main"]},
     classifiers=[

@@ -277,6 +277,7 @@ def _plot(points: list[dict], path: str) -> bool:
         print("matplotlib is not installed: no plot (pip install matplotlib)")
         return False
     fig, (ax_m, ax_t) = plt.subplots(1, 2, figsize=(11, 4.2))
+    colors = {v: f"C{i}" for i, v in enumerate(VARIANTS)}  # one colour per variant, both panels
     for tp in sorted({p["tp"] for p in points}):
         for v in VARIANTS:
             pts = sorted((p for p in points if p["tp"] == tp and p["variant"] == v
@@ -287,14 +288,16 @@ def _plot(points: list[dict], path: str) -> bool:
             style = "-" if tp == 1 else "--"
             if v != "gemm":
                 ax_m.plot(xs, [p["extra_peak_bytes"] / (1 << 30) for p in pts], style,
-                          marker="o", label=f"{v} TP{tp}")
-            ax_t.plot(xs, [p["time_s"] for p in pts], style, marker="o", label=f"{v} TP{tp}")
+                          marker="o", color=colors[v], label=f"{v} TP{tp}")
+            ax_t.plot(xs, [p["time_s"] for p in pts], style, marker="o", color=colors[v],
+                      label=f"{v} TP{tp}")
     ax_m.set(xlabel="tokens T", ylabel="extra peak memory (GB)", xscale="log", yscale="log",
              title="memory above the inputs")
     ax_t.set(xlabel="tokens T", ylabel="forward+backward (s)", xscale="log", yscale="log",
              title="time (median)")
     for ax in (ax_m, ax_t):
         ax.grid(True, which="both", alpha=0.3)
+    ax_m.legend(fontsize=7)
     ax_t.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -320,6 +323,8 @@ def main(argv=None) -> int:
     p.add_argument("--point-timeout", type=float, default=1800)
     p.add_argument("--out", default="bench_out/bench_loss.json")
     p.add_argument("--plot", default="bench_out/bench_loss.png")
+    p.add_argument("--from-json", default=None, metavar="JSON",
+                   help="print the table and redraw the plot of an earlier run, measuring nothing")
     # internal: one measurement
     p.add_argument("--_worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--_variant", help=argparse.SUPPRESS)
@@ -331,6 +336,13 @@ def main(argv=None) -> int:
         _spawn_workers(a)
         return 0
 
+    if a.from_json:
+        with open(a.from_json) as f:
+            points = json.load(f)["points"]
+        print(_table(points))
+        if a.plot and _plot(points, a.plot):
+            print(f"wrote {a.plot}")
+        return 0
     points = []
     for tp in a.tp:
         for tokens in a.tokens:

@@ -435,8 +435,8 @@ class _FusedKDLoss(torch.autograd.Function):
                   if precompute and need_grad_w else None)
 
         rows_per_window = config.rows_per_window(shard.local_vocab_size)
-        kd_total = torch.zeros((), dtype=cdt)
-        ce_total = torch.zeros((), dtype=cdt)
+        kd_total = torch.zeros((), dtype=cdt, device=x_s.device)
+        ce_total = torch.zeros((), dtype=cdt, device=x_s.device)
         saved_stats: list[_Stats] = []
         for start in range(0, n_active, rows_per_window):
             stop = min(start + rows_per_window, n_active)
@@ -782,17 +782,19 @@ def _check_local_raise(student_hidden, student_weight, teacher_hidden, teacher_w
 def _exchange_sizes(student_weight, student_hidden, local_error, tp_group, tp_world_size):
     """All ranks learn every shard size, their token counts and whether any input was bad."""
     n_tokens = int(math.prod(student_hidden.shape[:-1]))
+    # on the inputs' device: NCCL groups reduce device tensors only
     mine = torch.tensor([student_weight.shape[0], n_tokens, 0 if local_error is None else 1],
-                        dtype=torch.int64)
+                        dtype=torch.int64, device=student_hidden.device)
     if tp_world_size == 1:
         sizes = mine.view(1, 3)
     else:
-        sizes = torch.empty(tp_world_size * 3, dtype=torch.int64)
+        sizes = torch.empty(tp_world_size * 3, dtype=torch.int64, device=student_hidden.device)
         # Shard offsets come from every rank's shard size; errors must stop all ranks together.
         dist.all_gather_into_tensor(sizes, mine, group=tp_group)
         sizes = sizes.view(tp_world_size, 3)
     if local_error is not None:
         raise ValueError(local_error)
+    sizes = sizes.cpu()
     bad = [r for r in range(sizes.shape[0]) if int(sizes[r, 2])]
     if bad:
         raise ValueError(f"invalid input on tensor-parallel rank(s) {bad} (see the error there)")

@@ -1,0 +1,128 @@
+#!/bin/bash
+# Distil a ~1B Llama-style student from a megatron_kd teacher checkpoint with Megatron-LM's own
+# pretrain_gpt.py (patched: see patches/README.md), colocated: every GPU holds the student and,
+# on the last pipeline stage, the frozen teacher.
+#
+#   cd Megatron-LM    # at the pinned commit, with the patch applied
+#   bash /path/to/megatron_kd/examples/megatron_lm/train_kd_colocated.sh \
+#       CHECKPOINT_DIR TENSORBOARD_DIR TEACHER_DIR DATA_PREFIX HF_TOKENIZER [more flags]
+#
+#   CHECKPOINT_DIR  where the student is saved to and resumed from
+#   TEACHER_DIR     a megatron_kd checkpoint (`megatron-kd import-hf`, or `megatron-kd train --save`)
+#   DATA_PREFIX     an indexed dataset made with the teacher's tokenizer (Megatron-LM's
+#                   tools/preprocess_data.py or `megatron-kd preprocess`)
+#   HF_TOKENIZER    the teacher's Hugging Face tokenizer (the model directory or name it was
+#                   imported from): student and teacher must tokenize alike
+#   more flags      appended to the command line (they win over the ones below)
+#
+# Multi-node: set NUM_NODES, NODE_RANK, MASTER_ADDR (and MASTER_PORT) on every node.
+set -euo pipefail
+
+CHECKPOINT_DIR=${1:?checkpoint directory}
+TENSORBOARD_DIR=${2:?tensorboard directory}
+TEACHER_DIR=${3:?teacher checkpoint directory}
+DATA_PREFIX=${4:?data prefix}
+HF_TOKENIZER=${5:?Hugging Face tokenizer of the teacher}
+shift 5
+
+GPUS_PER_NODE=${GPUS_PER_NODE:-8}
+NUM_NODES=${NUM_NODES:-1}
+NODE_RANK=${NODE_RANK:-0}
+MASTER_ADDR=${MASTER_ADDR:-localhost}
+MASTER_PORT=${MASTER_PORT:-6000}
+TP=${TP:-2}
+PP=${PP:-1}
+
+export CUDA_DEVICE_MAX_CONNECTIONS=1
+
+# Student and teacher need one vocabulary partition: pad the student's vocabulary to exactly the
+# teacher's padded size (Megatron-LM pads to a multiple of divisible-by x TP).
+TEACHER_PADDED_VOCAB=$(python -c 'import json, sys
+print(json.load(open(sys.argv[1] + "/model_config.json"))["arch"]["padded_vocab_size"])' \
+    "$TEACHER_DIR")
+
+DISTRIBUTED_ARGS=(
+    --nproc_per_node "$GPUS_PER_NODE"
+    --nnodes "$NUM_NODES"
+    --node_rank "$NODE_RANK"
+    --master_addr "$MASTER_ADDR"
+    --master_port "$MASTER_PORT"
+)
+
+GPT_MODEL_ARGS=(
+    --num-layers 16
+    --hidden-size 2048
+    --ffn-hidden-size 8192
+    --num-attention-heads 16
+    --group-query-attention
+    --num-query-groups 8
+    --seq-length 4096
+    --max-position-embeddings 4096
+    --position-embedding-type rope
+    --normalization RMSNorm
+    --swiglu
+    --disable-bias-linear
+    --untie-embeddings-and-output-weights
+    --attention-backend auto
+)
+
+TRAINING_ARGS=(
+    --micro-batch-size 1
+    --global-batch-size 256
+    --train-iters 20000
+    --weight-decay 0.1
+    --adam-beta1 0.9
+    --adam-beta2 0.95
+    --init-method-std 0.02
+    --clip-grad 1.0
+    --bf16
+    --lr 3.0e-4
+    --lr-decay-style cosine
+    --min-lr 3.0e-5
+    --lr-warmup-iters 500
+    --lr-decay-iters 20000
+)
+
+# --sequence-parallel and --context-parallel-size > 1 are refused with --kd-* (for now).
+MODEL_PARALLEL_ARGS=(
+    --tensor-model-parallel-size "$TP"
+    --pipeline-model-parallel-size "$PP"
+    --make-vocab-size-divisible-by $((TEACHER_PADDED_VOCAB / TP))
+)
+
+DATA_ARGS=(
+    --data-path "$DATA_PREFIX"
+    --tokenizer-type HuggingFaceTokenizer
+    --tokenizer-model "$HF_TOKENIZER"
+    --split 969,30,1
+)
+
+EVAL_AND_LOGGING_ARGS=(
+    --log-interval 10
+    --save-interval 1000
+    --eval-interval 1000
+    --eval-iters 10
+    --save "$CHECKPOINT_DIR"
+    --load "$CHECKPOINT_DIR"
+    --tensorboard-dir "$TENSORBOARD_DIR"
+)
+
+# The KD flags: the same as `megatron-kd train` accepts.
+KD_ARGS=(
+    --kd-mode colocated
+    --kd-teacher-load "$TEACHER_DIR"
+    --kd-teacher-dtype bf16
+    --kd-loss forward_kl
+    --kd-temperature 1.0
+    --kd-weight 1.0
+    --kd-ce-weight 0.0
+)
+
+torchrun "${DISTRIBUTED_ARGS[@]}" pretrain_gpt.py \
+    "${GPT_MODEL_ARGS[@]}" \
+    "${TRAINING_ARGS[@]}" \
+    "${MODEL_PARALLEL_ARGS[@]}" \
+    "${DATA_ARGS[@]}" \
+    "${EVAL_AND_LOGGING_ARGS[@]}" \
+    "${KD_ARGS[@]}" \
+    "$@"
