@@ -27,6 +27,7 @@ import torch
 KD_MODES = ("colocated", "disaggregated", "offline")
 KD_LOSSES = ("forward_kl", "reverse_kl", "jsd")
 TEACHER_DTYPES = ("fp32", "bf16")
+TOPK_TAILS = ("renormalize", "ghost")
 
 
 def add_kd_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -64,10 +65,20 @@ def add_kd_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="disaggregated: the teacher's own pipeline-parallel size")
     d.add_argument("--kd-prefetch-depth", type=int, default=2,
                    help="disaggregated: receive slots per student rank; the teacher runs up to "
-                        "this many microbatches ahead")
+                        "this many microbatches ahead. Offline: microbatches of top-K values "
+                        "decoded ahead of training")
     d.add_argument("--kd-teacher-timeout", type=float, default=600.0, metavar="SECONDS",
                    help="disaggregated: a teacher silent this long is reported unavailable "
                         "(TeacherUnavailableError naming its rank)")
+    o = parser.add_argument_group("knowledge distillation: offline top-K teacher cache")
+    o.add_argument("--kd-topk-cache", default=None, metavar="DIR",
+                   help="offline: a cache made by `megatron-kd cache build` for this run's data, "
+                        "seq length and tokenizer (K comes from its manifest); no teacher is "
+                        "built or loaded")
+    o.add_argument("--kd-topk-tail", choices=TOPK_TAILS, default="renormalize",
+                   help="offline: 'renormalize' (the teacher distribution is the softmax of the "
+                        "K log-probs) or 'ghost' (the K probabilities plus one bucket for the "
+                        "teacher's leftover mass; temperature 1 only)")
     return parser
 
 
@@ -79,7 +90,8 @@ class KDArgs:
     """``colocated``, ``disaggregated`` or ``offline``."""
 
     teacher_load: str | None = None
-    """Teacher checkpoint directory; required when ``weight > 0`` in colocated mode."""
+    """Teacher checkpoint directory; required when ``weight > 0`` in colocated and
+    disaggregated mode, refused in offline mode (the cache stands in for the teacher)."""
 
     loss: str = "forward_kl"
     """``forward_kl``, ``reverse_kl`` or ``jsd``."""
@@ -112,10 +124,18 @@ class KDArgs:
     """Disaggregated: the teacher's pipeline-parallel size."""
 
     prefetch_depth: int = 2
-    """Disaggregated: receive slots per receiving student rank."""
+    """Disaggregated: receive slots per receiving student rank. Offline: microbatches decoded
+    ahead of the one training."""
 
     teacher_timeout: float = 600.0
     """Disaggregated: seconds of teacher silence before ``TeacherUnavailableError``."""
+
+    topk_cache: str | None = None
+    """Offline: the top-K cache directory (required in offline mode, refused in the others)."""
+
+    topk_tail: str = "renormalize"
+    """Offline: how the teacher's mass outside its K entries is treated (``renormalize`` or
+    ``ghost``; see :class:`~megatron_kd.loss.KDLossConfig`)."""
 
     def __post_init__(self) -> None:
         if self.mode not in KD_MODES:
@@ -136,6 +156,29 @@ class KDArgs:
         if self.teacher_dtype not in TEACHER_DTYPES:
             raise ValueError(f"--kd-teacher-dtype must be one of {TEACHER_DTYPES}, "
                              f"got {self.teacher_dtype!r}")
+        if self.topk_tail not in TOPK_TAILS:
+            raise ValueError(f"--kd-topk-tail must be one of {TOPK_TAILS}, got {self.topk_tail!r}")
+        if self.mode == "offline":
+            if not self.topk_cache:
+                raise ValueError("--kd-mode offline needs --kd-topk-cache DIR (made by "
+                                 "`megatron-kd cache build`)")
+            if self.teacher_load:
+                raise ValueError(f"--kd-teacher-load {self.teacher_load!r} is not used with "
+                                 f"--kd-mode offline (the teacher's top-K comes from "
+                                 f"--kd-topk-cache {self.topk_cache!r}); drop it")
+            if self.loss != "forward_kl":
+                raise ValueError(f"--kd-loss {self.loss} is not possible with --kd-mode offline: "
+                                 f"a top-K cache holds only the teacher's K largest "
+                                 f"probabilities, which determine forward_kl only")
+            if self.topk_tail == "ghost" and self.temperature != 1.0:
+                raise ValueError(f"--kd-topk-tail ghost needs --kd-temperature 1 (the cached "
+                                 f"log-probs are at temperature 1), got {self.temperature}")
+        elif self.topk_cache:
+            raise ValueError(f"--kd-topk-cache {self.topk_cache!r} is only for --kd-mode offline "
+                             f"(mode is {self.mode!r})")
+        elif self.topk_tail != "renormalize":
+            raise ValueError(f"--kd-topk-tail {self.topk_tail} is only for --kd-mode offline "
+                             f"(mode is {self.mode!r}: the teacher is dense)")
         if self.mode in ("colocated", "disaggregated") and self.weight > 0 \
                 and not self.teacher_load:
             raise ValueError(f"--kd-weight {self.weight} > 0 in {self.mode} mode needs "
@@ -168,7 +211,9 @@ class KDArgs:
                    teacher_tp=getattr(args, "kd_teacher_tensor_model_parallel_size", 1),
                    teacher_pp=getattr(args, "kd_teacher_pipeline_model_parallel_size", 1),
                    prefetch_depth=getattr(args, "kd_prefetch_depth", 2),
-                   teacher_timeout=getattr(args, "kd_teacher_timeout", 600.0))
+                   teacher_timeout=getattr(args, "kd_teacher_timeout", 600.0),
+                   topk_cache=getattr(args, "kd_topk_cache", None),
+                   topk_tail=getattr(args, "kd_topk_tail", "renormalize"))
 
     def loss_config(self, vocab_size: int | None = None, **overrides: Any):
         """The :class:`~megatron_kd.loss.KDLossConfig` for these flags.
@@ -179,7 +224,8 @@ class KDArgs:
 
         kw = {"kind": self.loss, "temperature": self.temperature, "beta": self.beta,
               "kd_weight": self.weight, "ce_weight": self.ce_weight,
-              "window_size": self.window_size, "vocab_size": vocab_size}
+              "window_size": self.window_size, "vocab_size": vocab_size,
+              "topk_tail": self.topk_tail}
         kw.update(overrides)
         return KDLossConfig(**kw)
 
@@ -267,6 +313,8 @@ def make_kd_loss_func(
     labels: torch.Tensor,
     loss_mask: torch.Tensor,
     config,
+    teacher_topk_ids: torch.Tensor | None = None,
+    teacher_topk_logprobs: torch.Tensor | None = None,
     tp_group=None,
     report_lm_loss: bool = True,
     report_kd_loss: bool = True,
@@ -279,6 +327,8 @@ def make_kd_loss_func(
         student_weight: ``[local_vocab_size, h_s]`` the student's output-layer shard.
         teacher_hidden: ``[s, b, h_t]`` teacher final hidden states (None without a teacher).
         teacher_weight: ``[local_vocab_size, h_t]`` teacher output-layer shard.
+        teacher_topk_ids / teacher_topk_logprobs: ``[s, b, K]`` a sparse (top-K) teacher
+            instead of the dense one (``--kd-mode offline``: read from a top-K cache).
         labels: ``[b, s]`` next-token ids (Megatron dataset layout).
         loss_mask: ``[b, s]`` per-token weights.
         config: the :class:`~megatron_kd.loss.KDLossConfig` that is trained on.
@@ -300,7 +350,16 @@ def make_kd_loss_func(
     loss_fn = loss_fn or vocab_parallel_kd_loss
     labels_sb = labels.transpose(0, 1)
     mask_sb = loss_mask.transpose(0, 1).float()
-    teacher_kw = {"teacher_hidden": teacher_hidden, "teacher_weight": teacher_weight}
+    if teacher_topk_ids is not None or teacher_topk_logprobs is not None:
+        if teacher_hidden is not None:
+            raise ValueError("give a dense teacher (teacher_hidden) or a top-K one "
+                             "(teacher_topk_ids), not both")
+        teacher_kw = {"teacher_topk_ids": teacher_topk_ids,
+                      "teacher_topk_logprobs": teacher_topk_logprobs}
+        has_teacher = True
+    else:
+        teacher_kw = {"teacher_hidden": teacher_hidden, "teacher_weight": teacher_weight}
+        has_teacher = teacher_hidden is not None
 
     def loss_func(output_tensor: torch.Tensor):
         student_hidden = to_sbh(output_tensor)
@@ -310,7 +369,7 @@ def make_kd_loss_func(
         # Labels always go in: the loss reports the unweighted CE at no extra projection. The
         # teacher goes in when it is trained on or its divergence is reported.
         kw = {"labels": labels_sb, "loss_mask": mask_sb, "config": config, "tp_group": tp_group}
-        with_teacher = teacher_hidden is not None and (config.kd_weight > 0 or report_kd_loss)
+        with_teacher = has_teacher and (config.kd_weight > 0 or report_kd_loss)
         if with_teacher:
             kw.update(teacher_kw)
         loss_sum, num_tokens = loss_fn(student_hidden, student_weight, terms_out=terms, **kw)

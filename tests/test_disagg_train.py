@@ -64,6 +64,14 @@ def test_disaggregated_equals_colocated(dist_pool_factory, teacher_dir, tmp_path
     assert all(r["kd_wire_bytes"] == tokens_per_step * TEACHER_ARCH["hidden_size"] * 4
                for r in steps)
     assert sum(t["bytes_sent"] for t in teachers) == sum(r["kd_wire_bytes"] for r in steps)
+    # ... and equal to the planner's traffic model of this run, exactly
+    from megatron_kd.planner.models import from_megatron_kd_arch
+    from megatron_kd.planner.traffic import hidden_bytes_per_step_per_dp_rank
+
+    dp = students[0]["dp"]
+    predicted = hidden_bytes_per_step_per_dp_rank(from_megatron_kd_arch(TEACHER_ARCH), 4, dp,
+                                                  32, elem_bytes=4)
+    assert all(r["kd_wire_bytes_per_dp_rank"] == predicted for r in steps)
     with open(log, encoding="utf-8") as f:
         assert sum(1 for line in f if '"kd_wire_bytes"' in line) == 5
 

@@ -1,4 +1,5 @@
-"""``megatron-kd train``: colocated distillation of a student on Megatron-Core.
+"""``megatron-kd train``: distillation of a student on Megatron-Core (colocated, disaggregated
+or offline teacher).
 
 Student and teacher are Megatron-Core ``GPTModel``s. The student trains with Megatron-Core's
 DDP, optimizer and pipeline schedule (``get_forward_backward_func``); the teacher is frozen
@@ -18,7 +19,17 @@ point-to-point traffic, no schedule changes, and the teacher's forward overlaps 
 bubble of the last stage. The price is memory: the last stage holds a full (TP-sharded) teacher.
 (Every rank builds and loads the teacher, since loading is collective; ranks that are not on the
 last stage free it before training.) For a teacher too large for one stage, a disaggregated
-teacher (``--kd-mode disaggregated``, a later issue) is the answer.
+teacher (``--kd-mode disaggregated``) is the answer.
+
+Offline teacher (``--kd-mode offline --kd-topk-cache DIR``)
+----------------------------------------------------------
+No teacher model is built or loaded. A cache made by ``megatron-kd cache build`` holds the
+teacher's top-K ids and log-probs of every training sample; :func:`plan_run` refuses a cache
+made for other data, sequence length, vocabulary or tokenizer, and the student's vocabulary is
+the cache's. On the last pipeline stage a background thread decodes each rank's microbatches
+(by dataset sample index, so any DP / TP / micro-batch layout reads the same cache) ahead of the
+step, and the loss takes them as a sparse teacher (``forward_kl`` only). Evaluation reports the
+student's cross-entropy only (the cache does not cover the validation samples).
 
 Launch with ``torchrun`` (``RANK``/``WORLD_SIZE``/``MASTER_ADDR`` in the environment), as a single
 process, or call :func:`train` in processes that already have ``torch.distributed`` initialised.
@@ -162,6 +173,10 @@ class Plan:
     global_batch_size: int
     params_dtype: torch.dtype
     notes: list[str] = field(default_factory=list)
+    topk_cache: Any = None
+    """Offline mode: the opened, checked top-K cache (a ``TopKCacheReader``)."""
+    datasets: tuple | None = None
+    """Offline mode: ``(train, valid)``, built once by :func:`plan_run` to check the cache."""
 
 
 def _positive(args, *names):
@@ -190,15 +205,17 @@ def plan_run(args: argparse.Namespace, world_size: int) -> Plan:
     from megatron_kd.training.parallel import check_parallel_sizes
 
     kd = KDArgs.from_args(args)
-    if kd.mode not in ("colocated", "disaggregated"):
-        raise ValueError(f"--kd-mode {kd.mode!r} is not implemented yet; use colocated or "
-                         f"disaggregated")
     _positive(args, "num_layers", "hidden_size", "num_attention_heads", "seq_length",
               "micro_batch_size", "train_iters", "tensor_model_parallel_size",
               "pipeline_model_parallel_size", "eval_interval", "log_interval")
     if args.eval_iters < 0:
         raise ValueError(f"--eval-iters must be >= 0, got {args.eval_iters}")
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    if kd.mode == "disaggregated":  # the student's ranks are the world less the teacher's
+        if world_size <= kd.teacher_world_size:
+            raise ValueError(f"--kd-teacher-world-size {kd.teacher_world_size} leaves no student "
+                             f"ranks in a world of {world_size}")
+        world_size -= kd.teacher_world_size
     dp = check_parallel_sizes(world_size, tp, pp)
     gbs = args.global_batch_size or args.micro_batch_size * dp
     if gbs % (args.micro_batch_size * dp):
@@ -215,6 +232,14 @@ def plan_run(args: argparse.Namespace, world_size: int) -> Plan:
         if not os.path.isdir(kd.teacher_load):
             raise ValueError(f"--kd-teacher-load {kd.teacher_load!r} is not a directory")
         kd = dataclasses.replace(kd, teacher_load=resolve_model_dir(kd.teacher_load))
+    cache_spec = None
+    if kd.mode == "offline":
+        from megatron_kd.cache.format import CacheSpec, load_manifest
+
+        if not os.path.isdir(kd.topk_cache):
+            raise ValueError(f"--kd-topk-cache {kd.topk_cache!r} is not a directory")
+        # Only the manifest here (the student's vocabulary); the full check follows below.
+        cache_spec = CacheSpec.from_json(load_manifest(kd.topk_cache))
 
     # data and tokenizer
     tokenizer_model = args.tokenizer_model
@@ -271,7 +296,11 @@ def plan_run(args: argparse.Namespace, world_size: int) -> Plan:
             raise ValueError(f"--vocab-size {args.vocab_size} != the teacher's vocabulary "
                              f"{vocab}: student and teacher must share one vocabulary")
     else:
-        vocab = args.vocab_size or (tokenizer.vocab_size if tokenizer is not None else None)
+        # Offline: the cache's true vocabulary (a different --vocab-size is refused below,
+        # naming both values).
+        default_vocab = (cache_spec.vocab_size if cache_spec is not None
+                         else tokenizer.vocab_size if tokenizer is not None else None)
+        vocab = args.vocab_size or default_vocab
         if vocab is None:
             raise ValueError("--mock-data without a teacher needs --vocab-size")
         padded = pad_vocab_size(vocab, tp, args.make_vocab_size_divisible_by)
@@ -301,9 +330,27 @@ def plan_run(args: argparse.Namespace, world_size: int) -> Plan:
                          f"--seq-length {args.seq_length}")
     student_arch.check_tensor_parallel(tp)
     student_arch.check_pipeline_parallel(pp)
-    return Plan(kd=kd, student_arch=student_arch, teacher_arch=teacher_arch, tokenizer=tokenizer,
+    plan = Plan(kd=kd, student_arch=student_arch, teacher_arch=teacher_arch, tokenizer=tokenizer,
                 tp=tp, pp=pp, dp=dp, global_batch_size=gbs,
                 params_dtype=torch.bfloat16 if args.bf16 else torch.float32)
+    if kd.mode == "offline":
+        _open_topk_cache(args, plan)
+    return plan
+
+
+def _open_topk_cache(args: argparse.Namespace, plan: Plan) -> None:
+    """Offline mode: build the run's datasets and open the top-K cache, refusing one made for
+    other data, sequence length, vocabulary or tokenizer (no fallback to an LM-only loss)."""
+    from megatron_kd.cache.offline import open_cache_for_run
+
+    plan.datasets = build_datasets(args, plan)
+    try:
+        plan.topk_cache = open_cache_for_run(
+            plan.kd.topk_cache, dataset=plan.datasets[0], tokenizer=plan.tokenizer,
+            seq_length=args.seq_length, vocab_size=plan.student_arch.vocab_size,
+            num_samples=args.train_iters * plan.global_batch_size)
+    except ValueError as e:
+        raise ValueError(f"--kd-topk-cache {plan.kd.topk_cache!r}: {e}") from None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -407,7 +454,11 @@ def build_datasets(args: argparse.Namespace, plan: Plan, *, need_valid: bool = T
 
 
 class Trainer:
-    """One colocated distillation run; ``parallel_state`` must be initialised (TP x PP)."""
+    """One distillation run; ``parallel_state`` must be initialised (TP x PP).
+
+    The teacher is local (colocated), remote (``remote``: disaggregated) or a top-K cache
+    (``plan.topk_cache``: offline; no teacher model exists, ``self.teacher`` is None).
+    """
 
     REPORT_KEYS = ("loss", "kd_loss", "lm_loss", "teacher_lm_loss")
 
@@ -417,6 +468,7 @@ class Trainer:
 
         self.args, self.plan = args, plan
         self.remote = remote  # disaggregated: a RemoteTeacher instead of a local teacher
+        self.topk = None  # offline, last stage: a TopKPrefetcher (started by fit)
         self._expected: list = []
         self.loss_fn = loss_fn  # None: the fused loss; tests pass a dense reference
         self.rank = dist.get_rank()
@@ -428,6 +480,9 @@ class Trainer:
         self.pp_rank = ps.get_pipeline_model_parallel_rank()
         self.log_rank = self.rank == 0
         self.loss_config = plan.kd.loss_config(vocab_size=plan.student_arch.vocab_size)
+        # Evaluation without teacher outputs (offline: the cache holds training samples only;
+        # disaggregated: the teacher streams training microbatches only): the student's CE.
+        self.ce_config = dataclasses.replace(self.loss_config, kd_weight=0.0, ce_weight=1.0)
         self._evaluating = False
         self._subgroups: list = []
         self._build_student()
@@ -514,7 +569,10 @@ class Trainer:
     def _build_data(self) -> None:
         from megatron_kd.data.datasets import BatchPlan
 
-        self.train_ds, self.valid_ds = build_datasets(self.args, self.plan)
+        if self.plan.datasets is not None:  # offline: already built to check the cache
+            self.train_ds, self.valid_ds = self.plan.datasets
+        else:
+            self.train_ds, self.valid_ds = build_datasets(self.args, self.plan)
         self.batches = BatchPlan(self.plan.global_batch_size, self.args.micro_batch_size,
                                  self.dp_rank, self.plan.dp)
 
@@ -528,21 +586,27 @@ class Trainer:
         output = model(tokens, position_ids, None)
         if not self.is_last:
             return output, _never_called
-        teacher_hidden = teacher_weight = None
+        teacher_hidden = teacher_weight = topk_ids = topk_logprobs = None
         if self.remote is not None and not self._evaluating:
             step, m, ids = self._expected.pop(0)
             teacher_hidden = self.remote.hidden(step, m, ids, tokens)
             teacher_weight = self.remote.weight
+        elif self.topk is not None and not self._evaluating:
+            step, m, ids = self._expected.pop(0)
+            topk_ids, topk_logprobs = self.topk.next(ids)  # [s, b, K] each
         elif self.teacher is not None:
             with torch.no_grad():
                 teacher_hidden = to_sbh(self.teacher(tokens, position_ids, None))
             teacher_weight = output_layer_weight(self.teacher)
+        has_teacher = teacher_hidden is not None or topk_ids is not None
         kw = {} if self.loss_fn is None else {"loss_fn": self.loss_fn}
         loss_func = make_kd_loss_func(
             student_weight=output_layer_weight(model), teacher_hidden=teacher_hidden,
-            teacher_weight=teacher_weight, labels=batch["labels"], loss_mask=batch["loss_mask"],
-            config=self.loss_config, tp_group=self.tp_group,
-            report_teacher_lm_loss=self._evaluating, **kw)
+            teacher_weight=teacher_weight, teacher_topk_ids=topk_ids,
+            teacher_topk_logprobs=topk_logprobs, labels=batch["labels"],
+            loss_mask=batch["loss_mask"],
+            config=self.loss_config if has_teacher or not self._evaluating else self.ce_config,
+            tp_group=self.tp_group, report_teacher_lm_loss=self._evaluating, **kw)
         return output, loss_func
 
     def _run_schedule(self, microbatches: list, forward_only: bool) -> list:
@@ -582,7 +646,7 @@ class Trainer:
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         microbatches = list(self.batches.microbatches(self.train_ds, consumed_samples))
-        if self.remote is not None and self.is_last:
+        if (self.remote is not None or self.topk is not None) and self.is_last:
             step = consumed_samples // self.plan.global_batch_size
             n = len(self.train_ds)
             self._expected = [(step, m, self.batches.sample_ids(consumed_samples, m, n))
@@ -624,8 +688,25 @@ class Trainer:
                 "eval_lm_loss": _mean(red["lm_loss"]),
                 "eval_teacher_lm_loss": _mean(red["teacher_lm_loss"])}
 
+    def _start_topk(self, consumed: int, steps: int) -> None:
+        """Offline, last stage: decode this rank's microbatches of the next ``steps`` steps from
+        ``consumed`` samples on, ahead of training (``--kd-prefetch-depth`` microbatches)."""
+        from megatron_kd.cache.offline import TopKPrefetcher
+
+        n, gbs = len(self.train_ds), self.plan.global_batch_size
+        schedule = (self.batches.sample_ids(consumed + k * gbs, m, n)
+                    for k in range(steps) for m in range(self.batches.num_microbatches))
+        # Decoding threads compete with the CPU shim's own compute; on a GPU they are spare.
+        threads = 1 if on_cpu() else min(4, self.args.micro_batch_size)
+        device = None if on_cpu() else torch.cuda.current_device()
+        self.topk = TopKPrefetcher(self.plan.topk_cache, schedule,
+                                   depth=self.plan.kd.prefetch_depth, threads=threads,
+                                   device=device)
+
     def close(self) -> None:
-        """Free this rank's one-rank pipeline group of the teacher."""
+        """Stop the top-K decoder; free this rank's one-rank pipeline group of the teacher."""
+        if self.topk is not None:
+            self.topk.close()
         for group in self._subgroups:
             dist.destroy_process_group(group)
         self._subgroups = []
@@ -650,14 +731,27 @@ class Trainer:
             if first != start_iter:
                 raise RuntimeError(f"resume point {start_iter} != {first} read from --load")
             self.remote.start(first, stop)
+        stop_at = args.train_iters
+        if args.exit_after_iters is not None:
+            stop_at = min(stop_at, start_iter + args.exit_after_iters)
+        if plan.topk_cache is not None and self.is_last:
+            self._start_topk(consumed, max(0, stop_at - start_iter))
         progress = Progress(args.train_iters, self.log_rank and not args.no_progress)
         log = JsonLog(args.log_json, self.log_rank)
+        if plan.topk_cache is not None and self.log_rank:
+            spec = plan.topk_cache.spec
+            progress.message(f"megatron-kd: offline teacher: top-{spec.topk} cache "
+                             f"{plan.kd.topk_cache} (teacher {spec.teacher_checkpoint}, "
+                             f"tail {plan.kd.topk_tail})")
         if args.load and self.log_rank:
             progress.message(f"megatron-kd: resumed from iteration {start_iter}" if start_iter
                              else f"megatron-kd: no checkpoint in --load {args.load!r}; "
                                   f"starting from iteration 0")
         tokens_per_step = plan.global_batch_size * args.seq_length
         extra_ckpt = {"kind": "student", "teacher": plan.kd.teacher_load}
+        if plan.topk_cache is not None:
+            extra_ckpt.update(teacher=plan.topk_cache.spec.teacher_checkpoint,
+                              topk_cache=os.path.abspath(plan.kd.topk_cache))
 
         def save(iteration: int) -> None:
             if args.save:
@@ -669,9 +763,6 @@ class Trainer:
         steps, evals = [], []
         t_start = time.perf_counter()
         iteration = start_iter
-        stop_at = args.train_iters
-        if args.exit_after_iters is not None:
-            stop_at = min(stop_at, start_iter + args.exit_after_iters)
         step_times = []
         try:
             while iteration < stop_at:
@@ -707,6 +798,8 @@ class Trainer:
         finally:
             progress.close()
             log.close()
+            if self.topk is not None:
+                self.topk.close()
         if self.remote is not None:
             self.remote.close()
         wall = time.perf_counter() - t_start
@@ -726,6 +819,9 @@ class Trainer:
             "teacher_arch": plan.teacher_arch.to_dict() if plan.teacher_arch else None,
             "world_size": dist.get_world_size(),
             "rank": self.rank,
+            "kd_mode": plan.kd.mode,
+            "teacher_in_memory": self.teacher is not None,
+            "topk_wait_s": self.topk.wait_s if self.topk is not None else None,
             "tp": plan.tp, "pp": plan.pp, "dp": plan.dp,
         }
 
@@ -738,7 +834,8 @@ def _never_called(output_tensor):  # loss function of non-last pipeline stages
 # entry points
 # ----------------------------------------------------------------------------------------------
 def train(args: argparse.Namespace, *, loss_fn=None) -> dict:
-    """Run a colocated distillation; returns a summary dict (per-step records included).
+    """Run a distillation (any ``--kd-mode``); returns a summary dict (per-step records
+    included).
 
     Initialises ``torch.distributed`` from the environment if it is not already (torchrun, or a
     world of one), sets up Megatron's TP x PP groups for the run and tears them down after.
@@ -782,7 +879,7 @@ def _train_disaggregated(args: argparse.Namespace, *, loss_fn=None) -> dict:
         world_size=world, teacher_world_size=kd.teacher_world_size,
         student_tp=args.tensor_model_parallel_size, student_pp=args.pipeline_model_parallel_size,
         teacher_tp=kd.teacher_tp, teacher_pp=kd.teacher_pp)
-    plan = plan_run(args, topology.student.world_size)  # every check before any model is built
+    plan = plan_run(args, world)  # every check before any model is built
     world_group = dist.group.WORLD
     # Every rank creates both sides' groups, in one order (new_group is collective).
     student_group = dist.new_group(list(topology.student.ranks))
