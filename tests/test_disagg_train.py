@@ -6,7 +6,6 @@ replica serving 2 student DP ranks. Each world size gets its own pool of ranks.
 """
 
 import os
-import threading
 
 import pytest
 import torch
@@ -76,11 +75,19 @@ def test_disaggregated_equals_colocated(dist_pool_factory, teacher_dir, tmp_path
         assert sum(1 for line in f if '"kd_wire_bytes"' in line) == 5
 
 
-def _case_kill_teacher(ctx, argv, after_s):
+def _case_kill_teacher(ctx, argv, after_messages):
+    from megatron_kd.disagg.wire import HiddenSender
     from megatron_kd.training.train import parse_args, train
 
-    if ctx.rank == 2:  # the teacher: die (SIGKILL) in the middle of training
-        threading.Timer(after_s, lambda: os.kill(os.getpid(), 9)).start()
+    if ctx.rank == 2:  # the teacher: die (SIGKILL) in the middle of training, mid-stream
+        send = HiddenSender.send
+
+        def send_then_die(self, header, payload):
+            if self.messages_sent >= after_messages:
+                os.kill(os.getpid(), 9)
+            return send(self, header, payload)
+
+        HiddenSender.send = send_then_die
     return train(parse_args(argv))
 
 
@@ -92,7 +99,7 @@ def test_dead_teacher_raises_teacher_unavailable(dist_pool_factory, teacher_dir,
                        "disaggregated", "--kd-teacher-world-size", "1", "--kd-teacher-timeout",
                        "20", "--save", ckpt, "--save-interval", "100000"])
     with pytest.raises(RankFailure) as info:
-        pool.run(_case_kill_teacher, argv, 8.0, timeout=120)
+        pool.run(_case_kill_teacher, argv, 6, timeout=120)
     text = str(info.value)
     assert "TeacherUnavailableError: teacher rank 2 unavailable" in text
     assert "rank 2 process died" in text

@@ -237,8 +237,7 @@ class TeacherServer:
                                     num_chunks=route.num_chunks, sample_ids=ids,
                                     shape=tuple(chunk.shape), dtype=chunk.dtype,
                                     fingerprint=fingerprint)
-                    self.senders[route].send(header, chunk.detach().cpu()
-                                             if not torch.cuda.is_available() else chunk)
+                    self.senders[route].send(header, chunk.detach())
                 return torch.zeros((), device=output_tensor.device), {}
 
             return output, send

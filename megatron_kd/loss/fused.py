@@ -405,26 +405,11 @@ class _FusedKDLoss(torch.autograd.Function):
         n_rows = loss_mask.numel()
         sp = config.sequence_parallel and shard.tp_world_size > 1
 
-        x_s = _gather_sequence(student_hidden, shard) if sp else student_hidden
-        x_s = x_s.reshape(n_rows, h_s)
-        x_t = None
-        if teacher_hidden is not None:
-            x_t = _gather_sequence(teacher_hidden, shard) if sp else teacher_hidden
-            x_t = x_t.reshape(n_rows, teacher_hidden.shape[-1])
-        w_s = student_weight[: shard.local_valid]
-        w_t = None if teacher_weight is None else teacher_weight[: shard.local_valid]
-
-        sparse = topk_ids is not None
-        ce = labels is not None
-        maths = _KDMath(config, shard, sparse, x_t is not None, ce, cdt)
-
-        mask = loss_mask.reshape(n_rows).to(cdt)
-        active = torch.nonzero(mask != 0).view(-1)
-        n_active = active.numel()
-        all_active = n_active == n_rows
-        labels_flat = None if labels is None else labels.reshape(n_rows)
-        ids_flat = None if topk_ids is None else topk_ids.reshape(n_rows, -1)
-        lp_flat = None if topk_logprobs is None else topk_logprobs.reshape(n_rows, -1)
+        inputs = _Rows(student_hidden, student_weight, teacher_hidden, teacher_weight, topk_ids,
+                       topk_logprobs, labels, loss_mask, config, shard, sp, cdt)
+        x_s = inputs.x_s
+        maths = _KDMath(config, shard, topk_ids is not None, teacher_hidden is not None,
+                        labels is not None, cdt)
 
         precompute = config.backward == "precompute" and (
             student_hidden.requires_grad or student_weight.requires_grad)
@@ -434,17 +419,10 @@ class _FusedKDLoss(torch.autograd.Function):
         grad_w = (student_weight.new_zeros(student_weight.shape, dtype=cdt)
                   if precompute and need_grad_w else None)
 
-        rows_per_window = config.rows_per_window(shard.local_vocab_size)
         kd_total = torch.zeros((), dtype=cdt, device=x_s.device)
         ce_total = torch.zeros((), dtype=cdt, device=x_s.device)
         saved_stats: list[_Stats] = []
-        for start in range(0, n_active, rows_per_window):
-            stop = min(start + rows_per_window, n_active)
-            rows = slice(start, stop) if all_active else active[start:stop]
-            win = _make_window(rows, mask, labels_flat, ids_flat, lp_flat, config, shard, cdt)
-            xs_w = x_s[rows]
-            z_s = maths.logits(xs_w, w_s)
-            z_t = maths.logits(x_t[rows], w_t) if x_t is not None else None
+        for start, rows, win, xs_w, z_s, z_t in inputs.windows(maths):
             kd_row, ce_row, stats, bufs = maths.stats(z_s, z_t, win)
             if config.check_finite:
                 _check_finite(kd_row, ce_row, win, config, start)
@@ -454,7 +432,7 @@ class _FusedKDLoss(torch.autograd.Function):
                 ce_total += torch.where(win.ce_m != 0, win.ce_m * ce_row, 0.0).sum()
             if precompute:
                 g = maths.grad(bufs, stats, win)
-                _accumulate(g, xs_w, w_s, rows, grad_x, grad_w)
+                _accumulate(g, xs_w, inputs.w_s, rows, grad_x, grad_w)
             elif student_hidden.requires_grad or student_weight.requires_grad:
                 saved_stats.append(stats)
             del bufs
@@ -481,7 +459,6 @@ class _FusedKDLoss(torch.autograd.Function):
             ctx.config = config
             ctx.maths = maths
             ctx.saved_stats = saved_stats
-            ctx.rows_per_window = rows_per_window
             ctx.lead = lead
             ctx.save_for_backward(student_hidden, student_weight, teacher_hidden, teacher_weight,
                                   topk_ids, topk_logprobs, labels, loss_mask)
@@ -513,40 +490,62 @@ class _FusedKDLoss(torch.autograd.Function):
         )
 
 
+class _Rows:
+    """The inputs flattened to ``[tokens, ...]`` and the windows over the weighted tokens; the
+    forward pass and the recomputing backward walk the same windows in the same order."""
+
+    def __init__(self, student_hidden, student_weight, teacher_hidden, teacher_weight, topk_ids,
+                 topk_logprobs, labels, loss_mask, config: KDLossConfig, shard: _Shard, sp: bool,
+                 cdt):
+        n_rows = loss_mask.numel()
+        x_s = _gather_sequence(student_hidden, shard) if sp else student_hidden
+        self.x_s = x_s.reshape(n_rows, student_hidden.shape[-1])
+        self.x_t = None
+        if teacher_hidden is not None:
+            x_t = _gather_sequence(teacher_hidden, shard) if sp else teacher_hidden
+            self.x_t = x_t.reshape(n_rows, teacher_hidden.shape[-1])
+        self.w_s = student_weight[: shard.local_valid]
+        self.w_t = None if teacher_weight is None else teacher_weight[: shard.local_valid]
+        self.mask = loss_mask.reshape(n_rows).to(cdt)
+        self.active = torch.nonzero(self.mask != 0).view(-1)  # zero-weight tokens are skipped
+        self.all_active = self.active.numel() == n_rows
+        self.labels = None if labels is None else labels.reshape(n_rows)
+        self.ids = None if topk_ids is None else topk_ids.reshape(n_rows, -1)
+        self.lp = None if topk_logprobs is None else topk_logprobs.reshape(n_rows, -1)
+        self.config, self.shard, self.cdt = config, shard, cdt
+        self.rows_per_window = config.rows_per_window(shard.local_vocab_size)
+
+    def windows(self, maths: _KDMath):
+        """``(start, rows, window, student hidden rows, z_s, z_t)`` per window of active rows."""
+        n_active = self.active.numel()
+        for start in range(0, n_active, self.rows_per_window):
+            stop = min(start + self.rows_per_window, n_active)
+            rows = slice(start, stop) if self.all_active else self.active[start:stop]
+            win = _make_window(rows, self.mask, self.labels, self.ids, self.lp, self.config,
+                               self.shard, self.cdt)
+            xs_w = self.x_s[rows]
+            z_s = maths.logits(xs_w, self.w_s)
+            z_t = maths.logits(self.x_t[rows], self.w_t) if self.x_t is not None else None
+            yield start, rows, win, xs_w, z_s, z_t
+
+
 def _recompute_backward(ctx, grad_loss):
     (student_hidden, student_weight, teacher_hidden, teacher_weight, topk_ids, topk_logprobs,
      labels, loss_mask) = ctx.saved_tensors
-    shard, config, maths = ctx.shard, ctx.config, ctx.maths
+    shard, maths = ctx.shard, ctx.maths
     cdt = maths.cdt
     h_s = student_hidden.shape[-1]
     n_rows = loss_mask.numel()
     sp = ctx.sp
-    x_s = (_gather_sequence(student_hidden, shard) if sp else student_hidden).reshape(n_rows, h_s)
-    x_t = None
-    if teacher_hidden is not None:
-        x_t = (_gather_sequence(teacher_hidden, shard) if sp else teacher_hidden)
-        x_t = x_t.reshape(n_rows, teacher_hidden.shape[-1])
-    w_s = student_weight[: shard.local_valid]
-    w_t = None if teacher_weight is None else teacher_weight[: shard.local_valid]
-    mask = loss_mask.reshape(n_rows).to(cdt)
-    active = torch.nonzero(mask != 0).view(-1)
-    all_active = active.numel() == n_rows
-    labels_flat = None if labels is None else labels.reshape(n_rows)
-    ids_flat = None if topk_ids is None else topk_ids.reshape(n_rows, -1)
-    lp_flat = None if topk_logprobs is None else topk_logprobs.reshape(n_rows, -1)
-    grad_x = x_s.new_zeros(n_rows, h_s, dtype=cdt) if ctx.needs_input_grad[0] else None
+    inputs = _Rows(student_hidden, student_weight, teacher_hidden, teacher_weight, topk_ids,
+                   topk_logprobs, labels, loss_mask, ctx.config, shard, sp, cdt)
+    grad_x = inputs.x_s.new_zeros(n_rows, h_s, dtype=cdt) if ctx.needs_input_grad[0] else None
     grad_w = (student_weight.new_zeros(student_weight.shape, dtype=cdt)
               if ctx.needs_input_grad[1] else None)
-    for i, start in enumerate(range(0, active.numel(), ctx.rows_per_window)):
-        stop = min(start + ctx.rows_per_window, active.numel())
-        rows = slice(start, stop) if all_active else active[start:stop]
-        win = _make_window(rows, mask, labels_flat, ids_flat, lp_flat, config, shard, cdt)
-        xs_w = x_s[rows]
-        bufs = {"z_s": maths.logits(xs_w, w_s)}
-        if x_t is not None:
-            bufs["z_t"] = maths.logits(x_t[rows], w_t)
+    for i, (_, rows, win, xs_w, z_s, z_t) in enumerate(inputs.windows(maths)):
+        bufs = {"z_s": z_s} if z_t is None else {"z_s": z_s, "z_t": z_t}
         g = maths.grad(bufs, ctx.saved_stats[i], win)
-        _accumulate(g, xs_w, w_s, rows, grad_x, grad_w)
+        _accumulate(g, xs_w, inputs.w_s, rows, grad_x, grad_w)
     ctx.saved_stats = None
     scale = grad_loss.to(cdt)
     if grad_x is not None:
