@@ -66,6 +66,7 @@ def _stream(ctx, n, depth, mode):
                     time.sleep(6)  # longer than the student's timeout
                     break
                 if mode == "die" and i == 3:
+                    sender.wait()  # messages 0-2 left this process; die before sending 3
                     dist.destroy_process_group(group)
                     return {"sent": sent}
                 shape = (4, 2, 6) if (mode == "wrong_hidden" and i == 1) else SHAPE
