@@ -176,13 +176,13 @@ def test_sigkill_mid_build_then_resume_is_byte_identical(tmp_path):
     ref = _files(tmp_path / "ref")
 
     out = tmp_path / "killed"
-    proc = _run_build(out, delay=0.05)  # ~0.1 s per shard of 2 samples
+    proc = _run_build(out, delay=0.25)  # >= 0.5 s per shard of 2 samples: 3 s of margin to kill
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and proc.poll() is None:
         if (out / "manifest.json").exists() and len(load_manifest(out)["shards"]) >= 2:
             break
         time.sleep(0.01)
-    time.sleep(random.Random(0).uniform(0.0, 0.1))  # somewhere inside a later shard
+    time.sleep(random.Random(0).uniform(0.0, 0.5))  # somewhere inside a later shard
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=30)
     partial = len(load_manifest(out)["shards"])
