@@ -5,14 +5,18 @@ under test. Arithmetic is exact integer or exactly representable in binary, so c
 exact unless a tolerance says why.
 """
 
+import dataclasses
 import math
 
 import pytest
 
 from megatron_kd.planner import memory as mem
+from megatron_kd.planner import plan
 from megatron_kd.planner import traffic as tr
 from megatron_kd.planner.memory import ActivationOptions, ParallelLayout, Precision
 from megatron_kd.planner.models import ModelConfig
+from megatron_kd.planner.plan import PlanOptions
+from megatron_kd.planner.presets import GpuSpec, LinkSpec
 
 # A tiny dense GQA/SwiGLU model: L=2, h=8, a=2, g=1, d=4, f=16, V=10, untied.
 TINY = ModelConfig(
@@ -332,14 +336,60 @@ def test_loss_terms():
     )
     # the loss's default window: 2^24 fp32 elements / 128 local columns
     assert mem.window_rows(stu, layout, None) == 131072
-    # cache: (D+1)=3 micro-batches * 4 tokens * (K=3 * 6 + 4)
-    assert mem.cache_reader_bytes(4, 1, 3, 2, 6) == 264
+    # cache, decoded: one micro-batch in use * 4 tokens * K=3 * (int64 id 8 + fp32 log-prob 4)
+    assert mem.cache_reader_bytes(4, 1, 3) == 144
+    # where the host queue is device memory (CPU): D=2 queued + 1 decoding + 1 in use = 4
+    assert mem.cache_reader_bytes(4, 1, 3, 4) == 576
+    with pytest.raises(ValueError, match="resident_microbatches=0"):
+        mem.cache_reader_bytes(4, 1, 3, 0)
     # ring, D=3: 3 slots * 4 tokens * 16 * 2 bytes / t=2 = 192; gathered 4*16*2 = 128
     assert mem.ring_bytes(tea, layout, 4, 1, 3) == {"ring_slots": 192, "gathered_hidden": 128}
     # teacher output layer shard: 256/2 * 16 * 2 bytes
     assert mem.teacher_output_layer_bytes(tea, layout) == 4096
     with pytest.raises(ValueError, match="prefetch_depth"):
         mem.ring_bytes(tea, layout, 4, 1, 0)
+
+
+def test_teacher_inference_terms():
+    opts = PlanOptions(
+        student=TINY,
+        teacher=TINY,
+        gpu=GpuSpec(name="g", memory_bytes=1 << 30, bf16_flops=1e12, nvlink_bytes_per_s=1e9),
+        inter_node_link=LinkSpec(name="l", bytes_per_s=1e9),
+        seq_length=4,
+        micro_batch_size=1,
+        global_batch_size=1,
+        reserve_bytes=0,
+    )
+    # one stage: TINY's 1352 bf16 params = 2704 bytes, of which the output layer 10*8*2 = 160 is
+    # loaded though never run; no-grad forward, n=4 tokens: residual + norm output 4h = 32, plus
+    # max(attention 2*(2ad + 2gd) = 48, SwiGLU 6f = 96) = 128 bytes per token -> 512; send slots
+    # D=2 * 4 tokens * h=8 * 2 bytes = 128
+    layout = ParallelLayout(make_vocab_size_divisible_by=1)
+    assert plan.teacher_inference_terms(opts, layout, 0) == {
+        "teacher weights (no output layer)": 2544,
+        "teacher output layer (loaded, not run)": 160,
+        "teacher forward (no grad)": 512,
+        "send slots (D x 1/t seq)": 128,
+        "reserve (context, NCCL, frag.)": 0,
+    }
+    # pp=2: stage 0 holds layer 0 + embedding (672 params = 1344 bytes) and sends nothing; the
+    # last stage layer 1 + final norm (600 params = 1200 bytes) and the output layer (160)
+    layout = ParallelLayout(pp=2, make_vocab_size_divisible_by=1)
+    first = plan.teacher_inference_terms(opts, layout, 0)
+    assert first["teacher weights (no output layer)"] == 1344
+    assert "teacher output layer (loaded, not run)" not in first
+    assert "send slots (D x 1/t seq)" not in first
+    last = plan.teacher_inference_terms(opts, layout, 1)
+    assert last["teacher weights (no output layer)"] == 1200
+    assert last["teacher output layer (loaded, not run)"] == 160
+    # tied, one stage: the embedding is the output layer and is needed for the input anyway:
+    # 1352 - 80 = 1272 params = 2544 bytes, no separate output-layer term
+    tied = dataclasses.replace(TINY, tie_embeddings=True)
+    opts = dataclasses.replace(opts, teacher=tied)
+    terms = plan.teacher_inference_terms(opts, ParallelLayout(make_vocab_size_divisible_by=1), 0)
+    assert terms["teacher weights (no output layer)"] == 2544
+    assert "teacher output layer (loaded, not run)" not in terms
 
 
 # --- FLOPs, time, traffic -----------------------------------------------------------------------

@@ -5,8 +5,13 @@ For each run (its ``megatron-kd train`` arguments and the JSON log it wrote with
 
 * memory: the planner's prediction for the logging rank (rank 0: pipeline stage 0, TP rank 0)
   against the measured peak, ``max(peak_mem_bytes)`` over the run's steps. Target: within 15%.
+  Disaggregated CPU runs made by ``--run`` add a row for their first teacher rank: the planner's
+  teacher GPU (``plan.teacher_inference_terms``, stage 0) against that process's peak RSS.
 * wire (disaggregated runs): the planner's teacher -> student bytes per step against the bytes the
-  run counted (a per-step log field, ``--wire-bytes-key``). Target: equal, exactly.
+  run counted (a per-step log field, ``--wire-bytes-key``). Target: equal, exactly. ``megatron-kd
+  train`` logs ``kd_wire_bytes`` (every student rank's received bytes, summed: scope
+  ``all-ranks``) and ``kd_wire_bytes_per_dp_rank`` (that over the data-parallel size: scope
+  ``dp-rank``, the default).
 
 Measurement method. On a GPU, ``peak_mem_bytes`` is ``torch.cuda.max_memory_allocated()`` and is
 compared with the planner's terms directly (the reserve left out: the allocator statistics do not
@@ -15,17 +20,37 @@ see the CUDA context or NCCL). On CPU it is the process's peak resident set size
 framework baseline is measured once (a process that imports exactly what ``megatron-kd train``
 imports and installs the CPU shim, nothing else; or ``--baseline-bytes``), and the planner is
 compared with ``peak - baseline``. Both the absolute and the baseline-subtracted ratios are printed.
+The runs (``--run``) and the baseline process get ``MALLOC_MMAP_THRESHOLD_=65536`` (glibc): each
+allocation of 64 KiB or more is a mapping of its own, returned to the system when freed, so peak
+RSS follows the peak of live tensors, as ``max_memory_allocated`` does on a GPU. Without it
+glibc's heap keeps freed activations and gradient temporaries (the offline tp1 run's RSS grows
+by about 0.4 GiB from the end of step 1 to the end of step 2 with no more live tensors, and its
+ratio reads 0.83), the CPU's counterpart of the caching allocator's reserved-but-free memory:
+not a term of the planner. Runs made elsewhere should set it too. The teacher rank's peak comes
+from a wrapper of the ``megatron-kd`` entry point that writes each rank's ``ru_maxrss`` at exit
+(``rank<R>.json``; only rank 0 writes the JSON log).
 
 How the planner is configured for a run: the architectures are the ones ``megatron-kd train`` itself
 resolves (``plan_run``: the student from the flags, the teacher from its checkpoint's
-``model_config.json``); precision follows ``--bf16`` (fp32 otherwise: 4-byte weights and
-activations, Adam moments without a master copy); on CPU the local layer spec runs unfused
-attention, norms and SwiGLU (``flash_attention``, ``fused_norm``, ``fused_swiglu`` off). Known gaps:
-MLP biases (``--add-bias-linear``) and learned position embeddings are not counted; ``ru_maxrss`` is
-a high-water mark over the whole process, so a transient at start-up (e.g. a checkpoint load holding
-two copies of the teacher) can exceed the training peak; pipeline ranks other than the last build
-the teacher and free it, which the high-water mark still sees. Validate with
-``--pipeline-model-parallel-size 1`` runs.
+``model_config.json``, an offline run's K from its cache's manifest); precision follows ``--bf16``
+(fp32 otherwise: 4-byte weights and activations, Adam moments without a master copy) and must
+match ``--kd-teacher-dtype`` (the planner has one precision; a mismatch is refused); the streamed
+hidden states take the teacher's element size; ``--kd-prefetch-depth`` sets the ring slots; on
+CPU the local layer spec runs unfused attention, norms and SwiGLU (``flash_attention``,
+``fused_norm``, ``fused_swiglu`` off) and the top-K prefetcher's host queue is device memory
+(``cache_resident_microbatches = D + 2``). Known gaps: MLP biases (``--add-bias-linear``) and
+learned position embeddings are not counted; ``ru_maxrss`` is a high-water mark over the whole
+process, so a transient at start-up (e.g. a checkpoint load holding two copies of the teacher) can
+exceed the training peak; pipeline ranks other than the last build the teacher and free it, which
+the high-water mark still sees. Validate with ``--pipeline-model-parallel-size 1`` runs. The
+planner sums its terms, though the teacher's forward working set is freed before the loss's
+window buffers are allocated (an overestimate of the smaller of the two), and the loss holds one
+``[w, V/t]`` buffer less than counted when a micro-batch fits in one window (the tp2 cases:
+the previous window's gradient is what the fourth buffer counts); both stay inside the tolerance
+at these sizes. The teacher's send slots are counted as ``D`` micro-batches; its sender keeps one
+payload per stream in flight while it computes the next, which is the same at the default
+``D = 2`` only. A teacher rank's peak is compared on CPU only (its RSS
+is host memory on a GPU machine).
 
 Usage::
 
@@ -33,13 +58,14 @@ Usage::
     python tools/validate_planner.py --train-args "<the megatron-kd train flags>" \\
         --log-json run.jsonl
     # several runs described in a JSON file: [{"name": ..., "train_args": ..., "log_json": ...,
-    #                                          "nproc": 1}, ...]
+    #                                          "nproc": 1, "peak_dir": optional}, ...]
     python tools/validate_planner.py --cases cases.json
     # run them first (single process, or torchrun with nproc > 1), then compare
     python tools/validate_planner.py --cases cases.json --run
-    # the built-in CPU cases: a random teacher checkpoint, a TP=1 and a TP=2 colocated run
-    # (about three minutes on two CPU cores)
-    python tools/validate_planner.py --builtin --run
+    # the built-in CPU cases, every mode of megatron-kd train at TP=1 and TP=2: a random teacher
+    # checkpoint, its top-K cache (megatron-kd cache build), colocated, offline and disaggregated
+    # runs (1 teacher rank + 1 or 2 student ranks); about 2.5 minutes on two idle CPU cores
+    python tools/validate_planner.py --builtin --run [--terms]
 
 Needs torch and megatron-core (it uses the training code's own argument parsing); the planner itself
 does not.
@@ -54,17 +80,24 @@ import shlex
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 
 from megatron_kd.planner import memory as mem
 from megatron_kd.planner import traffic as tr
 from megatron_kd.planner.memory import ActivationOptions, Precision
 from megatron_kd.planner.models import ModelConfig
-from megatron_kd.planner.plan import PlanOptions, student_stage_terms
+from megatron_kd.planner.plan import PlanOptions, student_stage_terms, teacher_inference_terms
 from megatron_kd.planner.presets import GpuSpec, LinkSpec
 
 TOLERANCE = 0.15  # the issue's target: predicted peak memory within 15% of the measured one
 RESERVE_TERM = "reserve (context, NCCL, frag.)"
+
+# glibc malloc: every allocation of 64 KiB or more gets a mapping of its own, unmapped when freed
+# (a fixed threshold also turns off glibc's raising of it). Peak RSS then follows the peak of live
+# tensors, as torch.cuda.max_memory_allocated does on a GPU, instead of also holding freed memory
+# that the heap keeps (see "Measurement method" above). Applied to the runs and the baseline.
+MEASURE_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}
 
 _BASELINE_CODE = (
     "import resource\n"
@@ -76,8 +109,9 @@ _BASELINE_CODE = (
 )
 
 
-# A random teacher (its weights do not matter for memory) and two colocated runs of a smaller
-# student, sized so that the model state and activations dominate the framework's own memory.
+# A random teacher (its weights do not matter for memory) and runs of a smaller student in every
+# mode of `megatron-kd train`, sized so that the model state and activations dominate the
+# framework's own memory.
 _TEACHER_ARCH = dict(
     num_layers=6,
     hidden_size=768,
@@ -92,15 +126,46 @@ _TEACHER_ARCH = dict(
 _STUDENT_FLAGS = (
     "--num-layers 4 --hidden-size 512 --num-attention-heads 8 --num-query-groups 4 "
     "--ffn-hidden-size 1536 --seq-length 512 --train-iters 2 --mock-data "
-    "--eval-iters 0 --eval-interval 1000 --kd-teacher-load {teacher}"
+    "--eval-iters 0 --eval-interval 1000"
 )
+_WITH_TEACHER = " --kd-teacher-load {teacher}"
+BUILTIN_TOPK = 64  # entries per token of the built-in offline case's cache
+# (name, megatron-kd train flags with {teacher} / {cache} to fill in, process count)
 BUILTIN_CASES = [
-    ("colocated tp1 b4 s512", _STUDENT_FLAGS + " --micro-batch-size 4 --global-batch-size 4", 1),
+    (
+        "colocated tp1 b4 s512",
+        _STUDENT_FLAGS + _WITH_TEACHER + " --micro-batch-size 4 --global-batch-size 4",
+        1,
+    ),
     (
         "colocated tp2 b2 s512",
-        _STUDENT_FLAGS + " --micro-batch-size 2 --global-batch-size 4 "
+        _STUDENT_FLAGS + _WITH_TEACHER + " --micro-batch-size 2 --global-batch-size 4 "
         "--tensor-model-parallel-size 2",
         2,
+    ),
+    (
+        "offline tp1 b4 s512",
+        _STUDENT_FLAGS + " --micro-batch-size 4 --global-batch-size 4 "
+        "--kd-mode offline --kd-topk-cache {cache}",
+        1,
+    ),
+    (
+        "offline tp2 b2 s512",
+        _STUDENT_FLAGS + " --micro-batch-size 2 --global-batch-size 4 "
+        "--tensor-model-parallel-size 2 --kd-mode offline --kd-topk-cache {cache}",
+        2,
+    ),
+    (
+        "disagg tp1 b4 s512",
+        _STUDENT_FLAGS + _WITH_TEACHER + " --micro-batch-size 4 --global-batch-size 4 "
+        "--kd-mode disaggregated --kd-teacher-world-size 1",
+        2,
+    ),
+    (
+        "disagg tp2 b2 s512",
+        _STUDENT_FLAGS + _WITH_TEACHER + " --micro-batch-size 2 --global-batch-size 4 "
+        "--tensor-model-parallel-size 2 --kd-mode disaggregated --kd-teacher-world-size 1",
+        3,
     ),
 ]
 
@@ -118,12 +183,76 @@ _MAKE_TEACHER_CODE = (
     "dist.destroy_process_group()\n"
 )
 
+# Every rank of a --run records its process's peak RSS at exit (rank<R>.json in the directory
+# named by _PEAK_DIR_ENV): the JSON log is rank 0's only, and a disaggregated run's teacher ranks
+# write none. The `megatron-kd` entry point itself, wrapped.
+_PEAK_DIR_ENV = "VALIDATE_PLANNER_PEAK_DIR"
+_RANK_PEAK_CODE = (
+    "import json, os, resource, sys\n"
+    "from megatron_kd.cli import main\n"
+    "try:\n"
+    "    code = main(sys.argv[1:])\n"
+    "finally:\n"
+    "    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024\n"
+    "    name = 'rank%s.json' % os.environ.get('RANK', '0')\n"
+    f"    out = os.path.join(os.environ[{_PEAK_DIR_ENV!r}], name)\n"
+    "    with open(out, 'w') as f:\n"
+    "        json.dump({'peak_rss_bytes': peak}, f)\n"
+    "sys.exit(code)\n"
+)
+
 
 def make_random_teacher(directory: str) -> None:
     """A megatron_kd checkpoint of a randomly initialised teacher (``_TEACHER_ARCH``)."""
     subprocess.run(
         [sys.executable, "-c", _MAKE_TEACHER_CODE, directory, json.dumps(_TEACHER_ARCH)], check=True
     )
+
+
+def cache_build_argv(
+    train_args: str, world_size: int, cache_dir: str, teacher_dir: str, topk: int
+) -> list[str]:
+    """``megatron-kd cache build`` flags that make the cache an offline run reads: the run's data
+    flags, sequence length, seed and sample count (``train_iters x global batch``), so that
+    ``plan_run`` accepts it (same dataset identity, tokenizer, vocabulary and length)."""
+    args = parse_train_args(train_args)
+    dp = world_size // (args.tensor_model_parallel_size * args.pipeline_model_parallel_size)
+    gbs = args.global_batch_size or args.micro_batch_size * max(1, dp)
+    argv = [
+        "--out", cache_dir,
+        "--kd-teacher-load", teacher_dir,
+        "--kd-topk", str(topk),
+        "--seq-length", str(args.seq_length),
+        "--micro-batch-size", str(args.micro_batch_size),
+        "--train-iters", str(args.train_iters),
+        "--global-batch-size", str(gbs),
+        "--eval-iters", str(args.eval_iters),
+        "--seed", str(args.seed),
+        "--split", args.split,
+    ]  # fmt: skip
+    if args.mock_data:
+        argv.append("--mock-data")
+    else:
+        if not args.data_path or not args.tokenizer_model:
+            raise ValueError(
+                f"an offline run without --mock-data needs --data-path and --tokenizer-model to "
+                f"build its cache, got data_path={args.data_path!r}, "
+                f"tokenizer_model={args.tokenizer_model!r}"
+            )
+        argv += ["--data-path", *args.data_path, "--tokenizer-model", args.tokenizer_model]
+        if args.eod_token is not None:
+            argv += ["--eod-token", args.eod_token]
+        if args.data_cache_path is not None:
+            argv += ["--data-cache-path", args.data_cache_path]
+    return argv
+
+
+def make_topk_cache(
+    cache_dir: str, teacher_dir: str, train_args: str, world_size: int, topk: int
+) -> None:
+    """Build the top-K cache of an offline run with ``megatron-kd cache build`` (one process)."""
+    argv = cache_build_argv(train_args, world_size, cache_dir, teacher_dir, topk)
+    subprocess.run([sys.executable, "-m", "megatron_kd", "cache", "build", *argv], check=True)
 
 
 @dataclass
@@ -134,26 +263,38 @@ class Case:
     train_args: str
     log_json: str | None
     nproc: int = 1
+    peak_dir: str | None = None
+    """Where each rank wrote its process's peak RSS at exit (``rank<R>.json``; made by
+    ``--run``), or None."""
 
 
 @dataclass
 class Prediction:
     mode: str
     terms: dict
-    wire_bytes_per_tp_rank: float | None
-    wire_bytes_per_dp_rank: float | None
+    wire: dict | None
+    """Disaggregated: the teacher -> student bytes per step by scope (``tp-rank``: one
+    last-stage TP rank; ``dp-rank``: one student DP rank; ``all-ranks``: the whole student)."""
 
 
 # --- the run's configuration, as megatron-kd train resolves it -----------------------------------
 
 
-def resolve_run(train_args: str, world_size: int):
-    """``(args, plan)`` exactly as ``megatron-kd train`` resolves them (no model is built)."""
-    from megatron_kd.training.train import add_arguments, plan_run
+def parse_train_args(train_args: str) -> argparse.Namespace:
+    """``megatron-kd train``'s own parsing of ``train_args``."""
+    from megatron_kd.training.train import add_arguments
 
     parser = argparse.ArgumentParser(prog="megatron-kd train")
     add_arguments(parser)
-    args = parser.parse_args(shlex.split(train_args))
+    return parser.parse_args(shlex.split(train_args))
+
+
+def resolve_run(train_args: str, world_size: int):
+    """``(args, plan)`` exactly as ``megatron-kd train`` resolves them (no model is built; an
+    offline run's cache is opened and checked against the run)."""
+    from megatron_kd.training.train import plan_run
+
+    args = parse_train_args(train_args)
     return args, plan_run(args, world_size)
 
 
@@ -177,16 +318,29 @@ def arch_to_model(arch, name: str) -> ModelConfig:
     )
 
 
-def predict(args, plan, on_cpu: bool) -> Prediction:
-    """The planner's terms for the logging rank (stage 0) of the run."""
+def _mode(plan) -> str:
+    if plan.kd.mode == "offline":
+        return "offline-cache"
+    if plan.teacher_arch is None:
+        return "no teacher"  # the fused loss with the student's logits only
+    return {"colocated": "colocated-fused", "disaggregated": "disaggregated"}[plan.kd.mode]
+
+
+def plan_options(args, plan, on_cpu: bool) -> PlanOptions:
+    """The planner's options for the run (see the module docstring)."""
     import torch
 
     student = arch_to_model(plan.student_arch, "student")
     teacher = arch_to_model(plan.teacher_arch, "teacher") if plan.teacher_arch else student
     fp32 = plan.params_dtype == torch.float32
-    precision = Precision(
-        param_bytes=4 if fp32 else 2, grad_bytes=4, optimizer_bytes=8 if fp32 else 12
-    )
+    param_bytes = 4 if fp32 else 2
+    teacher_bytes = 4 if plan.kd.teacher_dtype == "fp32" else 2
+    if plan.teacher_arch is not None and teacher_bytes != param_bytes:
+        raise ValueError(
+            f"--kd-teacher-dtype {plan.kd.teacher_dtype} with {'fp32' if fp32 else 'bf16'} "
+            f"student parameters: the planner gives teacher and student one precision"
+        )
+    precision = Precision(param_bytes=param_bytes, grad_bytes=4, optimizer_bytes=8 if fp32 else 12)
     activation = ActivationOptions(
         flash_attention=not on_cpu,
         fused_norm=not on_cpu,
@@ -195,22 +349,19 @@ def predict(args, plan, on_cpu: bool) -> Prediction:
         attention_dropout=args.attention_dropout > 0,
         activation_bytes=4 if fp32 else 2,
     )
-    kd_mode = plan.kd.mode
-    if plan.teacher_arch is None:
-        mode = "offline-cache"  # no teacher: the fused loss with the student's logits only
-    else:
-        mode = {
-            "colocated": "colocated-fused",
-            "disaggregated": "disaggregated",
-            "offline": "offline-cache",
-        }[kd_mode]
+    extra = {}
+    if plan.topk_cache is not None:
+        extra["topk"] = plan.topk_cache.spec.topk
+        # On CPU the prefetcher's host queue is the device memory: D queued + 1 being decoded
+        # + 1 in use (see memory.cache_reader_bytes); on a GPU only the one in use.
+        extra["cache_resident_microbatches"] = plan.kd.prefetch_depth + 2 if on_cpu else 1
     gpu = GpuSpec(name="measured", memory_bytes=1 << 50, bf16_flops=1e12, nvlink_bytes_per_s=1e9)
-    opts = PlanOptions(
+    return PlanOptions(
         student=student,
         teacher=teacher,
         gpu=gpu,
         inter_node_link=LinkSpec(name="measured", bytes_per_s=1e9),
-        gpus_per_node=plan.tp * plan.pp * plan.dp,
+        gpus_per_node=max(plan.tp * plan.pp * plan.dp, plan.kd.teacher_tp),
         nodes=1,
         seq_length=args.seq_length,
         micro_batch_size=args.micro_batch_size,
@@ -220,30 +371,64 @@ def predict(args, plan, on_cpu: bool) -> Prediction:
         recompute="none",
         sequence_parallel=False,
         use_distributed_optimizer=False,
+        teacher_tp=plan.kd.teacher_tp,
+        teacher_pp=plan.kd.teacher_pp,
         window_size=plan.kd.window_size,
+        prefetch_depth=plan.kd.prefetch_depth,
+        hidden_elem_bytes=teacher_bytes,
         precision=precision,
         activation=activation,
         reserve_bytes=0,
+        **extra,
     )
+
+
+def predict(args, plan, on_cpu: bool) -> Prediction:
+    """The planner's terms for the logging rank (student rank 0: stage 0, TP rank 0)."""
+    opts = plan_options(args, plan, on_cpu)
+    mode = _mode(plan)
     layout = mem.ParallelLayout(tp=plan.tp, pp=plan.pp, dp=plan.dp, make_vocab_size_divisible_by=1)
     teacher_layout = mem.ParallelLayout(
         tp=plan.tp, pp=1, dp=plan.dp, make_vocab_size_divisible_by=1
     )
     terms = student_stage_terms(
-        opts, mode, layout, teacher_layout if mode.startswith("colocated") else None, 0
+        opts,
+        "offline-cache" if mode == "no teacher" else mode,
+        layout,
+        teacher_layout if mode.startswith("colocated") else None,
+        0,
     )
     terms.pop(RESERVE_TERM, None)
-    if plan.teacher_arch is None:
+    if mode == "no teacher":
         terms.pop("cache reader", None)
-    wire_tp = wire_dp = None
+    wire = None
     if mode == "disaggregated":
-        wire_dp = tr.hidden_bytes_per_step_per_dp_rank(
-            teacher, plan.global_batch_size, plan.dp, args.seq_length, precision.param_bytes
+        per_dp = tr.hidden_bytes_per_step_per_dp_rank(
+            opts.teacher, plan.global_batch_size, plan.dp, args.seq_length, opts.hidden_elem_bytes
         )
-        wire_tp = wire_dp / plan.tp
-    return Prediction(
-        mode=mode, terms=terms, wire_bytes_per_tp_rank=wire_tp, wire_bytes_per_dp_rank=wire_dp
+        wire = {"tp-rank": per_dp / plan.tp, "dp-rank": per_dp, "all-ranks": per_dp * plan.dp}
+    return Prediction(mode=mode, terms=terms, wire=wire)
+
+
+def teacher_rank(plan, world_size: int) -> int:
+    """The first teacher rank of a disaggregated run (teacher stage 0, TP rank 0)."""
+    return world_size - plan.kd.teacher_world_size
+
+
+def predict_teacher(args, plan, on_cpu: bool) -> dict:
+    """The planner's terms for the first teacher rank of a disaggregated run (stage 0, TP rank
+    0 of replica 0)."""
+    opts = plan_options(args, plan, on_cpu)
+    kd = plan.kd
+    layout = mem.ParallelLayout(
+        tp=kd.teacher_tp,
+        pp=kd.teacher_pp,
+        dp=kd.teacher_world_size // (kd.teacher_tp * kd.teacher_pp),
+        make_vocab_size_divisible_by=1,
     )
+    terms = teacher_inference_terms(opts, layout, 0)
+    terms.pop(RESERVE_TERM, None)
+    return terms
 
 
 # --- measurement --------------------------------------------------------------------------------
@@ -252,7 +437,11 @@ def predict(args, plan, on_cpu: bool) -> Prediction:
 def measure_baseline() -> int:
     """Peak RSS of a process that only imports what ``megatron-kd train`` imports (CPU runs)."""
     proc = subprocess.run(
-        [sys.executable, "-c", _BASELINE_CODE], capture_output=True, text=True, check=True
+        [sys.executable, "-c", _BASELINE_CODE],
+        capture_output=True,
+        text=True,
+        check=True,
+        env=dict(os.environ, **MEASURE_ENV),
     )
     return int(proc.stdout.strip().splitlines()[-1])
 
@@ -270,10 +459,20 @@ def read_log(path: str) -> list[dict]:
     return steps
 
 
-def run_case(case: Case, log_path: str) -> None:
+def read_rank_peak(peak_dir: str, rank: int) -> int | None:
+    """The peak RSS rank ``rank`` wrote at exit (None when it wrote none)."""
+    path = os.path.join(peak_dir, f"rank{rank}.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        return int(json.load(f)["peak_rss_bytes"])
+
+
+def run_case(case: Case, log_path: str, peak_dir: str) -> float:
     """Run ``megatron-kd train`` for ``case`` (torchrun when ``nproc > 1``), logging to
-    ``log_path``."""
-    argv = shlex.split(case.train_args) + ["--log-json", log_path, "--no-progress"]
+    ``log_path``, each rank writing its peak RSS into ``peak_dir``; returns the wall seconds."""
+    argv = ["train", *shlex.split(case.train_args), "--log-json", log_path, "--no-progress"]
+    entry = [sys.executable, "-c", _RANK_PEAK_CODE]
     if case.nproc > 1:
         cmd = [
             sys.executable,
@@ -281,39 +480,31 @@ def run_case(case: Case, log_path: str) -> None:
             "torch.distributed.run",
             "--standalone",
             f"--nproc-per-node={case.nproc}",
-            "-m",
-            "megatron_kd",
-            "train",
+            "--no-python",
+            *entry,
             *argv,
         ]
     else:
-        cmd = [sys.executable, "-m", "megatron_kd", "train", *argv]
-    subprocess.run(cmd, check=True)
+        cmd = [*entry, *argv]
+    os.makedirs(peak_dir, exist_ok=True)
+    env = dict(os.environ, **MEASURE_ENV, **{_PEAK_DIR_ENV: peak_dir})
+    t0 = time.perf_counter()
+    subprocess.run(cmd, check=True, env=env)
+    return time.perf_counter() - t0
 
 
 # --- comparison ---------------------------------------------------------------------------------
 
 
-def compare(case: Case, baseline: int | None, wire_key: str, wire_scope: str) -> dict:
-    if case.log_json is None:
-        raise ValueError(f"case {case.name!r}: no log (pass --log-json, or --run)")
-    args, plan = resolve_run(case.train_args, case.nproc)
-    steps = read_log(case.log_json)
-    kinds = {r.get("peak_mem_kind") for r in steps}
-    if len(kinds) != 1:
-        raise ValueError(f"{case.log_json}: mixed peak_mem_kind {kinds}")
-    kind = kinds.pop()
-    on_cpu = kind == "cpu_max_rss"
-    pred = predict(args, plan, on_cpu)
-    predicted = sum(pred.terms.values())
-    measured = max(r["peak_mem_bytes"] for r in steps)
+def _memory_row(name, mode, kind, terms, measured, baseline, on_cpu) -> dict:
+    predicted = sum(terms.values())
     row = {
-        "name": case.name,
-        "mode": pred.mode,
+        "name": name,
+        "mode": mode,
         "kind": kind,
         "predicted_bytes": predicted,
         "measured_bytes": measured,
-        "terms": pred.terms,
+        "terms": terms,
     }
     if on_cpu:
         if baseline is None:
@@ -327,49 +518,91 @@ def compare(case: Case, baseline: int | None, wire_key: str, wire_scope: str) ->
     else:
         row["ratio"] = predicted / measured
     row["memory_ok"] = abs(row["ratio"] - 1) <= TOLERANCE
-    if pred.wire_bytes_per_tp_rank is not None:
+    return row
+
+
+def compare(case: Case, baseline: int | None, wire_key: str, wire_scope: str) -> list[dict]:
+    """The rows of one run: the logging rank, and for a disaggregated CPU run with per-rank
+    peaks, its first teacher rank."""
+    if case.log_json is None:
+        raise ValueError(f"case {case.name!r}: no log (pass --log-json, or --run)")
+    args, plan = resolve_run(case.train_args, case.nproc)
+    steps = read_log(case.log_json)
+    kinds = {r.get("peak_mem_kind") for r in steps}
+    if len(kinds) != 1:
+        raise ValueError(f"{case.log_json}: mixed peak_mem_kind {kinds}")
+    kind = kinds.pop()
+    on_cpu = kind == "cpu_max_rss"
+    pred = predict(args, plan, on_cpu)
+    measured = max(r["peak_mem_bytes"] for r in steps)
+    row = _memory_row(case.name, pred.mode, kind, pred.terms, measured, baseline, on_cpu)
+    rows = [row]
+    if pred.wire is not None:
         if not all(wire_key in r for r in steps):
             raise ValueError(
                 f"{case.log_json}: a disaggregated run must log {wire_key!r} every step"
             )
-        expected = (
-            pred.wire_bytes_per_tp_rank if wire_scope == "tp-rank" else pred.wire_bytes_per_dp_rank
-        )
         counted = {r[wire_key] for r in steps}
-        row["wire_predicted"] = expected
+        row["wire_predicted"] = pred.wire[wire_scope]
         row["wire_counted"] = sorted(counted)
-        row["wire_ok"] = counted == {expected}
-    return row
+        row["wire_ok"] = counted == {pred.wire[wire_scope]}
+        # The teacher's memory: its process's peak RSS (host memory: CPU runs only).
+        rank = teacher_rank(plan, case.nproc)
+        peak = read_rank_peak(case.peak_dir, rank) if case.peak_dir else None
+        if on_cpu and peak is not None:
+            terms = predict_teacher(args, plan, on_cpu)
+            rows.append(
+                _memory_row(
+                    f"{case.name} (teacher)",
+                    "disagg teacher",
+                    f"cpu_max_rss of rank {rank}",
+                    terms,
+                    peak,
+                    baseline,
+                    on_cpu,
+                )
+            )
+    return rows
 
 
-def format_rows(rows: list[dict]) -> str:
+def format_rows(rows: list[dict], with_terms: bool = False) -> str:
     gib = float(1 << 30)
-    out = [
-        f"{'run':<28}{'mode':<17}{'predicted GiB':>14}{'measured GiB':>14}{'baseline GiB':>14}"
+    header = (
+        f"{'run':<31}{'mode':<17}{'predicted GiB':>14}{'measured GiB':>14}{'baseline GiB':>14}"
         f"{'ratio':>8}{'abs.':>8}  within 15%  wire"
-    ]
+    )
+    out = [header]
     for r in rows:
         base = r.get("baseline_bytes")
-        wire = (
-            "-"
-            if "wire_ok" in r and r["wire_ok"] is None
-            else (
-                (
-                    "equal"
-                    if r["wire_ok"]
-                    else f"DIFFERS {r['wire_predicted']} vs {r['wire_counted']}"
-                )
-                if "wire_ok" in r
-                else "n/a"
-            )
-        )
+        if "wire_ok" not in r:
+            wire = "n/a"
+        elif r["wire_ok"]:
+            wire = f"equal ({r['wire_predicted']:.0f} B/step)"
+        else:
+            wire = f"DIFFERS {r['wire_predicted']} vs {r['wire_counted']}"
         out.append(
-            f"{r['name']:<28}{r['mode']:<17}{r['predicted_bytes'] / gib:>14.3f}"
+            f"{r['name']:<31}{r['mode']:<17}{r['predicted_bytes'] / gib:>14.3f}"
             f"{r['measured_bytes'] / gib:>14.3f}{(base or 0) / gib:>14.3f}{r['ratio']:>8.3f}"
             f"{r.get('ratio_absolute', r['ratio']):>8.3f}  "
             f"{'yes' if r['memory_ok'] else 'NO':<11} {wire}"
         )
+        if with_terms:
+            for term, value in r["terms"].items():
+                out.append(f"    {term:<40}{value / gib:>10.3f} GiB")
     return "\n".join(out)
+
+
+def builtin_cases(teacher_dir: str, cache_dir: str) -> list[Case]:
+    """The built-in cases with their teacher checkpoint and top-K cache filled in."""
+    return [
+        Case(
+            name=name,
+            train_args=flags.format(teacher=teacher_dir, cache=cache_dir),
+            log_json=None,
+            nproc=nproc,
+        )
+        for name, flags, nproc in BUILTIN_CASES
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -377,18 +610,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--train-args", help="the megatron-kd train flags of one run, quoted")
     parser.add_argument("--log-json", help="its --log-json file")
     parser.add_argument("--nproc", type=int, default=1, help="its process count (world size)")
-    parser.add_argument("--cases", help="JSON list of {name, train_args, log_json, nproc}")
+    parser.add_argument(
+        "--cases", help="JSON list of {name, train_args, log_json, nproc[, peak_dir]}"
+    )
     parser.add_argument(
         "--run", action="store_true", help="run each case first (logs to a temp dir)"
     )
     parser.add_argument(
         "--builtin",
         action="store_true",
-        help="the built-in CPU cases (with --run: a random teacher checkpoint is made)",
+        help="the built-in CPU cases, every mode (needs --run: a random teacher checkpoint and "
+        "the offline case's top-K cache are made first)",
     )
     parser.add_argument(
         "--teacher-dir",
-        help="teacher checkpoint of the built-in cases (default: made in the temp dir with --run)",
+        help="teacher checkpoint of the built-in cases (default: made in the temp dir)",
+    )
+    parser.add_argument(
+        "--cache-dir",
+        help="top-K cache of the built-in offline case, made from --teacher-dir for that run "
+        "(default: built in the temp dir)",
     )
     parser.add_argument(
         "--baseline-bytes",
@@ -398,32 +639,36 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--wire-bytes-key",
-        default="kd_wire_bytes",
-        help="per-step log field with the teacher -> student bytes a rank received",
+        default="kd_wire_bytes_per_dp_rank",
+        help="per-step log field with the teacher -> student bytes counted (megatron-kd train "
+        "logs kd_wire_bytes_per_dp_rank, and kd_wire_bytes summed over the student's ranks)",
     )
     parser.add_argument(
         "--wire-bytes-scope",
-        choices=("tp-rank", "dp-rank"),
-        default="tp-rank",
-        help="what the counted bytes cover: one TP rank, or one DP rank's TP group",
+        choices=("dp-rank", "tp-rank", "all-ranks"),
+        default="dp-rank",
+        help="what the counted bytes cover: one student DP rank, one last-stage TP rank, or the "
+        "whole student (all-ranks, for kd_wire_bytes)",
     )
+    parser.add_argument("--terms", action="store_true", help="print every row's planner terms")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON")
     args = parser.parse_args(argv)
 
     tmp = tempfile.mkdtemp(prefix="validate_planner_") if args.run else None
     if args.builtin:
+        if not args.run:
+            parser.error("--builtin needs --run (for finished runs use --cases)")
         teacher = args.teacher_dir
         if teacher is None:
-            if not args.run:
-                parser.error(
-                    "--builtin without --run needs --teacher-dir and the logs (use --cases)"
-                )
             teacher = os.path.join(tmp, "teacher")
             make_random_teacher(teacher)
-        cases = [
-            Case(name=name, train_args=flags.format(teacher=teacher), log_json=None, nproc=nproc)
-            for name, flags, nproc in BUILTIN_CASES
-        ]
+        cache = args.cache_dir or os.path.join(tmp, "topk_cache")
+        cases = builtin_cases(teacher, cache)
+        offline = [c for c in cases if "--kd-topk-cache" in c.train_args]
+        if args.cache_dir is None and offline:
+            # One cache for every offline case: they read the same samples (data, length, seed,
+            # train_iters x global batch); plan_run checks each run against it.
+            make_topk_cache(cache, teacher, offline[0].train_args, offline[0].nproc, BUILTIN_TOPK)
     elif args.cases:
         with open(args.cases, encoding="utf-8") as f:
             cases = [
@@ -432,6 +677,7 @@ def main(argv: list[str] | None = None) -> int:
                     train_args=c["train_args"],
                     log_json=c.get("log_json"),
                     nproc=int(c.get("nproc", 1)),
+                    peak_dir=c.get("peak_dir"),
                 )
                 for c in json.load(f)
             ]
@@ -440,11 +686,14 @@ def main(argv: list[str] | None = None) -> int:
             Case(name="run", train_args=args.train_args, log_json=args.log_json, nproc=args.nproc)
         ]
     else:
-        parser.error("give --train-args (and --log-json), --cases or --builtin")
+        parser.error("give --train-args (and --log-json), --cases or --builtin --run")
     for case in cases:
         if args.run:
-            case.log_json = os.path.join(tmp, f"{case.name.replace(' ', '_')}.jsonl")
-            run_case(case, case.log_json)
+            stem = case.name.replace(" ", "_")
+            case.log_json = os.path.join(tmp, f"{stem}.jsonl")
+            case.peak_dir = os.path.join(tmp, f"{stem}.peaks")
+            seconds = run_case(case, case.log_json, case.peak_dir)
+            print(f"{case.name}: ran in {seconds:.0f} s", file=sys.stderr)
     baseline = args.baseline_bytes
     rows = []
     for case in cases:
@@ -455,11 +704,11 @@ def main(argv: list[str] | None = None) -> int:
         )
         if needs_baseline:
             baseline = measure_baseline()
-        rows.append(compare(case, baseline, args.wire_bytes_key, args.wire_bytes_scope))
+        rows.extend(compare(case, baseline, args.wire_bytes_key, args.wire_bytes_scope))
     if args.json:
         print(json.dumps(rows, indent=2))
     else:
-        print(format_rows(rows))
+        print(format_rows(rows, with_terms=args.terms))
     return 0 if all(r["memory_ok"] and r.get("wire_ok", True) for r in rows) else 1
 
 

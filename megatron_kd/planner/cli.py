@@ -117,7 +117,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--kd-cache-entry-bytes",
         dest="cache_entry_bytes",
         type=int,
-        help="bytes per cached entry (default 6: int32 id + bf16 value)",
+        help="bytes per cached entry on storage (default 6: int32 id + bf16 value)",
     )
     g.add_argument("--modes", help=f"comma-separated subset of {','.join(MODES)}")
     g = parser.add_argument_group("assumptions")

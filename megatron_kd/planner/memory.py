@@ -80,9 +80,12 @@ The loss (one micro-batch at a time, on the last stage)
   teacher exponentials, the logit gradient) ``16wV/t``, two with top-K targets ``8wV/t``; the fp32
   gradient accumulators ``4nh`` (hidden) and ``4hV/t`` (output layer); with sequence parallelism the
   gathered hidden states ``2n(h + h_t)``; eight fp32 statistics per row ``32n``.
-* offline top-K cache: the fused loss with top-K targets, plus the cached targets of ``D + 1``
-  micro-batches on the device (``D`` prefetched, one in use), ``(D+1) * n * (K*entry_bytes + 4)`` (a
-  token id and a value per entry, plus the leftover mass).
+* offline top-K cache: the fused loss with top-K targets, plus the decoded targets of the
+  micro-batch in use: ``n * K * 12`` bytes, an int64 id and an fp32 log-prob per entry (what
+  ``megatron_kd.cache`` decodes and ``megatron-kd train`` moves to the device; no leftover-mass
+  value is stored). The prefetcher decodes its ``D`` micro-batches ahead into host memory, so on a
+  GPU one micro-batch is resident; where host memory is the device memory (CPU runs) ``D + 2``
+  are: ``D`` queued, one being decoded, one in use (``PlanOptions.cache_resident_microbatches``).
 * disaggregated: the fused loss, plus the frozen teacher output-layer shard ``2*V_t*h_t/t``, the
   ``D`` receive slots of the prefetch ring ``D * 2*n*h_t/t`` (each TP rank receives ``1/t`` of the
   sequence) and the one gathered buffer in use ``2*n*h_t``.
@@ -581,16 +584,21 @@ def fused_loss_bytes(
     return out
 
 
+#: Bytes of one decoded top-K entry: an int64 token id and an fp32 log-prob (the dtypes
+#: ``megatron_kd.cache.format.TopKCacheReader`` returns and the trainer hands to the loss).
+DECODED_TOPK_ENTRY_BYTES = 12
+
+
 def cache_reader_bytes(
-    seq_length: int, micro_batch_size: int, topk: int, prefetch_depth: int, entry_bytes: int
+    seq_length: int, micro_batch_size: int, topk: int, resident_microbatches: int = 1
 ) -> float:
-    """Cached top-K targets on the device: ``D`` prefetched micro-batches plus the one in use."""
-    if topk <= 0 or prefetch_depth < 0 or entry_bytes <= 0:
+    """Decoded top-K targets in device memory: ``resident_microbatches * n * K * 12`` (one
+    micro-batch on a GPU; see the module docstring for CPU runs)."""
+    if topk <= 0 or resident_microbatches <= 0:
         raise ValueError(
-            f"topk={topk} must be > 0, prefetch_depth={prefetch_depth} >= 0, "
-            f"entry_bytes={entry_bytes} > 0"
+            f"topk={topk} and resident_microbatches={resident_microbatches} must be > 0"
         )
-    return (prefetch_depth + 1) * seq_length * micro_batch_size * (topk * entry_bytes + 4)
+    return resident_microbatches * seq_length * micro_batch_size * topk * DECODED_TOPK_ENTRY_BYTES
 
 
 def ring_bytes(

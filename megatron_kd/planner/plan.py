@@ -111,14 +111,20 @@ class PlanOptions:
     default, a 64 MiB fp32 ``[w, V/t]`` buffer."""
 
     prefetch_depth: int = 2
-    """Receive slots ``D`` of the disaggregated ring, and micro-batches the cache reader
-    prefetches."""
+    """Receive slots ``D`` of the disaggregated ring, and micro-batches the cache reader decodes
+    ahead (into host memory)."""
 
     topk: int = 64
     """Entries per token in the offline cache."""
 
     cache_entry_bytes: int = 6
-    """Bytes per cached entry (a 4-byte token id and a 2-byte value)."""
+    """Bytes per cached entry on storage (a 4-byte token id and a 2-byte value): the cache's size
+    and read rate. Decoded in memory an entry takes 12 bytes (``memory.cache_reader_bytes``)."""
+
+    cache_resident_microbatches: int = 1
+    """Micro-batches of decoded top-K targets in the student's device memory: 1 on a GPU (the
+    one in use; the prefetched ones wait in host memory); ``prefetch_depth + 2`` where host memory
+    is the device memory (CPU runs: ``D`` queued, one being decoded, one in use)."""
 
     hidden_elem_bytes: int = 2
     """Bytes per element of the streamed hidden states (bf16)."""
@@ -155,6 +161,7 @@ class PlanOptions:
             "global_batch_size",
             "topk",
             "cache_entry_bytes",
+            "cache_resident_microbatches",
             "hidden_elem_bytes",
             "loss_stats",
             "etp",
@@ -437,7 +444,7 @@ def student_stage_terms(
             terms["teacher final hidden"] = n * teacher.hidden_size * act_bytes / sp_div
         elif mode == "offline-cache":
             terms["cache reader"] = mem.cache_reader_bytes(
-                s, b, opts.topk, opts.prefetch_depth, opts.cache_entry_bytes
+                s, b, opts.topk, opts.cache_resident_microbatches
             )
         elif mode == "disaggregated":
             terms["teacher output-layer shard"] = mem.teacher_output_layer_bytes(
@@ -467,22 +474,28 @@ def _peak(
 def teacher_inference_terms(
     opts: PlanOptions, layout: ParallelLayout, stage: int
 ) -> dict[str, float]:
-    """One disaggregated teacher GPU: weights without the output layer, one layer's no-grad
-    working set, and on the last stage ``D`` send slots of its share of the final hidden states."""
+    """One disaggregated teacher GPU: its weights, one layer's no-grad working set, and on the
+    last stage ``D`` send slots of its share of the final hidden states.
+
+    The last stage holds its output layer although it never runs it (the student projects the
+    hidden states): ``megatron-kd train``'s teacher ranks build Megatron's ``GPTModel`` with its
+    output layer (``post_process``) and load it from the checkpoint. It is a term of its own, so
+    the saving of not building it is visible."""
     teacher = opts.teacher
     s, b = opts.seq_length, opts.micro_batch_size
     weights = mem.model_state_bytes(teacher, layout, stage, opts.precision, trainable=False)[
         "weights"
     ]
+    output_layer = 0
     last = stage == layout.pp - 1
     if last and (not teacher.tie_embeddings or layout.pp > 1):
-        weights -= mem.teacher_output_layer_bytes(teacher, layout, opts.precision.param_bytes)
-    terms = {
-        "teacher weights (no output layer)": weights,
-        "teacher forward (no grad)": mem.teacher_forward_working_bytes(
-            teacher, layout, s, b, opts.activation.activation_bytes, opts.activation.flash_attention
-        ),
-    }
+        output_layer = mem.teacher_output_layer_bytes(teacher, layout, opts.precision.param_bytes)
+    terms = {"teacher weights (no output layer)": weights - output_layer}
+    if output_layer:
+        terms["teacher output layer (loaded, not run)"] = output_layer
+    terms["teacher forward (no grad)"] = mem.teacher_forward_working_bytes(
+        teacher, layout, s, b, opts.activation.activation_bytes, opts.activation.flash_attention
+    )
     if last:
         terms["send slots (D x 1/t seq)"] = (
             opts.prefetch_depth * s * b * teacher.hidden_size * opts.hidden_elem_bytes / layout.tp
