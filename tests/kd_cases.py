@@ -7,6 +7,7 @@ import torch.distributed as dist
 
 from kd_reference import reference_kd_loss
 from megatron_kd.loss import KDLossConfig, vocab_parallel_kd_loss
+from megatron_kd.loss import fused
 
 IGNORE = -100
 
@@ -25,7 +26,7 @@ def spec(**kw) -> dict:
                 teacher="dense", topk_tail="renormalize", k=7, s=5, b=3, h_s=16, h_t=24,
                 padded_vocab=1009, vocab_size=None, mask=False, dtype=torch.float64,
                 backward="precompute", window_size=4, scale=1.0, sequence_parallel=False,
-                seed=0, labels=False)
+                seed=0, labels=False, block_rows=None)
     base.update(kw)
     return base
 
@@ -119,12 +120,18 @@ def run_ours(sp: dict, inp: dict, sizes: list[int], rank: int, group) -> dict:
     if t_weight is not None:
         t_weight = t_weight[start:stop]
     before = {k: v.clone() for k, v in inp.items()}
-    loss, n_tokens = vocab_parallel_kd_loss(
-        hidden, weight, teacher_hidden=t_hidden, teacher_weight=t_weight,
-        teacher_topk_ids=inp.get("teacher_topk_ids"),
-        teacher_topk_logprobs=inp.get("teacher_topk_logprobs"), labels=inp.get("labels"),
-        loss_mask=inp.get("loss_mask"), config=config_of(sp), tp_group=group)
-    (loss * 0.75).backward()  # a non-unit upstream gradient must scale every gradient
+    block_elements = fused.CPU_BLOCK_ELEMENTS
+    if sp["block_rows"] is not None:  # CPU row blocks smaller than a window: this many rows
+        fused.CPU_BLOCK_ELEMENTS = sp["block_rows"] * (stop - start)
+    try:
+        loss, n_tokens = vocab_parallel_kd_loss(
+            hidden, weight, teacher_hidden=t_hidden, teacher_weight=t_weight,
+            teacher_topk_ids=inp.get("teacher_topk_ids"),
+            teacher_topk_logprobs=inp.get("teacher_topk_logprobs"), labels=inp.get("labels"),
+            loss_mask=inp.get("loss_mask"), config=config_of(sp), tp_group=group)
+        (loss * 0.75).backward()  # a non-unit upstream gradient must scale every gradient
+    finally:
+        fused.CPU_BLOCK_ELEMENTS = block_elements
     unchanged = all(torch.equal(before[k], inp[k]) for k in inp)
     return {"loss": loss.detach(), "num_tokens": n_tokens, "grad_x": hidden.grad / 0.75,
             "grad_w": weight.grad / 0.75, "start": start, "stop": stop,

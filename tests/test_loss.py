@@ -76,6 +76,43 @@ def test_window_sizes_give_the_same_result(window_size):
     _single(spec(window_size=window_size, ce_weight=0.5, mask=True))
 
 
+BLOCK_CASES = {
+    "fwd_kl_T2_ce": dict(kind="forward_kl", temperature=2.0, ce_weight=0.5),
+    "rev_kl_T07_ce": dict(kind="reverse_kl", temperature=0.7, ce_weight=0.3),
+    "jsd_ce": dict(kind="jsd", beta=0.3, ce_weight=0.4),
+    "topk_renorm_T2": dict(teacher="renormalize", topk_tail="renormalize", temperature=2.0,
+                           ce_weight=0.5),
+    "topk_ghost": dict(teacher="ghost", topk_tail="ghost", ce_weight=0.2, vocab_size=1001),
+    "ce_only": dict(teacher=None, kd_weight=0.0, ce_weight=1.0),
+}
+
+
+@pytest.mark.parametrize("window_size", [8, None])
+@pytest.mark.parametrize("backward", ["precompute", "recompute"])
+@pytest.mark.parametrize("name", list(BLOCK_CASES))
+def test_cpu_row_blocks_inside_windows(monkeypatch, name, backward, window_size):
+    # 3-row blocks: 8-row windows split 3+3+2, the one 15-row window (None) into 5 blocks;
+    # the mask skips tokens, so blocks index scattered active rows
+    blocks, projections = [], []
+    make_window, logits = fused._make_window, fused._KDMath.logits
+
+    def window_spy(rows, *args):
+        blocks.append(rows.numel() if torch.is_tensor(rows) else rows.stop - rows.start)
+        return make_window(rows, *args)
+
+    def logits_spy(self, x, w):
+        projections.append(x.shape[0])
+        return logits(self, x, w)
+
+    monkeypatch.setattr(fused, "_make_window", window_spy)
+    monkeypatch.setattr(fused._KDMath, "logits", logits_spy)
+    _single(spec(block_rows=3, window_size=window_size, backward=backward, mask=True,
+                 **BLOCK_CASES[name]))
+    assert max(blocks) <= 3 < max(projections)  # blocks inside windows, projections whole
+    projected_models = 2 if BLOCK_CASES[name].get("teacher", "dense") == "dense" else 1
+    assert sum(blocks) * projected_models == sum(projections)  # every row in one block
+
+
 @pytest.mark.parametrize("temperature", [1.0, 2.0])
 @pytest.mark.parametrize("backward", ["precompute", "recompute"])
 def test_labels_with_zero_ce_weight_do_not_change_the_gradient(temperature, backward):

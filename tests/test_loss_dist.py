@@ -32,6 +32,13 @@ CASES = {
     "bf16": spec(dtype=torch.bfloat16, kind="jsd", ce_weight=0.5, window_size=64),
     # the last shard (rows 603..1008 at world 3, 605..1008 at world 4) is only padding
     "padding_only_shard": spec(vocab_size=600, ce_weight=0.5),
+    # CPU row blocks inside a window: per-block collectives, scattered active rows
+    "blocks_fwd_kl_T2_ce": spec(kind="forward_kl", temperature=2.0, ce_weight=0.5, mask=True,
+                                window_size=8, block_rows=3),
+    "blocks_jsd_recompute": spec(kind="jsd", backward="recompute", ce_weight=0.3, mask=True,
+                                 window_size=None, block_rows=2),
+    "blocks_topk_ghost": spec(teacher="ghost", topk_tail="ghost", k=9, mask=True,
+                              window_size=8, block_rows=3),
 }
 
 

@@ -26,6 +26,13 @@ With ``a = z / T``, ``lse = M + log(sum exp(a - M))`` and ``p = exp(a - lse)``, 
 * CE (T = 1): ``lse - z[label]``, gradient ``softmax(z) - onehot(label)``.
 
 The gradient wrt the logits of the KD term is ``T^2 / T = T`` times the gradient wrt ``a_s``.
+
+On CPU a window's elementwise work (the statistics above and the logit gradient) runs in blocks
+of rows small enough for the last-level cache (``CPU_BLOCK_ELEMENTS`` per ``[rows, V_local]``
+buffer), while the projections stay window-sized (a GEMM of a few rows would re-read the whole
+weight shard per block). The dozen elementwise passes then read the cache instead of memory,
+which takes the loss from about 1.2x to about 1.1x its GEMMs at Qwen3's vocabulary. The
+per-row all-reduces run per block. On other devices a block is the whole window.
 """
 
 from __future__ import annotations
@@ -42,6 +49,12 @@ __all__ = ["vocab_parallel_kd_loss"]
 
 # Per-row statistics kept between forward and a recomputing backward, by name.
 _Stats = dict[str, torch.Tensor]
+
+#: Elements of one ``[rows, V_local]`` fp32 block on CPU (8 MiB, 13 rows at V = 151,936): a
+#: block's two or three live buffers fit a 32 MiB last-level cache. Measured on 2 cores at
+#: T = 2048, V = 151,936, h 256 / 512, forward KL, fwd+bwd, median of 5: 1.21x the GEMM floor
+#: unblocked, 1.13x with 4 MiB blocks, 1.08x with 8 or 16 MiB blocks.
+CPU_BLOCK_ELEMENTS = 1 << 21
 
 
 @dataclass
@@ -189,9 +202,9 @@ class _KDMath:
             bufs.update(e_s=e_s, e_t=e_t)
         elif kind == "reverse_kl":
             e_s = (a_s - m_s[:, None]).exp_()
-            e_t = (a_t - m_t[:, None]).exp_()
+            d = a_s.sub_(a_t)  # a_s - a_t, over the student logits (the gradient's buffer)
+            e_t = a_t.sub_(m_t[:, None]).exp_()
             sums["se_t"] = e_t.sum(1)
-            d = torch.sub(a_s, a_t, out=e_t)  # a_s - a_t, reusing the teacher buffer
             sums["s"] = _row_dot(e_s, d)
             sums["se_s"] = e_s.sum(1)
             bufs.update(e_s=e_s, d=d)
@@ -384,8 +397,9 @@ class _FusedKDLoss(torch.autograd.Function):
 
     * forward: one all-gather of a few integers per rank (shard sizes and input checks, so that
       every rank raises the same error instead of one rank hanging the others); with
-      ``sequence_parallel`` an all-gather of the hidden states; per window one MAX and one SUM
-      all-reduce of ``[k, rows]`` per-row values (JSD: one more SUM); with precomputed gradients,
+      ``sequence_parallel`` an all-gather of the hidden states; per block of rows (a window, or
+      on CPU a cache-sized part of it) one MAX and one SUM all-reduce of ``[k, rows]`` per-row
+      values (JSD: one more SUM); with precomputed gradients,
       one all-reduce (reduce-scatter with ``sequence_parallel``) of the ``[tokens, h_s]`` hidden
       gradient, which sums the contributions of every vocab shard.
     * backward, ``precompute``: none (the saved gradients are scaled by the incoming gradient).
@@ -421,21 +435,23 @@ class _FusedKDLoss(torch.autograd.Function):
 
         kd_total = torch.zeros((), dtype=cdt, device=x_s.device)
         ce_total = torch.zeros((), dtype=cdt, device=x_s.device)
-        saved_stats: list[_Stats] = []
-        for start, rows, win, xs_w, z_s, z_t in inputs.windows(maths):
-            kd_row, ce_row, stats, bufs = maths.stats(z_s, z_t, win)
-            if config.check_finite:
-                _check_finite(kd_row, ce_row, win, config, start)
-            if kd_row is not None:
-                kd_total += (win.m * kd_row).sum()
-            if ce_row is not None:
-                ce_total += torch.where(win.ce_m != 0, win.ce_m * ce_row, 0.0).sum()
-            if precompute:
-                g = maths.grad(bufs, stats, win)
-                _accumulate(g, xs_w, inputs.w_s, rows, grad_x, grad_w)
-            elif student_hidden.requires_grad or student_weight.requires_grad:
-                saved_stats.append(stats)
-            del bufs
+        saved_stats: list[_Stats] = []  # per block, in walking order
+        for rows, xs_w, z_s, blocks in inputs.windows(maths):
+            for start, win, zb_s, zb_t in blocks:
+                kd_row, ce_row, stats, bufs = maths.stats(zb_s, zb_t, win)
+                if config.check_finite:
+                    _check_finite(kd_row, ce_row, win, config, start)
+                if kd_row is not None:
+                    kd_total += (win.m * kd_row).sum()
+                if ce_row is not None:
+                    ce_total += torch.where(win.ce_m != 0, win.ce_m * ce_row, 0.0).sum()
+                if precompute:
+                    _store_grad(maths.grad(bufs, stats, win), zb_s)
+                elif student_hidden.requires_grad or student_weight.requires_grad:
+                    saved_stats.append(stats)
+                del bufs
+            if precompute:  # z_s now holds the window's logit gradient
+                _accumulate(z_s, xs_w, inputs.w_s, rows, grad_x, grad_w)
 
         loss = config.kd_weight * kd_total + config.ce_weight * ce_total
         if terms_out is not None:
@@ -514,19 +530,32 @@ class _Rows:
         self.lp = None if topk_logprobs is None else topk_logprobs.reshape(n_rows, -1)
         self.config, self.shard, self.cdt = config, shard, cdt
         self.rows_per_window = config.rows_per_window(shard.local_vocab_size)
+        if self.x_s.device.type == "cpu":
+            self.rows_per_block = max(1, CPU_BLOCK_ELEMENTS // max(1, shard.local_valid))
+        else:
+            self.rows_per_block = self.rows_per_window
 
     def windows(self, maths: _KDMath):
-        """``(start, rows, window, student hidden rows, z_s, z_t)`` per window of active rows."""
+        """``(rows, student hidden rows, z_s, blocks)`` per window of active rows, where
+        ``blocks`` yields ``(start, block window, z_s rows, z_t rows)`` with views of the
+        window's logits and ``start`` the block's first active row."""
         n_active = self.active.numel()
         for start in range(0, n_active, self.rows_per_window):
             stop = min(start + self.rows_per_window, n_active)
             rows = slice(start, stop) if self.all_active else self.active[start:stop]
-            win = _make_window(rows, self.mask, self.labels, self.ids, self.lp, self.config,
-                               self.shard, self.cdt)
             xs_w = self.x_s[rows]
             z_s = maths.logits(xs_w, self.w_s)
             z_t = maths.logits(self.x_t[rows], self.w_t) if self.x_t is not None else None
-            yield start, rows, win, xs_w, z_s, z_t
+            yield rows, xs_w, z_s, self._blocks(start, stop, z_s, z_t)
+
+    def _blocks(self, start: int, stop: int, z_s, z_t):
+        for b0 in range(0, stop - start, self.rows_per_block):
+            b1 = min(b0 + self.rows_per_block, stop - start)
+            rows = (slice(start + b0, start + b1) if self.all_active
+                    else self.active[start + b0:start + b1])
+            win = _make_window(rows, self.mask, self.labels, self.ids, self.lp, self.config,
+                               self.shard, self.cdt)
+            yield start + b0, win, z_s[b0:b1], None if z_t is None else z_t[b0:b1]
 
 
 def _recompute_backward(ctx, grad_loss):
@@ -542,10 +571,12 @@ def _recompute_backward(ctx, grad_loss):
     grad_x = inputs.x_s.new_zeros(n_rows, h_s, dtype=cdt) if ctx.needs_input_grad[0] else None
     grad_w = (student_weight.new_zeros(student_weight.shape, dtype=cdt)
               if ctx.needs_input_grad[1] else None)
-    for i, (_, rows, win, xs_w, z_s, z_t) in enumerate(inputs.windows(maths)):
-        bufs = {"z_s": z_s} if z_t is None else {"z_s": z_s, "z_t": z_t}
-        g = maths.grad(bufs, ctx.saved_stats[i], win)
-        _accumulate(g, xs_w, inputs.w_s, rows, grad_x, grad_w)
+    stats = iter(ctx.saved_stats)
+    for rows, xs_w, z_s, blocks in inputs.windows(maths):
+        for _, win, zb_s, zb_t in blocks:
+            bufs = {"z_s": zb_s} if zb_t is None else {"z_s": zb_s, "z_t": zb_t}
+            _store_grad(maths.grad(bufs, next(stats), win), zb_s)
+        _accumulate(z_s, xs_w, inputs.w_s, rows, grad_x, grad_w)
     ctx.saved_stats = None
     scale = grad_loss.to(cdt)
     if grad_x is not None:
@@ -554,6 +585,12 @@ def _recompute_backward(ctx, grad_loss):
     if grad_w is not None:
         grad_w = (grad_w * scale).to(ctx.weight_dtype)
     return grad_x, grad_w
+
+
+def _store_grad(g: torch.Tensor, z_s: torch.Tensor) -> None:
+    """Leave a block's logit gradient in its student logits (most kinds compute it in place)."""
+    if g.data_ptr() != z_s.data_ptr():
+        z_s.copy_(g)
 
 
 def _accumulate(g, xs_w, w_s, rows, grad_x, grad_w) -> None:
