@@ -325,6 +325,13 @@ def test_loss_terms():
     assert fused == {"window": 4608, "gradients": 4224, "gathered": 0.0, "row statistics": 128}
     # top-K targets (two fp32 buffers), window larger than the 4 rows: clamped, 4*128*10
     assert mem.fused_loss_bytes(stu, layout, 4, 1, 100, dense_teacher=False)["window"] == 5120
+    # CPU blocks of 256 elements = 2 rows inside a 4-row window: the logits stay window-sized
+    # (bf16 out 2 + fp32 student and teacher 8 -> 4*128*10), the temporaries a block's (2*128*8)
+    assert mem.fused_loss_bytes(stu, layout, 4, 1, 4, dense_teacher=True,
+                                block_elements=256)["window"] == 5120 + 2048
+    # a block as large as the window changes nothing: 4*128*18
+    assert mem.fused_loss_bytes(stu, layout, 4, 1, 4, dense_teacher=True,
+                                block_elements=1 << 21)["window"] == 4 * 128 * 18
     # sequence parallel: the gathered student and teacher hidden states, 4 tokens * (8 + 16) * 2
     # bytes
     sp = ParallelLayout(tp=2, sequence_parallel=True)

@@ -150,8 +150,8 @@ BUILTIN_CASES = [
         1,
     ),
     (
-        "offline tp2 b2 s512",
-        _STUDENT_FLAGS + " --micro-batch-size 2 --global-batch-size 4 "
+        "offline tp2 b4 s512",
+        _STUDENT_FLAGS + " --micro-batch-size 4 --global-batch-size 4 "
         "--tensor-model-parallel-size 2 --kd-mode offline --kd-topk-cache {cache}",
         2,
     ),
@@ -350,6 +350,10 @@ def plan_options(args, plan, on_cpu: bool) -> PlanOptions:
         activation_bytes=4 if fp32 else 2,
     )
     extra = {}
+    if on_cpu:  # the loss's elementwise work runs in cache-sized row blocks on CPU
+        from megatron_kd.loss.fused import CPU_BLOCK_ELEMENTS
+
+        extra["loss_block_elements"] = CPU_BLOCK_ELEMENTS
     if plan.topk_cache is not None:
         extra["topk"] = plan.topk_cache.spec.topk
         # On CPU the prefetcher's host queue is the device memory: D queued + 1 being decoded

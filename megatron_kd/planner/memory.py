@@ -554,13 +554,18 @@ def fused_loss_bytes(
     dense_teacher: bool,
     teacher_hidden_size: int = 0,
     activation_bytes: int = 2,
+    block_elements: int | None = None,
 ) -> dict[str, float]:
     """The fused loss (``megatron_kd.loss``, ``backward="precompute"``), by part.
 
     * ``window``: per window of ``w`` rows and ``v = V/t`` local columns, the matmul output in the
-      input dtype (``2wv``; none in fp32, where the cast is a no-op) and fp32 buffers: with a dense
-      teacher four (student logits, teacher logits, teacher exponentials, the logit gradient:
-      ``16wv``), with top-K targets two (``8wv``).
+      input dtype (``2wv``; none in fp32, where the cast is a no-op) and fp32 buffers: the logits
+      of the window (student and teacher ``8wv``; top-K targets: the student's ``4wv``) and the
+      elementwise temporaries of a block of ``r`` rows (teacher exponentials and the logit
+      gradient's scratch ``8rv``; top-K ``4rv``). A block is the window (``r = w``: ``16wv`` and
+      ``8wv``) except on CPU, where the loss works through a window in blocks of
+      ``block_elements / v`` rows that fit the last-level cache
+      (``megatron_kd.loss.fused.CPU_BLOCK_ELEMENTS``).
     * ``gradients``: the fp32 accumulators filled in forward: hidden ``4*n*h_s`` and output layer
       ``4*v*h_s``.
     * ``gathered``: with sequence parallelism, the all-gathered student (and teacher) hidden states
@@ -571,10 +576,14 @@ def fused_loss_bytes(
     w = min(window_rows(student, layout, window_size), n)
     v = layout.padded_vocab(student.vocab_size) // layout.tp
     h = student.hidden_size
+    if block_elements is not None and block_elements <= 0:
+        raise ValueError(f"block_elements must be > 0 or None, got {block_elements}")
+    r = w if block_elements is None else min(w, max(1, block_elements // v))
     # the matmul output is a separate bf16 buffer before its fp32 cast; in fp32 it is the buffer
     matmul_out = 0 if activation_bytes == 4 else activation_bytes
+    per_row = 8 if dense_teacher else 4  # fp32 logits, or fp32 temporaries, per local column
     out = {
-        "window": w * v * (matmul_out + (16 if dense_teacher else 8)),
+        "window": w * v * (matmul_out + per_row) + r * v * per_row,
         "gradients": 4 * n * h + 4 * v * h,
         "gathered": 0.0,
         "row statistics": 32 * n,

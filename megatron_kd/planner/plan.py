@@ -121,6 +121,10 @@ class PlanOptions:
     """Bytes per cached entry on storage (a 4-byte token id and a 2-byte value): the cache's size
     and read rate. Decoded in memory an entry takes 12 bytes (``memory.cache_reader_bytes``)."""
 
+    loss_block_elements: int | None = None
+    """Elements per block of the fused loss's elementwise work: None on a GPU (a block is the
+    window); on CPU runs ``megatron_kd.loss.fused.CPU_BLOCK_ELEMENTS`` (``2^21``)."""
+
     cache_resident_microbatches: int = 1
     """Micro-batches of decoded top-K targets in the student's device memory: 1 on a GPU (the
     one in use; the prefetched ones wait in host memory); ``prefetch_depth + 2`` where host memory
@@ -169,12 +173,12 @@ class PlanOptions:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"PlanOptions.{name} must be a positive int, got {value!r}")
-        if self.window_size is not None and (
-            not isinstance(self.window_size, int) or self.window_size <= 0
-        ):
-            raise ValueError(
-                f"PlanOptions.window_size must be a positive int or None, got {self.window_size!r}"
-            )
+        for name in ("window_size", "loss_block_elements"):
+            value = getattr(self, name)
+            if value is not None and (
+                not isinstance(value, int) or isinstance(value, bool) or value <= 0
+            ):
+                raise ValueError(f"PlanOptions.{name} must be a positive int or None, got {value!r}")
         if self.prefetch_depth < 1:
             raise ValueError(f"prefetch_depth must be >= 1, got {self.prefetch_depth}")
         if self.global_batch_size % self.micro_batch_size:
@@ -434,6 +438,7 @@ def student_stage_terms(
                 dense_teacher=mode != "offline-cache",
                 teacher_hidden_size=teacher.hidden_size,
                 activation_bytes=act_bytes,
+                block_elements=opts.loss_block_elements,
             )
             terms["loss: window buffers"] = fused["window"]
             terms["loss: fp32 grad accumulators"] = fused["gradients"]
