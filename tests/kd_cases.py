@@ -120,9 +120,10 @@ def run_ours(sp: dict, inp: dict, sizes: list[int], rank: int, group) -> dict:
     if t_weight is not None:
         t_weight = t_weight[start:stop]
     before = {k: v.clone() for k, v in inp.items()}
-    block_elements = fused.CPU_BLOCK_ELEMENTS
-    if sp["block_rows"] is not None:  # CPU row blocks smaller than a window: this many rows
-        fused.CPU_BLOCK_ELEMENTS = sp["block_rows"] * (stop - start)
+    block_elements, blocks_with_tp = fused.CPU_BLOCK_ELEMENTS, fused.CPU_BLOCKS_WITH_TP
+    if sp["block_rows"] is not None:  # CPU row blocks smaller than a window: this many rows,
+        fused.CPU_BLOCK_ELEMENTS = sp["block_rows"] * (stop - start)  # with per-block all-reduces
+        fused.CPU_BLOCKS_WITH_TP = True
     try:
         loss, n_tokens = vocab_parallel_kd_loss(
             hidden, weight, teacher_hidden=t_hidden, teacher_weight=t_weight,
@@ -131,7 +132,7 @@ def run_ours(sp: dict, inp: dict, sizes: list[int], rank: int, group) -> dict:
             loss_mask=inp.get("loss_mask"), config=config_of(sp), tp_group=group)
         (loss * 0.75).backward()  # a non-unit upstream gradient must scale every gradient
     finally:
-        fused.CPU_BLOCK_ELEMENTS = block_elements
+        fused.CPU_BLOCK_ELEMENTS, fused.CPU_BLOCKS_WITH_TP = block_elements, blocks_with_tp
     unchanged = all(torch.equal(before[k], inp[k]) for k in inp)
     return {"loss": loss.detach(), "num_tokens": n_tokens, "grad_x": hidden.grad / 0.75,
             "grad_w": weight.grad / 0.75, "start": start, "stop": stop,

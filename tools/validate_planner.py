@@ -350,10 +350,11 @@ def plan_options(args, plan, on_cpu: bool) -> PlanOptions:
         activation_bytes=4 if fp32 else 2,
     )
     extra = {}
-    if on_cpu:  # the loss's elementwise work runs in cache-sized row blocks on CPU
-        from megatron_kd.loss.fused import CPU_BLOCK_ELEMENTS
+    from megatron_kd.loss import fused
 
-        extra["loss_block_elements"] = CPU_BLOCK_ELEMENTS
+    if on_cpu and (plan.tp == 1 or fused.CPU_BLOCKS_WITH_TP):
+        # the loss's elementwise work runs in cache-sized row blocks (CPU, no TP collectives)
+        extra["loss_block_elements"] = fused.CPU_BLOCK_ELEMENTS
     if plan.topk_cache is not None:
         extra["topk"] = plan.topk_cache.spec.topk
         # On CPU the prefetcher's host queue is the device memory: D queued + 1 being decoded

@@ -27,12 +27,13 @@ With ``a = z / T``, ``lse = M + log(sum exp(a - M))`` and ``p = exp(a - lse)``, 
 
 The gradient wrt the logits of the KD term is ``T^2 / T = T`` times the gradient wrt ``a_s``.
 
-On CPU a window's elementwise work (the statistics above and the logit gradient) runs in blocks
-of rows small enough for the last-level cache (``CPU_BLOCK_ELEMENTS`` per ``[rows, V_local]``
-buffer), while the projections stay window-sized (a GEMM of a few rows would re-read the whole
-weight shard per block). The dozen elementwise passes then read the cache instead of memory,
-which takes the loss from about 1.2x to about 1.1x its GEMMs at Qwen3's vocabulary. The
-per-row all-reduces run per block. On other devices a block is the whole window.
+On CPU without tensor parallelism a window's elementwise work (the statistics above and the logit
+gradient) runs in blocks of rows small enough for the last-level cache (``CPU_BLOCK_ELEMENTS``
+per ``[rows, V_local]`` buffer), while the projections stay window-sized (a GEMM of a few rows
+would re-read the whole weight shard per block). The dozen elementwise passes then read the
+cache instead of memory. The per-row all-reduces run per block, so with TP > 1 (and on other
+devices) a block is the whole window: on gloo the extra synchronisations cost more than the
+cache saves.
 """
 
 from __future__ import annotations
@@ -53,8 +54,13 @@ _Stats = dict[str, torch.Tensor]
 #: Elements of one ``[rows, V_local]`` fp32 block on CPU (8 MiB, 13 rows at V = 151,936): a
 #: block's two or three live buffers fit a 32 MiB last-level cache. Measured on 2 cores at
 #: T = 2048, V = 151,936, h 256 / 512, forward KL, fwd+bwd, median of 5: 1.21x the GEMM floor
-#: unblocked, 1.13x with 4 MiB blocks, 1.08x with 8 or 16 MiB blocks.
+#: unblocked, 1.13x with 4 MiB blocks, 1.08x with 8 or 16 MiB blocks. At TP = 2 on gloo (one
+#: thread per rank) blocks made the loss 1.17x slower (per-block all-reduces), hence
+#: ``CPU_BLOCKS_WITH_TP``.
 CPU_BLOCK_ELEMENTS = 1 << 21
+
+#: Whether CPU blocks are used when the per-row statistics need all-reduces (TP > 1).
+CPU_BLOCKS_WITH_TP = False
 
 
 @dataclass
@@ -397,9 +403,8 @@ class _FusedKDLoss(torch.autograd.Function):
 
     * forward: one all-gather of a few integers per rank (shard sizes and input checks, so that
       every rank raises the same error instead of one rank hanging the others); with
-      ``sequence_parallel`` an all-gather of the hidden states; per block of rows (a window, or
-      on CPU a cache-sized part of it) one MAX and one SUM all-reduce of ``[k, rows]`` per-row
-      values (JSD: one more SUM); with precomputed gradients,
+      ``sequence_parallel`` an all-gather of the hidden states; per window one MAX and one SUM
+      all-reduce of ``[k, rows]`` per-row values (JSD: one more SUM); with precomputed gradients,
       one all-reduce (reduce-scatter with ``sequence_parallel``) of the ``[tokens, h_s]`` hidden
       gradient, which sums the contributions of every vocab shard.
     * backward, ``precompute``: none (the saved gradients are scaled by the incoming gradient).
@@ -530,7 +535,7 @@ class _Rows:
         self.lp = None if topk_logprobs is None else topk_logprobs.reshape(n_rows, -1)
         self.config, self.shard, self.cdt = config, shard, cdt
         self.rows_per_window = config.rows_per_window(shard.local_vocab_size)
-        if self.x_s.device.type == "cpu":
+        if self.x_s.device.type == "cpu" and (shard.tp_world_size == 1 or CPU_BLOCKS_WITH_TP):
             self.rows_per_block = max(1, CPU_BLOCK_ELEMENTS // max(1, shard.local_valid))
         else:
             self.rows_per_block = self.rows_per_window

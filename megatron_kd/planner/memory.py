@@ -563,7 +563,7 @@ def fused_loss_bytes(
       of the window (student and teacher ``8wv``; top-K targets: the student's ``4wv``) and the
       elementwise temporaries of a block of ``r`` rows (teacher exponentials and the logit
       gradient's scratch ``8rv``; top-K ``4rv``). A block is the window (``r = w``: ``16wv`` and
-      ``8wv``) except on CPU, where the loss works through a window in blocks of
+      ``8wv``) except on CPU without TP, where the loss works through a window in blocks of
       ``block_elements / v`` rows that fit the last-level cache
       (``megatron_kd.loss.fused.CPU_BLOCK_ELEMENTS``).
     * ``gradients``: the fp32 accumulators filled in forward: hidden ``4*n*h_s`` and output layer

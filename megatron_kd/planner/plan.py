@@ -122,8 +122,9 @@ class PlanOptions:
     and read rate. Decoded in memory an entry takes 12 bytes (``memory.cache_reader_bytes``)."""
 
     loss_block_elements: int | None = None
-    """Elements per block of the fused loss's elementwise work: None on a GPU (a block is the
-    window); on CPU runs ``megatron_kd.loss.fused.CPU_BLOCK_ELEMENTS`` (``2^21``)."""
+    """Elements per block of the fused loss's elementwise work: None on a GPU and with TP > 1 (a
+    block is the window); on CPU runs without TP ``megatron_kd.loss.fused.CPU_BLOCK_ELEMENTS``
+    (``2^21``)."""
 
     cache_resident_microbatches: int = 1
     """Micro-batches of decoded top-K targets in the student's device memory: 1 on a GPU (the
