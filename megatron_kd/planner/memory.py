@@ -77,7 +77,9 @@ The loss (one micro-batch at a time, on the last stage)
 * fused KD loss (``megatron_kd.loss``, gradients precomputed in forward; source: its code): per
   window of ``w`` rows (default: ``2^24 / (V/t)`` rows, a 64 MiB fp32 buffer) the matmul output in
   bf16 ``2wV/t`` and fp32 buffers: four with a dense teacher (student logits, teacher logits,
-  teacher exponentials, the logit gradient) ``16wV/t``, two with top-K targets ``8wV/t``; the fp32
+  teacher exponentials, the logit gradient's scratch) ``16wV/t``, two with top-K targets
+  ``8wV/t`` (on CPU without TP the last two, or the last one, are a cache-sized block's, see
+  :func:`fused_loss_bytes`); the fp32
   gradient accumulators ``4nh`` (hidden) and ``4hV/t`` (output layer); with sequence parallelism the
   gathered hidden states ``2n(h + h_t)``; eight fp32 statistics per row ``32n``.
 * offline top-K cache: the fused loss with top-K targets, plus the decoded targets of the
