@@ -74,6 +74,7 @@ does not.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shlex
@@ -86,7 +87,7 @@ from dataclasses import dataclass
 from megatron_kd.planner import memory as mem
 from megatron_kd.planner import traffic as tr
 from megatron_kd.planner.memory import ActivationOptions, Precision
-from megatron_kd.planner.models import ModelConfig
+from megatron_kd.planner.models import ModelConfig, from_megatron_kd_arch
 from megatron_kd.planner.plan import PlanOptions, student_stage_terms, teacher_inference_terms
 from megatron_kd.planner.presets import GpuSpec, LinkSpec
 
@@ -299,23 +300,10 @@ def resolve_run(train_args: str, world_size: int):
 
 
 def arch_to_model(arch, name: str) -> ModelConfig:
-    """A planner :class:`ModelConfig` from a ``megatron_kd.models.GPTArchConfig``; the vocabulary is
-    the padded one (the planner then pads by 1, see :func:`predict`)."""
-    heads = arch.num_attention_heads
-    return ModelConfig(
-        name=name,
-        num_layers=arch.num_layers,
-        hidden_size=arch.hidden_size,
-        num_attention_heads=heads,
-        num_query_groups=arch.num_query_groups or heads,
-        head_dim=arch.kv_channels or arch.hidden_size // heads,
-        ffn_hidden_size=arch.ffn_hidden_size,
-        vocab_size=arch.padded_vocab_size,
-        tie_embeddings=arch.tie_embeddings,
-        gated_linear_unit=arch.swiglu,
-        attention_bias=arch.add_bias_linear,
-        source="megatron-kd train plan_run",
-    )
+    """A planner :class:`ModelConfig` from a ``megatron_kd.models.GPTArchConfig``, with the padded
+    vocabulary as its vocabulary (the runs' layouts then pad by 1, see :func:`predict`)."""
+    model = from_megatron_kd_arch(dict(arch.to_dict(), vocab_size=arch.padded_vocab_size), name)
+    return dataclasses.replace(model, source="megatron-kd train plan_run")
 
 
 def _mode(plan) -> str:
