@@ -2,7 +2,7 @@
 # Colocated distillation on 2 CPU processes (gloo), tensor parallel 2.
 #
 #   TEACHER  a megatron_kd checkpoint (`megatron-kd import-hf`, or any checkpoint written by
-#            megatron_kd.models.save_model_checkpoint / `megatron-kd train --save`)
+#            megatron_kd.integration.checkpoint.save_model_checkpoint / `megatron-kd train --save`)
 #   TOKENIZER  the teacher's tokenizer.json
 #   TEXT     a directory of .txt files
 set -euo pipefail

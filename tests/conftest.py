@@ -1,8 +1,27 @@
-"""Shared fixtures: a module-scoped pool of gloo ranks (see megatron_kd.testing)."""
+"""Shared fixtures: a module-scoped pool of gloo ranks (see megatron_kd.testing), a tokenizer and
+a little corpus; the test tiers as markers (see ``pytest.ini``).
+
+Helpers that several test modules use live in ``tests/support/`` (importable as ``support``,
+also inside gloo worker processes): no test module imports another.
+"""
+
+import os
 
 import pytest
+from support.text import TEXT, write_tokenizer
 
 from megatron_kd.testing import DistPool
+
+_TIERS = ("unit", "dist", "e2e", "gpu")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark every test with its tier: the folder it lives in."""
+    for item in items:
+        parts = os.path.normpath(str(item.fspath)).split(os.sep)
+        for tier in _TIERS:
+            if tier in parts[-2:-1]:
+                item.add_marker(getattr(pytest.mark, tier))
 
 
 @pytest.fixture(scope="module")
@@ -18,3 +37,19 @@ def dist_pool_factory(tmp_path_factory):
     yield get
     for pool in pools.values():
         pool.close()
+
+
+@pytest.fixture(scope="module")
+def tokenizer_file(tmp_path_factory):
+    """A small BPE ``tokenizer.json`` trained on :data:`support.text.TEXT`."""
+    pytest.importorskip("tokenizers")
+    return write_tokenizer(tmp_path_factory.mktemp("tok") / "tokenizer.json")
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """A directory of three text files."""
+    d = tmp_path_factory.mktemp("text")
+    for i in range(3):
+        (d / f"part{i}.txt").write_text(TEXT * 8, encoding="utf-8")
+    return str(d)

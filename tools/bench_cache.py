@@ -37,7 +37,8 @@ import torch
 
 from megatron_kd.cache.build import build_cache
 from megatron_kd.cache.codec import LogprobCodec
-from megatron_kd.cache.format import CacheSpec, TopKCacheReader, load_manifest
+from megatron_kd.cache.format import CacheSpec, load_manifest
+from megatron_kd.cache.reader import TopKCacheReader
 
 
 def _teacher(vocab_size: int, hidden: int, tokens: int, prior: str, seed: int,

@@ -109,14 +109,15 @@ def _timed_steps(cls, name: str, stats: dict) -> None:
 
 def _instrument(kind: str) -> dict:
     """Timers on this process's teacher forward, sends and receives (this process only)."""
-    from megatron_kd.disagg import runtime, wire
-    from megatron_kd.training import train as train_mod
+    from megatron_kd.teacher import ring, server, wire
+    from megatron_kd.training import disaggregated
+    from megatron_kd.training import trainer as train_mod
 
     stats: dict[str, list] = {"teacher_forward_s": [], "teacher_blocked_s": [],
                               "teacher_serve_s": [], "student_wire_wait_s": [],
                               "on_cpu_s": [], "run_queue_s": []}
     _timed_steps(train_mod.Trainer, "train_step", stats)  # student: per step
-    _timed_steps(runtime.TeacherServer, "serve", stats)  # teacher: the whole run
+    _timed_steps(server.TeacherServer, "serve", stats)  # teacher: the whole run
     if kind in ("colocated", "student_alone"):
         build_teacher = train_mod.Trainer._build_teacher
 
@@ -128,18 +129,19 @@ def _instrument(kind: str) -> dict:
 
         train_mod.Trainer._build_teacher = patched_build_teacher
     else:
-        server_init = runtime.TeacherServer.__init__
+        build_frozen = disaggregated.build_frozen_teacher
 
-        def patched_server_init(self, **kwargs):
-            server_init(self, **kwargs)
-            _timed_forward(self.model, stats["teacher_forward_s"])
+        def patched_build_frozen(*args, **kwargs):
+            model = build_frozen(*args, **kwargs)
+            _timed_forward(model, stats["teacher_forward_s"])
+            return model
 
-        runtime.TeacherServer.__init__ = patched_server_init
-        _timed_method(runtime.TeacherServer, "serve", stats["teacher_serve_s"])
+        disaggregated.build_frozen_teacher = patched_build_frozen
+        _timed_method(server.TeacherServer, "serve", stats["teacher_serve_s"])
         # waiting for the previous message's receive to be posted: backpressure
         _timed_method(wire.HiddenSender, "wait", stats["teacher_blocked_s"])
         # header + payload wait and header check: the student waiting for the teacher
-        _timed_method(wire.PrefetchRing, "get", stats["student_wire_wait_s"])
+        _timed_method(ring.PrefetchRing, "get", stats["student_wire_wait_s"])
     return stats
 
 
@@ -155,8 +157,10 @@ def _worker(rank: int, kind: str, world: int, tmp: str, payload: dict) -> None:
                             world_size=world)
     try:
         if kind == "make_teacher":
-            from megatron_kd.models import GPTArchConfig, build_gpt_model, save_model_checkpoint
-            from megatron_kd.training.parallel import model_parallel
+            from megatron_kd.integration.arch import GPTArchConfig
+            from megatron_kd.integration.gpt import build_gpt_model
+            from megatron_kd.integration.checkpoint import save_model_checkpoint
+            from megatron_kd.integration.groups import model_parallel
 
             arch = GPTArchConfig(**payload["arch"])
             with model_parallel(tp=1):

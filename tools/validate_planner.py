@@ -104,7 +104,7 @@ _BASELINE_CODE = (
     "import resource\n"
     "import torch, megatron.core\n"
     "import megatron_kd.training.train\n"
-    "from megatron_kd.megatron_cpu import install_cpu_shim\n"
+    "from megatron_kd.integration.cpu_shim import install_cpu_shim\n"
     "install_cpu_shim()\n"
     "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)\n"
 )
@@ -172,11 +172,13 @@ BUILTIN_CASES = [
 
 _MAKE_TEACHER_CODE = (
     "import json, sys\n"
-    "from megatron_kd.megatron_cpu import install_cpu_shim\n"
+    "from megatron_kd.integration.cpu_shim import install_cpu_shim\n"
     "install_cpu_shim()\n"
     "import torch.distributed as dist\n"
-    "from megatron_kd.training.parallel import init_distributed_from_env, model_parallel\n"
-    "from megatron_kd.models import GPTArchConfig, build_gpt_model, save_model_checkpoint\n"
+    "from megatron_kd.integration.groups import init_distributed_from_env, model_parallel\n"
+    "from megatron_kd.integration.arch import GPTArchConfig\n"
+    "from megatron_kd.integration.checkpoint import save_model_checkpoint\n"
+    "from megatron_kd.integration.gpt import build_gpt_model\n"
     "init_distributed_from_env()\n"
     "arch = GPTArchConfig(**json.loads(sys.argv[2]))\n"
     "with model_parallel(tp=1):\n"
@@ -293,14 +295,14 @@ def parse_train_args(train_args: str) -> argparse.Namespace:
 def resolve_run(train_args: str, world_size: int):
     """``(args, plan)`` exactly as ``megatron-kd train`` resolves them (no model is built; an
     offline run's cache is opened and checked against the run)."""
-    from megatron_kd.training.train import plan_run
+    from megatron_kd.training.plan import plan_run
 
     args = parse_train_args(train_args)
     return args, plan_run(args, world_size)
 
 
 def arch_to_model(arch, name: str) -> ModelConfig:
-    """A planner :class:`ModelConfig` from a ``megatron_kd.models.GPTArchConfig``, with the padded
+    """A planner :class:`ModelConfig` from a ``megatron_kd.integration.arch.GPTArchConfig``, with the padded
     vocabulary as its vocabulary (the runs' layouts then pad by 1, see :func:`predict`)."""
     model = from_megatron_kd_arch(dict(arch.to_dict(), vocab_size=arch.padded_vocab_size), name)
     return dataclasses.replace(model, source="megatron-kd train plan_run")
@@ -366,7 +368,7 @@ def plan_options(args, plan, on_cpu: bool) -> PlanOptions:
         use_distributed_optimizer=False,
         teacher_tp=plan.kd.teacher_tp,
         teacher_pp=plan.kd.teacher_pp,
-        window_size=plan.kd.window_size,
+        window_size=plan.kd.loss.window_size,
         prefetch_depth=plan.kd.prefetch_depth,
         hidden_elem_bytes=teacher_bytes,
         precision=precision,

@@ -1,12 +1,18 @@
 """Offline top-K teacher cache: build it once, train with no teacher in memory.
 
-* :mod:`megatron_kd.cache.topk` -- vocab-parallel windowed top-K log-probs (torch).
-* :mod:`megatron_kd.cache.codec` -- compact per-sample encoding (numpy).
-* :mod:`megatron_kd.cache.format` -- manifest, shards, atomic writer, reader, verify (numpy).
-* :mod:`megatron_kd.cache.build` -- ``build_cache`` from any teacher's hidden states (torch).
-* :mod:`megatron_kd.cache.cli` -- ``megatron-kd cache build | verify | info``.
+* :mod:`~megatron_kd.cache.topk` -- vocab-parallel windowed top-K log-probs (torch).
+* :mod:`~megatron_kd.cache.codec` -- compact per-sample encoding (numpy).
+* :mod:`~megatron_kd.cache.format` -- manifest, shard layout, atomic writes, verify (numpy).
+* :mod:`~megatron_kd.cache.writer` / :mod:`~megatron_kd.cache.reader` -- writing and
+  memory-mapped reading of shards (numpy).
+* :mod:`~megatron_kd.cache.build` -- ``build_cache`` from any teacher's hidden states (torch).
+* :mod:`~megatron_kd.cache.identity` -- what ties a cache to a run (dataset, tokenizer).
+* :mod:`~megatron_kd.cache.loader` -- a run's micro-batches as ``[s, b, K]`` torch tensors,
+  decoded ahead.
 
-The reading side imports no torch, so this package's ``__init__`` imports nothing heavy.
+The ``megatron-kd cache`` command lives with the trainer
+(:mod:`megatron_kd.training.cache_command`): building runs the teacher through Megatron-Core.
+This package's ``__init__`` imports only the numpy side.
 """
 
 from megatron_kd.cache.codec import LogprobCodec
@@ -14,13 +20,12 @@ from megatron_kd.cache.format import (
     FORMAT_VERSION,
     CacheFormatError,
     CacheSpec,
-    CacheWriter,
-    PrefetchingLoader,
-    TopKCacheReader,
     check_compatible,
     load_manifest,
     verify,
 )
+from megatron_kd.cache.reader import PrefetchingLoader, TopKCacheReader
+from megatron_kd.cache.writer import CacheWriter
 
 __all__ = [
     "FORMAT_VERSION",

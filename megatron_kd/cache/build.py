@@ -21,7 +21,8 @@ from typing import Callable, Iterable, Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_kd.cache.format import CacheSpec, CacheWriter
+from megatron_kd.cache.format import CacheSpec
+from megatron_kd.cache.writer import CacheWriter
 from megatron_kd.cache.topk import vocab_parallel_topk_logprobs
 
 

@@ -17,6 +17,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megatron_kd.parallel.vocab import VocabShard, vocab_shard
+
 # A rank whose shard holds fewer than K real columns pads its candidates with this id and -inf.
 _PAD_ID = torch.iinfo(torch.int64).max
 
@@ -68,18 +70,16 @@ class TopKHelper:
         return values[:, :k], ids[:, :k]
 
 
-def _shard_bounds(local_vocab_size: int, tp_group) -> tuple[int, int, int]:
-    """``(vocab_start, vocab_end, padded_vocab_size)`` of this rank's contiguous shard."""
+def _shard_sizes(local_vocab_size: int, tp_group, device) -> list[int]:
+    """Every TP rank's shard size, in rank order (one all-gather on the group's device)."""
     tp_world_size = dist.get_world_size(tp_group) if tp_group is not None else 1
     if tp_world_size == 1:
-        return 0, local_vocab_size, local_vocab_size
-    tp_rank = dist.get_rank(tp_group)
-    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(tp_world_size)]
+        return [local_vocab_size]
+    mine = torch.tensor([local_vocab_size], dtype=torch.int64, device=device)
+    sizes = torch.empty(tp_world_size, dtype=torch.int64, device=device)
     # Shards may differ in size (a vocabulary that does not divide): every rank needs all sizes.
-    dist.all_gather(sizes, torch.tensor([local_vocab_size], dtype=torch.int64), group=tp_group)
-    sizes = [int(t) for t in sizes]
-    start = sum(sizes[:tp_rank])
-    return start, start + local_vocab_size, sum(sizes)
+    dist.all_gather_into_tensor(sizes, mine, group=tp_group)
+    return sizes.tolist()
 
 
 @torch.no_grad()
@@ -123,7 +123,22 @@ def vocab_parallel_topk_logprobs(
     lead_shape = hidden.shape[:-1]
     rows = hidden.reshape(-1, hidden.shape[-1])
     n = rows.shape[0]
-    vocab_start, vocab_end, padded_vocab_size = _shard_bounds(weight.shape[0], tp_group)
+    shard = _this_shard(weight.shape[0], vocab_size, k, tp_group, hidden.device)
+    out_ids = torch.empty(n, k, dtype=torch.int64, device=hidden.device)
+    out_logprobs = torch.empty(n, k, dtype=torch.float32, device=hidden.device)
+    for lo in range(0, n, window_size):
+        hi = min(n, lo + window_size)
+        out_ids[lo:hi], out_logprobs[lo:hi] = _window_topk(rows[lo:hi], weight, k, shard,
+                                                           tp_group)
+    return out_ids.view(*lead_shape, k), out_logprobs.view(*lead_shape, k)
+
+
+def _this_shard(local_vocab_size: int, vocab_size: int | None, k: int, tp_group,
+                device) -> VocabShard:
+    """This rank's shard of the vocabulary, ``vocab_size`` and ``k`` checked."""
+    sizes = _shard_sizes(local_vocab_size, tp_group, device)
+    tp_rank = dist.get_rank(tp_group) if tp_group is not None else 0
+    padded_vocab_size = sum(sizes)
     if vocab_size is None:
         vocab_size = padded_vocab_size
     if not 1 <= vocab_size <= padded_vocab_size:
@@ -131,48 +146,45 @@ def vocab_parallel_topk_logprobs(
                          f"(the sum of the shards)")
     if not 1 <= k <= vocab_size:
         raise ValueError(f"k={k} must lie in [1, vocab_size={vocab_size}]")
-    tp_world_size = dist.get_world_size(tp_group) if tp_group is not None else 1
-    # Real (non-padding) columns of this shard.
-    local_valid = max(0, min(vocab_end, vocab_size) - vocab_start)
-    local_weight = weight[:local_valid]
-    local_k = min(k, local_valid)
+    return vocab_shard(sizes, tp_rank, vocab_size)
 
-    out_ids = torch.empty(n, k, dtype=torch.int64, device=hidden.device)
-    out_logprobs = torch.empty(n, k, dtype=torch.float32, device=hidden.device)
-    for lo in range(0, n, window_size):
-        hi = min(n, lo + window_size)
-        w = hi - lo
-        cand_values = torch.full((w, k), float("-inf"), dtype=torch.float32, device=hidden.device)
-        cand_ids = torch.full((w, k), _PAD_ID, dtype=torch.int64, device=hidden.device)
-        if local_valid > 0:
-            logits = torch.matmul(rows[lo:hi], local_weight.t()).float()  # [w, local_valid]
-            values, columns = TopKHelper.local_topk(logits, local_k)
-            cand_values[:, :local_k] = values
-            cand_ids[:, :local_k] = columns + vocab_start
-        if tp_world_size > 1:
-            # Only K candidates per row cross ranks; ids travel exactly as float64 (< 2**53).
-            packed = torch.cat([cand_values.double(), cand_ids.double()], dim=1)
-            packed[:, k:][cand_ids == _PAD_ID] = -1.0
-            gathered = [torch.empty_like(packed) for _ in range(tp_world_size)]
-            dist.all_gather(gathered, packed, group=tp_group)
-            all_values = torch.cat([g[:, :k] for g in gathered], dim=1).float()
-            all_ids = torch.cat([g[:, k:] for g in gathered], dim=1).long()
-            all_ids[all_ids < 0] = _PAD_ID
-            top_values, top_ids = TopKHelper.merge(all_values, all_ids, k)
-        else:
-            top_values, top_ids = cand_values, cand_ids
-        # The global max is the best candidate (every rank's local max was among them).
-        global_max = top_values[:, 0]
-        if local_valid > 0:
-            # sum_v exp(x_v - M) over this shard; padding columns were never projected.
-            # (In place: these logits are this function's own window buffer.)
-            local_sum = logits.sub_(global_max[:, None]).exp_().sum(dim=1)
-        else:
-            local_sum = torch.zeros(w, dtype=torch.float32, device=hidden.device)
-        if tp_world_size > 1:
-            # The log-sum-exp over the whole vocabulary needs every shard's partial sum.
-            dist.all_reduce(local_sum, group=tp_group)
-        lse = global_max + torch.log(local_sum)
-        out_ids[lo:hi] = top_ids
-        out_logprobs[lo:hi] = top_values - lse[:, None]
-    return out_ids.view(*lead_shape, k), out_logprobs.view(*lead_shape, k)
+
+def _window_topk(rows: torch.Tensor, weight: torch.Tensor, k: int, shard: VocabShard,
+                 tp_group) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(ids, logprobs)`` ``[w, k]`` of one window of rows (the collectives of the window)."""
+    w, device = rows.shape[0], rows.device
+    local_valid = shard.local_valid  # real (non-padding) columns of this shard
+    local_k = min(k, local_valid)
+    tp_world_size = 1 if tp_group is None else dist.get_world_size(tp_group)
+    cand_values = torch.full((w, k), float("-inf"), dtype=torch.float32, device=device)
+    cand_ids = torch.full((w, k), _PAD_ID, dtype=torch.int64, device=device)
+    if local_valid > 0:
+        logits = torch.matmul(rows, weight[:local_valid].t()).float()  # [w, local_valid]
+        values, columns = TopKHelper.local_topk(logits, local_k)
+        cand_values[:, :local_k] = values
+        cand_ids[:, :local_k] = columns + shard.vocab_start
+    if tp_world_size > 1:
+        # Only K candidates per row cross ranks; ids travel exactly as float64 (< 2**53).
+        packed = torch.cat([cand_values.double(), cand_ids.double()], dim=1)
+        packed[:, k:][cand_ids == _PAD_ID] = -1.0
+        gathered = [torch.empty_like(packed) for _ in range(tp_world_size)]
+        dist.all_gather(gathered, packed, group=tp_group)
+        all_values = torch.cat([g[:, :k] for g in gathered], dim=1).float()
+        all_ids = torch.cat([g[:, k:] for g in gathered], dim=1).long()
+        all_ids[all_ids < 0] = _PAD_ID
+        top_values, top_ids = TopKHelper.merge(all_values, all_ids, k)
+    else:
+        top_values, top_ids = cand_values, cand_ids
+    # The global max is the best candidate (every rank's local max was among them).
+    global_max = top_values[:, 0]
+    if local_valid > 0:
+        # sum_v exp(x_v - M) over this shard; padding columns were never projected.
+        # (In place: these logits are this function's own window buffer.)
+        local_sum = logits.sub_(global_max[:, None]).exp_().sum(dim=1)
+    else:
+        local_sum = torch.zeros(w, dtype=torch.float32, device=device)
+    if tp_world_size > 1:
+        # The log-sum-exp over the whole vocabulary needs every shard's partial sum.
+        dist.all_reduce(local_sum, group=tp_group)
+    lse = global_max + torch.log(local_sum)
+    return top_ids, top_values - lse[:, None]

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 
 
 def parse_data_path(data_path: list[str]) -> tuple[list[str], list[float] | None]:
@@ -53,11 +55,6 @@ def build_gpt_datasets(*, data_path: list[str], split: str, seq_length: int, see
                        tokenizer, train_samples: int, valid_samples: int,
                        cache_path: str | None = None):
     """``(train, valid)`` ``GPTDataset``s through ``BlendedMegatronDatasetBuilder`` (collective)."""
-    from megatron.core.datasets.blended_megatron_dataset_builder import (
-        BlendedMegatronDatasetBuilder,
-    )
-    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
-
     prefixes, weights = parse_data_path(data_path)
     check_data_prefixes(prefixes, tokenizer)
     config = GPTDatasetConfig(

@@ -17,6 +17,9 @@ import re
 import sys
 
 import numpy as np
+from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+from megatron_kd.data.tokenizer import HFTokenizer
 
 SIDECAR_FORMAT_VERSION = 1
 DOCUMENT_SPLITS = ("file", "paragraph", "line")
@@ -75,7 +78,6 @@ def token_dtype(vocab_size: int):
 def preprocess(inputs: list[str], tokenizer, output_prefix: str, *, document_split="paragraph",
                append_eod: bool = True, min_document_tokens: int = 1) -> dict:
     """Tokenize ``inputs`` into ``output_prefix.{bin,idx,json}``; returns the sidecar dict."""
-    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
     files = _input_files(inputs)
     out_dir = os.path.dirname(os.path.abspath(output_prefix))
@@ -113,7 +115,6 @@ def preprocess(inputs: list[str], tokenizer, output_prefix: str, *, document_spl
 
 
 def run(args: argparse.Namespace) -> int:
-    from megatron_kd.data.tokenizer import HFTokenizer
 
     tokenizer = HFTokenizer(args.tokenizer_model, eod_token=args.eod_token)
     info = preprocess(args.input, tokenizer, args.output_prefix,

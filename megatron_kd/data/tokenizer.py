@@ -35,7 +35,7 @@ class HFTokenizer:
     """
 
     def __init__(self, path: str | os.PathLike, eod_token: str | None = None) -> None:
-        from tokenizers import Tokenizer
+        from tokenizers import Tokenizer  # optional (the test and demo extras)
 
         self.path = resolve_tokenizer_file(path)
         self._tok = Tokenizer.from_file(self.path)
@@ -90,16 +90,39 @@ class HFTokenizer:
         return self._tok.get_vocab(with_added_tokens=True)
 
 
-def tokenizer_difference(a: HFTokenizer, b: HFTokenizer) -> str | None:
-    """None when ``a`` and ``b`` map every token to the same id, else a short description."""
-    if a.sha256 == b.sha256:
+def _backend(tok):
+    """The ``tokenizers.Tokenizer`` behind an :class:`HFTokenizer`, a ``transformers`` fast
+    tokenizer or a ``tokenizers.Tokenizer`` itself."""
+    if isinstance(tok, HFTokenizer):
+        return tok._tok
+    return getattr(tok, "backend_tokenizer", tok)
+
+
+def _bpe_merges(tok) -> list | None:
+    return json.loads(tok.to_str()).get("model", {}).get("merges")
+
+
+def tokenizer_difference(a, b, names: tuple[str, str] = ("teacher", "student")) -> str | None:
+    """None when ``a`` and ``b`` encode text the same way, else what differs, naming them.
+
+    Compared: the token -> id map (added tokens included) and, for BPE models, the merges (one
+    vocabulary with other merges splits text differently). Takes :class:`HFTokenizer`,
+    ``tokenizers.Tokenizer`` or ``transformers`` fast tokenizer objects.
+    """
+    if isinstance(a, HFTokenizer) and isinstance(b, HFTokenizer) and a.sha256 == b.sha256:
         return None
-    va, vb = a.vocab(), b.vocab()
-    if va == vb:
-        return None
-    differing = sorted(t for t in set(va) | set(vb) if va.get(t) != vb.get(t))
-    examples = ", ".join(f"{t!r}: {va.get(t)} vs {vb.get(t)}" for t in differing[:3])
-    return (f"{len(differing)} tokens differ ({len(va)} vs {len(vb)} tokens; e.g. {examples})")
+    ta, tb = _backend(a), _backend(b)
+    va, vb = ta.get_vocab(with_added_tokens=True), tb.get_vocab(with_added_tokens=True)
+    if va != vb:
+        only_a = sorted(set(va) - set(vb))[:5]
+        only_b = sorted(set(vb) - set(va))[:5]
+        moved = sorted(k for k in set(va) & set(vb) if va[k] != vb[k])[:5]
+        return (f"{names[0]} has {len(va)} tokens, {names[1]} {len(vb)}; only in {names[0]} "
+                f"{only_a}, only in {names[1]} {only_b}, different ids "
+                f"{[(k, va[k], vb[k]) for k in moved]}")
+    if _bpe_merges(ta) != _bpe_merges(tb):
+        return "same vocabulary but different BPE merges: they split text differently"
+    return None
 
 
 class MockTokenizer:

@@ -20,9 +20,8 @@ from dataclasses import asdict
 
 from megatron_kd.planner.launch_args import parse_launch_args
 from megatron_kd.planner.memory import ActivationOptions, Precision
-from megatron_kd.planner.models import load_model
 from megatron_kd.planner.plan import GIB, MODES, PlanOptions, plan_all
-from megatron_kd.planner.presets import GPU_PRESETS, LINK_PRESETS, get_gpu, get_link
+from megatron_kd.planner.presets import GPU_PRESETS, LINK_PRESETS, get_gpu, get_link, load_model
 
 _DEFAULTS = {
     "gpu": "h100-80g",

@@ -22,6 +22,20 @@ from megatron_kd.planner.models import ModelConfig
 
 _MODEL_FLAGS = ("num_layers", "hidden_size", "num_attention_heads")
 
+#: Launch flags (argparse ``dest``) read into planner inputs of another name.
+_RENAMED = {
+    "tensor_model_parallel_size": "tp",
+    "pipeline_model_parallel_size": "pp",
+    "expert_model_parallel_size": "ep",
+    "expert_tensor_parallel_size": "etp",
+    "kd_teacher_tensor_model_parallel_size": "teacher_tp",
+    "kd_teacher_pipeline_model_parallel_size": "teacher_pp",
+    "kd_teacher_expert_model_parallel_size": "teacher_ep",
+    "kd_window_size": "window_size",
+    "kd_prefetch_depth": "prefetch_depth",
+    "kd_topk": "topk",
+}
+
 
 @dataclass(kw_only=True)
 class LaunchArgs:
@@ -39,6 +53,7 @@ class LaunchArgs:
 
 
 def _parser() -> argparse.ArgumentParser:
+    """The launch flags the planner reads (the others end up in ``LaunchArgs.ignored``)."""
     p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     for name in (
         "num-layers",
@@ -102,6 +117,15 @@ def parse_launch_args(text: str) -> LaunchArgs:
     except SystemExit as exc:  # argparse's way of saying a value was malformed
         raise ValueError(f"--from-args: cannot parse {text!r}") from exc
     out = LaunchArgs(ignored=[tok for tok in rest if tok.startswith("--")])
+    _refuse_unmodelled(ns)
+    out.values.update(_planner_values(ns))
+    out.values["recompute"] = _recompute(ns)
+    out.student = _student_model(ns)
+    return out
+
+
+def _refuse_unmodelled(ns: argparse.Namespace) -> None:
+    """Raise ``ValueError`` for launch settings the planner does not model."""
     if ns.context_parallel_size not in (None, 1):
         raise ValueError(
             f"--context-parallel-size={ns.context_parallel_size}: context parallelism is "
@@ -117,7 +141,10 @@ def parse_launch_args(text: str) -> LaunchArgs:
     if ns.fp16 and ns.bf16:
         raise ValueError("--fp16 and --bf16 both given")
 
-    v = out.values
+
+def _planner_values(ns: argparse.Namespace) -> dict:
+    """The planner inputs the launch sets, with Megatron's defaults for what it leaves out."""
+    v = {}
     for key in (
         "seq_length",
         "micro_batch_size",
@@ -126,28 +153,15 @@ def parse_launch_args(text: str) -> LaunchArgs:
     ):
         if getattr(ns, key) is not None:
             v[key] = getattr(ns, key)
-    mapping = {
-        "tensor_model_parallel_size": "tp",
-        "pipeline_model_parallel_size": "pp",
-        "expert_model_parallel_size": "ep",
-        "expert_tensor_parallel_size": "etp",
-        "kd_teacher_tensor_model_parallel_size": "teacher_tp",
-        "kd_teacher_pipeline_model_parallel_size": "teacher_pp",
-        "kd_teacher_expert_model_parallel_size": "teacher_ep",
-        "kd_window_size": "window_size",
-        "kd_prefetch_depth": "prefetch_depth",
-        "kd_topk": "topk",
-    }
-    for src, dst in mapping.items():
+    for src, dst in _RENAMED.items():
         if getattr(ns, src) is not None:
             v[dst] = getattr(ns, src)
     # Megatron defaults for what the launch leaves out
     v.setdefault("tp", 1)
     v.setdefault("pp", 1)
     if "etp" not in v:
-        v["etp"] = v[
-            "tp"
-        ]  # Megatron: expert_tensor_parallel_size defaults to tensor_model_parallel_size
+        # Megatron: expert_tensor_parallel_size defaults to tensor_model_parallel_size
+        v["etp"] = v["tp"]
     v["sequence_parallel"] = ns.sequence_parallel
     v["use_distributed_optimizer"] = ns.use_distributed_optimizer
     if ns.grad_reduce_in_bf16:
@@ -155,15 +169,18 @@ def parse_launch_args(text: str) -> LaunchArgs:
     hidden_dropout = 0.1 if ns.hidden_dropout is None else ns.hidden_dropout
     v["hidden_dropout"] = hidden_dropout > 0
     if ns.kd_teacher_load is not None:
-        v["teacher"] = (
-            ns.kd_teacher_load
-        )  # a megatron_kd checkpoint directory (or a preset / config)
+        # a megatron_kd checkpoint directory (or a preset / config)
+        v["teacher"] = ns.kd_teacher_load
+    return v
 
+
+def _recompute(ns: argparse.Namespace) -> str:
+    """The planner's recompute setting for the launch's; ``ValueError`` for one not modelled."""
     if ns.recompute_granularity is None:
-        v["recompute"] = "none"
-    elif ns.recompute_granularity == "selective":
-        v["recompute"] = "selective"
-    elif ns.recompute_granularity == "full":
+        return "none"
+    if ns.recompute_granularity == "selective":
+        return "selective"
+    if ns.recompute_granularity == "full":
         method = ns.recompute_method or "uniform"
         layers = ns.recompute_num_layers if ns.recompute_num_layers is not None else 1
         if method != "uniform" or layers != 1:
@@ -171,39 +188,41 @@ def parse_launch_args(text: str) -> LaunchArgs:
                 f"--recompute-method={method} --recompute-num-layers={layers}: only full "
                 f"recompute with method uniform and 1 layer is modelled"
             )
-        v["recompute"] = "full"
-    else:
-        raise ValueError(
-            f"--recompute-granularity={ns.recompute_granularity!r}: expected full or selective"
-        )
+        return "full"
+    raise ValueError(
+        f"--recompute-granularity={ns.recompute_granularity!r}: expected full or selective"
+    )
 
+
+def _student_model(ns: argparse.Namespace) -> ModelConfig | None:
+    """The model the launch builds, or None without shape flags; ``ValueError`` when incomplete."""
     given = [k for k in _MODEL_FLAGS if getattr(ns, k) is not None]
-    if given:
-        missing = [k for k in _MODEL_FLAGS + ("vocab_size",) if getattr(ns, k) is None]
-        if missing:
-            flags = ", ".join("--" + m.replace("_", "-") for m in missing)
-            raise ValueError(f"--from-args describes a model but lacks {flags}")
-        heads = ns.num_attention_heads
-        groups = ns.num_query_groups if ns.group_query_attention and ns.num_query_groups else heads
-        dense_ffn = 0 if ns.num_experts else (ns.ffn_hidden_size or 4 * ns.hidden_size)
-        out.student = ModelConfig(
-            name="from-args",
-            num_layers=ns.num_layers,
-            hidden_size=ns.hidden_size,
-            num_attention_heads=heads,
-            num_query_groups=groups,
-            head_dim=ns.kv_channels or ns.hidden_size // heads,
-            ffn_hidden_size=dense_ffn,
-            vocab_size=ns.vocab_size,
-            tie_embeddings=not ns.untie_embeddings_and_output_weights,
-            gated_linear_unit=ns.swiglu,
-            qk_layernorm=ns.qk_layernorm,
-            num_experts=ns.num_experts or 0,
-            moe_router_topk=(ns.moe_router_topk or 2) if ns.num_experts else 0,
-            moe_ffn_hidden_size=(ns.moe_ffn_hidden_size or ns.ffn_hidden_size or 4 * ns.hidden_size)
-            if ns.num_experts
-            else 0,
-            moe_shared_expert_ffn_hidden_size=ns.moe_shared_expert_intermediate_size or 0,
-            source="Megatron launch arguments",
-        )
-    return out
+    if not given:
+        return None
+    missing = [k for k in _MODEL_FLAGS + ("vocab_size",) if getattr(ns, k) is None]
+    if missing:
+        flags = ", ".join("--" + m.replace("_", "-") for m in missing)
+        raise ValueError(f"--from-args describes a model but lacks {flags}")
+    heads = ns.num_attention_heads
+    groups = ns.num_query_groups if ns.group_query_attention and ns.num_query_groups else heads
+    dense_ffn = 0 if ns.num_experts else (ns.ffn_hidden_size or 4 * ns.hidden_size)
+    return ModelConfig(
+        name="from-args",
+        num_layers=ns.num_layers,
+        hidden_size=ns.hidden_size,
+        num_attention_heads=heads,
+        num_query_groups=groups,
+        head_dim=ns.kv_channels or ns.hidden_size // heads,
+        ffn_hidden_size=dense_ffn,
+        vocab_size=ns.vocab_size,
+        tie_embeddings=not ns.untie_embeddings_and_output_weights,
+        gated_linear_unit=ns.swiglu,
+        qk_layernorm=ns.qk_layernorm,
+        num_experts=ns.num_experts or 0,
+        moe_router_topk=(ns.moe_router_topk or 2) if ns.num_experts else 0,
+        moe_ffn_hidden_size=(ns.moe_ffn_hidden_size or ns.ffn_hidden_size or 4 * ns.hidden_size)
+        if ns.num_experts
+        else 0,
+        moe_shared_expert_ffn_hidden_size=ns.moe_shared_expert_intermediate_size or 0,
+        source="Megatron launch arguments",
+    )

@@ -32,8 +32,6 @@ Not modelled (each below 0.1% of the parameters of the presets): multi-token-pre
 
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import asdict, dataclass, fields
 
 
@@ -344,6 +342,14 @@ class ModelConfig:
 # --- reading Hugging Face config.json ----------------------------------------------------------
 
 _HF_REQUIRED = ("num_hidden_layers", "hidden_size", "num_attention_heads", "vocab_size")
+#: Gated DeltaNet keys of a Hugging Face config, named as the :class:`ModelConfig` fields.
+_HF_LINEAR_ATTENTION_KEYS = (
+    "linear_num_key_heads",
+    "linear_num_value_heads",
+    "linear_key_head_dim",
+    "linear_value_head_dim",
+    "linear_conv_kernel_dim",
+)
 
 
 def from_hf_config(config: dict, name: str = "config.json") -> ModelConfig:
@@ -352,11 +358,7 @@ def from_hf_config(config: dict, name: str = "config.json") -> ModelConfig:
 
     Raises ``ValueError`` naming the missing keys rather than guessing them.
     """
-    if "text_config" in config and isinstance(config["text_config"], dict):
-        outer_tie = config.get("tie_word_embeddings")
-        config = dict(config["text_config"])
-        if "tie_word_embeddings" not in config and outer_tie is not None:
-            config["tie_word_embeddings"] = outer_tie
+    config = _hf_text_config(config)
     missing = [k for k in _HF_REQUIRED if k not in config]
     if missing:
         raise ValueError(f"{name}: missing keys {missing} (have {sorted(config)})")
@@ -365,32 +367,9 @@ def from_hf_config(config: dict, name: str = "config.json") -> ModelConfig:
     num_experts = int(config.get("num_experts", config.get("num_local_experts", 0)) or 0)
     model_type = str(config.get("model_type", ""))
     gpt_oss = model_type.startswith("gpt_oss")
-    layer_types = config.get("layer_types")
-    linear_freq = int(config.get("full_attention_interval", 0) or 0)
-    if layer_types and "linear_attention" in layer_types and not linear_freq:
-        full = [i for i, t in enumerate(layer_types) if t == "full_attention"]
-        if len(full) < 2:
-            raise ValueError(
-                f"{name}: cannot infer full_attention_interval from layer_types {layer_types}"
-            )
-        linear_freq = full[1] - full[0]
-    sliding = int(config.get("sliding_window", 0) or 0)
-    sliding_every = 0
-    if sliding and layer_types and "sliding_attention" in layer_types:
-        n_sliding = sum(t == "sliding_attention" for t in layer_types)
-        sliding_every = round(len(layer_types) / n_sliding)
-    elif sliding and not layer_types:
-        sliding = 0  # Llama / Qwen configs carry an unused sliding_window; use_sliding_window false
-    if config.get("use_sliding_window") is False:
-        sliding, sliding_every = 0, 0
-    if num_experts:
-        moe_ffn = int(config.get("moe_intermediate_size", config.get("intermediate_size", 0)))
-        dense_ffn = 0
-    else:
-        moe_ffn = 0
-        if "intermediate_size" not in config:
-            raise ValueError(f"{name}: dense model without intermediate_size")
-        dense_ffn = int(config["intermediate_size"])
+    linear_freq = _hf_linear_attention_freq(config, name)
+    sliding, sliding_every = _hf_sliding_window(config)
+    dense_ffn, moe_ffn = _hf_ffn_sizes(config, name, num_experts)
     return ModelConfig(
         name=name,
         num_layers=int(config["num_hidden_layers"]),
@@ -412,22 +391,67 @@ def from_hf_config(config: dict, name: str = "config.json") -> ModelConfig:
             config.get("shared_expert_intermediate_size", 0) or 0
         ),
         moe_bias=gpt_oss,
-        linear_attention_freq=linear_freq,
-        linear_num_key_heads=int(config.get("linear_num_key_heads", 0) or 0) if linear_freq else 0,
-        linear_num_value_heads=int(config.get("linear_num_value_heads", 0) or 0)
-        if linear_freq
-        else 0,
-        linear_key_head_dim=int(config.get("linear_key_head_dim", 0) or 0) if linear_freq else 0,
-        linear_value_head_dim=int(config.get("linear_value_head_dim", 0) or 0)
-        if linear_freq
-        else 0,
-        linear_conv_kernel_dim=int(config.get("linear_conv_kernel_dim", 0) or 0)
-        if linear_freq
-        else 0,
+        **_hf_linear_attention_fields(config, linear_freq),
         sliding_window=sliding if sliding_every else 0,
         sliding_window_every=sliding_every if sliding else 0,
         source=f"read from {name}",
     )
+
+
+def _hf_text_config(config: dict) -> dict:
+    """The text tower's config: a multimodal one's ``text_config`` (outer tie kept), or itself."""
+    if "text_config" in config and isinstance(config["text_config"], dict):
+        outer_tie = config.get("tie_word_embeddings")
+        config = dict(config["text_config"])
+        if "tie_word_embeddings" not in config and outer_tie is not None:
+            config["tie_word_embeddings"] = outer_tie
+    return config
+
+
+def _hf_linear_attention_freq(config: dict, name: str) -> int:
+    """Every how many layers one is full attention among Gated DeltaNet ones (0: none linear)."""
+    layer_types = config.get("layer_types")
+    linear_freq = int(config.get("full_attention_interval", 0) or 0)
+    if layer_types and "linear_attention" in layer_types and not linear_freq:
+        full = [i for i, t in enumerate(layer_types) if t == "full_attention"]
+        if len(full) < 2:
+            raise ValueError(
+                f"{name}: cannot infer full_attention_interval from layer_types {layer_types}"
+            )
+        linear_freq = full[1] - full[0]
+    return linear_freq
+
+
+def _hf_sliding_window(config: dict) -> tuple[int, int]:
+    """``(window, every)``: the sliding window and every how many layers one uses it."""
+    layer_types = config.get("layer_types")
+    sliding = int(config.get("sliding_window", 0) or 0)
+    sliding_every = 0
+    if sliding and layer_types and "sliding_attention" in layer_types:
+        n_sliding = sum(t == "sliding_attention" for t in layer_types)
+        sliding_every = round(len(layer_types) / n_sliding)
+    elif sliding and not layer_types:
+        sliding = 0  # Llama / Qwen configs carry an unused sliding_window; use_sliding_window false
+    if config.get("use_sliding_window") is False:
+        sliding, sliding_every = 0, 0
+    return sliding, sliding_every
+
+
+def _hf_ffn_sizes(config: dict, name: str, num_experts: int) -> tuple[int, int]:
+    """``(dense MLP width, expert MLP width)``, the one that does not apply 0."""
+    if num_experts:
+        return 0, int(config.get("moe_intermediate_size", config.get("intermediate_size", 0)))
+    if "intermediate_size" not in config:
+        raise ValueError(f"{name}: dense model without intermediate_size")
+    return int(config["intermediate_size"]), 0
+
+
+def _hf_linear_attention_fields(config: dict, linear_freq: int) -> dict[str, int]:
+    """The Gated DeltaNet fields of :class:`ModelConfig` (all 0 without linear attention)."""
+    out = {"linear_attention_freq": linear_freq}
+    for key in _HF_LINEAR_ATTENTION_KEYS:
+        out[key] = int(config.get(key, 0) or 0) if linear_freq else 0
+    return out
 
 
 def from_megatron_kd_arch(arch: dict, name: str = "model_config.json") -> ModelConfig:
@@ -455,32 +479,6 @@ def from_megatron_kd_arch(arch: dict, name: str = "model_config.json") -> ModelC
     )
 
 
-def load_model(spec: str) -> ModelConfig:
-    """A preset name (case-insensitive), the path of a Hugging Face ``config.json``, or a
-    megatron_kd checkpoint directory (its ``model_config.json``)."""
-    from megatron_kd.planner.presets import MODEL_PRESETS
-
-    key = spec.lower()
-    if key in MODEL_PRESETS:
-        return MODEL_PRESETS[key]
-    if os.path.isdir(spec) and os.path.isfile(os.path.join(spec, "model_config.json")):
-        path = os.path.join(spec, "model_config.json")
-        with open(path, encoding="utf-8") as f:
-            payload = json.load(f)
-        if "arch" not in payload:
-            raise ValueError(
-                f"{path}: no 'arch' entry (format_version {payload.get('format_version')})"
-            )
-        return from_megatron_kd_arch(payload["arch"], name=spec)
-    if os.path.isfile(spec):
-        with open(spec, encoding="utf-8") as f:
-            return from_hf_config(json.load(f), name=spec)
-    raise ValueError(
-        f"unknown model {spec!r}: not a preset ({', '.join(sorted(MODEL_PRESETS))}), a config.json "
-        f"file nor a megatron_kd checkpoint directory"
-    )
-
-
 def model_field_names() -> list[str]:
     return [f.name for f in fields(ModelConfig)]
 
@@ -489,6 +487,5 @@ __all__ = [
     "ModelConfig",
     "from_hf_config",
     "from_megatron_kd_arch",
-    "load_model",
     "model_field_names",
 ]

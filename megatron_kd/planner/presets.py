@@ -31,9 +31,11 @@ NVLink generation.
 
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass
 
-from megatron_kd.planner.models import ModelConfig
+from megatron_kd.planner.models import ModelConfig, from_hf_config, from_megatron_kd_arch
 
 _QWEN35_LINEAR = dict(
     linear_attention_freq=4,
@@ -317,3 +319,27 @@ def get_link(name: str, gpu: GpuSpec) -> LinkSpec:
     if key not in LINK_PRESETS:
         raise ValueError(f"unknown link {name!r}; choose from nvlink, {', '.join(LINK_PRESETS)}")
     return LINK_PRESETS[key]
+
+
+def load_model(spec: str) -> ModelConfig:
+    """A preset name (case-insensitive), the path of a Hugging Face ``config.json``, or a
+    megatron_kd checkpoint directory (its ``model_config.json``)."""
+    key = spec.lower()
+    if key in MODEL_PRESETS:
+        return MODEL_PRESETS[key]
+    if os.path.isdir(spec) and os.path.isfile(os.path.join(spec, "model_config.json")):
+        path = os.path.join(spec, "model_config.json")
+        with open(path, encoding="utf-8") as f:
+            payload = json.load(f)
+        if "arch" not in payload:
+            raise ValueError(
+                f"{path}: no 'arch' entry (format_version {payload.get('format_version')})"
+            )
+        return from_megatron_kd_arch(payload["arch"], name=spec)
+    if os.path.isfile(spec):
+        with open(spec, encoding="utf-8") as f:
+            return from_hf_config(json.load(f), name=spec)
+    raise ValueError(
+        f"unknown model {spec!r}: not a preset ({', '.join(sorted(MODEL_PRESETS))}), a config.json "
+        f"file nor a megatron_kd checkpoint directory"
+    )

@@ -1,7 +1,7 @@
 """Training checkpoints of the student: Megatron-Core ``dist_checkpointing``.
 
 ``<save>/iter_<N:07d>/`` holds the model (loadable on its own with
-:func:`megatron_kd.models.load_model_checkpoint`, at any tensor-parallel size), the optimizer,
+:func:`megatron_kd.integration.checkpoint.load_model_checkpoint`, at any tensor-parallel size), the optimizer,
 the learning-rate scheduler, the iteration, the samples consumed (the data position) and every
 rank's RNG state; ``<save>/latest_checkpointed_iteration.txt`` names the newest. RNG states are
 per global rank: a run resumed on a different number of ranks restarts them from the seed and
@@ -19,49 +19,24 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron_kd.integration import unwrap_model
-from megatron_kd.megatron_cpu import checkpoint_save_strategy
-from megatron_kd.models import (
+from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing.mapping import ShardedObject
+from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+from megatron_kd.integration.arch import GPTArchConfig
+from megatron_kd.integration.checkpoint import (
     CHECKPOINT_FORMAT_VERSION,
+    LATEST_FILE,
     MODEL_CONFIG_FILE,
-    GPTArchConfig,
+    arch_mismatches,
+    iteration_dir,
+    latest_iteration,
+    read_checkpoint_arch,
 )
-
-LATEST_FILE = "latest_checkpointed_iteration.txt"
-
-
-def iteration_dir(root: str, iteration: int) -> str:
-    return os.path.join(root, f"iter_{iteration:07d}")
-
-
-def latest_iteration(root: str) -> int | None:
-    """The newest iteration saved under ``root`` (None when there is none)."""
-    path = os.path.join(root, LATEST_FILE)
-    if not os.path.isfile(path):
-        return None
-    with open(path, encoding="utf-8") as f:
-        text = f.read().strip()
-    try:
-        return int(text)
-    except ValueError as e:
-        raise ValueError(f"{path}: expected an iteration number, got {text!r}") from e
-
-
-def resolve_model_dir(path: str) -> str:
-    """``path`` when it is a model checkpoint (has ``model_config.json``); the newest iteration
-    when it is a training checkpoint root (``--save`` directory); else ValueError."""
-    if os.path.isfile(os.path.join(path, MODEL_CONFIG_FILE)):
-        return path
-    iteration = latest_iteration(path) if os.path.isdir(path) else None
-    if iteration is not None:
-        return iteration_dir(path, iteration)
-    raise ValueError(f"{path!r} is neither a model checkpoint (no {MODEL_CONFIG_FILE}) nor a "
-                     f"training checkpoint directory (no {LATEST_FILE})")
-
+from megatron_kd.integration.cpu_shim import checkpoint_save_strategy
+from megatron_kd.integration.output_layer import unwrap_model
 
 def _rng_state() -> dict:
-    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
-
     return {
         "python": random.getstate(),
         "numpy": np.random.get_state(),
@@ -72,8 +47,6 @@ def _rng_state() -> dict:
 
 
 def _set_rng_state(state: dict) -> None:
-    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
-
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
@@ -83,8 +56,6 @@ def _set_rng_state(state: dict) -> None:
 
 
 def _rng_sharded_object(state):
-    from megatron.core.dist_checkpointing.mapping import ShardedObject
-
     # One object per global rank: RNG streams are rank-specific and are not resharded.
     return ShardedObject("rng_state", state, (dist.get_world_size(),), (dist.get_rank(),),
                          replica_id=0)
@@ -93,8 +64,6 @@ def _rng_sharded_object(state):
 def save_training_checkpoint(root: str, *, iteration: int, consumed_samples: int, model,
                              optimizer, scheduler, arch: GPTArchConfig, extra: dict) -> str:
     """Save everything needed to resume at ``iteration`` (collective over all ranks)."""
-    from megatron.core import dist_checkpointing
-
     directory = iteration_dir(root, iteration)
     if dist.get_rank() == 0:
         os.makedirs(directory, exist_ok=True)
@@ -130,10 +99,6 @@ def load_training_checkpoint(root: str, *, model, optimizer, scheduler,
 
     ``(0, 0)`` when ``root`` has none. The checkpoint's architecture must equal ``arch``.
     """
-    from megatron.core import dist_checkpointing
-
-    from megatron_kd.models import arch_mismatches, read_checkpoint_arch
-
     iteration = latest_iteration(root)
     if iteration is None:
         return 0, 0
@@ -159,3 +124,24 @@ def load_training_checkpoint(root: str, *, model, optimizer, scheduler,
         print(f"megatron-kd: checkpoint was saved on {common.get('world_size')} ranks, resuming "
               f"on {dist.get_world_size()}: RNG states restart from the seed", file=sys.stderr)
     return int(state["iteration"]), int(state["consumed_samples"])
+
+
+def run_schedule_bounds(args) -> tuple[int, int]:
+    """``(first_iteration, stop_iteration)`` of this run, as the student will compute them.
+
+    Both sides of a disaggregated run read the resume point from the same ``--load``
+    directory, so the teacher starts where the student does without any message from it.
+    """
+    start = 0
+    if args.load:
+        start = latest_iteration(args.load) or 0
+    return start, stop_iteration(args, start)
+
+
+def stop_iteration(args, start: int) -> int:
+    """The iteration a run started at ``start`` stops after (``--train-iters``,
+    ``--exit-after-iters``)."""
+    stop = args.train_iters
+    if args.exit_after_iters is not None:
+        stop = min(stop, start + args.exit_after_iters)
+    return stop

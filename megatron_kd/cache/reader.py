@@ -1,0 +1,171 @@
+"""Reading a top-K cache: memory-mapped shards, decoded per sample (numpy only, no torch)."""
+
+from __future__ import annotations
+
+import os
+import struct
+import queue
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Iterable, Iterator, Sequence
+
+import numpy as np
+
+from megatron_kd.cache.codec import decode_sample
+from megatron_kd.cache.format import (
+    FORMAT_VERSION,
+    SHARD_HEADER,
+    SHARD_MAGIC,
+    CacheFormatError,
+    CacheSpec,
+    load_manifest,
+)
+
+__all__ = ["PrefetchingLoader", "TopKCacheReader"]
+
+
+class TopKCacheReader:
+    """Random access by sample index; shards are memory-mapped on first use.
+
+    ``get(sample_indices) -> (ids [b, s, K] int64, logprobs [b, s, K] float32)``; a token's
+    entries are in ascending id order. ``torch.from_numpy`` turns them into tensors without a
+    copy (transpose to ``[s, b, K]`` for Megatron's layout).
+    """
+
+    def __init__(self, cache_dir: str | os.PathLike, *, require_complete: bool = True):
+        self.dir = Path(cache_dir)
+        self.manifest = load_manifest(self.dir)
+        self.spec = CacheSpec.from_json(self.manifest)
+        if require_complete and not self.manifest["complete"]:
+            missing = self.spec.num_shards - len(self.manifest["shards"])
+            raise CacheFormatError(f"{self.dir}: cache is incomplete ({missing} of "
+                                   f"{self.spec.num_shards} shards not built)")
+        self._entries = {s["sample_start"] // self.spec.samples_per_shard: s
+                         for s in self.manifest["shards"]}
+        self._maps: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return self.spec.num_samples
+
+    def _shard(self, index: int) -> tuple[np.ndarray, np.ndarray]:
+        with self._lock:
+            if index in self._maps:
+                return self._maps[index]
+            entry = self._entries.get(index)
+            if entry is None:
+                start, end = self.spec.shard_range(index)
+                raise CacheFormatError(f"{self.dir}: samples [{start}, {end}) are not in the cache")
+            path = self.dir / entry["file"]
+            data = np.memmap(path, dtype=np.uint8, mode="r")
+            if data.size != entry["bytes"] or data.size < SHARD_HEADER.size:
+                raise CacheFormatError(f"{path}: {data.size} bytes, manifest says {entry['bytes']}")
+            magic, version, n, start, seq, k, vocab, _ = SHARD_HEADER.unpack_from(data, 0)
+            got = (magic, version, n, start, seq, k, vocab)
+            want = (SHARD_MAGIC, FORMAT_VERSION, entry["sample_end"] - entry["sample_start"],
+                    entry["sample_start"], self.spec.seq_length, self.spec.topk,
+                    self.spec.vocab_size)
+            if got != want:
+                raise CacheFormatError(f"{path}: shard header {got} does not match the manifest "
+                                       f"{want}")
+            offsets = np.frombuffer(data, dtype="<u8", count=n + 1, offset=SHARD_HEADER.size)
+            self._maps[index] = (data, offsets)
+            return self._maps[index]
+
+    def sample(self, index: int) -> tuple[np.ndarray, np.ndarray]:
+        """``(ids [s, K] int64, logprobs [s, K] float32)`` of one sample."""
+        if not 0 <= index < self.spec.num_samples:
+            raise IndexError(f"sample {index} outside [0, {self.spec.num_samples})")
+        shard = index // self.spec.samples_per_shard
+        data, offsets = self._shard(shard)
+        local = index - shard * self.spec.samples_per_shard
+        blob = data[int(offsets[local]):int(offsets[local + 1])]
+        try:
+            return decode_sample(blob, self.spec.seq_length, self.spec.topk,
+                                 self.spec.vocab_size, self.spec.logprob_codec)
+        except (ValueError, IndexError, struct.error) as e:
+            raise CacheFormatError(f"{self.dir / self._entries[shard]['file']}: sample {index} "
+                                   f"cannot be decoded ({e}); run verify") from None
+
+    def get(self, sample_indices: Iterable[int], executor=None) -> tuple[np.ndarray, np.ndarray]:
+        """``(ids [b, s, K] int64, logprobs [b, s, K] float32)`` for these samples.
+
+        ``executor``: a ``concurrent.futures`` executor to decode the samples in parallel
+        (numpy releases the GIL in most of the decoding).
+        """
+        indices = [int(i) for i in sample_indices]
+        pairs = list(executor.map(self.sample, indices) if executor is not None
+                     else map(self.sample, indices))
+        if not pairs:
+            shape = (0, self.spec.seq_length, self.spec.topk)
+            return np.zeros(shape, np.int64), np.zeros(shape, np.float32)
+        return np.stack([p[0] for p in pairs]), np.stack([p[1] for p in pairs])
+
+
+class PrefetchingLoader:
+    """Decodes micro-batches on a background thread, ``depth`` ahead of the consumer.
+
+    Iterating yields ``(ids [b, s, K], logprobs [b, s, K])`` per micro-batch of sample
+    indices, in order. An error in the thread is re-raised in the consumer. numpy releases the
+    GIL in most of the decoding, so it overlaps with the training step; ``threads > 1``
+    decodes the samples of a micro-batch in parallel.
+    """
+
+    _DONE = object()
+
+    def __init__(self, reader: TopKCacheReader, batches: Iterable[Sequence[int]], depth: int = 2,
+                 threads: int = 1):
+        if depth < 1 or threads < 1:
+            raise ValueError(f"depth and threads must be >= 1, got depth={depth}, "
+                             f"threads={threads}")
+        self.reader = reader
+        self._executor = ThreadPoolExecutor(threads) if threads > 1 else None
+        self._queue: queue.Queue = queue.Queue(maxsize=depth)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._work, args=(iter(batches),), daemon=True,
+                                        name="topk-cache-prefetch")
+        self._thread.start()
+
+    def _put(self, item) -> bool:
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _work(self, batches: Iterator[Sequence[int]]) -> None:
+        try:
+            for batch in batches:
+                if not self._put(self.reader.get(batch, self._executor)):
+                    return
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer
+            self._put(e)
+            return
+        self._put(self._DONE)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> tuple[np.ndarray, np.ndarray]:
+        item = self._queue.get()
+        if item is self._DONE:
+            self._queue.put(self._DONE)  # later calls keep raising StopIteration
+            raise StopIteration
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+
+    def __enter__(self) -> "PrefetchingLoader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

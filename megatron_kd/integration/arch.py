@@ -1,0 +1,156 @@
+"""The architecture of a decoder-only GPT (teacher or student), independent of any parallel layout.
+
+:class:`GPTArchConfig` is what a checkpoint's ``model_config.json`` stores and what
+:func:`megatron_kd.integration.gpt.build_gpt_model` builds: Llama family by default (RMSNorm,
+SwiGLU, RoPE, GQA, optional tied embeddings). Pure Python: the planner and the checks read it
+without Megatron.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+__all__ = ["GPTArchConfig"]
+
+_NORMALIZATIONS = ("RMSNorm", "LayerNorm")
+_POSITION_EMBEDDINGS = ("rope", "learned_absolute", "none")
+
+
+@dataclass(kw_only=True)
+class GPTArchConfig:
+    """Architecture of a decoder-only Megatron-Core GPT model (not the training recipe)."""
+
+    num_layers: int
+    """Number of transformer layers."""
+
+    hidden_size: int
+    """Model width ``h``."""
+
+    num_attention_heads: int
+    """Number of query heads."""
+
+    num_query_groups: int | None
+    """Number of key/value heads (grouped-query attention); None means one per query head."""
+
+    ffn_hidden_size: int
+    """Width of the MLP's hidden layer (per branch with SwiGLU)."""
+
+    vocab_size: int
+    """The true vocabulary: the tokenizer's number of tokens. Columns at or above it are padding
+    and are excluded from the loss."""
+
+    padded_vocab_size: int
+    """Rows of the embedding and output layer (``>= vocab_size``); divisible by the
+    tensor-parallel size the model is built with."""
+
+    max_position_embeddings: int
+    """Longest sequence the model is built for (size of learned position embeddings)."""
+
+    rotary_base: float = 10000.0
+    """RoPE base ``theta``."""
+
+    norm_epsilon: float = 1e-5
+    """Epsilon of every normalisation layer."""
+
+    normalization: str = "RMSNorm"
+    """``"RMSNorm"`` or ``"LayerNorm"``."""
+
+    swiglu: bool = True
+    """Gated SiLU MLP (Llama); False gives a GeLU MLP."""
+
+    tie_embeddings: bool = False
+    """The output layer reuses the input embedding matrix."""
+
+    add_bias_linear: bool = False
+    """Biases in the attention and MLP linear layers."""
+
+    position_embedding_type: str = "rope"
+    """``"rope"``, ``"learned_absolute"`` or ``"none"``."""
+
+    init_method_std: float = 0.02
+    """Standard deviation of the normal weight init (Megatron's; keeps tied softmaxes sane)."""
+
+    kv_channels: int | None = None
+    """Per-head width; None means ``hidden_size // num_attention_heads``."""
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
+                     "vocab_size", "padded_vocab_size", "max_position_embeddings"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"GPTArchConfig.{name} must be a positive int, got {value!r}")
+        if self.padded_vocab_size < self.vocab_size:
+            raise ValueError(
+                f"GPTArchConfig.padded_vocab_size ({self.padded_vocab_size}) must be >= "
+                f"vocab_size ({self.vocab_size})")
+        groups = self.num_query_groups
+        if groups is not None:
+            if isinstance(groups, bool) or not isinstance(groups, int) or groups < 1:
+                raise ValueError(f"GPTArchConfig.num_query_groups must be a positive int or None, "
+                                 f"got {groups!r}")
+            if self.num_attention_heads % groups != 0:
+                raise ValueError(
+                    f"GPTArchConfig.num_attention_heads ({self.num_attention_heads}) must be "
+                    f"divisible by num_query_groups ({groups})")
+        if self.kv_channels is None and self.hidden_size % self.num_attention_heads != 0:
+            raise ValueError(
+                f"GPTArchConfig.hidden_size ({self.hidden_size}) must be divisible by "
+                f"num_attention_heads ({self.num_attention_heads}) unless kv_channels is given")
+        if self.kv_channels is not None and (not isinstance(self.kv_channels, int)
+                                             or self.kv_channels < 1):
+            raise ValueError(f"GPTArchConfig.kv_channels must be a positive int or None, "
+                             f"got {self.kv_channels!r}")
+        if self.normalization not in _NORMALIZATIONS:
+            raise ValueError(f"GPTArchConfig.normalization must be one of {_NORMALIZATIONS}, "
+                             f"got {self.normalization!r}")
+        if self.position_embedding_type not in _POSITION_EMBEDDINGS:
+            raise ValueError(
+                f"GPTArchConfig.position_embedding_type must be one of {_POSITION_EMBEDDINGS}, "
+                f"got {self.position_embedding_type!r}")
+        if not self.rotary_base > 0:
+            raise ValueError(f"GPTArchConfig.rotary_base must be > 0, got {self.rotary_base}")
+        if not self.norm_epsilon > 0:
+            raise ValueError(f"GPTArchConfig.norm_epsilon must be > 0, got {self.norm_epsilon}")
+        if not self.init_method_std > 0:
+            raise ValueError(f"GPTArchConfig.init_method_std must be > 0, "
+                             f"got {self.init_method_std}")
+
+    @property
+    def query_groups(self) -> int:
+        """Number of key/value heads, resolved."""
+        return self.num_query_groups or self.num_attention_heads
+
+    def to_dict(self) -> dict:
+        """A JSON-serialisable dict of every field."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> GPTArchConfig:
+        """Inverse of :meth:`to_dict`; unknown keys raise ``ValueError``."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ValueError(f"unknown GPTArchConfig fields {unknown}")
+        return cls(**d)
+
+    def check_tensor_parallel(self, tp_size: int) -> None:
+        """Raise ``ValueError`` when this architecture cannot be split ``tp_size`` ways."""
+        problems = []
+        if self.num_attention_heads % tp_size:
+            problems.append(f"num_attention_heads={self.num_attention_heads}")
+        if self.query_groups % tp_size:
+            problems.append(f"num_query_groups={self.query_groups}")
+        if self.ffn_hidden_size % tp_size:
+            problems.append(f"ffn_hidden_size={self.ffn_hidden_size}")
+        if self.padded_vocab_size % tp_size:
+            problems.append(f"padded_vocab_size={self.padded_vocab_size}")
+        if problems:
+            raise ValueError(f"tensor-parallel size {tp_size} does not divide "
+                             f"{', '.join(problems)}")
+
+    def check_pipeline_parallel(self, pp_size: int) -> None:
+        """Raise ``ValueError`` when the layers cannot be split evenly over ``pp_size`` stages."""
+        if self.num_layers % pp_size:
+            raise ValueError(f"pipeline-parallel size {pp_size} does not divide "
+                             f"num_layers={self.num_layers}")

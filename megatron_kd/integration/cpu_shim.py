@@ -1,0 +1,204 @@
+"""Run Megatron-Core on a machine without a GPU: a small, isolated shim.
+
+Megatron-Core assumes CUDA in a handful of places that have nothing to do with the maths:
+
+* ``torch.cuda.current_device()`` as the device of new tensors (rotary embeddings, the global
+  memory buffer used by attention, DDP's gradient buffers);
+* ``torch.cuda.synchronize()`` around timers and buffer frees;
+* the CUDA random-number generator, which the model-parallel RNG tracker saves, forks and
+  restores (``torch.cuda.get_rng_state`` / ``set_rng_state`` / ``manual_seed`` and
+  ``megatron.core.tensor_parallel.random._get_cuda_rng_state`` / ``_set_cuda_rng_state``);
+* gradient clipping (``clip_grad_by_total_norm_fp32`` asserts CUDA tensors);
+* the pipeline schedules (``get_forward_backward_func``), the optimizer and the default causal
+  attention mask, which create small tensors with ``device="cuda"``.
+
+:func:`install_cpu_shim` redirects the first three to the CPU (the CPU generator stands in for
+the CUDA generator, so the tracker's forks still give reproducible, rank-dependent streams) and
+re-implements the clipping with the same maths. It does nothing when a GPU is present, and
+installing it twice is the same as once. :class:`cuda_to_cpu` is a ``TorchFunctionMode`` that
+rewrites ``device="cuda"`` (and ``Tensor.cuda()``, ``Tensor.to("cuda")``) to the CPU while
+Megatron-Core code runs; it is a no-op context when a GPU is present.
+:func:`checkpoint_save_strategy` writes ``dist_checkpointing``'s ``torch_dist`` format
+in-process on CPU (Megatron's default writer forks processes).
+
+Nothing here changes numerics: every patched call is about *where* a tensor lives or which
+generator draws, never about what is computed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+import torch.cuda.random as cuda_random
+from megatron.core.dist_checkpointing.strategies import torch as mcore_torch
+from megatron.core.optimizer import clip_grads as mcore_clip_grads
+from megatron.core.optimizer import optimizer as mcore_optimizer
+from megatron.core.tensor_parallel import random as mcore_random
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint import save as dcp_save
+from torch.overrides import TorchFunctionMode
+
+__all__ = [
+    "checkpoint_save_strategy",
+    "cpu_shim_installed",
+    "cuda_to_cpu",
+    "device_context",
+    "install_cpu_shim",
+    "on_cpu",
+    "uninstall_cpu_shim",
+]
+
+# (object, attribute name) -> original value; empty when the shim is not installed.
+_ORIGINALS: dict[tuple[Any, str], Any] = {}
+
+
+def on_cpu() -> bool:
+    """True when no GPU is usable: the shim applies."""
+    return not torch.cuda.is_available()
+
+
+def _cpu_get_rng_state(device: Any = "cuda", clone: bool = False, graph_safe: bool = False):
+    # The CPU generator plays the part of the CUDA one.
+    return torch.get_rng_state()
+
+
+def _cpu_set_rng_state(new_state: torch.Tensor, device: Any = -1, graph_safe: bool = False):
+    torch.set_rng_state(new_state)
+
+
+def _cpu_manual_seed(seed: int) -> None:
+    # Not torch.manual_seed: that calls torch.cuda.manual_seed_all in turn.
+    torch.default_generator.manual_seed(int(seed))
+
+
+def _cpu_clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm,
+                                      use_decoupled_grad: bool = False) -> None:
+    # Megatron's version asserts CUDA tensors; the maths (scale every grad by
+    # max_norm / (total_norm + 1e-6) when that is < 1) is the same here.
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    attr = "decoupled_grad" if use_decoupled_grad else "grad"
+    grads = [getattr(p, attr) for p in parameters if getattr(p, attr, None) is not None]
+    clip_coeff = max_norm / (total_norm + 1.0e-6)
+    if clip_coeff < 1.0:
+        for g in grads:
+            g.detach().mul_(clip_coeff)
+
+
+def _noop(*args, **kwargs) -> None:
+    return None
+
+
+def _cpu_current_device() -> str:
+    return "cpu"
+
+
+def _patch(obj: Any, name: str, value: Any) -> None:
+    key = (obj, name)
+    if key not in _ORIGINALS:
+        _ORIGINALS[key] = getattr(obj, name)
+    setattr(obj, name, value)
+
+
+def cpu_shim_installed() -> bool:
+    """Whether :func:`install_cpu_shim` is in effect in this process."""
+    return bool(_ORIGINALS)
+
+
+def install_cpu_shim() -> bool:
+    """Redirect Megatron-Core's CUDA-only calls to the CPU when no GPU is present.
+
+    Returns True when the shim is (now or already) installed, False when a GPU is present and
+    nothing was changed. Idempotent.
+    """
+    if not on_cpu():
+        return False
+    if cpu_shim_installed():
+        return True
+    _patch(torch.cuda, "current_device", _cpu_current_device)
+    _patch(torch.cuda, "synchronize", _noop)
+    _patch(torch.cuda, "empty_cache", _noop)
+    for mod in (torch.cuda, cuda_random):
+        _patch(mod, "get_rng_state", _cpu_get_rng_state)
+        _patch(mod, "set_rng_state", _cpu_set_rng_state)
+        _patch(mod, "manual_seed", _cpu_manual_seed)
+    _patch(mcore_random, "_get_cuda_rng_state", _cpu_get_rng_state)
+    _patch(mcore_random, "_set_cuda_rng_state", _cpu_set_rng_state)
+    # Gradient clipping: the optimizer module holds its own reference to the function.
+    for mod in (mcore_clip_grads, mcore_optimizer):
+        if hasattr(mod, "clip_grad_by_total_norm_fp32"):
+            _patch(mod, "clip_grad_by_total_norm_fp32", _cpu_clip_grad_by_total_norm_fp32)
+    return True
+
+
+def uninstall_cpu_shim() -> None:
+    """Restore every patched attribute (for tests)."""
+    for (obj, name), value in reversed(list(_ORIGINALS.items())):
+        setattr(obj, name, value)
+    _ORIGINALS.clear()
+
+
+def _is_cuda(device: Any) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    return False
+
+
+class cuda_to_cpu(TorchFunctionMode):
+    """While active, ``device="cuda"`` becomes ``"cpu"`` and ``Tensor.cuda()`` is the identity.
+
+    Needed around Megatron-Core's pipeline schedules on a CPU machine; entering it when a GPU is
+    present is harmless (the rewrite is only applied when :func:`on_cpu` is True).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._active = on_cpu()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self._active:
+            if func is torch.Tensor.cuda:
+                return args[0]
+            if "device" in kwargs and _is_cuda(kwargs["device"]):
+                kwargs = {**kwargs, "device": "cpu"}
+            if func is torch.Tensor.to and len(args) > 1 and _is_cuda(args[1]):
+                args = (args[0], "cpu", *args[2:])
+        return func(*args, **kwargs)
+
+
+def device_context():
+    """The context to run Megatron-Core schedules in: :class:`cuda_to_cpu` on CPU, else null."""
+    return cuda_to_cpu() if on_cpu() else contextlib.nullcontext()
+
+
+def checkpoint_save_strategy():
+    """The ``dist_checkpointing`` save strategy to use: None (Megatron's default) on a GPU.
+
+    On CPU, Megatron's default ``torch_dist`` writer starts a ``multiprocessing`` manager and
+    forks writer processes, which a daemonic process (a worker of a process pool) may not do and
+    which buys nothing without device-to-host copies to overlap. The CPU strategy writes the
+    same ``torch_dist`` format in-process with ``torch.distributed.checkpoint.save``; Megatron's
+    loader reads it unchanged.
+    """
+    if not on_cpu():
+        return None
+    class _InProcessTorchDistSaveStrategy(mcore_torch.TorchDistSaveShardedStrategy):
+        def save(self, sharded_state_dict, checkpoint_dir) -> None:
+            # Same key translation as Megatron's async_save, then a synchronous DCP save.
+            sharded_state_dict, _, _ = mcore_torch._replace_state_dict_keys_with_sharded_keys(
+                sharded_state_dict, self.keep_only_main_replica)
+            pyt_state_dict = mcore_torch.mcore_to_pyt_state_dict(sharded_state_dict, False)
+            dcp_save(
+                pyt_state_dict,
+                storage_writer=FileSystemWriter(str(checkpoint_dir), thread_count=1),
+                planner=mcore_torch.MCoreSavePlanner(
+                    dedup_replicated_tensors=not self.keep_only_main_replica,
+                    flatten_state_dict=False),
+            )
+
+    return _InProcessTorchDistSaveStrategy("torch_dist", 1)

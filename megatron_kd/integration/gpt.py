@@ -1,0 +1,142 @@
+"""Megatron-Core GPT models for teacher and student: one place that builds them.
+
+:func:`build_gpt_model` builds this rank's Megatron-Core ``GPTModel`` for a
+:class:`~megatron_kd.integration.arch.GPTArchConfig` (the local layer spec on CPU, Transformer
+Engine's spec when it is importable and a GPU is present). Every model of the project (student,
+teacher, cache-build teacher, imported checkpoints) comes from here, so a move to another
+Megatron-Core model class is one change.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import (
+    get_gpt_layer_local_spec,
+    get_gpt_layer_with_transformer_engine_spec,
+)
+from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megatron_kd.integration.arch import GPTArchConfig
+from megatron_kd.integration.cpu_shim import install_cpu_shim, on_cpu
+
+__all__ = ["build_gpt_model", "model_arch"]
+
+
+def _transformer_config(arch: GPTArchConfig, *, tp_size: int, pp_size: int,
+                        params_dtype: torch.dtype, **overrides: Any):
+    kwargs = {
+        "num_layers": arch.num_layers,
+        "hidden_size": arch.hidden_size,
+        "num_attention_heads": arch.num_attention_heads,
+        "num_query_groups": arch.num_query_groups,
+        "ffn_hidden_size": arch.ffn_hidden_size,
+        "kv_channels": arch.kv_channels,
+        "layernorm_epsilon": arch.norm_epsilon,
+        "normalization": arch.normalization,
+        "gated_linear_unit": arch.swiglu,
+        "activation_func": F.silu if arch.swiglu else F.gelu,
+        "add_bias_linear": arch.add_bias_linear,
+        "init_method_std": arch.init_method_std,
+        "tensor_model_parallel_size": tp_size,
+        "pipeline_model_parallel_size": pp_size,
+        "params_dtype": params_dtype,
+        "pipeline_dtype": params_dtype,
+        "bf16": params_dtype == torch.bfloat16,
+        "fp16": params_dtype == torch.float16,
+        "use_cpu_initialization": on_cpu(),
+        "perform_initialization": True,
+        "hidden_dropout": 0.0,
+        "attention_dropout": 0.0,
+        "bias_dropout_fusion": False,
+        "apply_rope_fusion": False,
+        "masked_softmax_fusion": False,
+        "gradient_accumulation_fusion": False,
+        "persist_layer_norm": False,
+    }
+    kwargs.update(overrides)
+    return TransformerConfig(**kwargs)
+
+
+def _layer_spec(arch: GPTArchConfig):
+    if not on_cpu():
+        try:
+            # optional GPU extra: imported only to learn whether it is there
+            import transformer_engine  # noqa: F401
+        except ImportError:
+            pass
+        else:
+            return get_gpt_layer_with_transformer_engine_spec()
+    return get_gpt_layer_local_spec(normalization=arch.normalization)
+
+
+def build_gpt_model(
+    arch: GPTArchConfig,
+    *,
+    pre_process: bool = True,
+    post_process: bool = True,
+    params_dtype: torch.dtype = torch.float32,
+    pg_collection=None,
+    seed: int | None = 1234,
+    **config_overrides: Any,
+):
+    """Build this rank's Megatron-Core ``GPTModel`` for ``arch``.
+
+    ``megatron.core.parallel_state`` must be initialised, or ``pg_collection`` (a
+    ``ProcessGroupCollection``) given. With ``seed`` not None, Megatron's model-parallel RNG is
+    seeded first (``model_parallel_cuda_manual_seed``; on CPU the CPU generator stands in for
+    the CUDA one), so the same seed gives the same weights at any tensor-parallel size.
+    ``config_overrides`` go to ``TransformerConfig`` (e.g. ``hidden_dropout=0.1``). The model
+    carries its architecture as ``model.kd_arch``.
+    """
+    install_cpu_shim()
+    if pg_collection is not None:
+        tp_size, pp_size = pg_collection.tp.size(), pg_collection.pp.size()
+        tp_rank = pg_collection.tp.rank()
+    else:
+        if not parallel_state.model_parallel_is_initialized():
+            raise RuntimeError("build_gpt_model needs megatron.core.parallel_state initialised "
+                               "(initialize_model_parallel) or an explicit pg_collection")
+        tp_size = parallel_state.get_tensor_model_parallel_world_size()
+        pp_size = parallel_state.get_pipeline_model_parallel_world_size()
+        tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    arch.check_tensor_parallel(tp_size)
+    arch.check_pipeline_parallel(pp_size)
+    if seed is not None:
+        model_parallel_cuda_manual_seed(seed, tp_rank=tp_rank, ep_rank=0, etp_rank=0)
+    config = _transformer_config(arch, tp_size=tp_size, pp_size=pp_size,
+                                 params_dtype=params_dtype, **config_overrides)
+    kwargs = {}
+    if pg_collection is not None:
+        kwargs["pg_collection"] = pg_collection
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=_layer_spec(arch),
+        vocab_size=arch.padded_vocab_size,
+        max_sequence_length=arch.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        parallel_output=True,
+        share_embeddings_and_output_weights=arch.tie_embeddings,
+        position_embedding_type=arch.position_embedding_type,
+        rotary_base=arch.rotary_base,
+        **kwargs,
+    )
+    model.kd_arch = arch
+    return model
+
+
+def model_arch(model) -> GPTArchConfig:
+    """The architecture a model was built with (unwrapping DDP / Float16Module wrappers)."""
+    while not hasattr(model, "kd_arch") and hasattr(model, "module"):
+        model = model.module
+    arch = getattr(model, "kd_arch", None)
+    if arch is None:
+        raise ValueError("model was not built by megatron_kd.integration.gpt.build_gpt_model "
+                         "(no kd_arch attribute)")
+    return arch

@@ -1,0 +1,353 @@
+"""Distillation inside Megatron-LM's ``pretrain_gpt.py``: the pieces its patch plugs in.
+
+Megatron-LM keeps its own training loop, data pipeline, checkpoints and logging; the patch in
+``patches/`` changes three arguments of its ``pretrain(...)`` call and nothing else:
+
+* ``extra_args_provider=with_kd_args(<its own provider>)`` -- the ``--kd-*`` flags
+  (:func:`megatron_kd.integration.args.add_kd_args`, the same flags ``megatron-kd train`` accepts).
+* ``partial(model_provider, <its own model provider>)`` -- :func:`model_provider` builds the
+  student exactly as Megatron-LM would (by calling Megatron-LM's provider), makes it return its
+  final hidden states instead of logits (:func:`~megatron_kd.integration.output_layer.bypass_output_layer`)
+  and, in colocated mode, builds and loads the frozen teacher next to it.
+* ``partial(forward_step, <its own forward step>)`` -- :func:`forward_step` runs Megatron-LM's
+  forward step (its ``get_batch``: TP broadcast, context-parallel slicing, packed sequences) with
+  a stand-in model that records the inputs, runs the student without labels (hidden states out)
+  and the teacher on the same inputs, and returns the student's hidden states with
+  ``partial(loss_func, loss_mask, ...)``.
+
+:func:`loss_func` follows Megatron-LM's ``loss_func(loss_mask, output_tensor)`` contract: it
+returns ``(loss_sum, num_tokens, report)``, the loss *summed* over this microbatch's tokens, the
+token count as an int tensor, and ``report`` mapping names to ``[sum, tokens]`` pairs, which
+Megatron-LM sums over microbatches and data-parallel ranks and divides (its per-token
+reporting). Reported: ``"lm loss"`` (the student's cross-entropy on the labels, Megatron-LM's
+own meaning of the name), ``"kd loss"`` (the divergence, ``T^2`` included), ``"total loss"``
+(what is trained on: ``kd_weight * kd + ce_weight * lm``) and, in evaluation,
+``"teacher lm loss"``.
+
+The teacher is placed as in ``megatron-kd train`` (see :mod:`megatron_kd.training.trainer`): not
+pipelined; every rank of the student's last pipeline stage holds the whole teacher,
+tensor-parallel over the student's TP group, so both output layers share one vocabulary
+partition. Every rank builds and loads it (the load is collective); other stages drop it.
+
+Not supported here (each refused with ``ValueError`` before anything is built):
+``--kd-mode disaggregated`` and ``offline`` (Megatron-LM lays its groups over the whole world,
+with no room for teacher ranks: use ``megatron-kd train``), ``--sequence-parallel`` and
+``--context-parallel-size > 1`` (the bypassed hidden states would stay sharded along the
+sequence), ``--init-model-with-meta-device``, multi-token prediction and
+``--overlap-moe-expert-parallel-comm`` schedule plans.
+
+Nothing here imports Megatron-LM (``megatron.training``) at import time (only megatron-core):
+:func:`model_provider` reads Megatron-LM's ``get_args()`` when it is called, and the model
+provider and forward step it wraps are arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import torch
+
+from megatron.core import parallel_state as ps
+
+from megatron_kd.integration.args import KDArgs, add_kd_args
+from megatron_kd.integration.loss_func import make_kd_loss_func
+from megatron_kd.integration.output_layer import (
+    bypass_output_layer,
+    output_layer_weight,
+    to_sbh,
+    unwrap_model,
+)
+from megatron_kd.integration.teacher import (
+    build_frozen_teacher,
+    check_teacher,
+    unpipelined_groups,
+)
+
+__all__ = [
+    "PINNED_MEGATRON_LM_COMMIT",
+    "REPORT_NAMES",
+    "KDState",
+    "check_megatron_args",
+    "extra_args_provider",
+    "forward_step",
+    "loss_func",
+    "model_provider",
+    "with_kd_args",
+]
+
+PINNED_MEGATRON_LM_COMMIT = "f88b85f8c60aa89f5cf38b33a09657a4977af6cd"
+"""The Megatron-LM commit whose ``pretrain_gpt.py`` the patch in ``patches/`` is made for."""
+
+REPORT_NAMES = {"loss": "total loss", "kd_loss": "kd loss", "lm_loss": "lm loss",
+                "teacher_lm_loss": "teacher lm loss"}
+"""Report keys of :func:`megatron_kd.integration.make_kd_loss_func` -> Megatron-LM log names."""
+
+
+# ----------------------------------------------------------------------------------------------
+# arguments
+# ----------------------------------------------------------------------------------------------
+def extra_args_provider(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Megatron-LM's ``extra_args_provider``: adds the ``--kd-*`` flags."""
+    return add_kd_args(parser)
+
+
+def with_kd_args(base: Callable | None = None) -> Callable:
+    """An ``extra_args_provider`` adding ``base``'s flags (e.g. ModelOpt's), then ``--kd-*``."""
+    if base is None:
+        return extra_args_provider
+
+    def provider(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        parser = base(parser) or parser
+        return extra_args_provider(parser)
+
+    return provider
+
+
+def _megatron_lm_args() -> argparse.Namespace:
+    # Waits until called: megatron.training is Megatron-LM itself, not megatron-core.
+    from megatron.training import get_args
+
+    return get_args()
+
+
+def check_megatron_args(args: argparse.Namespace):
+    """Validate the ``--kd-*`` flags against Megatron-LM's other flags and the teacher
+    checkpoint; ``ValueError`` with the offending values. Reads only small files.
+
+    Returns ``(kd, teacher_arch)``: the :class:`~megatron_kd.integration.KDArgs` (with the
+    teacher directory resolved) and the teacher's architecture (None without a teacher).
+    """
+    kd = KDArgs.from_args(args)
+    if kd.mode != "colocated":
+        raise ValueError(f"--kd-mode {kd.mode} is not supported in Megatron-LM's pretrain_gpt.py "
+                         f"(only colocated is): Megatron-LM lays its process groups over the "
+                         f"whole world, leaving no ranks for a teacher; run `megatron-kd train "
+                         f"--kd-mode {kd.mode}` with the same flags instead")
+    if getattr(args, "sequence_parallel", False):
+        raise ValueError("--sequence-parallel is not supported with --kd-* yet: the student's "
+                         "final hidden states would stay sharded along the sequence; drop it")
+    cp = getattr(args, "context_parallel_size", 1) or 1
+    if cp > 1:
+        raise ValueError(f"--context-parallel-size {cp} is not supported with --kd-* yet "
+                         f"(the teacher would see a sequence shard); use 1")
+    if getattr(args, "init_model_with_meta_device", False):
+        raise ValueError("--init-model-with-meta-device is not supported with --kd-*: the "
+                         "teacher must be built with real weights to load its checkpoint")
+    if getattr(args, "mtp_num_layers", None):
+        raise ValueError(f"--mtp-num-layers {args.mtp_num_layers} is not supported with --kd-*")
+    if not kd.teacher_load:
+        return kd, None
+
+    # the teacher runs over the student's TP group
+    teacher_dir, arch = check_teacher(
+        kd.teacher_load, seq_length=getattr(args, "seq_length", None) or 1,
+        tp_sizes=(getattr(args, "tensor_model_parallel_size", 1) or 1,))
+    kd = dataclasses.replace(kd, teacher_load=teacher_dir)
+    padded = getattr(args, "padded_vocab_size", None)
+    if padded is not None and padded != arch.padded_vocab_size:
+        raise ValueError(
+            f"the student's padded vocabulary {padded} (Megatron-LM: tokenizer vocabulary padded "
+            f"to --make-vocab-size-divisible-by x TP) != the teacher's {arch.padded_vocab_size} "
+            f"(true vocabulary {arch.vocab_size}): both output layers must have the same rows; "
+            f"use the teacher's tokenizer and a --make-vocab-size-divisible-by that gives "
+            f"{arch.padded_vocab_size}")
+    return kd, arch
+
+
+# ----------------------------------------------------------------------------------------------
+# model provider
+# ----------------------------------------------------------------------------------------------
+@dataclass(kw_only=True)
+class KDState:
+    """What the forward step needs, attached (as ``kd_state``) to the student chunk that holds
+    the output layer. A plain object, not a module: the teacher stays out of the student's
+    parameters, gradient buffers and checkpoints."""
+
+    kd: KDArgs
+    """The validated ``--kd-*`` flags."""
+
+    config: Any
+    """The :class:`~megatron_kd.loss.KDLossConfig` trained on."""
+
+    tp_group: Any
+    """The tensor-parallel group the vocabulary is sharded over."""
+
+    teacher: Any = None
+    """The frozen teacher ``GPTModel`` (output layer bypassed); None without a teacher."""
+
+    teacher_weight: torch.Tensor | None = None
+    """``[local_vocab_size, h_t]`` the teacher's output-layer shard."""
+
+
+# A teacher built at the first model_provider call of this process (virtual stage 0), waiting
+# for the call that builds the chunk holding the output layer (the last virtual stage).
+_pending_teacher: dict[str, Any] = {}
+
+
+def _build_teacher(kd: KDArgs, arch, pg_collection, keep: bool):
+    """Build and load the whole (un-pipelined) teacher over the student's TP group (collective
+    over the world: every rank loads); returns it when ``keep``, else drops it."""
+    pgc, _ = unpipelined_groups(pg_collection)
+    # Replicated on every rank of a TP group's pipeline: several ranks read the same shard.
+    return build_frozen_teacher(arch, kd.teacher_load, dtype=kd.teacher_torch_dtype,
+                                pg_collection=pgc, replicated=True, keep=keep)
+
+
+def _on_last_pipeline_stage(pg_collection) -> bool:
+    if pg_collection is not None and getattr(pg_collection, "pp", None) is not None:
+        pp = pg_collection.pp
+        return pp.rank() == pp.size() - 1
+    return ps.is_pipeline_last_stage(ignore_virtual=True)
+
+
+def _tp_group(pg_collection):
+    if pg_collection is not None and getattr(pg_collection, "tp", None) is not None:
+        return pg_collection.tp
+    return ps.get_tensor_model_parallel_group()
+
+
+def model_provider(base_model_provider: Callable, pre_process: bool = True,
+                   post_process: bool = True, **kwargs: Any):
+    """Megatron-LM's model provider, distilling: ``partial(model_provider, <Megatron-LM's>)``.
+
+    Calls ``base_model_provider(pre_process=..., post_process=..., **kwargs)`` (``vp_stage``,
+    ``config``, ``pg_collection`` as Megatron-LM passes them) for the student. On the chunk that
+    holds the output layer (``post_process``) the output layer is bypassed (the model returns
+    ``[b, s, h]`` final hidden states) and a :class:`KDState` with the teacher is attached. The
+    first call of the process (``vp_stage`` None or 0) builds and loads the teacher before the
+    student, on every rank (collective); ranks off the last pipeline stage drop it at once.
+    """
+    args = _megatron_lm_args()
+    kd, teacher_arch = check_megatron_args(args)
+    vp_stage = kwargs.get("vp_stage")
+    pg_collection = kwargs.get("pg_collection")
+    if teacher_arch is not None and vp_stage in (None, 0):
+        # Before the student: building a student chunk may be collective too (tied embeddings
+        # all-reduce between the first and last stage), and with virtual stages the ranks reach
+        # those collectives at different calls; the teacher's load must not sit between them.
+        teacher = _build_teacher(kd, teacher_arch, pg_collection,
+                                 keep=_on_last_pipeline_stage(pg_collection))
+        if teacher is not None:
+            _pending_teacher["teacher"] = teacher
+    model = base_model_provider(pre_process=pre_process, post_process=post_process, **kwargs)
+    if not post_process:
+        return model
+    bypass_output_layer(model)
+    teacher = _pending_teacher.pop("teacher", None)
+    if teacher_arch is not None and teacher is None:
+        raise RuntimeError("model_provider: the chunk with the output layer was built before the "
+                           "teacher (expected virtual stage 0 first)")
+    vocab_size = teacher_arch.vocab_size if teacher_arch is not None else \
+        getattr(args, "vocab_size", None)
+    model.kd_state = KDState(
+        kd=kd, config=kd.loss_config(vocab_size=vocab_size), tp_group=_tp_group(pg_collection),
+        teacher=teacher, teacher_weight=None if teacher is None else output_layer_weight(teacher))
+    return model
+
+
+def kd_state(model) -> KDState | None:
+    """The :class:`KDState` of a (wrapped) student chunk; None on chunks without the output
+    layer."""
+    return getattr(unwrap_model(model), "kd_state", None)
+
+
+# ----------------------------------------------------------------------------------------------
+# forward step
+# ----------------------------------------------------------------------------------------------
+class _RecordingModel:
+    """Stands in for the student inside Megatron-LM's forward step.
+
+    Records the ``labels`` and ``loss_mask`` the forward step passes, runs the student without
+    them (so it returns hidden states, and no cross-entropy over logits) and the teacher on the
+    same inputs. Attribute lookups go to the wrapped model (``.module`` too, for Megatron's
+    ``get_attr_wrapped_model``).
+    """
+
+    def __init__(self, model, state: KDState) -> None:
+        self.module = model
+        self._state = state
+        self.called = False
+        self.labels = self.loss_mask = self.teacher_hidden = None
+
+    def __getattr__(self, name: str):
+        if name == "module":  # not yet set (copy, unpickling): no recursion
+            raise AttributeError(name)
+        return getattr(self.module, name)
+
+    def __call__(self, *args: Any, **kwargs: Any):
+        if self.called:
+            raise RuntimeError("the forward step called the model twice in one microbatch")
+        self.called = True
+        self.labels = kwargs.pop("labels", None)
+        self.loss_mask = kwargs.pop("loss_mask", None)
+        if self.labels is None or self.loss_mask is None:
+            raise ValueError("the wrapped forward step must call the model with labels= and "
+                             "loss_mask= (as Megatron-LM's pretrain_gpt.forward_step does)")
+        output = self.module(*args, **kwargs)
+        if self._state.teacher is not None:
+            with torch.no_grad():
+                self.teacher_hidden = to_sbh(self._state.teacher(*args, **kwargs))
+        return output
+
+
+def forward_step(base_forward_step: Callable, data_iterator, model, *args: Any, **kwargs: Any):
+    """Megatron-LM's forward step, distilling: ``partial(forward_step, <Megatron-LM's>)``.
+
+    Returns ``(output_tensor, loss_func)``. On the chunk with the output layer the output is
+    the student's final hidden states ``[b, s, h_s]`` and the loss function is
+    ``partial(loss_func, loss_mask, ...)`` (see :func:`loss_func`); elsewhere both come from
+    ``base_forward_step`` unchanged.
+    """
+    if kwargs.get("return_schedule_plan"):
+        raise ValueError("--overlap-moe-expert-parallel-comm schedule plans are not supported "
+                         "with --kd-*")
+    state = kd_state(model)
+    if state is None:  # no output layer on this chunk: nothing to distil here
+        return base_forward_step(data_iterator, model, *args, **kwargs)
+    recorder = _RecordingModel(model, state)
+    output, _ = base_forward_step(data_iterator, recorder, *args, **kwargs)
+    if not recorder.called:
+        raise RuntimeError("the wrapped forward step returned without calling the model")
+    return output, partial(
+        loss_func, recorder.loss_mask, labels=recorder.labels,
+        student_weight=output_layer_weight(model), teacher_hidden=recorder.teacher_hidden,
+        teacher_weight=state.teacher_weight, config=state.config, tp_group=state.tp_group,
+        report_teacher_lm_loss=not unwrap_model(model).training)
+
+
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor, *, labels: torch.Tensor,
+              student_weight: torch.Tensor, teacher_hidden: torch.Tensor | None,
+              teacher_weight: torch.Tensor | None, config, tp_group=None,
+              report_teacher_lm_loss: bool = False, loss_fn: Callable | None = None):
+    """Megatron-LM's ``loss_func(loss_mask, output_tensor)`` on the fused KD loss.
+
+    Args:
+        loss_mask: ``[b, s]`` per-token weights (Megatron-LM's batch layout).
+        output_tensor: ``[b, s, h_s]`` the bypassed student's final hidden states.
+        labels: ``[b, s]`` next-token ids.
+        student_weight: ``[local_vocab_size, h_s]`` the student's output-layer shard.
+        teacher_hidden: ``[s, b, h_t]`` the teacher's final hidden states (None: no teacher).
+        teacher_weight: ``[local_vocab_size, h_t]`` the teacher's output-layer shard.
+        config: the :class:`~megatron_kd.loss.KDLossConfig`.
+        tp_group: the tensor-parallel group of the vocabulary shards.
+        report_teacher_lm_loss: also report the teacher's cross-entropy (evaluation).
+        loss_fn: replaces ``vocab_parallel_kd_loss`` (same signature; for tests).
+
+    Returns:
+        ``(loss_sum, num_tokens, report)``: ``sum(loss_mask * (kd_weight*KD + ce_weight*CE))``
+        with gradients, ``loss_mask.sum()`` as an int tensor, and ``report`` mapping
+        ``"total loss"``, ``"kd loss"``, ``"lm loss"`` (and ``"teacher lm loss"``) to detached
+        ``[sum, num_tokens]`` pairs.
+    """
+    kw = {} if loss_fn is None else {"loss_fn": loss_fn}
+    inner = make_kd_loss_func(student_weight=student_weight, teacher_hidden=teacher_hidden,
+                              teacher_weight=teacher_weight, labels=labels, loss_mask=loss_mask,
+                              config=config, tp_group=tp_group,
+                              report_teacher_lm_loss=report_teacher_lm_loss, **kw)
+    loss_sum, num_tokens, report = inner(output_tensor)
+    return loss_sum, num_tokens, {REPORT_NAMES[key]: pair for key, pair in report.items()}

@@ -1,0 +1,124 @@
+"""The frozen teacher: one builder for every place a teacher model or its output layer is made.
+
+:func:`check_teacher` checks a teacher checkpoint from its small files before anything is
+built (``megatron-kd train``, ``cache build`` and Megatron-LM's entry points call it).
+
+:func:`build_frozen_teacher` builds a teacher ``GPTModel`` from a checkpoint's architecture,
+loads its weights and freezes it (eval mode, ``requires_grad=False``, output layer bypassed so it
+returns final hidden states): colocated training, Megatron-LM's ``pretrain_gpt.py``, the
+disaggregated teacher and the top-K cache build all call it. :func:`unpipelined_groups` gives
+the process groups of a teacher that holds every layer on a rank of a pipelined student;
+:func:`load_output_layer_shard` reads only the teacher's output layer (a student that receives
+the teacher's hidden states projects them itself).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing, parallel_state
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.utils import make_tp_sharded_tensor_for_checkpoint
+
+from megatron_kd.integration.arch import GPTArchConfig
+from megatron_kd.integration.checkpoint import (
+    check_checkpoint_tensors,
+    load_model_checkpoint,
+    read_checkpoint_arch,
+    resolve_model_dir,
+)
+from megatron_kd.integration.gpt import build_gpt_model
+from megatron_kd.integration.output_layer import bypass_output_layer
+
+__all__ = ["build_frozen_teacher", "check_teacher", "load_output_layer_shard",
+           "unpipelined_groups"]
+
+
+def check_teacher(teacher_load: str, *, seq_length: int, tp_sizes: tuple[int, ...] = (1,),
+                  pp_size: int = 1) -> tuple[str, GPTArchConfig]:
+    """``(directory, arch)`` of a teacher checkpoint, checked: its tensors fit its
+    ``model_config.json``, every TP size of ``tp_sizes`` and ``pp_size`` split it, and it is
+    built for ``seq_length``. ``teacher_load`` may be a training checkpoint root (its newest
+    iteration is taken)."""
+    if not os.path.isdir(teacher_load):
+        raise ValueError(f"--kd-teacher-load {teacher_load!r} is not a directory")
+    directory = resolve_model_dir(teacher_load)
+    arch = read_checkpoint_arch(directory)
+    check_checkpoint_tensors(directory, arch)
+    try:
+        for tp in tp_sizes:
+            arch.check_tensor_parallel(tp)
+        arch.check_pipeline_parallel(pp_size)
+    except ValueError as e:
+        raise ValueError(f"teacher {directory!r}: {e}") from None
+    if arch.max_position_embeddings < seq_length:
+        raise ValueError(f"teacher max_position_embeddings {arch.max_position_embeddings} < "
+                         f"--seq-length {seq_length}")
+    return directory, arch
+
+
+def unpipelined_groups(pg_collection: ProcessGroupCollection | None = None):
+    """``(pg_collection, single)``: Megatron's groups (``pg_collection`` or ``parallel_state``'s)
+    with a pipeline "group" of this rank alone, for a teacher that has every layer wherever it
+    is. ``single`` is that new group (the caller destroys it when done). Collective: every rank
+    of the world creates the one-rank groups in one call."""
+    pgc = (ProcessGroupCollection.use_mpu_process_groups() if pg_collection is None
+           else copy.copy(pg_collection))
+    single, _ = dist.new_subgroups(group_size=1)
+    pgc.pp = single
+    return pgc, single
+
+
+def build_frozen_teacher(arch: GPTArchConfig, load_dir: str, *, dtype: torch.dtype,
+                         pg_collection: ProcessGroupCollection | None = None,
+                         pre_process: bool = True, post_process: bool = True,
+                         seed: int | None = None, replicated: bool = False, keep: bool = True):
+    """Build, load and freeze a teacher ``GPTModel`` (collective: its ranks load together).
+
+    Args:
+        arch: the teacher's architecture (from its checkpoint's ``model_config.json``).
+        load_dir: the teacher checkpoint.
+        dtype: parameter dtype (the fused loss computes in fp32 either way).
+        pg_collection: explicit process groups (e.g. :func:`unpipelined_groups`); None: Megatron's
+            ``parallel_state``.
+        pre_process / post_process: this pipeline stage's ends of the teacher.
+        seed: seeds Megatron's model-parallel RNG before building (needed in a process where it
+            was never seeded; the weights come from the checkpoint either way).
+        replicated: several ranks that Megatron's groups call replicas load the same shard
+            (a teacher on every pipeline stage of a student).
+        keep: False loads (so the collective load completes) and returns None.
+
+    Returns the model (output layer bypassed on the last stage, eval mode, frozen) or None.
+    """
+    teacher = build_gpt_model(arch, pg_collection=pg_collection, pre_process=pre_process,
+                              post_process=post_process, params_dtype=dtype, seed=seed,
+                              perform_initialization=False)
+    load_model_checkpoint(teacher, load_dir, validate_access_integrity=not replicated)
+    if not keep:
+        return None
+    if post_process:
+        bypass_output_layer(teacher)
+    teacher.eval()
+    for p in teacher.parameters():
+        p.requires_grad_(False)
+    return teacher
+
+
+def load_output_layer_shard(teacher_dir: str, arch: GPTArchConfig, dtype: torch.dtype,
+                            tp_size: int | None = None) -> torch.Tensor:
+    """This TP rank's ``[padded_vocab / tp, h_t]`` shard of the teacher's output layer.
+
+    Reads only that tensor from the teacher's ``dist_checkpointing`` checkpoint (the input
+    embedding when the teacher ties it to the output layer). Collective over the default group.
+    ``tp_size``: the tensor-parallel size of the shard (default: ``parallel_state``'s).
+    """
+    if tp_size is None:
+        tp_size = parallel_state.get_tensor_model_parallel_world_size()
+    key = "embedding.word_embeddings.weight" if arch.tie_embeddings else "output_layer.weight"
+    local = torch.empty(arch.padded_vocab_size // tp_size, arch.hidden_size, dtype=dtype)
+    request = {key: make_tp_sharded_tensor_for_checkpoint(local, key)}
+    loaded = dist_checkpointing.load(request, teacher_dir, validate_access_integrity=False)
+    return loaded[key].to(dtype)

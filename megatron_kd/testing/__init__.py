@@ -1,0 +1,5 @@
+"""Test support that ships with the package: a pool of gloo ranks on CPU (:mod:`.pool`)."""
+
+from megatron_kd.testing.pool import DistPool, RankContext, RankFailure
+
+__all__ = ["DistPool", "RankContext", "RankFailure"]

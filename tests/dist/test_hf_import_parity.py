@@ -1,0 +1,118 @@
+"""``megatron-kd import-hf``: logits parity with transformers' own forward on 2 gloo ranks.
+
+The import is saved at TP=1 and loaded through ``dist_checkpointing`` at TP=1 and TP=2 (the
+vocabulary shards of the logits concatenated), compared with ``LlamaForCausalLM`` on the same
+tokens in fp32.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+
+from support.hf_models import BATCH, SEQ, bpe_tokenizer, tiny_llama
+
+from megatron_kd.integration import hf_import
+
+# fp32 end to end; the two implementations sum in different orders (fused qkv, SwiGLU as one
+# matmul, TP partial sums), so logits of size ~3 agree to ~1.2e-6 (measured). 1e-5 leaves ~10x
+# margin for other BLAS builds while any layout error (a swapped head, gate/up, rotary half)
+# gives O(0.1..1) differences.
+ATOL = 1e-5
+
+
+
+def case_import(ctx, hf_path, save_dir, pad_for_tp=1):
+    """Every rank takes part in the (collective) dist_checkpointing save at TP=1."""
+    from megatron.core import parallel_state
+
+    parallel_state.initialize_model_parallel(1, 1)
+    try:
+        arch = hf_import.import_hf(hf_path, save_dir, pad_for_tp=pad_for_tp)
+    finally:
+        parallel_state.destroy_model_parallel()
+    return arch.to_dict()
+
+
+def case_logits(ctx, save_dir, tokens, tp_size, direct_from=None):
+    """This rank's logits ``[b, s, V/tp]`` from the checkpoint (or converted straight from HF)."""
+    from megatron.core import parallel_state
+
+    from megatron_kd.integration import checkpoint, gpt
+
+    parallel_state.initialize_model_parallel(tp_size, 1)
+    try:
+        arch = checkpoint.read_checkpoint_arch(save_dir)
+        model = gpt.build_gpt_model(arch, seed=123)
+        if direct_from is None:
+            checkpoint.load_model_checkpoint(model, save_dir)
+        else:
+            ckpt = hf_import.load_hf_checkpoint(direct_from)
+            full = hf_import.convert_hf_state_dict(ckpt.state_dict, arch)
+            hf_import.load_converted_into_model(
+                model, full, arch, parallel_state.get_tensor_model_parallel_rank(), tp_size)
+        model.eval()
+        b, s = tokens.shape
+        position_ids = torch.arange(s).unsqueeze(0).expand(b, s)
+        # Megatron's mask convention: True = masked out (a future position).
+        causal_mask = torch.triu(torch.ones(s, s, dtype=torch.bool), diagonal=1)[None, None]
+        with torch.no_grad():
+            logits = model(tokens, position_ids, causal_mask)  # [b, s, V/tp]
+        return logits.float()
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_logits_parity_tp1_tp2(tmp_path, dist_pool_factory, tied):
+    pool = dist_pool_factory(2)
+    hf_path, tokens, expected = tiny_llama(tmp_path, tied=tied)
+    if tied:
+        # A tokenizer with fewer tokens (150) than embedding rows (203), as Qwen's 151,665 vs
+        # 151,936: its size is recorded as the true vocabulary, and it travels with the weights.
+        vocab_map = {f"t{i}": i for i in range(150)}
+        bpe_tokenizer(vocab_map, []).save(os.path.join(hf_path, "tokenizer.json"))
+    save_dir = str(tmp_path / "megatron")
+    arch = pool.run(case_import, hf_path, save_dir)[0]
+    assert arch["tie_embeddings"] is tied
+    assert (arch["vocab_size"], arch["padded_vocab_size"]) == (150 if tied else 203, 256)
+    assert os.path.isfile(os.path.join(save_dir, "model_config.json"))
+    assert os.path.isfile(os.path.join(save_dir, "tokenizer.json")) is tied
+    vocab = expected.shape[-1]
+
+    # TP=1 on two data-parallel ranks: each has the whole (padded) vocabulary.
+    for logits in pool.run(case_logits, save_dir, tokens, 1):
+        assert logits.shape == (BATCH, SEQ, 256)
+        torch.testing.assert_close(logits[..., :vocab], expected, atol=ATOL, rtol=0)
+        assert torch.all(logits[..., vocab:] == 0)  # zero padding rows give zero logits
+
+    # TP=2: dist_checkpointing reshards; the vocabulary shards concatenate to the full logits.
+    shards = pool.run(case_logits, save_dir, tokens, 2)
+    assert shards[0].shape == (BATCH, SEQ, 128)
+    torch.testing.assert_close(torch.cat(shards, dim=-1)[..., :vocab], expected, atol=ATOL, rtol=0)
+
+    # The in-memory sharding (no checkpoint round trip) gives the same logits at TP=2.
+    direct = pool.run(case_logits, save_dir, tokens, 2, direct_from=hf_path)
+    torch.testing.assert_close(torch.cat(direct, dim=-1), torch.cat(shards, dim=-1),
+                               atol=0, rtol=0)
+
+
+def test_logits_parity_with_heads_padded_for_tp2(tmp_path, dist_pool_factory):
+    # 6 heads in 3 groups and an MLP width of 75 do not split 2 ways: the import pads them
+    # with exactly-neutral dummy heads / MLP units (8 heads in 4 groups, width 76).
+    pool = dist_pool_factory(2)
+    hf_path, tokens, expected = tiny_llama(tmp_path, tied=True, groups=3, ffn=75, name="odd")
+    save_dir = str(tmp_path / "megatron_padded")
+    arch = pool.run(case_import, hf_path, save_dir, pad_for_tp=2)[0]
+    assert (arch["num_attention_heads"], arch["num_query_groups"], arch["kv_channels"],
+            arch["ffn_hidden_size"]) == (8, 4, 8, 76)
+    vocab = expected.shape[-1]
+    for tp in (1, 2):
+        shards = pool.run(case_logits, save_dir, tokens, tp)[:tp]
+        torch.testing.assert_close(torch.cat(shards, dim=-1)[..., :vocab], expected,
+                                   atol=ATOL, rtol=0)

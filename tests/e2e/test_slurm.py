@@ -1,0 +1,330 @@
+"""The sbatch scripts of ``examples/slurm/`` on a real Slurm: munged, slurmctld and two slurmd
+"nodes" on localhost (see ``support/slurm_fixture.py``), each script submitted with a tiny CPU run.
+
+Tiers, cheapest first:
+
+* the launcher alone: ``disaggregated.sbatch`` with a stand-in program (``KD_PYTHON``) that joins
+  the ``torch.distributed`` world from the variables the script sets and reports every rank's
+  place -- the rank split on one node and across two nodes, a failed step failing the job, a bad
+  split refused;
+* the real program: ``colocated.sbatch`` and ``cache_build.sbatch`` running ``megatron-kd train``
+  / ``megatron-kd cache build`` on a tiny random teacher (2 layers, hidden 32) over ``--mock-data``,
+  checked by job state (``scontrol show job``: COMPLETED, exit 0:0) and by their JSON logs;
+  ``disaggregated.sbatch`` likewise once the program accepts ``--kd-mode disaggregated`` (asked
+  at test time; skipped until then).
+
+Skipped, with the reason, where the daemons cannot start (no ``slurm-wlm``/``munge``: see
+``.ci/slurm_setup.sh``; not root). The daemons are stopped by PID at the end of the module.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+from support.slurm_fixture import LocalSlurm, SlurmUnavailable
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPTS = REPO / "examples" / "slurm"
+
+# Generous: every job starts Python, torch and megatron-core in each rank, on a CI machine that
+# may have 2 cores for 4 ranks.
+JOB_TIMEOUT_S = 600
+TRAIN_ITERS = 3
+
+# The tiny student (as support/train_cases.py's) and a tiny teacher with the same vocabulary.
+TEACHER_ARCH = dict(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
+                    ffn_hidden_size=64, vocab_size=500, padded_vocab_size=512,
+                    max_position_embeddings=64, tie_embeddings=True)
+STUDENT_FLAGS = """
+    # a tiny CPU run
+    --num-layers 2 --hidden-size 32 --num-attention-heads 4 --num-query-groups 2
+    --ffn-hidden-size 64 --seq-length 32 --micro-batch-size 2 --global-batch-size 4
+    --train-iters {iters} --eval-interval {iters} --eval-iters 1 --lr 1e-2 --mock-data
+    --kd-teacher-load {teacher} --kd-ce-weight 0.2
+"""
+CACHE_FLAGS = """
+    --kd-teacher-load {teacher} --kd-topk 8 --seq-length 32 --micro-batch-size 2
+    --train-iters {iters} --global-batch-size 4 --eval-iters 1 --mock-data --samples-per-shard 4
+"""
+# Every job: no GPU requested (the #SBATCH default asks for 8), a short limit, CPU mode.
+CPU_JOB = ("--gpus-per-node=0", "--time=10")
+
+
+# --- fixtures ----------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def slurm(request):
+    cluster = LocalSlurm(nodes=2, cpus=4)
+    try:
+        cluster.start()
+    except SlurmUnavailable as e:
+        cluster.cleanup()
+        reason = f"cannot start a local Slurm: {e}"
+        # Printed past the output capture, so that a plain `pytest -q` run says why.
+        reporter = request.config.pluginmanager.get_plugin("terminalreporter")
+        capture = request.config.pluginmanager.get_plugin("capturemanager")
+        if reporter is not None and capture is not None:
+            with capture.global_and_fixture_disabled():
+                reporter.write_line(f"\ntests/test_slurm.py skipped: {reason}")
+        pytest.skip(reason)
+    try:
+        yield cluster
+    finally:
+        cluster.cleanup()
+
+
+@pytest.fixture(scope="module")
+def teacher(tmp_path_factory):
+    """A tiny random teacher checkpoint (one process, a world of one)."""
+    directory = tmp_path_factory.mktemp("teacher") / "ckpt"
+    code = textwrap.dedent(f"""
+        import torch.distributed as dist
+        from megatron_kd.integration.arch import GPTArchConfig
+        from megatron_kd.integration.gpt import build_gpt_model
+        from megatron_kd.integration.checkpoint import save_model_checkpoint
+        from megatron_kd.integration.groups import init_distributed_from_env, model_parallel
+        arch = GPTArchConfig(**{TEACHER_ARCH!r})
+        init_distributed_from_env()
+        with model_parallel(1, 1):
+            save_model_checkpoint(build_gpt_model(arch, seed=5), arch, {str(directory)!r})
+        dist.destroy_process_group()
+    """)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RANK",
+                                                                      "WORLD_SIZE"))}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=JOB_TIMEOUT_S, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return str(directory)
+
+
+def _args_file(path: Path, template: str, **values) -> Path:
+    path.write_text(textwrap.dedent(template.format(**values)))
+    return path
+
+
+def _submit(slurm: LocalSlurm, script: str, tmp_path: Path, *options: str, **env: str):
+    """Submit ``examples/slurm/<script>`` from ``tmp_path`` in CPU mode; wait; return
+    ``(job info, log dir, job output text)``."""
+    log_dir = tmp_path / "logs"
+    # sbatch passes our environment on: none of the caller's own KD_* settings.
+    job_env: dict[str, str | None] = {k: None for k in os.environ if k.startswith("KD_")}
+    job_env |= {"KD_USE_CPU": "1", "KD_LOG_DIR": str(log_dir), "KD_PYTHON": sys.executable,
+                "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO),
+                                                            os.environ.get("PYTHONPATH")]))}
+    job_env.update(env)
+    out = tmp_path / "job.out"
+    job_id = slurm.sbatch(SCRIPTS / script, *CPU_JOB, f"--output={out}", *options,
+                          cwd=tmp_path, env=job_env)
+    t0 = time.monotonic()
+    info = slurm.wait(job_id, timeout_s=JOB_TIMEOUT_S)
+    info["_wall_s"] = f"{time.monotonic() - t0:.1f}"
+    text = out.read_text(errors="replace") if out.exists() else "(no job output)"
+    return info, log_dir, text
+
+
+def _explain(info: dict, log_dir: Path, text: str) -> str:
+    """Job state, the tail of its output and of each step log: the assertion message."""
+    state = (f"JobState={info.get('JobState')} ExitCode={info.get('ExitCode')} "
+             f"Reason={info.get('Reason')}")
+    parts = [state, "--- job output (tail)", text[-4000:]]
+    for log in sorted(log_dir.glob("*.log")) if log_dir.exists() else []:
+        parts += [f"--- {log.name} (tail)", log.read_text(errors="replace")[-3000:]]
+    return "\n".join(parts)
+
+
+def _assert_completed(info: dict, log_dir: Path, text: str) -> None:
+    assert (info.get("JobState"), info.get("ExitCode")) == ("COMPLETED", "0:0"), \
+        _explain(info, log_dir, text)
+
+
+def _launch_line(text: str, job_id: str) -> str:
+    lines = [ln for ln in text.splitlines() if ln.startswith(f"megatron-kd[{job_id}]: ")]
+    assert lines, f"no launcher line in the job output:\n{text[-2000:]}"
+    return lines[0]
+
+
+def _check_train_log(log_dir: Path, info, text) -> list[dict]:
+    path = log_dir / "train.jsonl"
+    assert path.exists(), _explain(info, log_dir, text)
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    steps = [r for r in records if not r.get("eval")]
+    evals = [r for r in records if r.get("eval")]
+    assert [r["step"] for r in steps] == list(range(1, TRAIN_ITERS + 1))
+    for r in steps:
+        assert math.isfinite(r["loss"]) and r["loss"] > 0
+        assert r["kd_loss"] is not None and r["lm_loss"] is not None  # teacher and labels used
+        assert r["tokens_per_s"] > 0
+    assert [e["step"] for e in evals] == [TRAIN_ITERS]
+    return steps
+
+
+# --- the launcher, with a stand-in program ------------------------------------------------------
+
+# Joins the world from RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT (as the real program does, over
+# gloo) and has rank 0 write every rank's view to the --log-json path. With STUB_FAIL=1 the
+# teacher ranks exit 3 at once and the others wait (as real students would, on a dead teacher).
+STUB = """
+import datetime, json, os, sys, time
+
+argv = sys.argv[1:]
+teacher_ranks = int(argv[argv.index("--kd-teacher-world-size") + 1])
+rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+is_teacher = rank >= world - teacher_ranks  # the script's default placement: teacher last
+if os.environ.get("STUB_FAIL") == "1":
+    if is_teacher:
+        sys.exit(3)
+    time.sleep(300)
+    sys.exit(0)
+import torch.distributed as dist
+
+dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_STEP_ID",
+        "SLURMD_NODENAME", "CUDA_VISIBLE_DEVICES")
+me = {k: os.environ.get(k) for k in keys}
+me["argv"] = argv
+views = [None] * dist.get_world_size()
+dist.all_gather_object(views, me)
+if dist.get_rank() == 0:
+    with open(argv[argv.index("--log-json") + 1], "w") as f:
+        json.dump(views, f)
+dist.destroy_process_group()
+"""
+
+
+@pytest.fixture(scope="module")
+def stub_python(tmp_path_factory):
+    """A ``KD_PYTHON`` that runs the stand-in instead of ``-m megatron_kd``."""
+    d = tmp_path_factory.mktemp("stub")
+    (d / "stub.py").write_text(STUB)
+    wrapper = d / "python"
+    # Called as `$KD_PYTHON -m megatron_kd train ARGS...`: drop `-m megatron_kd`.
+    wrapper.write_text(f'#!/bin/sh\nshift 2\nexec "{sys.executable}" "{d / "stub.py"}" "$@"\n')
+    wrapper.chmod(0o755)
+    return str(wrapper)
+
+
+def _views(log_dir: Path) -> list[dict]:
+    return json.loads((log_dir / "train.jsonl").read_text())
+
+
+def _check_world(views, *, world, teacher_ranks, job_id):
+    assert [int(v["RANK"]) for v in views] == list(range(world))
+    assert {v["WORLD_SIZE"] for v in views} == {str(world)}
+    # One rendezvous for both steps: the first node, a port derived from the job id.
+    assert {(v["MASTER_ADDR"], v["MASTER_PORT"]) for v in views} == \
+        {(views[0]["SLURMD_NODENAME"], str(15000 + int(job_id) % 15000))}
+    # Both steps run the same command line, which carries the split.
+    for v in views:
+        a = v["argv"]
+        assert a[a.index("--kd-mode") + 1] == "disaggregated"
+        assert a[a.index("--kd-teacher-world-size") + 1] == str(teacher_ranks)
+        assert v["CUDA_VISIBLE_DEVICES"] == ""  # KD_USE_CPU=1
+    student, teacher = views[:world - teacher_ranks], views[world - teacher_ranks:]
+    # Two job steps: students in one, teachers in the other.
+    assert len({v["SLURM_STEP_ID"] for v in student}) == 1
+    assert len({v["SLURM_STEP_ID"] for v in teacher}) == 1
+    assert student[0]["SLURM_STEP_ID"] != teacher[0]["SLURM_STEP_ID"]
+    # Local ranks are unique per node (one GPU each).
+    per_node: dict[str, list[int]] = {}
+    for v in views:
+        per_node.setdefault(v["SLURMD_NODENAME"], []).append(int(v["LOCAL_RANK"]))
+    for node, local in per_node.items():
+        assert sorted(local) == list(range(len(local))), (node, local)
+    return student, teacher
+
+
+def test_disaggregated_split_one_node(slurm, stub_python, tmp_path):
+    args = _args_file(tmp_path / "train.args", STUDENT_FLAGS, iters=1, teacher="/nonexistent")
+    info, log_dir, text = _submit(slurm, "disaggregated.sbatch", tmp_path, "--nodes=1",
+                                  f"--nodelist={slurm.nodes[0]}", "--ntasks-per-node=3",
+                                  KD_PYTHON=stub_python, KD_ARGS_FILE=str(args),
+                                  KD_TEACHER_TASKS="1")
+    _assert_completed(info, log_dir, text)
+    student, teacher = _check_world(_views(log_dir), world=3, teacher_ranks=1,
+                                    job_id=info["JobId"])
+    assert {v["SLURMD_NODENAME"] for v in student + teacher} == {slurm.nodes[0]}
+    assert [v["LOCAL_RANK"] for v in teacher] == ["2"]  # after the students' 0, 1
+    node = slurm.nodes[0]
+    assert f"teacher: ranks 2..2 on {node}; student: ranks 0..1 on {node}" in text, text[-2000:]
+
+
+def test_disaggregated_split_two_nodes(slurm, stub_python, tmp_path):
+    args = _args_file(tmp_path / "train.args", STUDENT_FLAGS, iters=1, teacher="/nonexistent")
+    info, log_dir, text = _submit(slurm, "disaggregated.sbatch", tmp_path, "--nodes=2",
+                                  "--ntasks-per-node=2", KD_PYTHON=stub_python,
+                                  KD_ARGS_FILE=str(args), KD_TEACHER_NODES="1")
+    _assert_completed(info, log_dir, text)
+    student, teacher = _check_world(_views(log_dir), world=4, teacher_ranks=2,
+                                    job_id=info["JobId"])
+    # Student on the first node, teacher on the last; nothing shared.
+    assert {v["SLURMD_NODENAME"] for v in student} == {slurm.nodes[0]}
+    assert {v["SLURMD_NODENAME"] for v in teacher} == {slurm.nodes[1]}
+
+
+def test_disaggregated_failed_step_fails_job(slurm, stub_python, tmp_path):
+    """A teacher that exits 3 fails the job with exit 3, and the waiting students are stopped
+    (not left to time out)."""
+    args = _args_file(tmp_path / "train.args", STUDENT_FLAGS, iters=1, teacher="/nonexistent")
+    info, log_dir, text = _submit(slurm, "disaggregated.sbatch", tmp_path, "--nodes=1",
+                                  f"--nodelist={slurm.nodes[0]}", "--ntasks-per-node=3",
+                                  KD_PYTHON=stub_python, KD_ARGS_FILE=str(args),
+                                  KD_TEACHER_TASKS="1", STUB_FAIL="1")
+    assert (info["JobState"], info["ExitCode"]) == ("FAILED", "3:0"), _explain(info, log_dir, text)
+    assert "teacher step failed (exit 3): stopping the student step" in text
+    assert float(info["_wall_s"]) < 200  # the students sleep 300 s unless stopped
+
+
+def test_disaggregated_bad_split_refused(slurm, stub_python, tmp_path):
+    args = _args_file(tmp_path / "train.args", STUDENT_FLAGS, iters=1, teacher="/nonexistent")
+    info, log_dir, text = _submit(slurm, "disaggregated.sbatch", tmp_path, "--nodes=2",
+                                  "--ntasks-per-node=1", KD_PYTHON=stub_python,
+                                  KD_ARGS_FILE=str(args), KD_TEACHER_NODES="2")
+    assert (info["JobState"], info["ExitCode"]) == ("FAILED", "2:0"), _explain(info, log_dir, text)
+    assert "KD_TEACHER_NODES=2 must be in [1, 1]" in text
+
+
+# --- the real program ----------------------------------------------------------------------------
+
+def test_colocated_job(slurm, teacher, tmp_path):
+    args = _args_file(tmp_path / "train.args", STUDENT_FLAGS, iters=TRAIN_ITERS, teacher=teacher)
+    info, log_dir, text = _submit(slurm, "colocated.sbatch", tmp_path, "--nodes=1",
+                                  f"--nodelist={slurm.nodes[0]}", "--ntasks-per-node=2",
+                                  KD_ARGS_FILE=str(args))
+    _assert_completed(info, log_dir, text)
+    job_id = info["JobId"]
+    line = _launch_line(text, job_id)
+    assert "world 2" in line and f"{slurm.nodes[0]}:{15000 + int(job_id) % 15000}" in line, line
+    _check_train_log(log_dir, info, text)
+    # Each rank's output is labelled; rank 0 prints its progress and the summary.
+    assert "0: [" in text and '0: {"iterations": 3' in text, text[-2000:]
+
+
+def test_cache_build_job(slurm, teacher, tmp_path):
+    args = _args_file(tmp_path / "cache.args", CACHE_FLAGS, iters=2, teacher=teacher)
+    cache = tmp_path / "cache"
+    info, log_dir, text = _submit(slurm, "cache_build.sbatch", tmp_path, "--nodes=1",
+                                  f"--nodelist={slurm.nodes[0]}", "--ntasks-per-node=2",
+                                  KD_ARGS_FILE=str(args), KD_CACHE_DIR=str(cache))
+    _assert_completed(info, log_dir, text)
+    summary = json.loads((log_dir / "cache_info.json").read_text())
+    assert summary["complete"] is True
+    assert summary["num_samples"] == summary["samples_built"] == 2 * 4
+    assert summary["topk"] == 8 and summary["vocab_size"] == TEACHER_ARCH["vocab_size"]
+    assert f"{cache}: OK" in text  # `megatron-kd cache verify` ran in the job
+
+
+def test_disaggregated_job(slurm, teacher, tmp_path):
+    args = _args_file(tmp_path / "train.args", STUDENT_FLAGS, iters=TRAIN_ITERS, teacher=teacher)
+    info, log_dir, text = _submit(slurm, "disaggregated.sbatch", tmp_path, "--nodes=1",
+                                  f"--nodelist={slurm.nodes[0]}", "--ntasks-per-node=3",
+                                  KD_ARGS_FILE=str(args), KD_TEACHER_TASKS="1")
+    _assert_completed(info, log_dir, text)
+    _check_train_log(log_dir, info, text)

@@ -1,0 +1,140 @@
+"""Training cases shared by the end-to-end tests: the tiny teacher and student, the gloo-rank
+cases that make a teacher and train, and an independent dense reference of the KD loss.
+
+Every run is a tiny model (2 layers, h 32, vocabulary 500 padded to 512, sequence 32) on
+synthetic tokens, a few seconds each.
+"""
+
+import torch
+
+# init std 0.25: a peaked random teacher, so the KD term is far from 0.
+TEACHER_ARCH = {"num_layers": 2, "hidden_size": 48, "num_attention_heads": 4,
+                "num_query_groups": 2, "ffn_hidden_size": 96, "vocab_size": 500,
+                "padded_vocab_size": 512, "max_position_embeddings": 64, "tie_embeddings": True,
+                "init_method_std": 0.25}
+
+_STUDENT_FLAGS = {"--num-layers": "2", "--hidden-size": "32", "--num-attention-heads": "4",
+                  "--num-query-groups": "2", "--ffn-hidden-size": "64", "--seq-length": "32",
+                  "--micro-batch-size": "2", "--global-batch-size": "4", "--lr": "1e-2",
+                  "--lr-warmup-iters": "1", "--mock-data": None, "--no-progress": None}
+
+
+def student_argv(**overrides):
+    """The tiny student's flags; ``overrides`` maps flag names (``num_attention_heads``) to a
+    value, or None to drop the flag."""
+    flags = dict(_STUDENT_FLAGS)
+    for name, value in overrides.items():
+        key = "--" + name.replace("_", "-")
+        if value is None:
+            flags.pop(key, None)
+        else:
+            flags[key] = str(value)
+    argv = []
+    for key, value in flags.items():
+        argv += [key] if value is None else [key, value]
+    return argv
+
+
+STUDENT = student_argv()
+
+LOG_FIELDS = ("step", "loss", "kd_loss", "lm_loss", "lr", "tokens_per_s", "peak_mem_bytes")
+
+
+# --- cases (run on every rank) --------------------------------------------------------------
+
+def case_make_teacher(ctx, directory, arch_kw, seed=5):
+    from megatron_kd.integration.arch import GPTArchConfig
+    from megatron_kd.integration.checkpoint import save_model_checkpoint
+    from megatron_kd.integration.gpt import build_gpt_model
+    from megatron_kd.integration.groups import model_parallel
+
+    arch = GPTArchConfig(**arch_kw)
+    with model_parallel(tp=2):
+        save_model_checkpoint(build_gpt_model(arch, seed=seed), arch, directory)
+
+
+def case_train(ctx, argv, dense=False):
+    from megatron_kd.training.train import parse_args, train
+
+    summary = train(parse_args(argv), loss_fn=dense_kd_loss if dense else None)
+    return summary
+
+
+def case_plan_error(ctx, argv):
+    """Run ``train``; return the ValueError message (and that no step ran)."""
+    from megatron_kd.training import train as train_mod
+
+    steps = []
+    original = train_mod.Trainer.train_step
+
+    def spy(self, consumed):  # pragma: no cover - must never run
+        steps.append(consumed)
+        return original(self, consumed)
+
+    train_mod.Trainer.train_step = spy
+    try:
+        train_mod.train(train_mod.parse_args(argv))
+    except ValueError as e:
+        return str(e), len(steps)
+    finally:
+        train_mod.Trainer.train_step = original
+    return None, len(steps)
+
+
+def dense_kd_loss(student_hidden, student_weight, teacher_hidden=None, teacher_weight=None,
+                  labels=None, loss_mask=None, config=None, tp_group=None, terms_out=None,
+                  **unused):
+    """Full logits through Megatron's own TP mappings, then torch log_softmax: the textbook KD.
+
+    ``copy_to_tensor_model_parallel_region`` sums the hidden-state gradient over the vocabulary
+    shards and ``gather_from_tensor_model_parallel_region`` all-gathers the logits (and splits
+    their gradient), exactly as Megatron's ColumnParallelLinear with gathered output does.
+    """
+    from megatron.core.tensor_parallel.mappings import (
+        copy_to_tensor_model_parallel_region,
+        gather_from_tensor_model_parallel_region,
+    )
+
+    assert not unused or all(v is None for v in unused.values())
+    vocab = config.vocab_size
+    t = config.temperature
+
+    def full_logits(hidden, weight):
+        h = copy_to_tensor_model_parallel_region(hidden.float(), group=tp_group)
+        local = h @ weight.float().t()
+        return gather_from_tensor_model_parallel_region(local, group=tp_group)[..., :vocab]
+
+    mask = loss_mask.float()
+    z_s = full_logits(student_hidden, student_weight)
+    kd_sum = torch.zeros((), dtype=torch.float32)
+    ce_sum = torch.zeros((), dtype=torch.float32)
+    if teacher_hidden is not None:
+        with torch.no_grad():
+            z_t = full_logits(teacher_hidden, teacher_weight)
+        log_p_s = torch.log_softmax(z_s / t, dim=-1)
+        log_p_t = torch.log_softmax(z_t / t, dim=-1)
+        if config.kind == "forward_kl":
+            kd = (log_p_t.exp() * (log_p_t - log_p_s)).sum(-1)
+        elif config.kind == "reverse_kl":
+            kd = (log_p_s.exp() * (log_p_s - log_p_t)).sum(-1)
+        else:
+            b = config.beta
+            m = b * log_p_t.exp() + (1 - b) * log_p_s.exp()
+            log_m = m.log()
+            kd = (b * (log_p_t.exp() * (log_p_t - log_m)).sum(-1)
+                  + (1 - b) * (log_p_s.exp() * (log_p_s - log_m)).sum(-1))
+        kd_sum = (t * t) * (mask * kd).sum()
+    if labels is not None:
+        ce = torch.nn.functional.cross_entropy(
+            z_s.reshape(-1, vocab), labels.reshape(-1), reduction="none",
+            ignore_index=config.ignore_index).view_as(mask)
+        ce_sum = (mask * ce).sum()
+    if terms_out is not None:  # unweighted, as the fused loss reports them
+        terms_out["kd_sum"] = kd_sum.detach()
+        terms_out["ce_sum"] = ce_sum.detach()
+    return config.kd_weight * kd_sum + config.ce_weight * ce_sum, mask.sum()
+
+
+def step_losses(summary):
+    """The per-step losses of a training summary."""
+    return [r["loss"] for r in summary["steps"]]

@@ -1,0 +1,110 @@
+"""The layout's rules (see the README's layout section), read from the source: no process group,
+nothing of the project imported.
+
+Each rule is also shown to fail on a small made-up tree that breaks it, so none of these checks
+can pass by checking nothing.
+"""
+
+import os
+
+import pytest
+
+from support import architecture as arch
+
+ROOT = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "megatron_kd")
+
+
+@pytest.fixture(scope="module")
+def modules():
+    found = arch.scan(os.path.normpath(ROOT))
+    assert "megatron_kd.loss.fused" in found and "megatron_kd.integration.gpt" in found
+    return found
+
+
+def test_no_import_cycles(modules):
+    assert arch.check_cycles(modules) == []
+
+
+def test_loss_imports_only_itself_and_parallel(modules):
+    assert arch.check_allowed_imports(modules, "loss", {"parallel"},
+                                      ("megatron", "transformer_engine")) == []
+
+
+def test_planner_is_pure_python(modules):
+    assert arch.check_allowed_imports(modules, "planner", set(),
+                                      ("torch", "megatron", "numpy")) == []
+
+
+def test_parallel_has_no_megatron(modules):
+    assert arch.check_allowed_imports(modules, "parallel", set(), ("megatron", "torch")) == []
+
+
+def test_cache_does_not_import_the_teacher(modules):
+    problems = arch.check_allowed_imports(
+        modules, "cache", {p.package for p in modules.values()} - {"teacher"})
+    assert problems == []
+
+
+def test_only_integration_and_training_touch_parallel_state(modules):
+    assert arch.check_parallel_state(modules, ("integration", "training")) == []
+
+
+def test_imports_wait_only_with_a_reason(modules):
+    assert arch.check_deferred_imports(modules) == []
+
+
+def test_file_and_function_sizes(modules):
+    assert arch.check_sizes(modules) == []
+
+
+# --- each rule fails when broken on purpose -----------------------------------------------------
+
+def _tree(files: dict[str, str]) -> dict[str, arch.Module]:
+    out = {}
+    for rel, source in files.items():
+        path = "megatron_kd/" + rel
+        name = arch.module_name("megatron_kd", path)
+        out[name] = arch.parse_module(name, path, source)
+    return out
+
+
+def test_rules_catch_broken_trees():
+    tree = _tree({
+        "__init__.py": "",
+        "loss/__init__.py": "",
+        "loss/fused.py": "import torch\nfrom megatron_kd.training.train import run\n",
+        "training/__init__.py": "",
+        "training/train.py": "from megatron_kd.loss.fused import x\n"
+                             "from megatron.core import parallel_state\n",
+        "planner/__init__.py": "",
+        "planner/plan.py": "import torch\n",
+        "parallel/__init__.py": "",
+        "parallel/layout.py": "from megatron.core import parallel_state as ps\n",
+        "cache/__init__.py": "",
+        "cache/reader.py": "def f():\n    import numpy\n    from megatron_kd.teacher import wire\n",
+        "teacher/__init__.py": "",
+        "teacher/wire.py": "def g():\n    # needs a GPU\n    import triton\n",
+        "data/__init__.py": "",
+        "data/big.py": "def h():\n" + "    x = 1\n" * 90,
+    })
+    cycles = arch.check_cycles(tree)
+    assert any("megatron_kd.loss.fused <-> megatron_kd.training.train" in c for c in cycles)
+    assert any("loss <-> training" in c for c in cycles)
+    assert arch.check_allowed_imports(tree, "loss", {"parallel"}) == [
+        "megatron_kd/loss/fused.py: loss/ imports megatron_kd.training.train "
+        "(training/ is not allowed here)"]
+    assert arch.check_allowed_imports(tree, "planner", set(), ("torch",)) == [
+        "megatron_kd/planner/plan.py:1: planner/ imports torch"]
+    assert arch.check_allowed_imports(tree, "parallel", set(), ("megatron",)) == [
+        "megatron_kd/parallel/layout.py:1: parallel/ imports megatron.core"]
+    cache = arch.check_allowed_imports(tree, "cache", {"parallel"})
+    assert cache == ["megatron_kd/cache/reader.py: cache/ imports megatron_kd.teacher.wire "
+                     "(teacher/ is not allowed here)"]
+    assert arch.check_parallel_state(tree, ("integration", "training")) == [
+        "megatron_kd/parallel/layout.py:1: parallel_state outside integration/, training/"]
+    deferred = arch.check_deferred_imports(tree)
+    assert len(deferred) == 2  # numpy (not deferrable) and the project import; triton has a reason
+    assert any("numpy imported inside a function" in d for d in deferred)
+    assert any("project import megatron_kd.teacher" in d for d in deferred)
+    assert arch.check_sizes(tree) == [
+        "megatron_kd/data/big.py:1: function h has 91 lines (> 80)"]

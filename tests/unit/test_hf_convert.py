@@ -1,0 +1,127 @@
+"""``megatron-kd import-hf``, pure conversion checks (no process group): the q/k/v layout, the
+architecture read from a config, refused configs and tensors, tokenizer compatibility."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+
+from support.hf_models import bpe_tokenizer, tiny_llama
+
+from megatron_kd.integration import hf_import
+
+
+def test_qkv_layout_groups_heads_like_repeat_kv():
+    # Head i of q uses kv head i // (nh/ng) in HF; Megatron reads q heads of group g then k_g, v_g.
+    from megatron_kd.integration.arch import GPTArchConfig
+
+    arch = GPTArchConfig(num_layers=1, hidden_size=4, num_attention_heads=4, num_query_groups=2,
+                         ffn_hidden_size=4, vocab_size=8, padded_vocab_size=8,
+                         max_position_embeddings=8, kv_channels=1)
+    # Each row labelled with its role: q heads 10..13, k heads 20..21, v heads 30..31.
+    sd = {
+        "embed_tokens.weight": torch.zeros(8, 4),
+        "layers.0.self_attn.q_proj.weight": torch.arange(10, 14.).unsqueeze(1).expand(4, 4),
+        "layers.0.self_attn.k_proj.weight": torch.arange(20, 22.).unsqueeze(1).expand(2, 4),
+        "layers.0.self_attn.v_proj.weight": torch.arange(30, 32.).unsqueeze(1).expand(2, 4),
+        "layers.0.self_attn.o_proj.weight": torch.zeros(4, 4),
+        "layers.0.mlp.gate_proj.weight": torch.full((4, 4), 1.0),
+        "layers.0.mlp.up_proj.weight": torch.full((4, 4), 2.0),
+        "layers.0.mlp.down_proj.weight": torch.zeros(4, 4),
+        "layers.0.input_layernorm.weight": torch.ones(4),
+        "layers.0.post_attention_layernorm.weight": torch.ones(4),
+        "norm.weight": torch.ones(4),
+        "lm_head.weight": torch.zeros(8, 4),
+    }
+    full = hf_import.convert_hf_state_dict(sd, arch)
+    qkv = full["decoder.layers.0.self_attention.linear_qkv.weight"][:, 0].tolist()
+    assert qkv == [10, 11, 20, 30, 12, 13, 21, 31]
+    fc1 = full["decoder.layers.0.mlp.linear_fc1.weight"][:, 0].tolist()
+    assert fc1 == [1] * 4 + [2] * 4
+    # TP=2: rank 1 holds group 1 whole, and the second halves of gate and of up.
+    shard = hf_import.shard_megatron_state_dict(full, arch, 1, 2)
+    qkv_1 = shard["decoder.layers.0.self_attention.linear_qkv.weight"][:, 0].tolist()
+    assert qkv_1 == [12, 13, 21, 31]
+    assert shard["decoder.layers.0.mlp.linear_fc1.weight"][:, 0].tolist() == [1, 1, 2, 2]
+
+
+def test_arch_from_config_pads_vocab_and_records_true_size(tmp_path):
+    path, _, _ = tiny_llama(tmp_path, tied=True)
+    ckpt = hf_import.load_hf_checkpoint(path)
+    arch = hf_import.arch_from_hf_config(ckpt.config, make_vocab_size_divisible_by=128)
+    assert (arch.vocab_size, arch.padded_vocab_size) == (203, 256)
+    assert arch.tie_embeddings and arch.query_groups == 2 and arch.rotary_base == 5000.0
+    arch = hf_import.arch_from_hf_config(ckpt.config, make_vocab_size_divisible_by=8,
+                                         vocab_size=200)
+    assert (arch.vocab_size, arch.padded_vocab_size) == (200, 208)
+    with pytest.raises(ValueError, match="exceeds"):
+        hf_import.arch_from_hf_config(ckpt.config, vocab_size=300)
+
+
+@pytest.mark.parametrize("change, match", [
+    ({"model_type": "gpt2"}, "model_type"),
+    ({"hidden_act": "gelu"}, "hidden_act"),
+    ({"attention_bias": True}, "attention_bias"),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "llama3"),
+])
+def test_unsupported_configs_are_refused(change, match):
+    config = {"model_type": "llama", "hidden_size": 8, "num_attention_heads": 2,
+              "num_key_value_heads": 1, "intermediate_size": 8, "num_hidden_layers": 1,
+              "vocab_size": 16, "max_position_embeddings": 8, **change}
+    with pytest.raises(ValueError, match=match):
+        hf_import.arch_from_hf_config(config)
+
+
+def test_missing_tensor_is_refused(tmp_path):
+    path, _, _ = tiny_llama(tmp_path, tied=False)
+    ckpt = hf_import.load_hf_checkpoint(path)
+    arch = hf_import.arch_from_hf_config(ckpt.config)
+    del ckpt.state_dict["layers.1.mlp.up_proj.weight"]
+    with pytest.raises(ValueError, match="up_proj"):
+        hf_import.convert_hf_state_dict(ckpt.state_dict, arch)
+
+
+def test_check_tokenizer_compatible():
+    vocab = {"a": 0, "b": 1, "ab": 2}
+    same = hf_import.check_tokenizer_compatible(bpe_tokenizer(vocab, [("a", "b")]),
+                                                bpe_tokenizer(dict(vocab), [("a", "b")]))
+    assert same == 3
+    with pytest.raises(hf_import.TokenizerMismatchError, match="different ids"):
+        hf_import.check_tokenizer_compatible(
+            bpe_tokenizer(vocab, [("a", "b")]),
+            bpe_tokenizer({"a": 1, "b": 0, "ab": 2}, [("a", "b")]))
+    with pytest.raises(hf_import.TokenizerMismatchError, match="only in student"):
+        hf_import.check_tokenizer_compatible(
+            bpe_tokenizer(vocab, [("a", "b")]),
+            bpe_tokenizer({**vocab, "ba": 3}, [("a", "b"), ("b", "a")]))
+
+
+def test_check_tokenizer_compatible_reads_paths(tmp_path):
+    tok = bpe_tokenizer({"a": 0, "b": 1, "ab": 2}, [("a", "b")])
+    tok.save(str(tmp_path / "tokenizer.json"))
+    assert hf_import.check_tokenizer_compatible(tmp_path, str(tmp_path / "tokenizer.json")) == 3
+
+
+def test_unpadded_odd_groups_refuse_tp2(tmp_path):
+    from megatron_kd.integration.arch import GPTArchConfig
+
+    path, _, _ = tiny_llama(tmp_path, tied=True, groups=3, ffn=75, name="odd")
+    arch = hf_import.arch_from_hf_config(hf_import.load_hf_checkpoint(path).config)
+    assert isinstance(arch, GPTArchConfig)
+    with pytest.raises(ValueError, match="num_query_groups=3"):
+        arch.check_tensor_parallel(2)
+
+
+def test_cli_refuses_non_empty_save_dir(tmp_path):
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    hf_import.add_arguments(parser)
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "x").write_text("")
+    args = parser.parse_args(["--hf-path", str(tmp_path), "--save", str(tmp_path / "out")])
+    with pytest.raises(ValueError, match="not empty"):
+        hf_import.run(args)

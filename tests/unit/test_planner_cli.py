@@ -1,0 +1,390 @@
+"""Planner presets, plans, the ``megatron-kd plan`` command and ``--from-args`` (no torch)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from megatron_kd.cli import main
+from megatron_kd.planner import memory as mem
+from megatron_kd.planner.launch_args import parse_launch_args
+from megatron_kd.planner.models import from_hf_config
+from megatron_kd.planner.plan import (
+    PlanOptions,
+    plan_all,
+    plan_mode,
+    student_stage_terms,
+)
+from megatron_kd.planner.presets import MODEL_PRESETS, get_gpu, get_link, load_model
+
+# --- presets
+# ---------------------------------------------------------------------------------------
+
+# (preset, published total, published active or None, active includes the input embedding,
+# tolerance) Tolerance: the published figures are rounded to 2-3 significant digits, hence 2% (5%
+# for the Qwen3.5 names, which are the names' own rounding and include a vision tower the text
+# presets leave out).
+PUBLISHED = [
+    ("llama-3.1-8b", 8.03e9, None, False, 0.02),
+    ("llama-3.2-3b", 3.21e9, None, False, 0.02),
+    ("llama-3.2-1b", 1.24e9, None, False, 0.02),
+    ("qwen3-8b", 8.2e9, None, False, 0.02),
+    ("qwen3-32b", 32.8e9, None, False, 0.02),
+    ("qwen3-30b-a3b", 30.5e9, 3.3e9, True, 0.02),
+    ("qwen3-235b-a22b", 235e9, 22e9, True, 0.02),
+    ("gpt-oss-20b", 20.9e9, 3.6e9, False, 0.02),
+    ("gpt-oss-120b", 116.8e9, 5.1e9, False, 0.02),
+    ("qwen3.5-35b-a3b", 35e9, None, True, 0.05),
+    ("qwen3.5-9b", 9e9, None, False, 0.05),
+]
+
+
+@pytest.mark.parametrize("name, total, active, with_embedding, tol", PUBLISHED)
+def test_preset_param_counts_match_published(name, total, active, with_embedding, tol):
+    model = MODEL_PRESETS[name]
+    assert model.total_params() == pytest.approx(total, rel=tol)
+    if active is not None:
+        assert model.active_params(include_input_embedding=with_embedding) == pytest.approx(
+            active, rel=tol
+        )
+
+
+def test_every_required_preset_exists():
+    assert set(MODEL_PRESETS) == {p[0] for p in PUBLISHED}
+    for gpu in ("h100-80g", "h200-141g", "b200"):
+        assert get_gpu(gpu).memory_bytes > 0
+    for link in ("nvlink", "ib-400g", "ib-800g"):
+        assert get_link(link, get_gpu("b200")).bytes_per_s > 0
+    # IB 400 Gb/s = 50 GB/s
+    assert get_link("ib-400g", get_gpu("h100-80g")).bytes_per_s == 50e9
+
+
+def test_hf_config_reader_matches_presets():
+    # A Qwen3.5-MoE config.json, shaped as published (text_config nested, layer_types listed).
+    cfg = {
+        "model_type": "qwen3_5_moe",
+        "tie_word_embeddings": False,
+        "text_config": {
+            "model_type": "qwen3_5_moe_text",
+            "hidden_size": 2048,
+            "num_hidden_layers": 40,
+            "num_attention_heads": 16,
+            "num_key_value_heads": 2,
+            "head_dim": 256,
+            "vocab_size": 248320,
+            "attn_output_gate": True,
+            "full_attention_interval": 4,
+            "layer_types": (["linear_attention"] * 3 + ["full_attention"]) * 10,
+            "linear_num_key_heads": 16,
+            "linear_num_value_heads": 32,
+            "linear_key_head_dim": 128,
+            "linear_value_head_dim": 128,
+            "linear_conv_kernel_dim": 4,
+            "num_experts": 256,
+            "num_experts_per_tok": 8,
+            "moe_intermediate_size": 512,
+            "shared_expert_intermediate_size": 512,
+        },
+    }
+    model = from_hf_config(cfg)
+    preset = MODEL_PRESETS["qwen3.5-35b-a3b"]
+    assert model.total_params() == preset.total_params()
+    assert model.active_params() == preset.active_params()
+    gpt = {
+        "model_type": "gpt_oss",
+        "hidden_size": 2880,
+        "num_hidden_layers": 36,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 8,
+        "head_dim": 64,
+        "vocab_size": 201088,
+        "intermediate_size": 2880,
+        "num_local_experts": 128,
+        "num_experts_per_tok": 4,
+        "sliding_window": 128,
+        "attention_bias": True,
+        "layer_types": ["sliding_attention", "full_attention"] * 18,
+        "tie_word_embeddings": False,
+    }
+    model = from_hf_config(gpt)
+    assert model.sliding_window_every == 2
+    assert model.total_params() == MODEL_PRESETS["gpt-oss-120b"].total_params()
+    with pytest.raises(ValueError, match="missing keys \\['hidden_size'\\]"):
+        from_hf_config({"num_hidden_layers": 2, "num_attention_heads": 2, "vocab_size": 10})
+
+
+def test_load_model_from_megatron_kd_checkpoint(tmp_path):
+    # the model_config.json a megatron_kd checkpoint carries: {"format_version": 1, "arch": {...}}
+    arch = {
+        "num_layers": 16,
+        "hidden_size": 2048,
+        "num_attention_heads": 32,
+        "num_query_groups": 8,
+        "ffn_hidden_size": 8192,
+        "vocab_size": 128256,
+        "padded_vocab_size": 128256,
+        "kv_channels": 64,
+        "swiglu": True,
+        "tie_embeddings": True,
+        "max_position_embeddings": 4096,
+    }
+    (tmp_path / "model_config.json").write_text(json.dumps({"format_version": 1, "arch": arch}))
+    model = load_model(str(tmp_path))
+    assert model.total_params() == MODEL_PRESETS["llama-3.2-1b"].total_params()
+    launch = parse_launch_args(f"--kd-teacher-load {tmp_path} --kd-window-size 512")
+    assert launch.values["teacher"] == str(tmp_path) and launch.values["window_size"] == 512
+
+
+def test_load_model_from_file_and_unknown(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(
+        json.dumps(
+            {
+                "hidden_size": 64,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "intermediate_size": 128,
+                "vocab_size": 100,
+                "tie_word_embeddings": True,
+            }
+        )
+    )
+    assert load_model(str(path)).num_query_groups == 2
+    with pytest.raises(ValueError, match="unknown model 'nope'"):
+        load_model("nope")
+
+
+# --- plans
+# -------------------------------------------------------------------------------------------
+
+
+def _opts(student, teacher, gpu="h200-141g", nodes=1, **kw):
+    g = get_gpu(gpu)
+    return PlanOptions(
+        student=MODEL_PRESETS[student],
+        teacher=MODEL_PRESETS[teacher],
+        gpu=g,
+        inter_node_link=get_link("ib-400g", g),
+        nodes=nodes,
+        seq_length=8192,
+        global_batch_size=64,
+        use_distributed_optimizer=True,
+        **kw,
+    )
+
+
+def test_mode_terms_differ_only_where_they_should():
+    opts = _opts("llama-3.2-1b", "llama-3.1-8b", tp=2, pp=1, recompute="none")
+    layout = mem.ParallelLayout(tp=2, dp=4, sequence_parallel=True, use_distributed_optimizer=True)
+    teacher_layout = mem.ParallelLayout(tp=2, dp=4, sequence_parallel=True)
+    dense = student_stage_terms(opts, "colocated-dense", layout, teacher_layout, 0)
+    fused = student_stage_terms(opts, "colocated-fused", layout, teacher_layout, 0)
+    offline = student_stage_terms(opts, "offline-cache", layout, None, 0)
+    disagg = student_stage_terms(opts, "disaggregated", layout, None, 0)
+    for terms in (dense, fused, offline, disagg):  # student state is the same in every mode
+        assert terms["student weights"] == dense["student weights"]
+        assert terms["activations"] == fused["activations"] + (
+            # only the dense loss runs the output layer as a layer: its saved input, 2 bytes * 8192
+            # tokens * h 2048 / tp 2 (sequence parallel)
+            2 * 8192 * 2048 // 2 if terms is dense else 0
+        )
+    assert "teacher weights" in dense and "teacher weights" in fused
+    assert "teacher weights" not in offline and "teacher weights" not in disagg
+    assert "ring slots (D x 1/t seq)" in disagg and "cache reader" in offline
+    # the dense loss: 8192 tokens * 10 bytes * (128256 = 501 * 256 needs no padding, / 2) * 2 models
+    assert dense["loss: dense logits"] == 8192 * 10 * 64128 * 2
+    # default windows (2^24 / 64128 = 261 rows) of 8192 rows: the fused loss is far below the dense
+    # one
+    fused_loss = sum(v for k, v in fused.items() if k.startswith("loss:"))
+    assert fused["loss: window buffers"] == 261 * 64128 * 18
+    assert fused_loss < dense["loss: dense logits"] / 10
+
+
+def test_search_prefers_no_recompute_and_reports_oom():
+    # plenty of memory: no recompute, no model parallelism
+    plan = plan_mode(_opts("llama-3.2-1b", "llama-3.2-3b"), "colocated-fused")
+    assert (
+        plan.fits
+        and plan.layout["recompute"] == "none"
+        and plan.layout["tp"] * plan.layout["pp"] == 1
+    )
+    # a 235B teacher on one H100 node cannot be colocated: OOM, with the lowest-peak layout shown
+    plan = plan_mode(_opts("qwen3-32b", "qwen3-235b-a22b", gpu="h100-80g"), "colocated-fused")
+    assert not plan.fits and plan.total_bytes > get_gpu("h100-80g").memory_bytes
+    assert any("no layout" in note for note in plan.notes)
+
+
+def test_published_claims():
+    # Qwen3.5-35B-A3B -> 9B on one H200 node: colocated with the fused loss fits; disaggregated is
+    # faster.
+    result = plan_all(_opts("qwen3.5-9b", "qwen3.5-35b-a3b"))
+    plans = result["plans"]
+    assert plans["colocated-fused"].fits and plans["disaggregated"].fits
+    assert (
+        plans["disaggregated"].student_tokens_per_s > plans["colocated-fused"].student_tokens_per_s
+    )
+    assert plans["disaggregated"].wire_ok
+    assert result["recommendation"].startswith("disaggregated")
+    # Qwen3-235B-A22B -> Qwen3-32B on one H100 node: colocated OOMs with either loss, disaggregated
+    # fits.
+    plans = plan_all(_opts("qwen3-32b", "qwen3-235b-a22b", gpu="h100-80g"))["plans"]
+    assert not plans["colocated-dense"].fits and not plans["colocated-fused"].fits
+    assert plans["disaggregated"].fits and plans["disaggregated"].teacher_nodes >= 1
+
+
+def test_disaggregated_wire_bytes_are_exact():
+    plan = plan_mode(
+        _opts("qwen3.5-9b", "qwen3.5-35b-a3b", tp=2, pp=1, recompute="none"), "disaggregated"
+    )
+    dp = plan.layout["dp"]
+    assert dp == 4
+    # 64 sequences / dp 4 = 16 per DP rank * 8192 tokens * h_t 2048 * 2 bytes; 1/2 per TP rank
+    assert plan.wire["hidden bytes/step/student DP rank"] == 16 * 8192 * 2048 * 2
+    assert plan.wire["hidden bytes/step/student TP rank"] == 16 * 8192 * 2048
+
+
+def test_plan_options_validation():
+    with pytest.raises(ValueError, match="tp=16 > gpus_per_node=8"):
+        _opts("llama-3.2-1b", "llama-3.1-8b", tp=16)
+    with pytest.raises(ValueError, match="mfu must be in"):
+        _opts("llama-3.2-1b", "llama-3.1-8b", mfu=1.5)
+
+
+# --- the command ---------------------------------------------------------------------------------
+
+
+def _run_json(capsys, *argv):
+    assert main(["plan", *argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_cli_json_smoke(capsys):
+    out = _run_json(
+        capsys,
+        "--teacher",
+        "llama-3.1-8b",
+        "--student",
+        "llama-3.2-1b",
+        "--gpu",
+        "h100-80g",
+        "--seq-length",
+        "2048",
+        "--global-batch-size",
+        "32",
+        "--use-distributed-optimizer",
+    )
+    assert set(out["plans"]) == {
+        "colocated-dense",
+        "colocated-fused",
+        "offline-cache",
+        "disaggregated",
+    }
+    for plan in out["plans"].values():
+        assert plan["total_bytes"] == pytest.approx(sum(plan["terms"].values()))
+        assert plan["fits"] == (plan["total_bytes"] <= out["gpu"]["memory_bytes"])
+    assert out["recommendation"]
+    assert out["assumptions"]["mfu"] == 0.4
+
+
+def test_cli_table_and_errors(capsys):
+    assert (
+        main(["plan", "--teacher", "qwen3-8b", "--student", "qwen3-8b", "--modes", "disaggregated"])
+        == 0
+    )
+    text = capsys.readouterr().out
+    assert (
+        "== disaggregated" in text
+        and "recommendation:" in text
+        and "colocated" not in text.split("==")[1]
+    )
+    assert main(["plan", "--teacher", "qwen3-8b", "--student", "nope"]) == 2
+    assert "unknown model 'nope'" in capsys.readouterr().err
+
+
+LAUNCH = (
+    "--num-layers 16 --hidden-size 2048 --ffn-hidden-size 8192 --num-attention-heads 32 "
+    "--group-query-attention --num-query-groups 8 --kv-channels 64 --swiglu --vocab-size 128256 "
+    "--seq-length 4096 --micro-batch-size 2 --global-batch-size 64 --tensor-model-parallel-size 2 "
+    "--sequence-parallel --use-distributed-optimizer --recompute-granularity selective "
+    "--hidden-dropout 0 --lr 3e-4 --data-path /x --bf16"
+)
+
+
+def test_from_args_parsing():
+    launch = parse_launch_args(LAUNCH)
+    # the Llama-3.2-1B shape, tied (Megatron's default without
+    # --untie-embeddings-and-output-weights)
+    assert launch.student.total_params() == MODEL_PRESETS["llama-3.2-1b"].total_params()
+    assert launch.values["tp"] == 2 and launch.values["pp"] == 1 and launch.values["etp"] == 2
+    assert launch.values["recompute"] == "selective" and launch.values["sequence_parallel"] is True
+    assert launch.values["micro_batch_size"] == 2 and launch.values["hidden_dropout"] is False
+    assert launch.ignored == ["--lr", "--data-path"]
+    # Megatron defaults: dropout 0.1 (masks saved), GeLU, tied
+    plain = parse_launch_args(
+        "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --vocab-size 100"
+    )
+    assert plain.values["hidden_dropout"] is True
+    assert not plain.student.gated_linear_unit and plain.student.tie_embeddings
+    assert plain.student.ffn_hidden_size == 256
+
+
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        ("--context-parallel-size 2", "context parallelism"),
+        ("--num-layers-per-virtual-pipeline-stage 2", "interleaved"),
+        ("--recompute-granularity full --recompute-method block", "uniform"),
+        ("--num-layers 2 --hidden-size 64", "lacks --num-attention-heads, --vocab-size"),
+    ],
+)
+def test_from_args_refuses_what_is_not_modelled(bad, match):
+    with pytest.raises(ValueError, match=match):
+        parse_launch_args(bad)
+
+
+def test_cli_from_args_precedence(capsys):
+    # the command line's --tensor-model-parallel-size wins over the launch's
+    out = _run_json(
+        capsys,
+        "--teacher",
+        "llama-3.1-8b",
+        "--from-args",
+        LAUNCH,
+        "--tensor-model-parallel-size",
+        "4",
+        "--modes",
+        "colocated-fused",
+    )
+    plan = out["plans"]["colocated-fused"]
+    assert plan["layout"]["tp"] == 4 and plan["layout"]["recompute"] == "selective"
+    assert out["student"]["name"] == "from-args" and out["ignored_launch_flags"] == [
+        "--lr",
+        "--data-path",
+    ]
+    assert (
+        main(
+            [
+                "plan",
+                "--teacher",
+                "llama-3.1-8b",
+                "--student",
+                "llama-3.2-1b",
+                "--from-args",
+                LAUNCH,
+            ]
+        )
+        == 2
+    )
+    assert "give one of them" in capsys.readouterr().err
+
+
+def test_planner_never_imports_torch():
+    code = (
+        "import sys; from megatron_kd.cli import main; "
+        "main(['plan', '--teacher', 'qwen3-8b', '--student', 'llama-3.2-1b', '--json']); "
+        "assert 'torch' not in sys.modules, 'torch imported'"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
