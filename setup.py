@@ -22,8 +22,9 @@ setup(
     ],
     extras_require={
         # What the test suite needs beyond the core (tokenizer and HF import parity tests).
+        # atheris: the coverage-guided fuzzer of the decoders (tests/unit/test_fuzz.py).
         "test": ["pytest>=7", "tokenizers", "safetensors", "transformers>=4.56", "matplotlib",
-                 "gguf"],
+                 "gguf", "atheris"],
         # Transformer Engine layer specs: GPU only, never imported unguarded.
         "te": ["transformer-engine[pytorch]"],
         # Peers for benchmarks: ModelOpt's LogitsKLLoss (Megatron-LM's KD loss) and the

@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -126,6 +127,11 @@ def build_cache(
             if writer is not None:
                 ids_np = ids.cpu().numpy()
                 logprobs_np = logprobs.cpu().numpy()
+                if not np.isfinite(logprobs_np).all():
+                    raise FloatingPointError(
+                        f"non-finite teacher log-probs (NaN or inf) for samples {batch}: the "
+                        f"teacher's hidden states or output layer hold NaN/inf; shard {index} "
+                        f"was not written")
                 blobs.extend(writer.encode(ids_np[:, b], logprobs_np[:, b])
                              for b in range(len(batch)))
         if writer is not None:

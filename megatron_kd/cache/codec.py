@@ -24,6 +24,9 @@ The leftover ("ghost tail") mass is ``1 - sum(exp(logprobs))`` of the decoded va
 the exact ones: nothing else is returned.
 
 All functions here are pure: same input, same bytes (a resumed build is byte-identical).
+Decoding checks what it decodes: any blob that is not a well-formed sample of the given shape
+raises :class:`CodecError` (a ``ValueError``) naming what is wrong, never a crash, an
+allocation beyond the blob's own size, or ids and log-probs outside their ranges.
 """
 
 from __future__ import annotations
@@ -44,6 +47,14 @@ _MASS_LOGIT_MAX = 40.0
 _SAMPLE_HEADER = struct.Struct("<B3xII")
 
 _LOG1P_RE = re.compile(r"^log1p-u(\d+)$")
+
+
+class CodecError(ValueError):
+    """A blob that does not decode to a well-formed sample (names what is wrong)."""
+
+
+class NonFiniteLogprobsError(CodecError, FloatingPointError):
+    """Decoded log-probs that are NaN or inf: a bad teacher target, refused as such."""
 
 
 def vocab_bits(vocab_size: int) -> int:
@@ -130,30 +141,49 @@ def encode_ids(sorted_ids: np.ndarray, vocab_size: int) -> bytes:
 
 
 def decode_ids(blob, n_rows: int, k: int, vocab_size: int) -> tuple[np.ndarray, int]:
-    """Inverse of :func:`encode_ids`: ``(ids [n_rows, k] int64, bytes consumed)``."""
+    """Inverse of :func:`encode_ids`: ``(ids [n_rows, k] int64, bytes consumed)``.
+
+    Raises :class:`CodecError` for a malformed stream (short, wrong counts, ids outside
+    ``[0, vocab_size)``).
+    """
     vbits = vocab_bits(vocab_size)
     n = n_rows * k
     mv = memoryview(blob)
+    if len(mv) < _SAMPLE_HEADER.size:
+        raise CodecError(f"sample blob of {len(mv)} bytes is shorter than its header")
     r, unary_len, n_escape = _SAMPLE_HEADER.unpack_from(mv, 0)
+    if r > min(vbits, 56):
+        raise CodecError(f"corrupt id stream: Rice parameter {r} > {min(vbits, 56)} bits")
+    if n_escape > n:
+        raise CodecError(f"corrupt id stream: {n_escape} escapes for {n} ids")
     pos = _SAMPLE_HEADER.size
+    rem_len = (n * r + 7) // 8
+    esc_len = (n_escape * vbits + 7) // 8
+    if pos + unary_len + rem_len + esc_len > len(mv):
+        raise CodecError(f"corrupt id stream: streams of {unary_len} + {rem_len} + {esc_len} "
+                         f"bytes do not fit a blob of {len(mv)}")
     bits = np.unpackbits(np.frombuffer(mv[pos:pos + unary_len], dtype=np.uint8))
     pos += unary_len
     zeros = np.flatnonzero(bits == 0)[:n]
     if zeros.size != n:
-        raise ValueError(f"corrupt id stream: {zeros.size} gaps decoded, expected {n}")
+        raise CodecError(f"corrupt id stream: {zeros.size} gaps decoded, expected {n}")
     q = np.diff(zeros, prepend=-1) - 1
-    rem_len = (n * r + 7) // 8
+    if q.size and int(q.max()) > RICE_ESCAPE:
+        raise CodecError(f"corrupt id stream: unary quotient {int(q.max())} > escape code "
+                         f"{RICE_ESCAPE}")
     rem = unpack_uint(mv[pos:pos + rem_len], n, r)
     pos += rem_len
     gaps = (q << r) | rem
+    where = np.flatnonzero(q >= RICE_ESCAPE)
+    if where.size != n_escape:
+        raise CodecError(f"corrupt id stream: {where.size} escapes, header says {n_escape}")
     if n_escape:
-        esc_len = (n_escape * vbits + 7) // 8
-        where = np.flatnonzero(q >= RICE_ESCAPE)
-        if where.size != n_escape:
-            raise ValueError(f"corrupt id stream: {where.size} escapes, header says {n_escape}")
         gaps[where] = unpack_uint(mv[pos:pos + esc_len], n_escape, vbits)
         pos += esc_len
     ids = np.cumsum(gaps.reshape(n_rows, k) + 1, axis=1) - 1
+    if ids.size and int(ids[:, -1].max()) >= vocab_size:
+        raise CodecError(f"corrupt id stream: id {int(ids[:, -1].max())} outside "
+                         f"[0, {vocab_size})")
     return ids, pos
 
 
@@ -182,7 +212,7 @@ class LogprobCodec:
                 raise ValueError(
                     f"logprob encoding must be 'fp32' or 'log1p-u<bits>' with 2 <= bits <= 24, "
                     f"got {self.name!r}")
-        if not (self.z0 > 0 and self.z_max > 0):
+        if not (0 < self.z0 < math.inf and 0 < self.z_max < math.inf):
             raise ValueError(f"z0 and z_max must be > 0, got z0={self.z0}, z_max={self.z_max}")
         if not 8 <= self.mass_bits <= 32:
             raise ValueError(f"mass_bits must lie in [8, 32], got {self.mass_bits}")
@@ -262,10 +292,19 @@ class LogprobCodec:
         return pack_uint(codes, self.bits) + pack_uint(mass_codes, self.mass_bits)
 
     def decode(self, buf, n_rows: int, k: int) -> np.ndarray:
-        """Inverse of :meth:`encode`: ``[n_rows, k]`` float32."""
+        """Inverse of :meth:`encode`: ``[n_rows, k]`` float32 (``buf`` exactly
+        :meth:`nbytes` long)."""
+        if len(memoryview(buf)) != self.nbytes(n_rows, k):
+            raise CodecError(f"log-prob stream of {len(memoryview(buf))} bytes, expected "
+                             f"{self.nbytes(n_rows, k)} for [{n_rows}, {k}] ({self.name})")
         if self.name == "fp32":
-            return np.frombuffer(buf, dtype="<f4", count=n_rows * k).astype(np.float32).reshape(
+            lp = np.frombuffer(buf, dtype="<f4", count=n_rows * k).astype(np.float32).reshape(
                 n_rows, k)
+            if lp.size and not np.isfinite(lp).all():
+                raise NonFiniteLogprobsError("non-finite log-probs (NaN or inf) in the stream")
+            if lp.size and float(lp.max()) > 1e-4:
+                raise CodecError(f"corrupt log-prob stream: log-prob {float(lp.max())} > 0")
+            return lp
         code_bytes = (n_rows * k * self.bits + 7) // 8
         mv = memoryview(buf)
         codes = unpack_uint(mv[:code_bytes], n_rows * k, self.bits).reshape(n_rows, k)
@@ -303,7 +342,15 @@ def encode_sample(ids: np.ndarray, logprobs: np.ndarray, vocab_size: int,
 
 def decode_sample(blob, seq_length: int, k: int, vocab_size: int,
                   codec: LogprobCodec) -> tuple[np.ndarray, np.ndarray]:
-    """Inverse of :func:`encode_sample`: ``(ids [s, K] int64, logprobs [s, K] float32)``."""
+    """Inverse of :func:`encode_sample`: ``(ids [s, K] int64, logprobs [s, K] float32)``.
+
+    The blob must be exactly one sample of this shape; anything else raises
+    :class:`CodecError`.
+    """
     ids, pos = decode_ids(blob, seq_length, k, vocab_size)
-    logprobs = codec.decode(memoryview(blob)[pos:pos + codec.nbytes(seq_length, k)], seq_length, k)
+    size = len(memoryview(blob))
+    if pos + codec.nbytes(seq_length, k) != size:
+        raise CodecError(f"sample blob of {size} bytes: ids take {pos}, log-probs "
+                         f"{codec.nbytes(seq_length, k)} ({codec.name})")
+    logprobs = codec.decode(memoryview(blob)[pos:], seq_length, k)
     return ids, logprobs

@@ -27,10 +27,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import fcntl
 import hashlib
 import json
 import os
+import shutil
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,8 +50,22 @@ SHARD_MAGIC = b"MKDTOPK\x00"
 SHARD_HEADER = struct.Struct("<8sIIQIIII")
 
 
+#: Upper bounds on a spec's sizes: a manifest asking for more is refused as corrupt before any
+#: buffer is sized from it.
+MAX_SEQ_LENGTH = 1 << 24
+MAX_TOPK = 1 << 16
+MAX_SAMPLES = 1 << 40
+MAX_SAMPLES_PER_SHARD = 1 << 24
+
+
 class CacheFormatError(ValueError):
     """A cache directory that cannot be read as this format (names the file and the problem)."""
+
+
+class CacheCorruptionError(CacheFormatError):
+    """A cache file whose bytes are not what the manifest recorded (a flipped bit, a torn or
+    truncated write, a missing file): names the file, its sample range and both checksums or
+    sizes."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -85,6 +101,11 @@ class CacheSpec:
             raise ValueError(f"topk={self.topk} exceeds vocab_size={self.vocab_size}")
         if self.vocab_size >= 2 ** 32:
             raise ValueError(f"vocab_size={self.vocab_size} does not fit the shard header")
+        for name, bound in (("seq_length", MAX_SEQ_LENGTH), ("topk", MAX_TOPK),
+                            ("num_samples", MAX_SAMPLES),
+                            ("samples_per_shard", MAX_SAMPLES_PER_SHARD)):
+            if getattr(self, name) > bound:
+                raise ValueError(f"{name}={getattr(self, name)} exceeds {bound}")
 
     @property
     def num_shards(self) -> int:
@@ -124,10 +145,29 @@ class CacheSpec:
 
     @classmethod
     def from_json(cls, d: dict) -> "CacheSpec":
+        """The spec of a manifest dict; :class:`CacheFormatError` for anything malformed."""
+        if not isinstance(d, dict):
+            raise CacheFormatError(f"a manifest is a JSON object, got {type(d).__name__}")
         version = d.get("format_version")
         if version != FORMAT_VERSION:
             raise CacheFormatError(
                 f"cache format_version {version!r} is not supported (this reader: {FORMAT_VERSION})")
+        try:
+            return cls._from_fields(d)
+        except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as e:
+            if isinstance(e, CacheFormatError):
+                raise
+            what = f"missing field {e}" if isinstance(e, KeyError) else str(e)
+            raise CacheFormatError(f"malformed manifest: {what}") from None
+
+    @classmethod
+    def _from_fields(cls, d: dict) -> "CacheSpec":
+        for key in ("tokenizer", "dataset_hash"):
+            if not isinstance(d[key], str):
+                raise TypeError(f"{key} must be a string, got {type(d[key]).__name__}")
+        for key in ("vocab_size", "topk", "seq_length", "num_samples", "samples_per_shard"):
+            if isinstance(d[key], bool) or not isinstance(d[key], int):
+                raise TypeError(f"{key} must be an integer, got {d[key]!r}")
         return cls(
             teacher_checkpoint=d["teacher"]["checkpoint"],
             teacher_weights_hash=d["teacher"]["weights_hash"],
@@ -159,16 +199,34 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+class CacheWriteError(OSError):
+    """A cache file could not be written (a full disk, say): names the file and the bytes it
+    needs. Nothing already written is touched; the build resumes once space is freed."""
+
+
 def atomic_write(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` atomically: temp file, fsync, rename, fsync the directory."""
+    """Write ``data`` to ``path`` atomically: temp file, fsync, rename, fsync the directory.
+
+    A failing write (``ENOSPC``...) removes its temporary file and raises
+    :class:`CacheWriteError` naming the path and the bytes needed; ``path`` keeps what it had.
+    """
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        _fsync_dir(path.parent)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        free = shutil.disk_usage(path.parent).free if path.parent.exists() else 0
+        what = "no space left on device" if e.errno == errno.ENOSPC else str(e)
+        raise CacheWriteError(e.errno, f"could not write {path}: {what}; it needs {len(data):,} "
+                                       f"bytes, {free:,} are free there. Nothing already "
+                                       f"written was changed: free space and run the build "
+                                       f"again to resume") from e
 
 
 def manifest_bytes(manifest: dict) -> bytes:
@@ -176,15 +234,57 @@ def manifest_bytes(manifest: dict) -> bytes:
 
 
 def load_manifest(cache_dir: str | os.PathLike) -> dict:
+    """The manifest of a cache directory, checked: :class:`CacheFormatError` naming the file for
+    a missing, unparsable or malformed one (spec fields, shard entries)."""
     path = Path(cache_dir) / MANIFEST_NAME
     if not path.is_file():
         raise CacheFormatError(f"{path}: no manifest (not a top-K cache directory)")
+    return parse_manifest(path.read_bytes(), str(path))
+
+
+def parse_manifest(data: bytes, where: str = MANIFEST_NAME) -> dict:
+    """A manifest from its bytes, every field and shard entry checked (see :func:`load_manifest`)."""
     try:
-        manifest = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise CacheFormatError(f"{path}: unreadable manifest: {e}") from None
-    CacheSpec.from_json(manifest)  # checks format_version and the fields
+        manifest = json.loads(data)
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+        raise CacheFormatError(f"{where}: unreadable manifest: {e}") from None
+    try:
+        spec = CacheSpec.from_json(manifest)  # checks format_version and the fields
+        _check_shard_entries(manifest, spec)
+    except CacheFormatError as e:
+        raise CacheFormatError(f"{where}: {e}") from None
     return manifest
+
+
+def _check_shard_entries(manifest: dict, spec: CacheSpec) -> None:
+    shards, complete = manifest.get("shards"), manifest.get("complete")
+    if not isinstance(shards, list) or not isinstance(complete, bool):
+        raise CacheFormatError("malformed manifest: 'shards' must be a list and 'complete' a "
+                               "boolean")
+    seen = set()
+    for entry in shards:
+        ok = (isinstance(entry, dict)
+              and all(isinstance(entry.get(k), int) and not isinstance(entry.get(k), bool)
+                      for k in ("sample_start", "sample_end", "bytes"))
+              and isinstance(entry.get("file"), str) and isinstance(entry.get("sha256"), str))
+        if not ok:
+            raise CacheFormatError(f"malformed shard entry {str(entry)[:200]}")
+        index, rest = divmod(entry["sample_start"], spec.samples_per_shard)
+        if rest or not 0 <= index < spec.num_shards or index in seen:
+            raise CacheFormatError(f"shard entry with sample_start {entry['sample_start']} is "
+                                   f"not a shard of this spec (or listed twice)")
+        seen.add(index)
+        want = (spec.shard_file(index), spec.shard_range(index)[1])
+        if (entry["file"], entry["sample_end"]) != want:
+            raise CacheFormatError(f"shard entry {entry['file']!r} [{entry['sample_start']}, "
+                                   f"{entry['sample_end']}) should be {want[0]!r} ending at "
+                                   f"{want[1]}")
+        if entry["bytes"] < SHARD_HEADER.size or len(entry["sha256"]) != 64:
+            raise CacheFormatError(f"shard entry {entry['file']!r}: bytes {entry['bytes']} or "
+                                   f"sha256 {entry['sha256']!r} malformed")
+    if complete != (len(seen) == spec.num_shards):
+        raise CacheFormatError(f"manifest says complete={complete} with {len(seen)} of "
+                               f"{spec.num_shards} shards")
 
 
 @contextlib.contextmanager
@@ -226,6 +326,41 @@ def check_compatible(manifest, *, dataset_hash: str | None = None, seq_length: i
 # --------------------------------------------------------------------------- shards
 
 
+def sha256_of(data) -> str:
+    """sha256 of a buffer (a memory map), read in 4 MiB pieces."""
+    digest = hashlib.sha256()
+    view = memoryview(data)
+    for lo in range(0, len(view), 1 << 22):
+        digest.update(view[lo:lo + (1 << 22)])
+    return digest.hexdigest()
+
+
+def parse_shard_header(data, entry: dict, spec: CacheSpec, where: str) -> np.ndarray:
+    """The offset table of a shard's bytes, after checking its header against the manifest
+    ``entry`` and the table against the file: ``n + 1`` ascending offsets inside it, the first
+    just past the table, the last at its end. :class:`CacheFormatError` otherwise."""
+    if len(data) < SHARD_HEADER.size:
+        raise CacheFormatError(f"{where}: {len(data)} bytes, shorter than a shard header")
+    magic, version, n, start, seq, k, vocab, _ = SHARD_HEADER.unpack_from(data, 0)
+    got = (magic, version, n, start, seq, k, vocab)
+    want = (SHARD_MAGIC, FORMAT_VERSION, entry["sample_end"] - entry["sample_start"],
+            entry["sample_start"], spec.seq_length, spec.topk, spec.vocab_size)
+    if got != want:
+        raise CacheFormatError(f"{where}: shard header {got} does not match the manifest {want}")
+    table_end = SHARD_HEADER.size + 8 * (n + 1)
+    if table_end > len(data):
+        raise CacheFormatError(f"{where}: offset table of {n + 1} entries does not fit "
+                               f"{len(data)} bytes")
+    offsets = np.frombuffer(data, dtype="<u8", count=n + 1, offset=SHARD_HEADER.size)
+    if (int(offsets[0]) != table_end or int(offsets[-1]) != len(data)
+            or bool((np.diff(offsets.astype(np.int64)) < 0).any())):
+        raise CacheFormatError(f"{where}: offset table is not ascending from {table_end} to "
+                               f"{len(data)}")
+    return offsets
+
+
+
+
 def encode_shard(spec: CacheSpec, index: int, blobs: Sequence[bytes]) -> bytes:
     """A shard file's bytes from its per-sample blobs."""
     start, end = spec.shard_range(index)
@@ -264,11 +399,14 @@ def verify(cache_dir: str | os.PathLike) -> list[str]:
         if size != entry["bytes"]:
             problems.append(f"{where}: {size} bytes, manifest says {entry['bytes']}")
             continue
-        digest = hashlib.sha256()
-        with open(path, "rb") as f:
-            for chunk in iter(lambda: f.read(1 << 22), b""):
-                digest.update(chunk)
-        if digest.hexdigest() != entry["sha256"]:
+        data = np.memmap(path, dtype=np.uint8, mode="r") if size else b""
+        digest = sha256_of(data)
+        if digest != entry["sha256"]:
             problems.append(f"{where}: sha256 mismatch (corrupted), expected {entry['sha256']}, "
-                            f"got {digest.hexdigest()}")
+                            f"got {digest}")
+            continue
+        try:
+            parse_shard_header(data, entry, spec, str(path))
+        except CacheFormatError as e:
+            problems.append(f"{where}: {e}")
     return problems

@@ -17,6 +17,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import re
 from pathlib import Path
 
 import torch
@@ -30,9 +31,14 @@ __all__ = [
     "CHECKPOINT_FORMAT_VERSION",
     "MODEL_CONFIG_FILE",
     "LATEST_FILE",
+    "PARTIAL_SUFFIX",
     "arch_mismatches",
+    "complete_iterations",
+    "is_complete",
     "iteration_dir",
     "latest_iteration",
+    "recorded_iteration",
+    "resume_note",
     "resolve_model_dir",
     "check_checkpoint_tensors",
     "checkpoint_hash",
@@ -46,14 +52,17 @@ MODEL_CONFIG_FILE = "model_config.json"
 CHECKPOINT_FORMAT_VERSION = 1
 LATEST_FILE = "latest_checkpointed_iteration.txt"
 """Names the newest iteration of a training checkpoint root (``--save``): Megatron's name."""
+PARTIAL_SUFFIX = ".partial"
+"""A checkpoint directory being written carries this suffix until every rank has finished."""
+_ITER_RE = re.compile(r"iter_(\d{7})")
 
 
 def iteration_dir(root: str, iteration: int) -> str:
     return os.path.join(root, f"iter_{iteration:07d}")
 
 
-def latest_iteration(root: str) -> int | None:
-    """The newest iteration saved under ``root`` (None when there is none)."""
+def recorded_iteration(root: str) -> int | None:
+    """The iteration ``root``'s :data:`LATEST_FILE` names (None when there is none)."""
     path = os.path.join(root, LATEST_FILE)
     if not os.path.isfile(path):
         return None
@@ -63,6 +72,57 @@ def latest_iteration(root: str) -> int | None:
         return int(text)
     except ValueError as e:
         raise ValueError(f"{path}: expected an iteration number, got {text!r}") from e
+
+
+def is_complete(directory: str) -> bool:
+    """A checkpoint directory whose writing finished: ``model_config.json`` is written last,
+    after every rank's shards, and the directory has its final name."""
+    return (not directory.rstrip("/").endswith(PARTIAL_SUFFIX)
+            and os.path.isfile(os.path.join(directory, MODEL_CONFIG_FILE)))
+
+
+def complete_iterations(root: str) -> list[int]:
+    """Iterations under ``root`` with a complete checkpoint, ascending."""
+    if not os.path.isdir(root):
+        return []
+    found = []
+    for name in os.listdir(root):
+        m = _ITER_RE.fullmatch(name)
+        if m and is_complete(os.path.join(root, name)):
+            found.append(int(m.group(1)))
+    return sorted(found)
+
+
+def latest_iteration(root: str) -> int | None:
+    """The newest iteration under ``root`` whose checkpoint is complete (None: none is).
+
+    That is the one :data:`LATEST_FILE` names, unless its directory is missing or was never
+    finished (a save killed half way): then the newest complete one
+    (:func:`resume_note` says which was taken and why).
+    """
+    recorded = recorded_iteration(root)
+    if recorded is not None and is_complete(iteration_dir(root, recorded)):
+        return recorded
+    done = [i for i in complete_iterations(root) if recorded is None or i <= recorded]
+    return done[-1] if done else None
+
+
+def resume_note(root: str) -> str | None:
+    """Why :func:`latest_iteration` is not the newest checkpoint written under ``root``, if it
+    is not: the torn or missing ones it skipped (None when nothing was skipped)."""
+    taken = latest_iteration(root)
+    recorded = recorded_iteration(root)
+    partial = sorted(n for n in os.listdir(root) if n.endswith(PARTIAL_SUFFIX)) \
+        if os.path.isdir(root) else []
+    skipped = []
+    if recorded is not None and recorded != taken:
+        state = "incomplete" if os.path.isdir(iteration_dir(root, recorded)) else "missing"
+        skipped.append(f"iteration {recorded} named by {LATEST_FILE} is {state}")
+    skipped += [f"{name} was never finished" for name in partial]
+    if not skipped:
+        return None
+    where = f"iteration {taken}" if taken is not None else "no checkpoint (iteration 0)"
+    return f"resuming from {where} of {root}: " + "; ".join(skipped)
 
 
 def resolve_model_dir(path: str) -> str:

@@ -166,3 +166,12 @@ def default_group(group):
         yield
     finally:
         world.default_pg = previous
+
+
+def collective_device(group=None) -> torch.device:
+    """The device tensors given to a collective on ``group`` must live on: the current CUDA
+    device for NCCL (which refuses host tensors), the CPU for gloo."""
+    backend = dist.get_backend(group)
+    if backend == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

@@ -4,9 +4,10 @@ Sources: a directory with ``config.json`` and ``*.safetensors`` (read without in
 ``transformers`` model), or a GGUF file read through ``transformers``
 (``AutoModelForCausalLM.from_pretrained(dir, gguf_file=...)``, which dequantises the tensors and
 undoes llama.cpp's q/k row permutation). The result is written with
-:func:`megatron_kd.integration.checkpoint.save_model_checkpoint` (Megatron-Core ``dist_checkpointing``), so it
-loads at any tensor-parallel size that divides the heads, query groups, MLP width and padded
-vocabulary; the tokenizer, when the source has one, is written next to it as ``tokenizer.json``.
+:func:`megatron_kd.integration.checkpoint.save_model_checkpoint` (Megatron-Core
+``dist_checkpointing``), so it loads at any tensor-parallel size that divides the heads, query
+groups, MLP width and padded vocabulary; the tokenizer, when the source has one, is written
+next to it as ``tokenizer.json``.
 
 Weight layout, Hugging Face ``LlamaForCausalLM`` -> Megatron-Core ``GPTModel`` (local spec):
 

@@ -7,8 +7,9 @@ Megatron-LM keeps its own training loop, data pipeline, checkpoints and logging;
   (:func:`megatron_kd.integration.args.add_kd_args`, the same flags ``megatron-kd train`` accepts).
 * ``partial(model_provider, <its own model provider>)`` -- :func:`model_provider` builds the
   student exactly as Megatron-LM would (by calling Megatron-LM's provider), makes it return its
-  final hidden states instead of logits (:func:`~megatron_kd.integration.output_layer.bypass_output_layer`)
-  and, in colocated mode, builds and loads the frozen teacher next to it.
+  final hidden states instead of logits
+  (:func:`~megatron_kd.integration.output_layer.bypass_output_layer`) and, in colocated mode,
+  builds and loads the frozen teacher next to it.
 * ``partial(forward_step, <its own forward step>)`` -- :func:`forward_step` runs Megatron-LM's
   forward step (its ``get_batch``: TP broadcast, context-parallel slicing, packed sequences) with
   a stand-in model that records the inputs, runs the student without labels (hidden states out)

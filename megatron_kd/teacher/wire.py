@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["Header", "HeaderMismatchError", "TeacherUnavailableError", "HiddenSender",
-           "header_size", "token_fingerprint"]
+           "WireError", "header_size", "token_fingerprint"]
 
 MAGIC = 0x4B44_5749  # "KDWI"
 VERSION = 1
@@ -39,7 +39,11 @@ class TeacherUnavailableError(RuntimeError):
                          f"{message_index}: {reason}")
 
 
-class HeaderMismatchError(ValueError):
+class WireError(ValueError):
+    """Bytes that are not a well-formed wire message header (names what is wrong)."""
+
+
+class HeaderMismatchError(WireError):
     """A message's header differs from what the student expected (wrong teacher data)."""
 
 
@@ -80,14 +84,25 @@ class Header:
         return out
 
     @classmethod
-    def decode(cls, t: torch.Tensor) -> "Header":
+    def decode(cls, t: torch.Tensor, max_samples: int | None = None) -> "Header":
+        """A header from its ``int64`` words; :class:`WireError` for anything that is not one
+        (wrong magic or version, unknown dtype, impossible sizes or counts)."""
         v = t.tolist()
+        if max_samples is None:
+            max_samples = len(v) - _FIXED
+        if len(v) != header_size(max_samples) or max_samples < 0:
+            raise WireError(f"a wire header has {header_size(max(0, max_samples))} words, got "
+                            f"{len(v)}")
         if v[0] != MAGIC or v[1] != VERSION:
             raise HeaderMismatchError(f"not a megatron_kd wire header (magic {v[0]:#x}, "
                                       f"version {v[1]}; expected {MAGIC:#x}, {VERSION})")
         if v[9] not in _DTYPE_OF:
             raise HeaderMismatchError(f"unknown dtype code {v[9]} in header")
         n = v[10]
+        if not 0 <= n <= max_samples:
+            raise WireError(f"header lists {n} sample ids, at most {max_samples} fit")
+        if not all(1 <= d < 1 << 31 for d in v[6:9]) or not 0 <= v[4] < v[5]:
+            raise WireError(f"header shape {tuple(v[6:9])} or chunk {v[4]} of {v[5]} impossible")
         return cls(step=v[2], microbatch=v[3], chunk=v[4], num_chunks=v[5],
                    sample_ids=tuple(v[_FIXED:_FIXED + n]), shape=(v[6], v[7], v[8]),
                    dtype=_DTYPE_OF[v[9]], fingerprint=v[11])

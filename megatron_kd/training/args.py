@@ -111,6 +111,9 @@ def _add_logging_args(parser: argparse.ArgumentParser) -> None:
     c.add_argument("--log-json", default=None, help="one JSON line per step / evaluation")
     c.add_argument("--log-interval", type=int, default=1, help="progress-line refresh interval")
     c.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    c.add_argument("--exit-signal-handler", action="store_true",
+                   help="on SIGTERM (Slurm's scancel and time limits) finish the current step, "
+                        "save a checkpoint (with --save) and exit 0 (Megatron-LM's flag)")
     c.add_argument("--exit-after-iters", type=int, default=None,
                    help="stop (saving if --save) after this many iterations of this run; for "
                         "testing resumption")

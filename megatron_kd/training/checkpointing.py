@@ -1,18 +1,20 @@
 """Training checkpoints of the student: Megatron-Core ``dist_checkpointing``.
 
 ``<save>/iter_<N:07d>/`` holds the model (loadable on its own with
-:func:`megatron_kd.integration.checkpoint.load_model_checkpoint`, at any tensor-parallel size), the optimizer,
-the learning-rate scheduler, the iteration, the samples consumed (the data position) and every
-rank's RNG state; ``<save>/latest_checkpointed_iteration.txt`` names the newest. RNG states are
-per global rank: a run resumed on a different number of ranks restarts them from the seed and
+:func:`megatron_kd.integration.checkpoint.load_model_checkpoint`, at any tensor-parallel size),
+the optimizer, the learning-rate scheduler, the iteration, the samples consumed (the data
+position) and every rank's RNG state; ``<save>/latest_checkpointed_iteration.txt`` names the
+newest. RNG states are per global rank: a run resumed on a different number of ranks restarts them from the seed and
 says so.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
+import shutil
 import sys
 
 import numpy as np
@@ -22,18 +24,22 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_kd.integration.arch import GPTArchConfig
 from megatron_kd.integration.checkpoint import (
     CHECKPOINT_FORMAT_VERSION,
     LATEST_FILE,
     MODEL_CONFIG_FILE,
+    PARTIAL_SUFFIX,
     arch_mismatches,
     iteration_dir,
     latest_iteration,
     read_checkpoint_arch,
+    resume_note,
 )
 from megatron_kd.integration.cpu_shim import checkpoint_save_strategy
+from megatron_kd.integration.groups import collective_device
 from megatron_kd.integration.output_layer import unwrap_model
 
 def _rng_state() -> dict:
@@ -61,13 +67,23 @@ def _rng_sharded_object(state):
                          replica_id=0)
 
 
+class CheckpointWriteError(OSError):
+    """A checkpoint could not be written (a full disk, say); names the directory and the bytes
+    it needs. The previous complete checkpoint is untouched and ``--load`` resumes from it."""
+
+
 def save_training_checkpoint(root: str, *, iteration: int, consumed_samples: int, model,
                              optimizer, scheduler, arch: GPTArchConfig, extra: dict) -> str:
-    """Save everything needed to resume at ``iteration`` (collective over all ranks)."""
+    """Save everything needed to resume at ``iteration`` (collective over all ranks).
+
+    Written into ``iter_N.partial`` and renamed to ``iter_N`` only once every rank's shards and
+    ``model_config.json`` are on disk, then :data:`LATEST_FILE` is replaced: a save killed or
+    failing at any point leaves the previous checkpoint complete and named by it.
+    """
     directory = iteration_dir(root, iteration)
-    if dist.get_rank() == 0:
-        os.makedirs(directory, exist_ok=True)
-    dist.barrier()
+    partial = directory + PARTIAL_SUFFIX
+    _on_rank0(lambda: (shutil.rmtree(partial, ignore_errors=True),
+                       os.makedirs(partial, exist_ok=True)), "prepare", partial, 0)
     model_sd = unwrap_model(model).sharded_state_dict()
     state = {
         "model": model_sd,
@@ -78,28 +94,103 @@ def save_training_checkpoint(root: str, *, iteration: int, consumed_samples: int
         "world_size": dist.get_world_size(),
         "rng_state": _rng_sharded_object(_rng_state()),
     }
-    dist_checkpointing.save(state, directory, sharded_strategy=checkpoint_save_strategy())
-    if dist.get_rank() == 0:
-        payload = {"format_version": CHECKPOINT_FORMAT_VERSION, "arch": arch.to_dict(),
-                   "extra": {**extra, "iteration": iteration,
-                             "consumed_samples": consumed_samples}}
-        with open(os.path.join(directory, MODEL_CONFIG_FILE), "w", encoding="utf-8") as f:
-            json.dump(payload, f, indent=2, sort_keys=True)
-        tmp = os.path.join(root, LATEST_FILE + ".tmp")
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(str(iteration))
-        os.replace(tmp, os.path.join(root, LATEST_FILE))
-    dist.barrier()
+    needed = _state_bytes(state)
+    try:
+        dist_checkpointing.save(state, partial, sharded_strategy=checkpoint_save_strategy())
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - collective: on every rank
+        # (torch's CheckpointException is a BaseException, gathering every rank's failure)
+        raise CheckpointWriteError(_write_failure(partial, needed, e)) from e
+    payload = {"format_version": CHECKPOINT_FORMAT_VERSION, "arch": arch.to_dict(),
+               "extra": {**extra, "iteration": iteration, "consumed_samples": consumed_samples}}
+    _on_rank0(lambda: _publish(root, partial, directory, iteration, payload), "finish",
+              partial, needed)
     return directory
+
+
+def _publish(root: str, partial: str, directory: str, iteration: int, payload: dict) -> None:
+    """Rank 0, after every rank wrote its shards: the config, then the renames."""
+    _write_synced(os.path.join(partial, MODEL_CONFIG_FILE),
+                  json.dumps(payload, indent=2, sort_keys=True))
+    old = directory + ".old"
+    if os.path.isdir(directory):  # saved again at the same iteration
+        os.rename(directory, old)
+    os.rename(partial, directory)
+    shutil.rmtree(old, ignore_errors=True)
+    _write_synced(os.path.join(root, LATEST_FILE), str(iteration))
+
+
+def _write_synced(path: str, text: str) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fd = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _on_rank0(fn, what: str, partial: str, needed: int) -> None:
+    """Run ``fn`` on rank 0; every rank raises its failure (no rank is left in a barrier)."""
+    error = [None]
+    if dist.get_rank() == 0:
+        try:
+            fn()
+        except OSError as e:
+            error[0] = _write_failure(partial, needed, e)
+    dist.broadcast_object_list(error, src=0)
+    if error[0] is not None:
+        raise CheckpointWriteError(f"{what}: {error[0]}")
+
+
+def _state_bytes(state) -> int:
+    """Bytes of the tensors of this rank's share of a sharded state dict, summed over ranks."""
+    total = 0
+    stack = [state]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+        else:
+            data = getattr(item, "data", item)
+            if isinstance(data, torch.Tensor):
+                total += data.numel() * data.element_size()
+    summed = torch.tensor([float(total)], dtype=torch.float64, device=collective_device())
+    dist.all_reduce(summed)
+    return int(summed.item())
+
+
+def _write_failure(partial: str, needed: int, error: BaseException) -> str:
+    text = str(error)
+    full = (isinstance(error, OSError) and error.errno == errno.ENOSPC) or \
+        "No space left" in text or "ENOSPC" in text
+    free = shutil.disk_usage(os.path.dirname(partial) or ".").free \
+        if os.path.exists(os.path.dirname(partial) or ".") else 0
+    head = ("no space left on device" if full else f"{type(error).__name__}: "
+            f"{text.splitlines()[0] if text else ''}")
+    return (f"could not write checkpoint {partial}: {head}; it needs about {needed:,} bytes, "
+            f"{free:,} are free there. The previous complete checkpoint is untouched; free "
+            f"space and resume with --load")
 
 
 def load_training_checkpoint(root: str, *, model, optimizer, scheduler,
                              arch: GPTArchConfig) -> tuple[int, int]:
-    """Restore the newest checkpoint under ``root``; returns ``(iteration, consumed_samples)``.
+    """Restore the newest complete checkpoint under ``root``; returns ``(iteration,
+    consumed_samples)``.
 
-    ``(0, 0)`` when ``root`` has none. The checkpoint's architecture must equal ``arch``.
+    ``(0, 0)`` when ``root`` has none. A torn checkpoint (a save killed half way) is never
+    read: the newest complete one is, and rank 0 says which it took. The checkpoint's
+    architecture must equal ``arch``.
     """
     iteration = latest_iteration(root)
+    note = resume_note(root)
+    if note and dist.get_rank() == 0:
+        print(f"megatron-kd: {note}", file=sys.stderr, flush=True)
     if iteration is None:
         return 0, 0
     directory = iteration_dir(root, iteration)

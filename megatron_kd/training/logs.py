@@ -6,10 +6,12 @@ import json
 import os
 import resource
 import sys
+import time
+from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["JsonLog", "Progress", "peak_memory"]
+__all__ = ["JsonLog", "Progress", "RunRecord", "peak_memory"]
 
 
 def peak_memory() -> tuple[int, str]:
@@ -77,3 +79,15 @@ class JsonLog:
 
     def close(self) -> None:
         pass
+
+
+@dataclass
+class RunRecord:
+    """What :meth:`Trainer.fit` gathers for its summary."""
+
+    start_iteration: int
+    steps: list = field(default_factory=list)
+    evals: list = field(default_factory=list)
+    step_times: list = field(default_factory=list)
+    t_start: float = field(default_factory=time.perf_counter)
+    exit_signal: bool = False

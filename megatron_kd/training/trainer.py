@@ -56,6 +56,7 @@ from megatron_kd.cache.loader import TopKPrefetcher
 from megatron_kd.data.datasets import BatchPlan
 from megatron_kd.integration.cpu_shim import device_context, on_cpu
 from megatron_kd.integration.gpt import build_gpt_model
+from megatron_kd.integration.groups import collective_device
 from megatron_kd.integration.loss_func import make_kd_loss_func
 from megatron_kd.integration.output_layer import bypass_output_layer, output_layer_weight, to_sbh
 from megatron_kd.integration.teacher import build_frozen_teacher, unpipelined_groups
@@ -65,7 +66,8 @@ from megatron_kd.training.checkpointing import (
     save_training_checkpoint,
     stop_iteration,
 )
-from megatron_kd.training.logs import JsonLog, Progress, peak_memory
+from megatron_kd.training.faults import ExitSignal, FiniteGuard
+from megatron_kd.training.logs import JsonLog, Progress, RunRecord, peak_memory
 from megatron_kd.training.plan import Plan, build_datasets
 
 __all__ = ["Trainer"]
@@ -107,6 +109,8 @@ class Trainer:
         self.ce_config = dataclasses.replace(self.loss_config, kd_weight=0.0, ce_weight=1.0)
         self._evaluating = False
         self._subgroups: list = []
+        self.guard = FiniteGuard()
+        self._step = self._microbatch = 0
         self._build_student()
         self._build_teacher()
         self._build_data()
@@ -175,6 +179,7 @@ class Trainer:
     # -- one step ---------------------------------------------------------------------------
     def _forward_step(self, data_iterator, model):
         batch = next(data_iterator)
+        m, self._microbatch = self._microbatch, self._microbatch + 1
         if not on_cpu():
             device = torch.cuda.current_device()
             batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
@@ -182,31 +187,57 @@ class Trainer:
         output = model(tokens, position_ids, None)
         if not self.is_last:
             return output, _never_called
-        teacher_hidden = teacher_weight = topk_ids = topk_logprobs = None
-        if self.remote is not None and not self._evaluating:
-            step, m, ids = self._expected.pop(0)
-            teacher_hidden = self.remote.hidden(step, m, ids, tokens)
-            teacher_weight = self.remote.weight
-        elif self.topk is not None and not self._evaluating:
-            step, m, ids = self._expected.pop(0)
-            topk_ids, topk_logprobs = self.topk.next(ids)  # [s, b, K] each
-        elif self.teacher is not None:
-            with torch.no_grad():
-                teacher_hidden = to_sbh(self.teacher(tokens, position_ids, None))
-            teacher_weight = output_layer_weight(self.teacher)
-        has_teacher = teacher_hidden is not None or topk_ids is not None
+        teacher = self._teacher_inputs(tokens, position_ids, m)
+        has_teacher = teacher["teacher_hidden"] is not None or \
+            teacher["teacher_topk_ids"] is not None
         kw = {} if self.loss_fn is None else {"loss_fn": self.loss_fn}
         loss_func = make_kd_loss_func(
-            student_weight=output_layer_weight(model), teacher_hidden=teacher_hidden,
-            teacher_weight=teacher_weight, teacher_topk_ids=topk_ids,
-            teacher_topk_logprobs=topk_logprobs, labels=batch["labels"],
+            student_weight=output_layer_weight(model), **teacher, labels=batch["labels"],
             loss_mask=batch["loss_mask"],
             config=self.loss_config if has_teacher or not self._evaluating else self.ce_config,
             tp_group=self.tp_group, report_teacher_lm_loss=self._evaluating, **kw)
-        return output, loss_func
+        return output, self._named_failures(loss_func)
+
+    def _teacher_inputs(self, tokens, position_ids, m: int) -> dict:
+        """The loss's teacher arguments for microbatch ``m``, each watched by the finite guard."""
+        out = dict.fromkeys(("teacher_hidden", "teacher_weight", "teacher_topk_ids",
+                             "teacher_topk_logprobs"))
+        if self.remote is not None and not self._evaluating:
+            step, mb, ids = self._expected.pop(0)
+            out["teacher_hidden"] = self.remote.hidden(step, mb, ids, tokens)
+            out["teacher_weight"] = self.remote.weight
+            self.guard.watch(m, "teacher hidden states received from the disaggregated teacher",
+                             out["teacher_hidden"])
+        elif self.topk is not None and not self._evaluating:
+            step, mb, ids = self._expected.pop(0)
+            try:
+                out["teacher_topk_ids"], out["teacher_topk_logprobs"] = self.topk.next(ids)
+            except FloatingPointError as e:  # decoded NaN / inf: named with the step here
+                raise FloatingPointError(f"non-finite teacher values (NaN or inf) at step "
+                                         f"{self._step}, microbatch {m}: {e}; no optimizer "
+                                         f"step was taken") from e
+            self.guard.watch(m, f"top-K log-probs of samples {ids} read from the cache "
+                                f"{self.plan.kd.topk_cache}", out["teacher_topk_logprobs"])
+        elif self.teacher is not None:
+            with torch.no_grad():
+                out["teacher_hidden"] = to_sbh(self.teacher(tokens, position_ids, None))
+            out["teacher_weight"] = output_layer_weight(self.teacher)
+            self.guard.watch(m, f"hidden states of the colocated teacher "
+                                f"{self.plan.kd.teacher_load}", out["teacher_hidden"])
+        return out
+
+    def _named_failures(self, loss_func):
+        """``loss_func``, its non-finite-loss errors naming the teacher source when it is one."""
+        def named(output_tensor):
+            try:
+                return loss_func(output_tensor)
+            except FloatingPointError as e:
+                raise self.guard.diagnose(self._step, e) from e
+        return named
 
     def _run_schedule(self, microbatches: list, forward_only: bool) -> list:
         forward_backward = get_forward_backward_func()
+        self._microbatch = 0
         with device_context():
             return forward_backward(
                 forward_step_func=self._forward_step, data_iterator=iter(microbatches),
@@ -217,8 +248,7 @@ class Trainer:
     def _reduce_reports(self, reports: list) -> dict[str, torch.Tensor | None]:
         """Sum ``[sum, tokens]`` pairs over microbatches and data-parallel ranks, onto every
         rank (one all-reduce over the world; only last-stage TP-rank-0 ranks contribute)."""
-        # NCCL reduces device tensors only; gloo host tensors.
-        device = "cpu" if on_cpu() else torch.cuda.current_device()
+        device = collective_device()  # NCCL reduces device tensors only; gloo host tensors
         vec = torch.zeros(2 * len(self.REPORT_KEYS), dtype=torch.float64, device=device)
         present = torch.zeros(len(self.REPORT_KEYS), dtype=torch.float64, device=device)
         if self.is_last and self.tp_rank == 0:
@@ -240,12 +270,14 @@ class Trainer:
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         microbatches = list(self.batches.microbatches(self.train_ds, consumed_samples))
+        step = consumed_samples // self.plan.global_batch_size
+        self._step = step + 1  # the step being taken, as logged (1-based)
         if (self.remote is not None or self.topk is not None) and self.is_last:
-            step = consumed_samples // self.plan.global_batch_size
             n = len(self.train_ds)
             self._expected = [(step, m, self.batches.sample_ids(consumed_samples, m, n))
                               for m in range(len(microbatches))]
         reports = self._run_schedule(microbatches, forward_only=False)
+        self.guard.check(self._step)  # before the optimizer takes anything from them
         with device_context():
             update_ok, grad_norm, _ = self.optimizer.step()
         if not update_ok:
@@ -258,7 +290,8 @@ class Trainer:
                   "grad_norm": None if grad_norm is None else float(grad_norm)}
         if self.remote is not None:
             # teacher -> student bytes of this step, summed over the student's ranks
-            wire = torch.tensor([float(self.remote.take_step_bytes())], dtype=torch.float64)
+            wire = torch.tensor([float(self.remote.take_step_bytes())], dtype=torch.float64,
+                                device=collective_device())
             dist.all_reduce(wire)
             record["kd_wire_bytes"] = int(wire.item())
             record["kd_wire_bytes_per_dp_rank"] = int(wire.item()) // self.plan.dp
@@ -275,6 +308,7 @@ class Trainer:
                 mbs = list(self.batches.microbatches(self.valid_ds,
                                                      i * self.plan.global_batch_size))
                 reports.extend(self._run_schedule(mbs, forward_only=True))
+                self.guard.check(self._step)
         self.model.train()
         self._evaluating = False
         red = self._reduce_reports(reports)
@@ -360,57 +394,76 @@ class Trainer:
                             if ev.get("eval_kd_loss") is not None else ""))
 
     def fit(self) -> dict:
-        """Train from ``--load`` (or the start) to the stop iteration; returns a summary."""
+        """Train from ``--load`` (or the start) to the stop iteration; returns a summary.
+
+        With ``--exit-signal-handler`` a SIGTERM on any rank ends the run after the step it
+        arrived in: a checkpoint is saved (with ``--save``) and the summary says
+        ``exit_signal: True``.
+        """
         args, plan = self.args, self.plan
         start_iter, consumed = self._resume()
         stop_at = stop_iteration(args, start_iter)
         progress = Progress(args.train_iters, self.log_rank and not args.no_progress)
         log = JsonLog(args.log_json, self.log_rank)
+        exit_signal = ExitSignal() if getattr(args, "exit_signal_handler", False) else None
         self._announce(progress, start_iter)
-        tokens_per_step = plan.global_batch_size * args.seq_length
-        steps, evals, step_times = [], [], []
-        t_start = time.perf_counter()
-        iteration = start_iter
+        run = RunRecord(start_iter)
+        iteration, saved_at = start_iter, None
         try:
             while iteration < stop_at:
-                t0 = time.perf_counter()
-                record = self.train_step(consumed)
-                dt = time.perf_counter() - t0
+                self._one_step(consumed, run, log, progress, stop_at)
                 iteration += 1
                 consumed += plan.global_batch_size
-                step_times.append(dt)
-                peak, kind = peak_memory()
-                record = {"step": iteration, **record, "tokens_per_s": tokens_per_step / dt,
-                          "step_time_s": dt, "peak_mem_bytes": peak, "peak_mem_kind": kind}
-                steps.append(record)
-                log.write(record)
-                recent = step_times[-10:]
-                eta = (args.train_iters - iteration) * sum(recent) / len(recent)
-                if iteration % args.log_interval == 0 or iteration == stop_at:
-                    progress.update(iteration, record["loss"], record["tokens_per_s"], eta)
                 if iteration % args.eval_interval == 0 or iteration == args.train_iters:
-                    self._evaluate_and_log(iteration, log, progress, evals)
+                    self._evaluate_and_log(iteration, log, progress, run.evals)
                 if args.save_interval and iteration % args.save_interval == 0:
                     self._save(iteration, consumed)
-            if args.save and not (args.save_interval and iteration % args.save_interval == 0) \
-                    and iteration > start_iter:
+                    saved_at = iteration
+                if exit_signal is not None and exit_signal.received(collective_device()):
+                    run.exit_signal = True
+                    progress.message(f"megatron-kd: SIGTERM received: stopping after iteration "
+                                     f"{iteration}" + (", saving a checkpoint" if args.save
+                                                       else ""))
+                    break
+            if args.save and saved_at != iteration and iteration > start_iter:
                 self._save(iteration, consumed)
         finally:
             progress.close()
             log.close()
+            if exit_signal is not None:
+                exit_signal.close()
             if self.topk is not None:
                 self.topk.close()
         if self.remote is not None:
             self.remote.close()
-        return self._summary(start_iter, iteration, steps, evals, step_times,
-                             time.perf_counter() - t_start)
+        return self._summary(run, iteration)
 
-    def _summary(self, start_iter: int, iteration: int, steps: list, evals: list,
-                 step_times: list, wall: float) -> dict:
+    def _one_step(self, consumed: int, run: "RunRecord", log: JsonLog, progress: Progress,
+                  stop_at: int) -> None:
+        """One training step, logged."""
+        args = self.args
+        tokens_per_step = self.plan.global_batch_size * args.seq_length
+        t0 = time.perf_counter()
+        record = self.train_step(consumed)
+        dt = time.perf_counter() - t0
+        iteration = self._step
+        run.step_times.append(dt)
+        peak, kind = peak_memory()
+        record = {"step": iteration, **record, "tokens_per_s": tokens_per_step / dt,
+                  "step_time_s": dt, "peak_mem_bytes": peak, "peak_mem_kind": kind}
+        run.steps.append(record)
+        log.write(record)
+        recent = run.step_times[-10:]
+        eta = (args.train_iters - iteration) * sum(recent) / len(recent)
+        if iteration % args.log_interval == 0 or iteration == stop_at:
+            progress.update(iteration, record["loss"], record["tokens_per_s"], eta)
+
+    def _summary(self, run: "RunRecord", iteration: int) -> dict:
         plan = self.plan
         tokens_per_step = plan.global_batch_size * self.args.seq_length
+        steps, evals, step_times = run.steps, run.evals, run.step_times
         return {
-            "start_iteration": start_iter,
+            "start_iteration": run.start_iteration,
             "iterations": iteration,
             "steps": steps,
             "evals": evals,
@@ -418,7 +471,8 @@ class Trainer:
             "final_eval_lm_loss": evals[-1]["eval_lm_loss"] if evals else None,
             "tokens_per_s": (len(steps) * tokens_per_step / sum(step_times)) if step_times
             else None,
-            "wall_s": wall,
+            "wall_s": time.perf_counter() - run.t_start,
+            "exit_signal": run.exit_signal,
             "student_params_per_rank": self.num_params,
             "student_arch": plan.student_arch.to_dict(),
             "teacher_arch": plan.teacher_arch.to_dict() if plan.teacher_arch else None,

@@ -130,6 +130,20 @@ def _submit(slurm: LocalSlurm, script: str, tmp_path: Path, *options: str, **env
     return info, log_dir, text
 
 
+def _submit_nowait(slurm: LocalSlurm, script: str, tmp_path: Path, *options: str, **env: str):
+    """As :func:`_submit`, without waiting: ``(job id, log dir, job output path)``."""
+    log_dir = tmp_path / "logs"
+    job_env: dict[str, str | None] = {k: None for k in os.environ if k.startswith("KD_")}
+    job_env |= {"KD_USE_CPU": "1", "KD_LOG_DIR": str(log_dir), "KD_PYTHON": sys.executable,
+                "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO),
+                                                            os.environ.get("PYTHONPATH")]))}
+    job_env.update(env)
+    out = tmp_path / "job.out"
+    job_id = slurm.sbatch(SCRIPTS / script, *CPU_JOB, f"--output={out}", *options,
+                          cwd=tmp_path, env=job_env)
+    return job_id, log_dir, out
+
+
 def _explain(info: dict, log_dir: Path, text: str) -> str:
     """Job state, the tail of its output and of each step log: the assertion message."""
     state = (f"JobState={info.get('JobState')} ExitCode={info.get('ExitCode')} "
@@ -328,3 +342,60 @@ def test_disaggregated_job(slurm, teacher, tmp_path):
                                   KD_ARGS_FILE=str(args), KD_TEACHER_TASKS="1")
     _assert_completed(info, log_dir, text)
     _check_train_log(log_dir, info, text)
+
+
+PREEMPT_ITERS = 400  # far more than run before the signal: the schedule is the same in every run
+
+
+def _losses_by_step(path: Path) -> dict[int, float]:
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return {r["step"]: r["loss"] for r in records if not r.get("eval")}
+
+
+def test_scancel_term_saves_and_the_resubmitted_job_continues(slurm, teacher, tmp_path):
+    """`scancel --signal=TERM` mid-run: every rank finishes its step, saves, exits 0 (the job
+    COMPLETED); the same job submitted again resumes with the uninterrupted run's losses."""
+    ckpt = tmp_path / "ckpt"
+    flags = STUDENT_FLAGS.replace("--train-iters {iters} --eval-interval {iters}",
+                                  "--train-iters {iters} --eval-interval 100000")
+    args = _args_file(tmp_path / "train.args", flags, iters=PREEMPT_ITERS, teacher=teacher)
+    run1 = tmp_path / "run1"
+    run1.mkdir()
+    job_id, log_dir, out = _submit_nowait(
+        slurm, "colocated.sbatch", run1, "--nodes=1", f"--nodelist={slurm.nodes[0]}",
+        "--ntasks-per-node=2", KD_ARGS_FILE=str(args),
+        KD_EXTRA_ARGS=f"--save {ckpt} --load {ckpt} --save-interval 100000")
+    deadline = time.monotonic() + JOB_TIMEOUT_S
+    log = log_dir / "train.jsonl"
+    while time.monotonic() < deadline and not (log.exists() and len(_losses_by_step(log)) >= 3):
+        time.sleep(0.5)
+    slurm.run("scancel", "--signal=TERM", job_id)
+    info = slurm.wait(job_id, timeout_s=JOB_TIMEOUT_S)
+    text = out.read_text(errors="replace")
+    _assert_completed(info, log_dir, text)
+    assert "SIGTERM received: stopping after iteration" in text, text[-3000:]
+    stopped = int((ckpt / "latest_checkpointed_iteration.txt").read_text())
+    assert 3 <= stopped < PREEMPT_ITERS and max(_losses_by_step(log)) == stopped
+    # resubmitted: two more steps from the checkpoint
+    run2 = tmp_path / "run2"
+    run2.mkdir()
+    info, log_dir2, text = _submit(slurm, "colocated.sbatch", run2, "--nodes=1",
+                                   f"--nodelist={slurm.nodes[0]}", "--ntasks-per-node=2",
+                                   KD_ARGS_FILE=str(args),
+                                   KD_EXTRA_ARGS=f"--load {ckpt} --exit-after-iters 2")
+    _assert_completed(info, log_dir2, text)
+    assert f"resumed from iteration {stopped}" in text, text[-3000:]
+    resumed = _losses_by_step(log_dir2 / "train.jsonl")
+    # the reference: the same run, uninterrupted, to the same step
+    run3 = tmp_path / "run3"
+    run3.mkdir()
+    info, log_dir3, text = _submit(slurm, "colocated.sbatch", run3, "--nodes=1",
+                                   f"--nodelist={slurm.nodes[0]}", "--ntasks-per-node=2",
+                                   KD_ARGS_FILE=str(args),
+                                   KD_EXTRA_ARGS=f"--exit-after-iters {stopped + 2}")
+    _assert_completed(info, log_dir3, text)
+    straight = _losses_by_step(log_dir3 / "train.jsonl")
+    first = _losses_by_step(log)
+    assert [first[i] for i in range(1, stopped + 1)] == [straight[i] for i in range(1, stopped + 1)]
+    assert [resumed[i] for i in (stopped + 1, stopped + 2)] == \
+        [straight[i] for i in (stopped + 1, stopped + 2)]

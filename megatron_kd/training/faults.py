@@ -1,0 +1,79 @@
+"""What a run does when something goes wrong outside the maths: a preemption signal, a teacher
+that hands over non-finite values.
+
+* :class:`ExitSignal` -- ``--exit-signal-handler`` (Megatron-LM's flag): Slurm's ``scancel`` and
+  time limits send SIGTERM (then SIGKILL after ``KillWait``); the trainer finishes the step it
+  is in, saves a checkpoint and exits 0, and ``--load`` continues with the same losses.
+* :class:`FiniteGuard` -- every teacher output or target of a step (hidden states from the
+  colocated teacher or the wire, top-K log-probs from a cache) is checked for NaN and inf on
+  its device, with one host synchronisation per step, before the optimizer step: a non-finite
+  one raises ``FloatingPointError`` naming the step, the microbatch and the source, and no
+  checkpoint holding it is written.
+"""
+
+from __future__ import annotations
+
+import signal
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["ExitSignal", "FiniteGuard"]
+
+
+class ExitSignal:
+    """Records a SIGTERM; :meth:`received` tells every rank whether any rank got one."""
+
+    def __init__(self, signum: int = signal.SIGTERM) -> None:
+        self.signum = signum
+        self._received = False
+        self._previous = signal.signal(signum, self._handle)
+
+    def _handle(self, signum, frame) -> None:  # noqa: ARG002 - the signal module's signature
+        self._received = True
+
+    def received(self, device) -> bool:
+        """Whether any rank of the default group has received the signal (collective: Slurm
+        signals the ranks at slightly different moments, and they must stop at one step)."""
+        flag = torch.tensor([1.0 if self._received else 0.0], device=device)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def close(self) -> None:
+        signal.signal(self.signum, self._previous)
+
+
+class FiniteGuard:
+    """Teacher values of one step, checked for NaN / inf at the end of the step."""
+
+    def __init__(self) -> None:
+        self._watched: list[tuple[int, str, torch.Tensor]] = []
+
+    def watch(self, microbatch: int, source: str, tensor: torch.Tensor | None) -> None:
+        """Check ``tensor`` (no synchronisation now: a device flag is kept)."""
+        if tensor is not None:
+            self._watched.append((microbatch, source, torch.isfinite(tensor).all()))
+
+    def check(self, step: int) -> None:
+        """Raise ``FloatingPointError`` for the first non-finite value of this step (one host
+        synchronisation); forget the step's values either way."""
+        watched, self._watched = self._watched, []
+        if not watched:
+            return
+        ok = torch.stack([flag for _, _, flag in watched]).cpu()
+        for (microbatch, source, _), good in zip(watched, ok.tolist()):
+            if not good:
+                raise FloatingPointError(
+                    f"non-finite teacher values (NaN or inf) at step {step}, microbatch "
+                    f"{microbatch}: {source}; no optimizer step was taken and no checkpoint "
+                    f"holds them")
+
+    def diagnose(self, step: int, error: FloatingPointError) -> FloatingPointError:
+        """The loss found a non-finite value: name the teacher source if that is where it came
+        from, else the error as it is."""
+        try:
+            self.check(step)
+        except FloatingPointError as named:
+            return named
+        return error
