@@ -340,11 +340,11 @@ def plan_options(args, plan, on_cpu: bool) -> PlanOptions:
         activation_bytes=4 if fp32 else 2,
     )
     extra = {}
-    from megatron_kd.loss import fused
+    from megatron_kd.loss import window
 
-    if on_cpu and (plan.tp == 1 or fused.CPU_BLOCKS_WITH_TP):
+    if on_cpu and (plan.tp == 1 or window.CPU_BLOCKS_WITH_TP):
         # the loss's elementwise work runs in cache-sized row blocks (CPU, no TP collectives)
-        extra["loss_block_elements"] = fused.CPU_BLOCK_ELEMENTS
+        extra["loss_block_elements"] = window.CPU_BLOCK_ELEMENTS
     if plan.topk_cache is not None:
         extra["topk"] = plan.topk_cache.spec.topk
         # On CPU the prefetcher's host queue is the device memory: D queued + 1 being decoded

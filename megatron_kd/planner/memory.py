@@ -153,7 +153,7 @@ def fused_loss_bytes(
       gradient's scratch ``8rv``; top-K ``4rv``). A block is the window (``r = w``: ``16wv`` and
       ``8wv``) except on CPU without TP, where the loss works through a window in blocks of
       ``block_elements / v`` rows that fit the last-level cache
-      (``megatron_kd.loss.fused.CPU_BLOCK_ELEMENTS``).
+      (``megatron_kd.loss.window.CPU_BLOCK_ELEMENTS``).
     * ``gradients``: the fp32 accumulators filled in forward: hidden ``4*n*h_s`` and output layer
       ``4*v*h_s``.
     * ``gathered``: with sequence parallelism, the all-gathered student (and teacher) hidden states

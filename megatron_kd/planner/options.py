@@ -95,7 +95,7 @@ class PlanOptions:
 
     loss_block_elements: int | None = None
     """Elements per block of the fused loss's elementwise work: None on a GPU and with TP > 1 (a
-    block is the window); on CPU runs without TP ``megatron_kd.loss.fused.CPU_BLOCK_ELEMENTS``
+    block is the window); on CPU runs without TP ``megatron_kd.loss.window.CPU_BLOCK_ELEMENTS``
     (``2^21``)."""
 
     cache_resident_microbatches: int = 1

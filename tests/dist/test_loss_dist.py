@@ -7,8 +7,10 @@ unsharded reference.
 
 import pytest
 import torch
+import torch.distributed as dist
+from support.kd_cases import compare, dist_case, make_inputs, rel_err, shard_sizes, spec
 
-from kd_cases import compare, dist_case, make_inputs, shard_sizes, spec
+from megatron_kd.loss.combine import ShardMax, ShardSum
 from megatron_kd.testing import RankFailure
 
 WORLD = 4
@@ -106,3 +108,43 @@ def test_bad_shard_on_one_rank_raises_on_every_rank_without_hanging(pool):
 def test_ranks_with_different_token_counts_raise(pool):
     with pytest.raises(RankFailure, match=r"disagree on the number of tokens: \[8, 10\]"):
         pool.run(_token_count_disagrees, timeout=60)
+
+
+def _combine_case(ctx, world: int) -> dict | None:
+    """lse and E_p[a] of every row through ShardMax / ShardSum on this rank's shard, their
+    gradient by autograd through the combine, and the unsharded values and gradient."""
+    group = ctx.group(world)
+    if group is None:
+        return None
+    rank = dist.get_rank(group)
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(6, 1009, generator=g, dtype=torch.float64) * 3.0
+    w = torch.rand(6, generator=g, dtype=torch.float64)
+    sizes = shard_sizes(1009, world)
+    start, stop = sum(sizes[:rank]), sum(sizes[:rank + 1])
+    local = a[:, start:stop].clone().requires_grad_(True)
+    m = ShardMax.apply(local.amax(1)[None], group, world)[0]  # a shift: no gradient through it
+    e = (local - m[:, None]).exp()
+    tot = ShardSum.apply(torch.stack([e.sum(1), (e * local).sum(1)]), group, world)
+    lse, mean = m + tot[0].log(), tot[1] / tot[0]
+    (w * (lse + mean)).sum().backward()
+    full = a.clone().requires_grad_(True)
+    ref_lse = torch.logsumexp(full, 1)
+    ref_mean = (torch.softmax(full, 1) * full).sum(1)
+    (w * (ref_lse + ref_mean)).sum().backward()
+    return {"lse": lse.detach(), "mean": mean.detach(), "grad": local.grad,
+            "ref_lse": ref_lse.detach(), "ref_mean": ref_mean.detach(),
+            "ref_grad": full.grad[:, start:stop]}
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_shard_combine_backward_is_the_unsharded_gradient(pool, world):
+    # Every rank computes the same loss from the replicated sums, so the SUM passes the gradient
+    # through and each rank's shard gets its slice of the unsharded gradient; the MAX shift
+    # gets none (lse does not depend on it).
+    results = pool.run(_combine_case, world)
+    assert all(r is None for r in results[world:])
+    for rank, r in enumerate(results[:world]):
+        # fp64 on both sides: the sums differ only in their order over the vocabulary
+        for name in ("lse", "mean", "grad"):
+            assert rel_err(r[name], r[f"ref_{name}"]) <= 1e-12, (name, rank, world)

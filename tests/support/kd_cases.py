@@ -5,9 +5,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from kd_reference import reference_kd_loss
-from megatron_kd.loss import KDLossConfig, vocab_parallel_kd_loss
-from megatron_kd.loss import fused
+from megatron_kd.loss import KDLossConfig, vocab_parallel_kd_loss, window
+from support.kd_reference import reference_kd_loss
 
 IGNORE = -100
 
@@ -120,10 +119,10 @@ def run_ours(sp: dict, inp: dict, sizes: list[int], rank: int, group) -> dict:
     if t_weight is not None:
         t_weight = t_weight[start:stop]
     before = {k: v.clone() for k, v in inp.items()}
-    block_elements, blocks_with_tp = fused.CPU_BLOCK_ELEMENTS, fused.CPU_BLOCKS_WITH_TP
+    block_elements, blocks_with_tp = window.CPU_BLOCK_ELEMENTS, window.CPU_BLOCKS_WITH_TP
     if sp["block_rows"] is not None:  # CPU row blocks smaller than a window: this many rows,
-        fused.CPU_BLOCK_ELEMENTS = sp["block_rows"] * (stop - start)  # with per-block all-reduces
-        fused.CPU_BLOCKS_WITH_TP = True
+        window.CPU_BLOCK_ELEMENTS = sp["block_rows"] * (stop - start)  # with per-block all-reduces
+        window.CPU_BLOCKS_WITH_TP = True
     try:
         loss, n_tokens = vocab_parallel_kd_loss(
             hidden, weight, teacher_hidden=t_hidden, teacher_weight=t_weight,
@@ -132,7 +131,7 @@ def run_ours(sp: dict, inp: dict, sizes: list[int], rank: int, group) -> dict:
             loss_mask=inp.get("loss_mask"), config=config_of(sp), tp_group=group)
         (loss * 0.75).backward()  # a non-unit upstream gradient must scale every gradient
     finally:
-        fused.CPU_BLOCK_ELEMENTS, fused.CPU_BLOCKS_WITH_TP = block_elements, blocks_with_tp
+        window.CPU_BLOCK_ELEMENTS, window.CPU_BLOCKS_WITH_TP = block_elements, blocks_with_tp
     unchanged = all(torch.equal(before[k], inp[k]) for k in inp)
     return {"loss": loss.detach(), "num_tokens": n_tokens, "grad_x": hidden.grad / 0.75,
             "grad_w": weight.grad / 0.75, "start": start, "stop": stop,

@@ -6,11 +6,10 @@ forward value and the gradients of student_hidden and student_weight.
 
 import pytest
 import torch
+from support.kd_cases import compare, make_inputs, run_ours, spec
+from support.kd_reference import reference_kd_loss
 
-from kd_cases import compare, make_inputs, run_ours, spec
-from kd_reference import reference_kd_loss
-from megatron_kd.loss import KDLossConfig, vocab_parallel_kd_loss
-from megatron_kd.loss import fused
+from megatron_kd.loss import KDLossConfig, vocab_parallel_kd_loss, window
 
 KINDS = ["forward_kl", "reverse_kl", "jsd"]
 
@@ -94,7 +93,7 @@ def test_cpu_row_blocks_inside_windows(monkeypatch, name, backward, window_size)
     # 3-row blocks: 8-row windows split 3+3+2, the one 15-row window (None) into 5 blocks;
     # the mask skips tokens, so blocks index scattered active rows
     blocks, projections = [], []
-    make_window, logits = fused._make_window, fused._KDMath.logits
+    make_window, logits = window.make_window, window.WindowWalker.logits
 
     def window_spy(rows, *args):
         blocks.append(rows.numel() if torch.is_tensor(rows) else rows.stop - rows.start)
@@ -104,8 +103,8 @@ def test_cpu_row_blocks_inside_windows(monkeypatch, name, backward, window_size)
         projections.append(x.shape[0])
         return logits(self, x, w)
 
-    monkeypatch.setattr(fused, "_make_window", window_spy)
-    monkeypatch.setattr(fused._KDMath, "logits", logits_spy)
+    monkeypatch.setattr(window, "make_window", window_spy)
+    monkeypatch.setattr(window.WindowWalker, "logits", logits_spy)
     _single(spec(block_rows=3, window_size=window_size, backward=backward, mask=True,
                  **BLOCK_CASES[name]))
     assert max(blocks) <= 3 < max(projections)  # blocks inside windows, projections whole
@@ -127,14 +126,14 @@ def test_ce_only_without_teacher():
 def test_window_bounds_rows_in_flight(monkeypatch):
     """No projection ever covers more than window_size rows (so no [tokens, V] tensor)."""
     seen = []
-    real = fused._KDMath.logits
+    real = window.WindowWalker.logits
 
     def spy(self, x, w):
         out = real(self, x, w)
         seen.append(tuple(out.shape))
         return out
 
-    monkeypatch.setattr(fused._KDMath, "logits", spy)
+    monkeypatch.setattr(window.WindowWalker, "logits", spy)
     _single(spec(window_size=4, s=7, b=3))
     assert seen and max(r for r, _ in seen) <= 4
     assert sum(r for r, _ in seen) == 2 * 21  # student + teacher projection of every row, once

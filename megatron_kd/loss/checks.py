@@ -1,0 +1,199 @@
+"""Input checks of the fused KD loss and the exchange of shard sizes across the TP group.
+
+Errors must stop every tensor-parallel rank together, or the ranks that pass would hang in the
+next collective. So the checks come in two kinds:
+
+* :func:`check_local` -- shapes and dtypes, which may differ between ranks: it returns the
+  message instead of raising, and :func:`exchange_sizes` raises it (or names the bad rank) on
+  every rank after one all-gather;
+* :func:`check_global` -- values of replicated inputs (labels, top-K ids), identical on every
+  rank, so every rank raises alike without communicating.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from megatron_kd.loss.config import KDLossConfig
+from megatron_kd.loss.window import Shard, Window
+from megatron_kd.parallel.vocab import vocab_shard
+
+__all__ = ["check_finite", "check_global", "check_local", "exchange_sizes", "full_lead", "world",
+           "shard_of"]
+
+
+def world(tp_group: dist.ProcessGroup | None) -> tuple[int, int]:
+    """``(tp_rank, tp_world_size)`` of this process in ``tp_group`` (None: one rank)."""
+    if tp_group is None:
+        return 0, 1
+    return dist.get_rank(tp_group), dist.get_world_size(tp_group)
+
+
+def full_lead(student_hidden: torch.Tensor, tp_world_size: int, sp: bool) -> tuple[int, ...]:
+    """Token shape of the full sequence (``[s, b]``; ``s/tp * tp`` under sequence parallelism)."""
+    lead = tuple(student_hidden.shape[:-1])
+    if sp:
+        lead = (lead[0] * tp_world_size, *lead[1:])
+    return lead
+
+
+def check_local(student_hidden, student_weight, teacher_hidden, teacher_weight, topk_ids,
+                topk_logprobs, labels, loss_mask, config: KDLossConfig, tp_world_size: int,
+                sp: bool) -> str | None:
+    """Shape and dtype checks that may differ between ranks; returns the message or None."""
+    try:
+        _check_local_raise(student_hidden, student_weight, teacher_hidden, teacher_weight,
+                           topk_ids, topk_logprobs, labels, loss_mask, config, tp_world_size, sp)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def _check_local_raise(student_hidden, student_weight, teacher_hidden, teacher_weight, topk_ids,
+                       topk_logprobs, labels, loss_mask, config: KDLossConfig,
+                       tp_world_size: int, sp: bool) -> None:
+    if student_hidden.dim() < 2:
+        raise ValueError(f"student_hidden must be [..., h_s], got shape "
+                         f"{tuple(student_hidden.shape)}")
+    if student_weight.dim() != 2:
+        raise ValueError(f"student_weight must be [local_vocab_size, h_s], got shape "
+                         f"{tuple(student_weight.shape)}")
+    if not student_hidden.is_floating_point():
+        raise ValueError(f"student_hidden must be floating point, got {student_hidden.dtype}")
+    if student_hidden.shape[-1] != student_weight.shape[1]:
+        raise ValueError(f"student hidden size {student_hidden.shape[-1]} != student_weight "
+                         f"columns {student_weight.shape[1]} (shape {tuple(student_weight.shape)})")
+    if student_hidden.dtype != student_weight.dtype:
+        raise ValueError(f"student_hidden dtype {student_hidden.dtype} != student_weight dtype "
+                         f"{student_weight.dtype}")
+    if sp and student_hidden.dim() < 2:
+        raise ValueError("sequence_parallel needs hidden states of shape [s/tp, b, h]")
+    lead = full_lead(student_hidden, tp_world_size, sp)
+    dense = teacher_hidden is not None or teacher_weight is not None
+    sparse = topk_ids is not None or topk_logprobs is not None
+    if dense and sparse:
+        raise ValueError("give either a dense teacher (teacher_hidden, teacher_weight) or a sparse "
+                         "one (teacher_topk_ids, teacher_topk_logprobs), not both")
+    if config.kd_weight > 0 and not dense and not sparse:
+        raise ValueError(f"kd_weight={config.kd_weight} > 0 but no teacher was given")
+    if dense:
+        if teacher_hidden is None or teacher_weight is None:
+            raise ValueError("a dense teacher needs both teacher_hidden and teacher_weight")
+        if teacher_weight.dim() != 2 or teacher_hidden.shape[-1] != teacher_weight.shape[1]:
+            raise ValueError(f"teacher hidden size {teacher_hidden.shape[-1]} != teacher_weight "
+                             f"columns (shape {tuple(teacher_weight.shape)})")
+        t_lead = full_lead(teacher_hidden, tp_world_size, sp)
+        if t_lead != lead:
+            raise ValueError(f"teacher_hidden leading shape {tuple(teacher_hidden.shape[:-1])} != "
+                             f"student_hidden leading shape {tuple(student_hidden.shape[:-1])}")
+        if teacher_weight.shape[0] != student_weight.shape[0]:
+            raise ValueError(f"teacher shard has {teacher_weight.shape[0]} vocab rows but the "
+                             f"student shard has {student_weight.shape[0]} (same partition needed)")
+        if teacher_hidden.dtype != teacher_weight.dtype:
+            raise ValueError(f"teacher_hidden dtype {teacher_hidden.dtype} != teacher_weight dtype "
+                             f"{teacher_weight.dtype}")
+    if sparse:
+        if topk_ids is None or topk_logprobs is None:
+            raise ValueError("a sparse teacher needs both teacher_topk_ids and "
+                             "teacher_topk_logprobs")
+        if config.kind != "forward_kl":
+            raise ValueError(f"a sparse (top-K) teacher supports kind='forward_kl' only, got "
+                             f"{config.kind!r}")
+        if config.topk_tail == "ghost" and config.temperature != 1.0:
+            raise ValueError(f"topk_tail='ghost' needs temperature 1, got {config.temperature}")
+        if topk_ids.shape != topk_logprobs.shape or tuple(topk_ids.shape[:-1]) != lead:
+            raise ValueError(f"teacher_topk_ids {tuple(topk_ids.shape)} and teacher_topk_logprobs "
+                             f"{tuple(topk_logprobs.shape)} must both be {lead} + [K]")
+        if topk_ids.dtype.is_floating_point or topk_ids.dtype == torch.bool:
+            raise ValueError(f"teacher_topk_ids must be integer, got {topk_ids.dtype}")
+    if config.ce_weight > 0 and labels is None:
+        raise ValueError(f"ce_weight={config.ce_weight} > 0 needs labels")
+    if labels is not None and tuple(labels.shape) != lead:
+        raise ValueError(f"labels shape {tuple(labels.shape)} != token shape {lead}")
+    if loss_mask is not None and tuple(loss_mask.shape) != lead:
+        raise ValueError(f"loss_mask shape {tuple(loss_mask.shape)} != token shape {lead}")
+
+
+def exchange_sizes(student_weight: torch.Tensor, student_hidden: torch.Tensor,
+                   local_error: str | None, tp_group: dist.ProcessGroup | None,
+                   tp_world_size: int) -> list[int]:
+    """All ranks learn every shard size, their token counts and whether any input was bad."""
+    n_tokens = int(math.prod(student_hidden.shape[:-1]))
+    # on the inputs' device: NCCL groups reduce device tensors only
+    mine = torch.tensor([student_weight.shape[0], n_tokens, 0 if local_error is None else 1],
+                        dtype=torch.int64, device=student_hidden.device)
+    if tp_world_size == 1:
+        sizes = mine.view(1, 3)
+    else:
+        sizes = torch.empty(tp_world_size * 3, dtype=torch.int64, device=student_hidden.device)
+        # Shard offsets come from every rank's shard size; errors must stop all ranks together.
+        dist.all_gather_into_tensor(sizes, mine, group=tp_group)
+        sizes = sizes.view(tp_world_size, 3)
+    if local_error is not None:
+        raise ValueError(local_error)
+    sizes = sizes.cpu()
+    bad = [r for r in range(sizes.shape[0]) if int(sizes[r, 2])]
+    if bad:
+        raise ValueError(f"invalid input on tensor-parallel rank(s) {bad} (see the error there)")
+    tokens = sizes[:, 1].tolist()
+    if len(set(tokens)) != 1:
+        raise ValueError(f"tensor-parallel ranks disagree on the number of tokens: {tokens}")
+    return sizes[:, 0].tolist()
+
+
+def shard_of(sizes: list[int], tp_group: dist.ProcessGroup | None, tp_rank: int,
+             tp_world_size: int, config: KDLossConfig) -> Shard:
+    """This rank's :class:`Shard` from every rank's shard size (rank order)."""
+    return Shard(tp_group=tp_group, tp_rank=tp_rank, tp_world_size=tp_world_size,
+                 vocab=vocab_shard(sizes, tp_rank, config.vocab_size))
+
+
+def check_global(topk_ids, topk_logprobs, labels, config: KDLossConfig, shard: Shard) -> None:
+    """Value checks on replicated inputs (identical on every rank, so all raise alike)."""
+    v = shard.vocab_size
+    if labels is not None:
+        bad = (labels != config.ignore_index) & ((labels < 0) | (labels >= v))
+        if bool(bad.any()):
+            value = int(labels[bad][0])
+            raise ValueError(f"label {value} out of range [0, {v}) (ignore_index is "
+                             f"{config.ignore_index})")
+    if topk_ids is not None:
+        bad = (topk_ids < 0) | (topk_ids >= v)
+        if bool(bad.any()):
+            raise ValueError(f"teacher_topk_ids value {int(topk_ids[bad][0])} out of range "
+                             f"[0, {v})")
+        flat = topk_ids.reshape(-1, topk_ids.shape[-1])
+        srt = flat.sort(dim=1).values
+        dup = srt[:, 1:] == srt[:, :-1]
+        if bool(dup.any()):
+            row, col = (int(i) for i in torch.nonzero(dup)[0])
+            raise ValueError(f"teacher_topk_ids has id {int(srt[row, col])} twice in token row "
+                             f"{row}")
+        if bool(torch.isnan(topk_logprobs).any()):
+            raise ValueError("teacher_topk_logprobs contains NaN")
+        if bool((topk_logprobs > 1e-4).any()):
+            raise ValueError(f"teacher_topk_logprobs must be log-probabilities (<= 0), max is "
+                             f"{float(topk_logprobs.max())}")
+        if config.topk_tail == "ghost":
+            mass = topk_logprobs.double().exp().sum(-1)
+            if bool((mass > 1.0 + 1e-3).any()):
+                raise ValueError(f"teacher top-K probabilities sum to {float(mass.max()):.6f} > 1 "
+                                 f"in some token: not log-softmax values over the full vocabulary")
+
+
+def check_finite(kd_row: torch.Tensor | None, ce_row: torch.Tensor | None, win: Window,
+                 config: KDLossConfig, offset: int) -> None:
+    """Raise ``FloatingPointError`` naming the term at the first weighted non-finite row."""
+    for name, row, weight in (("KD", kd_row, win.m), ("CE", ce_row, win.ce_m)):
+        if row is None:
+            continue
+        bad = (weight != 0) & ~torch.isfinite(row)
+        if bool(bad.any()):
+            i = int(torch.nonzero(bad)[0])
+            label = f"KD ({config.kind})" if name == "KD" else "CE"
+            raise FloatingPointError(
+                f"non-finite {label} loss {row[i].item()} at active token {offset + i} "
+                f"(check the hidden states and weights for inf/NaN)")

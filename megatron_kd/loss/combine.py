@@ -1,0 +1,115 @@
+"""Cross-rank communication of the fused KD loss: the per-row combine and the hidden mappings.
+
+The heavy local work (projections, exponentials) stays on each rank; what crosses ranks is:
+
+* the per-row combine, :class:`ShardMax` then :class:`ShardSum`: a MAX all-reduce of the
+  per-row maxima (the softmax shift ``M``), then a SUM all-reduce of the per-row partial sums
+  formed relative to that global shift. They are two steps because the sums need ``M`` first;
+  folding both into one call would mean rescaling sums formed against local maxima, which
+  changes the numerics;
+* with sequence parallelism, the all-gather of the hidden states (:func:`gather_sequence`);
+* the sum of the per-shard hidden gradients (:func:`reduce_hidden_grad`).
+
+The last two are called from inside :class:`~megatron_kd.loss.fused._FusedKDLoss`, whose
+backward is hand-written, so they are plain functions, not autograd Functions.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["ShardMax", "ShardSum", "gather_sequence", "reduce_hidden_grad"]
+
+
+class ShardMax(torch.autograd.Function):
+    """Per-row maxima over the vocab shards: ``M = max_r local_max_r``, replicated.
+
+    ``local_max``: ``[k, rows]`` this rank's per-row maxima (``-inf`` for a shard with no real
+    columns). Returns a new ``[k, rows]`` tensor; the input is not written.
+
+    Collectives (``tp_group``; none when ``tp_world_size`` is 1):
+
+    * forward: one MAX all-reduce of ``[k, rows]``.
+    * backward: none.
+
+    Gradient: none. ``M`` is a softmax shift that consumers hold constant (their values do not
+    depend on it: ``lse = M + log sum_v exp(a - M)``), so the map is differentiated as a
+    stop-gradient.
+    """
+
+    @staticmethod
+    def forward(ctx, local_max: torch.Tensor, tp_group: dist.ProcessGroup | None,
+                tp_world_size: int) -> torch.Tensor:
+        out = local_max.clone()
+        if tp_world_size > 1:
+            # Every rank must exponentiate against the same shift.
+            dist.all_reduce(out, op=dist.ReduceOp.MAX, group=tp_group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_max: torch.Tensor) -> tuple[None, None, None]:
+        return (
+            None,  # local_max (a shift held constant)
+            None,  # tp_group
+            None,  # tp_world_size
+        )
+
+
+class ShardSum(torch.autograd.Function):
+    """Per-row partial sums over the vocab shards: ``S = sum_r local_sums_r``, replicated.
+
+    ``local_sums``: ``[n, rows]`` this rank's per-row partial sums, packed so one collective
+    carries them all. Returns a new ``[n, rows]`` tensor; the input is not written.
+
+    Collectives (``tp_group``; none when ``tp_world_size`` is 1):
+
+    * forward: one SUM all-reduce of ``[n, rows]``.
+    * backward: none. ``S`` is replicated and every rank computes the same loss from it, so
+      ``dL/d local_sums_r = dL/dS`` on every rank: the incoming gradient passes through
+      unchanged (summing it over ranks would count the replicated loss ``tp_world_size`` times).
+    """
+
+    @staticmethod
+    def forward(ctx, local_sums: torch.Tensor, tp_group: dist.ProcessGroup | None,
+                tp_world_size: int) -> torch.Tensor:
+        out = local_sums.clone()
+        if tp_world_size > 1:
+            # Each shard holds part of every row's sums over the vocabulary.
+            dist.all_reduce(out, op=dist.ReduceOp.SUM, group=tp_group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_sums: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return (
+            grad_sums,  # local_sums (d S / d local_sums_r = identity)
+            None,  # tp_group
+            None,  # tp_world_size
+        )
+
+
+def gather_sequence(hidden: torch.Tensor, tp_group: dist.ProcessGroup | None,
+                    tp_world_size: int) -> torch.Tensor:
+    """All-gather sequence-parallel hidden states ``[s/tp, ...]`` into ``[s, ...]``."""
+    out = hidden.new_empty((hidden.shape[0] * tp_world_size, *hidden.shape[1:]))
+    # Forward of sequence parallelism: every rank needs every token for its vocab shard.
+    dist.all_gather_into_tensor(out, hidden.contiguous(), group=tp_group)
+    return out
+
+
+def reduce_hidden_grad(grad_x: torch.Tensor, tp_group: dist.ProcessGroup | None,
+                       tp_world_size: int, sp: bool, lead: tuple[int, ...],
+                       h_s: int) -> torch.Tensor:
+    """Sum the per-shard hidden gradients ``[tokens, h_s]`` over the TP group (reduce-scatter
+    to this rank's ``[s/tp, ...]`` chunk under sequence parallelism)."""
+    if tp_world_size == 1:
+        return grad_x
+    if sp:
+        full = grad_x.view(*lead, h_s)
+        out = full.new_empty((lead[0] // tp_world_size, *lead[1:], h_s))
+        # Each rank keeps the gradient of its own sequence chunk, summed over vocab shards.
+        dist.reduce_scatter_tensor(out, full.contiguous(), group=tp_group)
+        return out
+    # Every vocab shard contributes to every token's hidden gradient.
+    dist.all_reduce(grad_x, group=tp_group)
+    return grad_x
