@@ -24,6 +24,7 @@ from megatron_kd.loss.config import TOPK_TAILS
 
 KD_MODES = ("colocated", "disaggregated", "offline")
 TEACHER_DTYPES = ("fp32", "bf16")
+WIRE_DTYPES = ("fp32", "bf16", "fp8")
 _TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 # KDLossConfig field -> the flag that sets it (so the loss's own errors name the flag).
@@ -58,20 +59,20 @@ def add_kd_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        help="parameter dtype of the frozen teacher (the loss computes in fp32 "
                             "either way)")
     d = parser.add_argument_group("knowledge distillation: disaggregated teacher")
-    d.add_argument("--kd-teacher-world-size", type=int, default=0, metavar="N",
-                   help="disaggregated: the last N ranks of the world run the teacher; the "
-                        "first ranks train the student")
-    d.add_argument("--kd-teacher-tensor-model-parallel-size", type=int, default=1,
-                   help="disaggregated: the teacher's own tensor-parallel size")
-    d.add_argument("--kd-teacher-pipeline-model-parallel-size", type=int, default=1,
-                   help="disaggregated: the teacher's own pipeline-parallel size")
+    d.add_argument("--kd-teacher-endpoint", default=None, metavar="DIR_OR_HOST:PORT",
+                   help="disaggregated: where the teacher replicas (`megatron-kd teacher "
+                        "serve`) register: a shared directory or a registry's host:port")
+    d.add_argument("--kd-wire-dtype", choices=WIRE_DTYPES, default=None,
+                   help="disaggregated: element type of the hidden states on the wire: fp32, "
+                        "bf16, or fp8 (e4m3, one fp32 scale per token); default: "
+                        "--kd-teacher-dtype")
     d.add_argument("--kd-prefetch-depth", type=int, default=2,
-                   help="disaggregated: receive slots per student rank; the teacher runs up to "
-                        "this many microbatches ahead. Offline: microbatches of top-K values "
-                        "decoded ahead of training")
+                   help="disaggregated: requests in flight (token ids sent this many "
+                        "microbatches ahead, as many receive slots). Offline: microbatches of "
+                        "top-K values decoded ahead of training")
     d.add_argument("--kd-teacher-timeout", type=float, default=600.0, metavar="SECONDS",
-                   help="disaggregated: a teacher silent this long is reported unavailable "
-                        "(TeacherUnavailableError naming its rank)")
+                   help="disaggregated: a replica silent this long is dropped and the requests "
+                        "go to another; with none live for this long, TeacherUnavailableError")
     o = parser.add_argument_group("knowledge distillation: offline top-K teacher cache")
     o.add_argument("--kd-topk-cache", default=None, metavar="DIR",
                    help="offline: a cache made by `megatron-kd cache build` for this run's data, "
@@ -102,21 +103,19 @@ class KDArgs:
     teacher_dtype: str = "fp32"
     """Parameter dtype of the teacher: ``fp32`` or ``bf16``."""
 
-    teacher_world_size: int = 0
-    """Disaggregated: ranks of the teacher (the last ones of the world)."""
+    teacher_endpoint: str | None = None
+    """Disaggregated: where the teacher replicas register (a directory or ``host:port``)."""
 
-    teacher_tp: int = 1
-    """Disaggregated: the teacher's tensor-parallel size."""
-
-    teacher_pp: int = 1
-    """Disaggregated: the teacher's pipeline-parallel size."""
+    wire_dtype: str | None = None
+    """Disaggregated: the hidden states' element type on the wire (None: the teacher dtype's)."""
 
     prefetch_depth: int = 2
-    """Disaggregated: receive slots per receiving student rank. Offline: microbatches decoded
+    """Disaggregated: requests in flight (and receive slots). Offline: microbatches decoded
     ahead of the one training."""
 
     teacher_timeout: float = 600.0
-    """Disaggregated: seconds of teacher silence before ``TeacherUnavailableError``."""
+    """Disaggregated: seconds a replica may be silent before the requests move to another (and
+    with none live, ``TeacherUnavailableError``)."""
 
     topk_cache: str | None = None
     """Offline: the top-K cache directory (required in offline mode, refused in the others)."""
@@ -153,22 +152,29 @@ class KDArgs:
                 and not self.teacher_load:
             raise ValueError(f"--kd-weight {self.loss.kd_weight} > 0 in {self.mode} mode needs "
                              f"--kd-teacher-load")
-        for flag, value in (("--kd-teacher-tensor-model-parallel-size", self.teacher_tp),
-                            ("--kd-teacher-pipeline-model-parallel-size", self.teacher_pp),
-                            ("--kd-prefetch-depth", self.prefetch_depth)):
-            if value < 1:
-                raise ValueError(f"{flag} must be >= 1, got {value}")
+        if self.prefetch_depth < 1:
+            raise ValueError(f"--kd-prefetch-depth must be >= 1, got {self.prefetch_depth}")
+        if self.wire_dtype is not None and self.wire_dtype not in WIRE_DTYPES:
+            raise ValueError(f"--kd-wire-dtype must be one of {WIRE_DTYPES}, got "
+                             f"{self.wire_dtype!r}")
         if not self.teacher_timeout > 0:
             raise ValueError(f"--kd-teacher-timeout must be > 0, got {self.teacher_timeout}")
         if self.mode == "disaggregated":
-            if self.teacher_world_size < 1:
-                raise ValueError(f"--kd-mode disaggregated needs --kd-teacher-world-size >= 1, "
-                                 f"got {self.teacher_world_size}")
+            if not self.teacher_endpoint:
+                raise ValueError("--kd-mode disaggregated needs --kd-teacher-endpoint (where "
+                                 "`megatron-kd teacher serve` replicas register)")
             if not self.teacher_load:
-                raise ValueError("--kd-mode disaggregated needs --kd-teacher-load")
-        elif self.teacher_world_size:
-            raise ValueError(f"--kd-teacher-world-size {self.teacher_world_size} is only for "
+                raise ValueError("--kd-mode disaggregated needs --kd-teacher-load (the student "
+                                 "holds the teacher's output layer, and checks the replicas "
+                                 "serve that teacher)")
+        elif self.teacher_endpoint:
+            raise ValueError(f"--kd-teacher-endpoint {self.teacher_endpoint!r} is only for "
                              f"--kd-mode disaggregated (mode is {self.mode!r})")
+
+    @property
+    def wire(self) -> str:
+        """The wire's element type (``--kd-wire-dtype``, else the teacher's dtype)."""
+        return self.wire_dtype or self.teacher_dtype
 
     @property
     def teacher_torch_dtype(self) -> torch.dtype:
@@ -181,9 +187,8 @@ class KDArgs:
         return cls(mode=args.kd_mode, teacher_load=args.kd_teacher_load,
                    loss=loss_config_from_flags(args),
                    teacher_dtype=getattr(args, "kd_teacher_dtype", "fp32"),
-                   teacher_world_size=getattr(args, "kd_teacher_world_size", 0),
-                   teacher_tp=getattr(args, "kd_teacher_tensor_model_parallel_size", 1),
-                   teacher_pp=getattr(args, "kd_teacher_pipeline_model_parallel_size", 1),
+                   teacher_endpoint=getattr(args, "kd_teacher_endpoint", None),
+                   wire_dtype=getattr(args, "kd_wire_dtype", None),
                    prefetch_depth=getattr(args, "kd_prefetch_depth", 2),
                    teacher_timeout=getattr(args, "kd_teacher_timeout", 600.0),
                    topk_cache=getattr(args, "kd_topk_cache", None))

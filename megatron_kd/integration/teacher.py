@@ -15,6 +15,7 @@ the teacher's hidden states projects them itself).
 from __future__ import annotations
 
 import copy
+import hashlib
 import os
 
 import torch
@@ -25,6 +26,7 @@ from megatron.core.utils import make_tp_sharded_tensor_for_checkpoint
 
 from megatron_kd.integration.arch import GPTArchConfig
 from megatron_kd.integration.checkpoint import (
+    MODEL_CONFIG_FILE,
     check_checkpoint_tensors,
     load_model_checkpoint,
     read_checkpoint_arch,
@@ -34,7 +36,7 @@ from megatron_kd.integration.gpt import build_gpt_model
 from megatron_kd.integration.output_layer import bypass_output_layer
 
 __all__ = ["build_frozen_teacher", "check_teacher", "load_output_layer_shard",
-           "unpipelined_groups"]
+           "teacher_identity", "unpipelined_groups"]
 
 
 def check_teacher(teacher_load: str, *, seq_length: int, tp_sizes: tuple[int, ...] = (1,),
@@ -122,3 +124,26 @@ def load_output_layer_shard(teacher_dir: str, arch: GPTArchConfig, dtype: torch.
     request = {key: make_tp_sharded_tensor_for_checkpoint(local, key)}
     loaded = dist_checkpointing.load(request, teacher_dir, validate_access_integrity=False)
     return loaded[key].to(dtype)
+
+
+def teacher_identity(teacher_dir: str, arch: GPTArchConfig, dtype: str) -> dict:
+    """What a teacher service serves and a student checks at connect: the checkpoint (a hash of
+    its ``model_config.json`` and of every file's name and size: cheap, the weights are not
+    read), the true and padded vocabulary, the hidden size, the parameter dtype and the
+    tokenizer (sha256 of the checkpoint's ``tokenizer.json``, if it has one)."""
+    digest = hashlib.sha256()
+    root = os.path.abspath(teacher_dir)
+    with open(os.path.join(root, MODEL_CONFIG_FILE), "rb") as f:
+        digest.update(f.read())
+    for directory, _, files in sorted(os.walk(root)):
+        for name in sorted(files):
+            path = os.path.join(directory, name)
+            digest.update(f"{os.path.relpath(path, root)}\0{os.path.getsize(path)}\0".encode())
+    tokenizer = os.path.join(root, "tokenizer.json")
+    tokenizer_sha = None
+    if os.path.isfile(tokenizer):
+        with open(tokenizer, "rb") as f:
+            tokenizer_sha = hashlib.sha256(f.read()).hexdigest()
+    return {"checkpoint": digest.hexdigest()[:16], "vocab_size": arch.vocab_size,
+            "padded_vocab_size": arch.padded_vocab_size, "hidden_size": arch.hidden_size,
+            "dtype": dtype, "tokenizer_sha256": tokenizer_sha}

@@ -1,24 +1,14 @@
-"""The disaggregated teacher: teacher ranks stream final hidden states to student ranks.
+"""The teacher as a service: replicas of their own (``megatron-kd teacher serve``), students that
+connect by address.
 
-* :mod:`~megatron_kd.teacher.wire` -- self-describing messages (header + payload) and their
-  errors.
-* :mod:`~megatron_kd.teacher.ring` -- the student's prefetch ring of receive slots.
-* :mod:`~megatron_kd.teacher.remote` -- the student side: hidden states per microbatch.
-* :mod:`~megatron_kd.teacher.server` -- the teacher side: forward, chunk, send.
+* :mod:`~megatron_kd.teacher.wire` -- self-describing request and response messages.
+* :mod:`~megatron_kd.teacher.transport` -- two-process links over PyTorch's own process groups,
+  waited on the host with a deadline.
+* :mod:`~megatron_kd.teacher.endpoint` -- where replicas register and students look them up.
+* :mod:`~megatron_kd.teacher.service` -- the replica side: connections, batching, responses.
+* :mod:`~megatron_kd.teacher.client` -- the student side: requests ahead, the receive ring,
+  replica choice.
 
-Pure torch and ``torch.distributed``: the Megatron-Core model and schedule are handed in by
-:mod:`megatron_kd.training.disaggregated`.
+Pure torch and ``torch.distributed``: the Megatron-Core model and schedule are handed in
+(:mod:`megatron_kd.training.teacher_serve`).
 """
-
-from megatron_kd.teacher.remote import RemoteTeacher
-from megatron_kd.teacher.ring import PrefetchRing
-from megatron_kd.teacher.server import TeacherServer
-from megatron_kd.teacher.wire import (
-    Header,
-    HeaderMismatchError,
-    HiddenSender,
-    TeacherUnavailableError,
-)
-
-__all__ = ["Header", "HeaderMismatchError", "HiddenSender", "PrefetchRing", "RemoteTeacher",
-           "TeacherServer", "TeacherUnavailableError"]

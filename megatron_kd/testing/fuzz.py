@@ -10,7 +10,8 @@ what it decoded against the format's invariants and fails loudly if one is broke
   (:func:`~megatron_kd.cache.format.parse_shard_header`), then every sample in it
   (:func:`~megatron_kd.cache.codec.decode_sample`);
 * ``sample`` -- one sample blob, compact or fp32 encoding (the first byte picks);
-* ``wire_header`` -- the teacher wire's message header (:meth:`megatron_kd.teacher.wire.Header.decode`).
+* ``wire_header`` -- the teacher wire's request and response headers
+  (:meth:`megatron_kd.teacher.wire.Request.decode`, ``Response.decode``; the first byte picks).
 
 :func:`run` drives them with atheris (coverage-guided, libFuzzer underneath) in this process;
 ``tools/fuzz_decoders.py`` is the command line. :func:`seeds` writes a valid input per target
@@ -38,7 +39,8 @@ from megatron_kd.cache.format import (
     parse_manifest,
     parse_shard_header,
 )
-from megatron_kd.teacher.wire import Header, WireError
+from megatron_kd.teacher import wire
+from megatron_kd.teacher.wire import Request, Response, WireError
 
 __all__ = ["EXPECTED", "TARGETS", "run", "seeds"]
 
@@ -93,17 +95,26 @@ def target_sample(data: bytes) -> None:
 
 
 def target_wire_header(data: bytes) -> None:
-    words = np.frombuffer(data[: len(data) // 8 * 8], dtype="<i8")
-    header = Header.decode(torch.from_numpy(words.copy()), max_samples=_WIRE_MAX_SAMPLES)
+    if not data:
+        raise WireError("empty input")
+    kind = (Request, Response)[data[0] % 2]
+    body = data[1:]
+    words = np.frombuffer(body[: len(body) // 8 * 8], dtype="<i8")
+    header = kind.decode(torch.from_numpy(words.copy()), _WIRE_MAX_SAMPLES)
     assert len(header.sample_ids) <= _WIRE_MAX_SAMPLES
-    assert all(d >= 1 for d in header.shape)
+    if kind is Response:
+        assert all(d >= 1 for d in header.shape) and 0 <= header.chunk < header.num_chunks
+        assert header.wire_dtype in wire.WIRE_DTYPES
+    else:
+        assert header.batch >= 1 and header.seq_length >= 1
 
 
 # The functions whose branches the fuzzer is to explore.
 _DECODERS = (codec.decode_ids, codec.decode_sample, codec.unpack_uint, LogprobCodec.decode,
              LogprobCodec.dequantise, parse_manifest, fmt._check_shard_entries,
              CacheSpec.from_json, CacheSpec._from_fields, LogprobCodec.from_json,
-             parse_shard_header, Header.decode)
+             parse_shard_header, wire._Message.decode, Request._from_words,
+             Response._from_words)
 
 TARGETS: dict[str, Callable[[bytes], None]] = {
     "manifest": target_manifest, "shard": target_shard, "sample": target_sample,
@@ -137,13 +148,17 @@ def seeds() -> dict[str, list[bytes]]:
     entry = {"file": _SPEC.shard_file(0), "sample_start": 0, "sample_end": _SPEC.num_samples,
              "bytes": len(shard), "sha256": hashlib.sha256(shard).hexdigest()}
     manifest = manifest_bytes({**_SPEC.to_json(), "shards": [entry], "complete": True})
-    header = Header(step=3, microbatch=1, chunk=0, num_chunks=2, sample_ids=(5, 9),
-                    shape=(8, 2, 16), dtype=torch.bfloat16, fingerprint=12345)
+    request = Request(run=7, conn=1, request=3, step=3, microbatch=1, sample_ids=(5, 9),
+                      fingerprint=12345, batch=2, seq_length=16)
+    response = Response(run=7, conn=1, request=3, step=3, microbatch=1, sample_ids=(5, 9),
+                        fingerprint=12345, chunk=0, num_chunks=2, shape=(8, 2, 16),
+                        wire_dtype="fp8")
     return {
         "manifest": [manifest],
         "shard": [shard],
         "sample": [bytes([0]) + blobs[0], bytes([1]) + _sample_blob(7, _CODECS[1])],
-        "wire_header": [header.encode(_WIRE_MAX_SAMPLES).numpy().astype("<i8").tobytes()],
+        "wire_header": [bytes([i]) + h.encode(_WIRE_MAX_SAMPLES).numpy().astype("<i8").tobytes()
+                        for i, h in enumerate((request, response))],
     }
 
 

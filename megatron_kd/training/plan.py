@@ -112,11 +112,6 @@ def _check_flags(args: argparse.Namespace, kd: KDArgs, world_size: int) -> tuple
     if args.eval_iters < 0:
         raise ValueError(f"--eval-iters must be >= 0, got {args.eval_iters}")
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    if kd.mode == "disaggregated":  # the student's ranks are the world less the teacher's
-        if world_size <= kd.teacher_world_size:
-            raise ValueError(f"--kd-teacher-world-size {kd.teacher_world_size} leaves no student "
-                             f"ranks in a world of {world_size}")
-        world_size -= kd.teacher_world_size
     dp = check_parallel_sizes(world_size, tp, pp)
     gbs = args.global_batch_size or args.micro_batch_size * dp
     if gbs % (args.micro_batch_size * dp):
@@ -185,11 +180,10 @@ def plan_run(args: argparse.Namespace, world_size: int) -> Plan:
     tp, pp, dp, gbs = _check_flags(args, kd, world_size)
     teacher_arch = None
     if kd.teacher_load:
-        # the student's ranks hold the teacher's output layer in the student's partition
-        tp_sizes = (tp, kd.teacher_tp) if kd.mode == "disaggregated" else (tp,)
-        teacher_dir, teacher_arch = check_teacher(
-            kd.teacher_load, seq_length=args.seq_length, tp_sizes=tp_sizes,
-            pp_size=kd.teacher_pp if kd.mode == "disaggregated" else 1)
+        # the student's ranks hold the teacher's output layer in the student's partition (a
+        # disaggregated teacher's own layout is its replicas' business: `teacher serve` checks it)
+        teacher_dir, teacher_arch = check_teacher(kd.teacher_load, seq_length=args.seq_length,
+                                                  tp_sizes=(tp,))
         kd = dataclasses.replace(kd, teacher_load=teacher_dir)
     cache_spec = None
     if kd.mode == "offline":

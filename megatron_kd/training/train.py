@@ -17,11 +17,9 @@ import sys
 import torch
 import torch.distributed as dist
 
-from megatron_kd.integration.args import KDArgs
 from megatron_kd.integration.cpu_shim import device_context, install_cpu_shim, on_cpu
 from megatron_kd.integration.groups import init_distributed_from_env, model_parallel
 from megatron_kd.training.args import add_arguments, parse_args
-from megatron_kd.training.disaggregated import train_disaggregated
 from megatron_kd.training.plan import plan_run
 from megatron_kd.training.trainer import Trainer
 
@@ -41,8 +39,6 @@ def train(args: argparse.Namespace, *, loss_fn=None) -> dict:
         torch.set_flush_denormal(True)  # denormal softmax tails make CPU matmuls ~50x slower
     created = init_distributed_from_env()
     try:
-        if KDArgs.from_args(args).mode == "disaggregated":
-            return train_disaggregated(args, loss_fn=loss_fn)
         plan = plan_run(args, dist.get_world_size())  # every check before any model is built
         with model_parallel(plan.tp, plan.pp), device_context():
             trainer = Trainer(args, plan, loss_fn=loss_fn)
@@ -57,7 +53,7 @@ def train(args: argparse.Namespace, *, loss_fn=None) -> dict:
 
 def run(args: argparse.Namespace) -> int:
     summary = train(args)
-    if summary.get("side") == "teacher" or summary["rank"] != 0:
+    if summary["rank"] != 0:
         return 0
     last_eval = summary.get("final_eval_lm_loss")
     print(json.dumps({k: summary[k] for k in ("iterations", "final_loss", "tokens_per_s",

@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import sys
 import time
 
 import torch
@@ -62,9 +63,14 @@ from megatron_kd.integration.output_layer import bypass_output_layer, output_lay
 from megatron_kd.integration.teacher import build_frozen_teacher, unpipelined_groups
 from megatron_kd.training.checkpointing import (
     load_training_checkpoint,
-    run_schedule_bounds,
     save_training_checkpoint,
     stop_iteration,
+)
+from megatron_kd.training.disaggregated import (
+    output_layer_shard,
+    run_id,
+    teacher_client,
+    training_schedule,
 )
 from megatron_kd.training.faults import ExitSignal, FiniteGuard
 from megatron_kd.training.logs import JsonLog, Progress, RunRecord, peak_memory
@@ -82,16 +88,17 @@ def _mean(pair: torch.Tensor | None) -> float | None:
 class Trainer:
     """One distillation run; ``parallel_state`` must be initialised (TP x PP).
 
-    The teacher is local (colocated), remote (``remote``: disaggregated) or a top-K cache
-    (``plan.topk_cache``: offline; no teacher model exists, ``self.teacher`` is None).
+    The teacher is local (colocated), a service (``remote``: disaggregated, see
+    :mod:`megatron_kd.training.disaggregated`) or a top-K cache (``plan.topk_cache``: offline;
+    no teacher model exists, ``self.teacher`` is None).
     """
 
     REPORT_KEYS = ("loss", "kd_loss", "lm_loss", "teacher_lm_loss")
 
-    def __init__(self, args: argparse.Namespace, plan: Plan, *, loss_fn=None,
-                 remote=None) -> None:
+    def __init__(self, args: argparse.Namespace, plan: Plan, *, loss_fn=None) -> None:
         self.args, self.plan = args, plan
-        self.remote = remote  # disaggregated: a RemoteTeacher instead of a local teacher
+        self.remote = None  # disaggregated, last stage: a TeacherClient (started by fit)
+        self.teacher_weight = None  # disaggregated: the teacher's output-layer shard
         self.topk = None  # offline, last stage: a TopKPrefetcher (started by fit)
         self._expected: list = []
         self.loss_fn = loss_fn  # None: the fused loss; tests pass a dense reference
@@ -110,6 +117,8 @@ class Trainer:
         self._evaluating = False
         self._subgroups: list = []
         self.guard = FiniteGuard()
+        self._json_log = JsonLog(None, False)
+        self._events_seen = 0
         self._step = self._microbatch = 0
         self._build_student()
         self._build_teacher()
@@ -155,7 +164,11 @@ class Trainer:
         keeps it (see the module docstring)."""
         self.teacher = None
         plan = self.plan
-        if plan.teacher_arch is None or self.remote is not None:
+        if plan.kd.mode == "disaggregated":
+            self.run_id = run_id()
+            self.teacher_weight = output_layer_shard(plan, ps.get_tensor_model_parallel_world_size())
+            return
+        if plan.teacher_arch is None:
             return
         pgc, single = unpipelined_groups()
         self._subgroups = [single]
@@ -204,9 +217,9 @@ class Trainer:
                              "teacher_topk_logprobs"))
         if self.remote is not None and not self._evaluating:
             step, mb, ids = self._expected.pop(0)
-            out["teacher_hidden"] = self.remote.hidden(step, mb, ids, tokens)
-            out["teacher_weight"] = self.remote.weight
-            self.guard.watch(m, "teacher hidden states received from the disaggregated teacher",
+            out["teacher_hidden"] = self.remote.hidden(step, mb, ids)
+            out["teacher_weight"] = self.teacher_weight
+            self.guard.watch(m, f"teacher hidden states received from {self.remote.replica}",
                              out["teacher_hidden"])
         elif self.topk is not None and not self._evaluating:
             step, mb, ids = self._expected.pop(0)
@@ -288,14 +301,34 @@ class Trainer:
         record = {"loss": _mean(red["loss"]), "kd_loss": _mean(red["kd_loss"]),
                   "lm_loss": _mean(red["lm_loss"]), "lr": lr,
                   "grad_norm": None if grad_norm is None else float(grad_norm)}
-        if self.remote is not None:
-            # teacher -> student bytes of this step, summed over the student's ranks
-            wire = torch.tensor([float(self.remote.take_step_bytes())], dtype=torch.float64,
-                                device=collective_device())
-            dist.all_reduce(wire)
-            record["kd_wire_bytes"] = int(wire.item())
-            record["kd_wire_bytes_per_dp_rank"] = int(wire.item()) // self.plan.dp
+        if self.plan.kd.mode == "disaggregated":
+            record.update(self._wire_bytes(len(microbatches)))
         return record
+
+    def _wire_bytes(self, num_microbatches: int) -> dict:
+        """Bytes of this step on the wire, summed over the student's ranks: hidden states back
+        (as received) and token ids out (4 a token, from each TP group's rank 0)."""
+        got = self.remote.take_step_bytes() if self.remote is not None else 0
+        sent = (num_microbatches * self.args.micro_batch_size * self.args.seq_length * 4
+                if self.remote is not None and self.tp_rank == 0 else 0)
+        events = []
+        if self.remote is not None and self.tp_rank == 0:
+            events, self._events_seen = (self.remote.failovers[self._events_seen:],
+                                         len(self.remote.failovers))
+        both = torch.tensor([float(got), float(sent), float(len(events))], dtype=torch.float64,
+                            device=collective_device())
+        dist.all_reduce(both)
+        got, sent, failovers = (int(v) for v in both.tolist())
+        if failovers:  # every failover event of the step, as one JSON line each (rank 0)
+            gathered = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, events)
+            for event in (e for rank_events in gathered for e in rank_events):
+                self._json_log.write({"step": self._step, **event})
+        return {"kd_wire_bytes": got, "kd_wire_bytes_per_dp_rank": got // self.plan.dp,
+                "kd_wire_bytes_to_teacher": sent, "failovers": failovers}
+
+    def _log_event(self, line: str) -> None:
+        print(f"megatron-kd[rank {self.rank}]: {line}", file=sys.stderr, flush=True)
 
     def evaluate(self) -> dict:
         if self.valid_ds is None or self.args.eval_iters == 0:
@@ -330,9 +363,12 @@ class Trainer:
                                    device=device)
 
     def close(self) -> None:
-        """Stop the top-K decoder; free this rank's one-rank pipeline group of the teacher."""
+        """Stop the top-K decoder and the teacher client; free this rank's one-rank pipeline
+        group of the teacher."""
         if self.topk is not None:
             self.topk.close()
+        if self.remote is not None:
+            self.remote.close()
         for group in self._subgroups:
             dist.destroy_process_group(group)
         self._subgroups = []
@@ -348,11 +384,16 @@ class Trainer:
                 args.load, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
                 arch=plan.student_arch)
         stop_at = stop_iteration(args, start_iter)
-        if self.remote is not None:
-            first, stop = run_schedule_bounds(args)
-            if first != start_iter:
-                raise RuntimeError(f"resume point {start_iter} != {first} read from --load")
-            self.remote.start(first, stop)
+        if plan.kd.mode == "disaggregated" and self.is_last:
+            schedule = training_schedule(self.train_ds, self.batches, plan.global_batch_size,
+                                         start_iter, stop_at)
+            self.remote = teacher_client(
+                plan=plan, args=args, run=self.run_id, dp_rank=self.dp_rank,
+                tp_group=self.tp_group, tp_rank=self.tp_rank, tp=plan.tp, schedule=schedule,
+                device=torch.device("cpu") if on_cpu() else
+                torch.device("cuda", torch.cuda.current_device()),
+                log=self._log_event if self.tp_rank == 0 else None)
+            self.remote.start()
         if plan.topk_cache is not None and self.is_last:
             self._start_topk(consumed, max(0, stop_at - start_iter))
         return start_iter, consumed
@@ -404,7 +445,7 @@ class Trainer:
         start_iter, consumed = self._resume()
         stop_at = stop_iteration(args, start_iter)
         progress = Progress(args.train_iters, self.log_rank and not args.no_progress)
-        log = JsonLog(args.log_json, self.log_rank)
+        log = self._json_log = JsonLog(args.log_json, self.log_rank)
         exit_signal = ExitSignal() if getattr(args, "exit_signal_handler", False) else None
         self._announce(progress, start_iter)
         run = RunRecord(start_iter)
@@ -434,8 +475,6 @@ class Trainer:
                 exit_signal.close()
             if self.topk is not None:
                 self.topk.close()
-        if self.remote is not None:
-            self.remote.close()
         return self._summary(run, iteration)
 
     def _one_step(self, consumed: int, run: "RunRecord", log: JsonLog, progress: Progress,

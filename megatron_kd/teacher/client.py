@@ -1,0 +1,457 @@
+"""The student side of a teacher service: one :class:`TeacherClient` per student rank on the last
+pipeline stage.
+
+Each student data-parallel rank's TP group makes one connection to a replica: its TP rank 0
+sends the requests (token ids, ``depth`` microbatches ahead of training, from a look-ahead over
+the trainer's own data), and every TP rank ``i`` receives sequence chunk ``i`` of each response
+into a ring of ``depth`` receive slots posted ahead, then the ranks all-gather the chunks
+(inside their TP group) into the ``[s, b, h_t]`` hidden states the fused loss takes with the
+teacher's output-layer shard. Per microbatch the TP group also exchanges a few integers (did
+every rank get its chunk of the same request?), so they always agree on what happens next.
+
+Replica choice and failover: a connection goes to the least-loaded replica registered at the
+endpoint whose identity matches the run's (a mismatch is refused at once, naming both values).
+A replica that dies or is silent past ``timeout_s`` is dropped: the group connects to another
+live one (or waits up to ``timeout_s`` for one to register) and re-sends the requests it still
+holds; the teacher's output depends only on the tokens, so training continues with the same
+losses. Each failover is one JSON event (``log``). With no live replica in time:
+:class:`~megatron_kd.teacher.wire.TeacherUnavailableError` naming the endpoint and the replicas
+tried.
+"""
+
+from __future__ import annotations
+
+import collections
+import datetime
+import json
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megatron_kd.teacher.endpoint import Endpoint, ReplicaRecord
+from megatron_kd.teacher.service import TAGS, link_device, wire_bytes_per_token
+from megatron_kd.teacher.transport import Link, LinkDown
+from megatron_kd.teacher.wire import (
+    HeaderMismatchError,
+    Request,
+    Response,
+    TeacherUnavailableError,
+    WireError,
+    decode_hidden,
+    header_size,
+    payload_shapes,
+    token_fingerprint,
+)
+
+__all__ = ["Outstanding", "TeacherClient", "TeacherMismatchError", "identity_differences"]
+
+#: Seconds to reach a registered replica's store before taking it for dead (a live one answers
+#: in milliseconds; a dead one's port refuses, and the store client retries until this).
+_PROBE_S = 2.0
+
+
+class TeacherMismatchError(ValueError):
+    """The teacher at the endpoint is not the one this run expects (names both values)."""
+
+
+def identity_differences(teacher: dict, expected: dict) -> list[str]:
+    """``"field: teacher has X, this run expects Y"`` for every field that differs."""
+    return [f"{k}: teacher has {teacher.get(k)!r}, this run expects {expected.get(k)!r}"
+            for k in sorted(set(teacher) | set(expected)) if teacher.get(k) != expected.get(k)]
+
+
+@dataclass
+class Outstanding:
+    """A request sent (or to send) whose response has not been taken yet."""
+
+    request: int
+    step: int
+    microbatch: int
+    sample_ids: tuple[int, ...]
+    tokens: torch.Tensor | None  # [b, s] int32 (TP rank 0 only)
+    fingerprint: int
+
+
+class TeacherClient:
+    """One student rank's view of the teacher service (see the module docstring).
+
+    Args:
+        endpoint: where replicas register.
+        expected: the teacher identity this run needs (checked against each replica's).
+        run: this run's id (the same on every rank of the run).
+        dp_rank: the student data-parallel rank of this TP group.
+        tp_group / tp_rank / tp_size: the student's TP group (``tp_group`` None when 1 rank).
+        micro_batch_size / seq_length / hidden_size: the shapes of a response.
+        dtype: the teacher hidden states' dtype for the loss (the output-layer shard's).
+        wire_dtype: ``fp32``, ``bf16`` or ``fp8``.
+        depth: requests in flight (``--kd-prefetch-depth``).
+        timeout_s: how long a replica may be silent (``--kd-teacher-timeout``).
+        device: this rank's compute device.
+        schedule: TP rank 0 only: the run's microbatches in training order, as
+            ``(step, microbatch, sample_ids, tokens [b, s])`` (a look-ahead reads it ahead).
+        log: where failover events go (one JSON line each), or None.
+    """
+
+    def __init__(self, *, endpoint: Endpoint, expected: dict, run: int, dp_rank: int, tp_group,
+                 tp_rank: int, tp_size: int, micro_batch_size: int, seq_length: int,
+                 hidden_size: int, dtype: torch.dtype, wire_dtype: str, depth: int,
+                 timeout_s: float, device: torch.device,
+                 schedule: Iterator | None = None, max_samples: int = 64,
+                 log: Callable[[str], None] | None = None, rebalance_every: int = 8) -> None:
+        if seq_length % tp_size:
+            raise ValueError(f"--seq-length {seq_length} must be divisible by the student's "
+                             f"tensor-parallel size {tp_size} (each TP rank receives 1/tp of the "
+                             f"sequence)")
+        self.endpoint, self.expected, self.run, self.dp_rank = endpoint, expected, run, dp_rank
+        self.tp_group, self.tp_rank, self.tp_size = tp_group, tp_rank, tp_size
+        self.shape = (seq_length // tp_size, micro_batch_size, hidden_size)
+        self.seq_length, self.dtype, self.wire_dtype = seq_length, dtype, wire_dtype
+        self.depth, self.timeout_s = depth, timeout_s
+        self.device, self.max_samples = torch.device(device), max_samples
+        self.schedule = schedule
+        self.log = log
+        self.outstanding: collections.deque[Outstanding] = collections.deque()
+        self.next_request = 0  # the id of the next request to send
+        self.bytes_this_step = 0
+        self.failovers: list[dict] = []
+        self.replica: ReplicaRecord | None = None
+        self.tried: list[str] = []
+        self._links: list[Link] = []
+        self._draining: list[Link] = []  # links of a connection left by a rebalance
+        self.rebalance_every = rebalance_every
+        self._dead: set[str] = set()  # replicas found dead: never tried again
+        self._slots: dict[int, tuple] = {}
+        self._sends: list = []
+
+    # -- connection -----------------------------------------------------------------------------
+    def start(self) -> None:
+        """Connect, post the first receives and send the first ``depth`` requests."""
+        self._connect(time.monotonic() + self.timeout_s)
+        for _ in range(self.depth):
+            self._send_next()
+
+    def _connect(self, deadline: float, *, repost: bool = True, only: str | None = None) -> None:
+        """TP rank 0 picks a replica (``only``: that one) and announces the connection; every
+        rank makes its links; with ``repost`` it posts its receives for the outstanding
+        requests (a fresh start or a failover: they are all sent to this connection)."""
+        choice = [None]
+        if self.tp_rank == 0:
+            try:
+                choice = [self._choose(deadline, only)]
+            except (TeacherMismatchError, TeacherUnavailableError) as e:
+                choice = [e]
+        self._broadcast(choice)
+        if isinstance(choice[0], BaseException):
+            raise choice[0]
+        record, conn = ReplicaRecord.from_json(choice[0][0]), choice[0][1]
+        self.replica, self.conn = record, conn
+        device = link_device(self.device.type, record.layout.get("device", "cpu"))
+        store = _store(record, self.timeout_s)
+        peer = str(record)
+        self._links = []
+        if self.tp_rank == 0:
+            self.request_link = Link(store, f"conn/{conn}/req", 1, device=device,
+                                     timeout_s=self.timeout_s, peer=peer)
+            self._links.append(self.request_link)
+        self.response_link = Link(store, f"conn/{conn}/resp/{self.tp_rank}", 1, device=device,
+                                  timeout_s=self.timeout_s, peer=peer)
+        self._links.append(self.response_link)
+        if repost:
+            self._slots = {}
+            first = self.outstanding[0].request if self.outstanding else self.next_request
+            for request in range(first, first + self.depth):
+                self._post(request)
+
+    def _choose(self, deadline: float, only: str | None = None) -> tuple[str, int]:
+        """``(record JSON, connection id)`` at the least-loaded live replica, waiting up to
+        ``deadline`` for one."""
+        reasons: list[str] = []
+        while True:
+            candidates = []
+            records = [r for r in self.endpoint.replicas() if only in (None, r.replica)]
+            # replicas found dead are tried again only when no other is registered
+            records = [r for r in records if r.replica not in self._dead] or records
+            for record in records:
+                try:
+                    store = _store(record, min(_PROBE_S, self.timeout_s))
+                    candidates.append((_load(store), record, store))
+                except (RuntimeError, OSError, ValueError) as e:
+                    reasons.append(f"{record}: {str(e).splitlines()[0]}")
+                    _remember(self.tried, str(record))
+                    self._dead.add(record.replica)  # registered, not there: not probed again
+            # least loaded first; among equals, data-parallel ranks spread round-robin
+            n = max(1, len(candidates))
+            order = sorted(range(len(candidates)),
+                           key=lambda i: (candidates[i][0], (i - self.dp_rank) % n))
+            for load, record, store in (candidates[i] for i in order):
+                teacher = json.loads(store.get("identity"))
+                diffs = identity_differences(teacher, self.expected)
+                if diffs:
+                    raise TeacherMismatchError(f"the teacher at {self.endpoint} ({record}) is not "
+                                               f"the one this run expects: " + "; ".join(diffs))
+                conn = store.add("conn_counter", 1) - 1
+                store.set(f"conn/{conn}/meta", json.dumps(self._meta()))
+                _remember(self.tried, str(record))
+                return record.to_json(), conn
+            if time.monotonic() > deadline:
+                raise TeacherUnavailableError(
+                    str(self.endpoint), self.tried,
+                    f"no live replica within {self.timeout_s:g} s (--kd-teacher-timeout)"
+                    + (f": {'; '.join(reasons[-3:])}" if reasons else ""))
+            time.sleep(0.5)
+
+    def _meta(self) -> dict:
+        return {"run": self.run, "dp_rank": self.dp_rank, "tp": self.tp_size,
+                "micro_batch_size": self.shape[1], "seq_length": self.seq_length,
+                "max_samples": self.max_samples, "wire_dtype": self.wire_dtype,
+                "device": self.device.type}
+
+    # -- requests and responses -----------------------------------------------------------------
+    def _send_next(self) -> None:
+        """Queue the next microbatch of the schedule (TP rank 0 sends it); others count it."""
+        item = [None]
+        if self.tp_rank == 0:
+            item = [next(self.schedule, None)] if self.schedule is not None else [None]
+        if self.tp_rank == 0 and item[0] is not None:
+            step, microbatch, sample_ids, tokens = item[0]
+            out = Outstanding(request=self.next_request, step=step, microbatch=microbatch,
+                              sample_ids=tuple(int(i) for i in sample_ids),
+                              tokens=tokens.to(torch.int32), fingerprint=token_fingerprint(tokens))
+            self.outstanding.append(out)
+            self._transmit(out)
+        elif self.tp_rank != 0:
+            self.outstanding.append(Outstanding(request=self.next_request, step=-1,
+                                                microbatch=-1, sample_ids=(), tokens=None,
+                                                fingerprint=0))
+        self.next_request += 1
+
+    def _transmit(self, out: Outstanding) -> None:
+        req = Request(run=self.run, conn=self.conn, request=out.request, step=out.step,
+                      microbatch=out.microbatch, sample_ids=out.sample_ids,
+                      fingerprint=out.fingerprint, batch=out.tokens.shape[0],
+                      seq_length=out.tokens.shape[1])
+        link = self.request_link
+        header = req.encode(self.max_samples).to(link.device)
+        tokens = out.tokens.to(link.device).contiguous()
+        try:
+            works = link.send([header], TAGS["request"]) + link.send([tokens], TAGS["tokens"])
+        except LinkDown:
+            works = []  # the replica is gone: found when its response does not come
+        self._sends.append((works, header, tokens))
+
+    def _post(self, request: int) -> None:
+        """Post the receive of ``request``'s response into its slot."""
+        slot = request % self.depth
+        link = self.response_link
+        header = torch.empty(header_size(self.max_samples), dtype=torch.int64,
+                             device=link.device)
+        parts = [torch.empty(s, dtype=d, device=link.device)
+                 for s, d in payload_shapes(self.shape, self.wire_dtype)]
+        try:
+            works = link.recv([header], TAGS["response"]) + link.recv(parts, TAGS["payload"])
+        except LinkDown:
+            works = None
+        self._slots[slot] = (request, header, parts, works, link, self.conn)
+
+    def hidden(self, step: int, microbatch: int, sample_ids=None) -> torch.Tensor:
+        """``[s, b, h_t]`` teacher hidden states of the next microbatch (all-gathered over TP).
+
+        On TP rank 0 ``(step, microbatch, sample_ids)`` must be the next microbatch of the
+        schedule (a misaligned teacher is an error, never a wrong loss)."""
+        if not self.outstanding:
+            raise RuntimeError(f"teacher client: microbatch {microbatch} of step {step} asked "
+                               f"for with no request outstanding")
+        head = self.outstanding[0]
+        if self.tp_rank == 0 and (head.step, head.microbatch) != (step, microbatch) or (
+                self.tp_rank == 0 and sample_ids is not None
+                and tuple(int(i) for i in sample_ids) != head.sample_ids):
+            raise RuntimeError(f"teacher client: the trainer is at step {step} microbatch "
+                               f"{microbatch} (samples {sample_ids}) but the next request is "
+                               f"step {head.step} microbatch {head.microbatch} (samples "
+                               f"{head.sample_ids})")
+        t0 = time.monotonic()
+        while True:
+            chunk, failure = self._take(head)
+            if not self._agree(head, failure):
+                self._failover(head, failure, t0)
+                continue
+            break
+        self.outstanding.popleft()
+        if self._draining and all(slot[4] not in self._draining for slot in self._slots.values()
+                                  if slot[0] > head.request):
+            for link in self._draining:  # every response of the left connection was taken
+                link.abort()
+            self._draining = []
+        # the next request: possibly to another replica, its receive posted where it is sent
+        if self.rebalance_every and self.next_request % self.rebalance_every == \
+                self.dp_rank % self.rebalance_every:
+            self._rebalance()
+        self._post(head.request + self.depth)
+        self._send_next()
+        self._reap_sends()
+        return self._gather(decode_hidden(chunk, self.wire_dtype, self.dtype).to(self.device))
+
+    def _take(self, head: Outstanding):
+        """``(payload parts, None)`` of ``head``'s response, or ``(None, reason)``."""
+        request, header, parts, works, link, conn = self._slots[head.request % self.depth]
+        assert request == head.request, (request, head.request)
+        if works is None:
+            return None, f"{link.peer}: link down"
+        try:
+            link.wait(works, time.monotonic() + self.timeout_s)
+            response = Response.decode(header.cpu(), self.max_samples)
+        except LinkDown as e:
+            return None, str(e)
+        except WireError as e:
+            raise HeaderMismatchError(f"from {self.replica}: {e}") from e
+        expected = Response(run=self.run, conn=conn, request=head.request,
+                            step=response.step if self.tp_rank else head.step,
+                            microbatch=response.microbatch if self.tp_rank else head.microbatch,
+                            sample_ids=response.sample_ids if self.tp_rank else head.sample_ids,
+                            fingerprint=response.fingerprint if self.tp_rank else
+                            head.fingerprint, chunk=self.tp_rank, num_chunks=self.tp_size,
+                            shape=self.shape, wire_dtype=self.wire_dtype)
+        response.check_against(expected, replica=link.peer,
+                               student_rank=dist.get_rank() if dist.is_initialized() else 0)
+        self._response = response
+        self.bytes_this_step += sum(p.numel() * p.element_size() for p in parts)
+        return parts, None
+
+    def _agree(self, head: Outstanding, failure: str | None) -> bool:
+        """Every TP rank got its chunk of the same request (else all fail over together)."""
+        if self.tp_size == 1:
+            return failure is None
+        r = self._response if failure is None else None
+        mine = torch.tensor([0 if failure else 1, head.request,
+                             r.step if r else -1, r.microbatch if r else -1,
+                             r.fingerprint if r else -1], dtype=torch.int64,
+                            device=_group_device(self.tp_group))
+        every = torch.empty(self.tp_size * 5, dtype=torch.int64, device=mine.device)
+        dist.all_gather_into_tensor(every, mine, group=self.tp_group)
+        rows = every.view(self.tp_size, 5).cpu().tolist()
+        if not all(row[0] for row in rows):
+            return False
+        if any(row[1:] != rows[0][1:] for row in rows):
+            raise HeaderMismatchError(f"the TP ranks received chunks of different requests from "
+                                      f"{self.replica}: {rows}")
+        return True
+
+    def _gather(self, chunk: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return chunk.clone()
+        full = chunk.new_empty((self.seq_length, *chunk.shape[1:]))
+        # The sequence chunks of the TP group's ranks make the whole microbatch (intra-node).
+        dist.all_gather_into_tensor(full, chunk.contiguous(), group=self.tp_group)
+        return full
+
+    def _failover(self, head: Outstanding, failure: str | None, t0: float) -> None:
+        """Drop the replica, connect to a live one, re-send what is outstanding."""
+        lost = self.replica
+        self._dead.add(lost.replica)  # a restarted replica registers under a new id
+        for link in self._links + self._draining:
+            link.abort()
+        self._draining = []
+        self._connect(time.monotonic() + self.timeout_s)
+        if self.tp_rank == 0:
+            for out in self.outstanding:
+                self._transmit(out)
+        event = {"event": "failover", "time": round(time.time(), 3), "replica_lost": str(lost),
+                 "replica_taken": str(self.replica), "requests_resent": len(self.outstanding),
+                 "seconds_lost": round(time.monotonic() - t0, 3), "reason": failure,
+                 "dp_rank": self.dp_rank, "tp_rank": self.tp_rank}
+        self.failovers.append(event)
+        if self.log is not None and self.tp_rank == 0:
+            self.log(json.dumps(event))
+
+    def _rebalance(self) -> None:
+        """Move this connection's future requests to a replica with at least two fewer
+        connections and requests than ours (a replica started later takes work this way);
+        responses already on their way are still taken from the old one."""
+        target = [None]
+        if self.tp_rank == 0:
+            target = [self._less_loaded()]
+        self._broadcast(target)
+        if target[0] is None:
+            return
+        old = list(self._links)
+        try:
+            self._connect(time.monotonic() + self.timeout_s, repost=False, only=target[0])
+        except (TeacherUnavailableError, LinkDown):
+            return  # it went away meanwhile: stay
+        self._draining.extend(old)
+        event = {"event": "rebalance", "time": round(time.time(), 3), "replica_taken":
+                 str(self.replica), "from_request": self.next_request, "dp_rank": self.dp_rank}
+        if self.log is not None and self.tp_rank == 0:
+            self.log(json.dumps(event))
+
+    def _less_loaded(self) -> str | None:
+        """TP rank 0: the id of a live replica loaded at least 2 less than ours, if any."""
+        try:
+            mine = _load(_store(self.replica, min(_PROBE_S, self.timeout_s))) - 1  # but ours
+        except (RuntimeError, OSError, ValueError):
+            return None  # ours is unreachable: the next response will say so
+        best = None
+        for record in self.endpoint.replicas():
+            if record.replica == self.replica.replica or record.replica in self._dead:
+                continue
+            try:
+                load = _load(_store(record, min(_PROBE_S, self.timeout_s)))
+            except (RuntimeError, OSError, ValueError):
+                self._dead.add(record.replica)
+                continue
+            if load <= mine - 1 and (best is None or load < best[0]):
+                best = (load, record.replica)
+        return None if best is None else best[1]
+
+    def _reap_sends(self) -> None:
+        """Forget sends whose requests were answered (their buffers may go)."""
+        keep = len(self.outstanding)
+        if len(self._sends) > keep:
+            self._sends = self._sends[-keep:] if keep else []
+
+    def _broadcast(self, objects: list) -> None:
+        if self.tp_size > 1:
+            src = dist.get_global_rank(self.tp_group, 0)
+            dist.broadcast_object_list(objects, src=src, group=self.tp_group)
+
+    # -- bookkeeping ----------------------------------------------------------------------------
+    @property
+    def bytes_per_token(self) -> int:
+        return wire_bytes_per_token(self.shape[2], self.wire_dtype)
+
+    def take_step_bytes(self) -> int:
+        n, self.bytes_this_step = self.bytes_this_step, 0
+        return n
+
+    def close(self) -> None:
+        """Drop the links (any receive still posted ends; the replica forgets the connection)."""
+        for link in self._links + self._draining:
+            link.abort()
+        self._links, self._draining = [], []
+
+
+def _store(record: ReplicaRecord, timeout_s: float):
+    return dist.TCPStore(record.host, record.port, is_master=False, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def _load(store) -> int:
+    """A replica's load: its open connections plus its pending requests."""
+    opened = store.add("conn_counter", 0)
+    closed = store.add("closed_counter", 0)
+    pending = int(store.get("pending")) if store.check(["pending"]) else 0
+    return opened - closed + pending
+
+
+def _group_device(group) -> torch.device:
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _remember(names: list[str], name: str) -> None:
+    if name not in names:
+        names.append(name)

@@ -1,0 +1,384 @@
+"""One teacher replica serving any number of student runs (``megatron-kd teacher serve``).
+
+Every rank of the replica's own world runs :meth:`TeacherService.serve`. Rank 0 is the front: it
+serves the replica's rendezvous ``TCPStore`` (published at the endpoint), accepts connections,
+receives requests (token ids) and, once per loop, decides what the replica does next: which
+connections open or close, and which pending requests form the next batch (requests of several
+student data-parallel ranks and runs batched together, up to ``max_batch`` samples of one
+sequence length). That decision is broadcast over the replica's world; every rank runs the same
+forward (the model and its pipeline schedule are the ``forward`` function it was given), and the
+last pipeline stage sends each student TP rank its sequence chunk of each request's hidden
+states, from the TP rank ``chunk % tp`` of that stage.
+
+Transfers run on threads per link (:mod:`.transport`): a slow or dead student never stops the
+loop; its links are dropped after the timeout and the replica serves the others. Rank 0 logs
+one JSON line per ``stats_interval_s`` (requests, samples and tokens served, tokens/s, wire
+bytes each way, per student run) and on exit.
+"""
+
+from __future__ import annotations
+
+import collections
+import datetime
+import json
+import os
+import queue
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from megatron_kd.teacher.endpoint import Endpoint, ReplicaRecord
+from megatron_kd.teacher.transport import Link, LinkDown
+from megatron_kd.teacher.wire import (
+    Request,
+    Response,
+    WireError,
+    encode_hidden,
+    header_size,
+    payload_shapes,
+)
+
+__all__ = ["TAGS", "TeacherService", "link_device", "wire_bytes_per_token"]
+
+#: Point-to-point tags: request header and tokens; response header and payload parts.
+TAGS = {"request": 1, "tokens": 2, "response": 3, "payload": 4}
+_FOREVER = 365 * 24 * 3600.0  # a student may be idle for long (evaluation, checkpoints)
+
+
+def link_device(student_device: str, teacher_device: str) -> torch.device:
+    """Where a pair's buffers live: CUDA (NCCL) when both ends have a GPU, else the host
+    (gloo). Both sides compute it from what the other announced."""
+    if student_device == "cuda" and teacher_device == "cuda" and dist.is_nccl_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def wire_bytes_per_token(hidden_size: int, wire_dtype: str) -> int:
+    """Response bytes per token (what the planner and the logs count)."""
+    return sum(torch.Size(shape[2:] if len(shape) == 3 else ()).numel()
+               * torch.empty((), dtype=dtype).element_size()
+               for shape, dtype in payload_shapes((1, 1, hidden_size), wire_dtype))
+
+
+@dataclass
+class _Conn:
+    """A connection as the replica knows it."""
+
+    conn: int
+    meta: dict
+    request_link: Link | None = None
+    senders: dict = field(default_factory=dict)  # chunk -> _Sender (chunks this rank sends)
+
+
+class _Sender(threading.Thread):
+    """Sends one link's responses in order; a dead or stalled student drops the link."""
+
+    def __init__(self, link: Link, timeout_s: float) -> None:
+        super().__init__(daemon=True, name=f"kd-teacher-send-{link.peer}")
+        self.link, self.timeout_s = link, timeout_s
+        self.queue: queue.Queue = queue.Queue()
+        self.dead = False
+        self.start()
+
+    def run(self) -> None:
+        while True:
+            item = self.queue.get()
+            if item is None:
+                return
+            if self.dead:
+                continue
+            header, parts = item
+            try:
+                works = self.link.send([header], TAGS["response"])
+                works += self.link.send(parts, TAGS["payload"])
+                self.link.wait(works, time.monotonic() + self.timeout_s)
+            except LinkDown:
+                self.dead = True  # the student went away: drop what is queued for it
+
+    def close(self) -> None:
+        self.queue.put(None)
+
+
+class _Front:
+    """Rank 0: the rendezvous store, connections, requests, the next batch."""
+
+    def __init__(self, store, *, max_batch: int, timeout_s: float, teacher_device: str) -> None:
+        self.store, self.max_batch, self.timeout_s = store, max_batch, timeout_s
+        self.teacher_device = teacher_device
+        self.seen = 0  # connections announced so far
+        self.inbox: queue.Queue = queue.Queue()  # (conn, request, tokens) or ("closed", conn)
+        self.pending: collections.deque = collections.deque()
+        self.closed: list[int] = []
+
+    def control(self, conns: dict, stop: bool, idle_wait_s: float = 0.005) -> dict:
+        """What the replica does next (broadcast to every rank)."""
+        new = self._new_connections()
+        self._drain(timeout=0.0 if (new or self.pending) else idle_wait_s)
+        closed, self.closed = self.closed, []
+        batch = self._batch(conns, closed)
+        # what a student choosing a replica reads (with the open connections, see client.py)
+        self.store.set("pending", str(len(self.pending) + len(batch)))
+        return {"new": new, "closed": closed, "batch": batch, "stop": stop}
+
+    def _new_connections(self) -> list[tuple[int, dict]]:
+        out = []
+        while self.seen < self.store.add("conn_counter", 0):
+            key = f"conn/{self.seen}/meta"
+            if not self.store.check([key]):
+                break  # announced, its description not written yet: next loop
+            out.append((self.seen, json.loads(self.store.get(key))))
+            self.seen += 1
+        return out
+
+    def _drain(self, timeout: float) -> None:
+        try:
+            item = self.inbox.get(timeout=timeout) if timeout > 0 else self.inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            if item[0] == "closed":
+                self.closed.append(item[1])
+                self.store.add("closed_counter", 1)
+            else:
+                self.pending.append(item)
+            try:
+                item = self.inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _batch(self, conns: dict, closed: list[int]) -> list:
+        """The oldest pending requests of one sequence length, up to ``max_batch`` samples."""
+        batch, samples, keep = [], 0, collections.deque()
+        gone = set(closed)
+        while self.pending:
+            conn, req, tokens = self.pending.popleft()
+            if conn in gone or conn not in conns:
+                continue
+            if batch and (req.seq_length != batch[0][1].seq_length
+                          or samples + req.batch > self.max_batch):
+                keep.append((conn, req, tokens))
+                continue
+            batch.append((conn, req, tokens))
+            samples += req.batch
+        self.pending = keep
+        return batch
+
+    def read_requests(self, conn: int, link: Link, max_samples: int) -> None:
+        """A thread per connection: requests into the inbox until the link closes."""
+        def loop() -> None:
+            try:
+                while True:
+                    header = torch.empty(header_size(max_samples), dtype=torch.int64,
+                                         device=link.device)
+                    link.wait(link.recv([header], TAGS["request"]), time.monotonic() + _FOREVER)
+                    req = Request.decode(header.cpu(), max_samples)
+                    tokens = torch.empty((req.batch, req.seq_length), dtype=torch.int32,
+                                         device=link.device)
+                    link.wait(link.recv([tokens], TAGS["tokens"]),
+                              time.monotonic() + self.timeout_s)
+                    self.inbox.put((conn, req, tokens.cpu()))
+            except (LinkDown, WireError):
+                link.abort()
+                self.inbox.put(("closed", conn))
+
+        threading.Thread(target=loop, daemon=True, name=f"kd-teacher-recv-{conn}").start()
+
+
+class TeacherService:
+    """One replica's serving loop (collective over its world: every rank calls :meth:`serve`).
+
+    Args:
+        last_stage_ranks: the replica's ranks on its last pipeline stage, in TP order.
+        identity: what the replica serves (checked by students at connect).
+        endpoint: where to register.
+        host: the address students reach rank 0 at; port: its store's port (0: any free one).
+        forward: ``forward(tokens [B, s] int64) -> hidden [s, B, h]`` on the last stage, None
+            elsewhere; called on every rank with the same batch.
+        device: this rank's device (``cuda`` or ``cpu``).
+        max_batch: samples batched into one forward at most.
+        max_samples: sample ids a header can carry.
+    """
+
+    def __init__(self, *, last_stage_ranks: list[int], identity: dict, endpoint: Endpoint,
+                 host: str, port: int, forward: Callable, device: torch.device,
+                 timeout_s: float, max_batch: int, max_samples: int = 64,
+                 layout: dict | None = None, log: Callable[[str], None] | None = None,
+                 stats_interval_s: float = 10.0) -> None:
+        self.rank = dist.get_rank()
+        self.last_stage_ranks = list(last_stage_ranks)
+        self.identity, self.endpoint, self.forward = identity, endpoint, forward
+        self.device = torch.device(device)
+        self.timeout_s, self.max_samples = timeout_s, max_samples
+        self.log = log if self.rank == 0 else None
+        self.stats_interval_s = stats_interval_s
+        self.replica = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        self.conns: dict[int, _Conn] = {}
+        self.stats = _Stats()
+        addr = [None]
+        if self.rank == 0:
+            self.store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
+                                       timeout=datetime.timedelta(seconds=timeout_s))
+            self.store.set("identity", json.dumps(identity, sort_keys=True))
+            self.front = _Front(self.store, max_batch=max_batch, timeout_s=timeout_s,
+                                teacher_device=self.device.type)
+            addr = [(host, self.store.port)]
+        dist.broadcast_object_list(addr, src=0)
+        self.host, self.port = addr[0]
+        if self.rank != 0:
+            self.store = dist.TCPStore(self.host, self.port, is_master=False,
+                                       wait_for_workers=False,
+                                       timeout=datetime.timedelta(seconds=timeout_s))
+        self.record = ReplicaRecord(
+            replica=self.replica, host=self.host, port=self.port, identity=identity,
+            layout={**(layout or {}), "last_stage_ranks": self.last_stage_ranks,
+                    "device": self.device.type})
+
+    # -- the loop -------------------------------------------------------------------------------
+    def serve(self, stop: Callable[[], bool]) -> dict:
+        """Serve until ``stop()`` is true on rank 0; returns the totals."""
+        if self.rank == 0:
+            self.endpoint.publish(self.record)
+            self._say({"event": "ready", "replica": self.replica, "endpoint": str(self.endpoint),
+                       "host": self.host, "port": self.port})
+        try:
+            while True:
+                ctrl = [self.front.control(self.conns, stop()) if self.rank == 0 else None]
+                dist.broadcast_object_list(ctrl, src=0)
+                ctrl = ctrl[0]
+                for conn, meta in ctrl["new"]:
+                    self._open(conn, meta)
+                for conn in ctrl["closed"]:
+                    self._close(conn)
+                if ctrl["batch"]:
+                    self._serve_batch(ctrl["batch"])
+                self._maybe_log()
+                if ctrl["stop"]:
+                    break
+        finally:
+            if self.rank == 0:
+                self.endpoint.withdraw(self.replica)
+            for conn in list(self.conns):
+                self._close(conn)
+        totals = self.stats.summary()
+        self._say({"event": "stopped", "replica": self.replica, **totals})
+        return totals
+
+    def _open(self, conn: int, meta: dict) -> None:
+        """Make this rank's links of a new connection (the student makes its ends now too)."""
+        device = link_device(meta["device"], self.device.type)
+        state = _Conn(conn=conn, meta=meta)
+        peer = f"student run {meta['run']} dp {meta['dp_rank']}"
+        try:
+            if self.rank == 0:
+                state.request_link = Link(self.store, f"conn/{conn}/req", 0, device=device,
+                                          timeout_s=self.timeout_s, peer=peer)
+                self.front.read_requests(conn, state.request_link, meta["max_samples"])
+            for chunk in range(meta["tp"]):
+                if self.last_stage_ranks[chunk % len(self.last_stage_ranks)] == self.rank:
+                    link = Link(self.store, f"conn/{conn}/resp/{chunk}", 0, device=device,
+                                timeout_s=self.timeout_s, peer=f"{peer} tp {chunk}")
+                    state.senders[chunk] = _Sender(link, self.timeout_s)
+        except LinkDown as e:
+            self._say({"event": "connect_failed", "conn": conn, "reason": str(e)})
+        self.conns[conn] = state
+        self.stats.connected(meta)
+        self._say({"event": "connected", "conn": conn, "run": meta["run"],
+                   "dp_rank": meta["dp_rank"], "tp": meta["tp"], "wire_dtype": meta["wire_dtype"]})
+
+    def _close(self, conn: int) -> None:
+        state = self.conns.pop(conn, None)
+        if state is None:
+            return
+        if state.request_link is not None:
+            state.request_link.abort()
+        for sender in state.senders.values():
+            sender.link.abort()
+            sender.close()
+
+    def _serve_batch(self, batch: list) -> None:
+        t0 = time.perf_counter()
+        tokens = torch.cat([t for _, _, t in batch]).to(self.device, torch.int64)
+        hidden = self.forward(tokens)  # [s, B, h] on the last stage, else None
+        offset = 0
+        for conn, req, _ in batch:
+            state = self.conns.get(conn)
+            if hidden is not None and state is not None:
+                self._respond(state, req, hidden[:, offset:offset + req.batch])
+            offset += req.batch
+            self.stats.served(self.conns[conn].meta if conn in self.conns else None, req,
+                              self.identity["hidden_size"])
+        self.stats.forward_s += time.perf_counter() - t0
+
+    def _respond(self, state: _Conn, req: Request, hidden: torch.Tensor) -> None:
+        meta = state.meta
+        num_chunks = meta["tp"]
+        size = hidden.shape[0] // num_chunks
+        for chunk, sender in state.senders.items():
+            if sender.dead:
+                continue
+            part = hidden[chunk * size:(chunk + 1) * size]
+            header = Response(run=req.run, conn=req.conn, request=req.request, step=req.step,
+                              microbatch=req.microbatch, sample_ids=req.sample_ids,
+                              fingerprint=req.fingerprint, chunk=chunk, num_chunks=num_chunks,
+                              shape=tuple(part.shape), wire_dtype=meta["wire_dtype"])
+            parts = [p.to(sender.link.device) for p in encode_hidden(part, meta["wire_dtype"])]
+            sender.queue.put((header.encode(meta["max_samples"]).to(sender.link.device), parts))
+
+    # -- logging ----------------------------------------------------------------------------------
+    def _maybe_log(self) -> None:
+        if self.log is not None and time.monotonic() - self.stats.last_log > self.stats_interval_s:
+            self._say({"event": "stats", "replica": self.replica,
+                       "connections": len(self.conns), **self.stats.summary()})
+            self.stats.last_log = time.monotonic()
+
+    def _say(self, record: dict) -> None:
+        if self.log is not None:
+            self.log(json.dumps({"time": round(time.time(), 3), **record}))
+
+
+@dataclass
+class _Stats:
+    """What a replica has served, in all and per student run."""
+
+    requests: int = 0
+    samples: int = 0
+    tokens: int = 0
+    bytes_in: int = 0
+    bytes_out: int = 0
+    forward_s: float = 0.0
+    runs: dict = field(default_factory=dict)
+    t0: float = field(default_factory=time.monotonic)
+    last_log: float = field(default_factory=time.monotonic)
+
+    def connected(self, meta: dict) -> None:
+        self.runs.setdefault(str(meta["run"]), {"requests": 0, "tokens": 0, "bytes_in": 0,
+                                                "bytes_out": 0, "connections": 0})
+        self.runs[str(meta["run"])]["connections"] += 1
+
+    def served(self, meta: dict | None, req: Request, hidden_size: int) -> None:
+        tokens = req.batch * req.seq_length
+        out = tokens * wire_bytes_per_token(hidden_size, meta["wire_dtype"]) if meta else 0
+        self.requests += 1
+        self.samples += req.batch
+        self.tokens += tokens
+        self.bytes_in += 4 * tokens
+        self.bytes_out += out
+        run = self.runs.get(str(req.run))
+        if run is not None:
+            run["requests"] += 1
+            run["tokens"] += tokens
+            run["bytes_in"] += 4 * tokens
+            run["bytes_out"] += out
+
+    def summary(self) -> dict:
+        elapsed = max(1e-9, time.monotonic() - self.t0)
+        return {"requests": self.requests, "samples": self.samples, "tokens": self.tokens,
+                "tokens_per_s": round(self.tokens / elapsed, 1), "bytes_in": self.bytes_in,
+                "bytes_out": self.bytes_out, "forward_s": round(self.forward_s, 3),
+                "runs": self.runs}

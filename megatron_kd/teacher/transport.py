@@ -1,0 +1,133 @@
+"""Links between a student process and a teacher process: PyTorch's own process groups, made
+outside either side's ``torch.distributed`` world.
+
+A :class:`Link` is a two-rank ``ProcessGroupGloo`` (or ``ProcessGroupNCCL``) over a
+``PrefixStore`` of the teacher replica's ``TCPStore``: each student-teacher pair has its own, so
+one peer's death closes its pairs only, and a student can drop a link and make a new one to
+another replica while both worlds go on (torchrun's worlds end as a whole; these do not belong
+to one). No socket protocol is written here: rendezvous, framing and transfers are the process
+group's.
+
+Waiting is done on the host, with a deadline (:meth:`Link.wait`):
+
+* gloo: ``Work.wait(timeout)``, which returns when the transfer is done, raises at once when
+  the peer's connection closes (a killed process), and raises at the deadline when it is silent
+  (a stalled one);
+* NCCL: ``Work.is_completed()`` polled until the deadline (``wait`` would only order the CUDA
+  stream), then the pair's communicator is aborted so that no kernel is left waiting on a peer
+  that will never come.
+
+Either way a dead or silent peer is a :class:`LinkDown` naming it, never a hang or a watchdog
+kill, and the link is aborted.
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["Link", "LinkDown", "link_backend"]
+
+
+class LinkDown(RuntimeError):
+    """The peer of a link died, stalled past the deadline, or the link could not be made."""
+
+
+def link_backend(device: torch.device) -> str:
+    """``nccl`` for CUDA buffers (where NCCL is built in), else ``gloo`` (host buffers)."""
+    if device.type == "cuda" and dist.is_nccl_available():
+        return "nccl"
+    return "gloo"
+
+
+class Link:
+    """This process's end of a two-process group.
+
+    Args:
+        store: the rendezvous store (the teacher replica's ``TCPStore``).
+        prefix: this link's key prefix in it (one per pair and connection).
+        rank: 0 on the teacher side, 1 on the student side.
+        device: where the buffers of this link live (``cuda`` -> NCCL, ``cpu`` -> gloo).
+        timeout_s: how long making the link and each transfer may take.
+        peer: the peer's name, for messages.
+    """
+
+    def __init__(self, store, prefix: str, rank: int, *, device: torch.device,
+                 timeout_s: float, peer: str) -> None:
+        self.peer, self.rank, self.device = peer, rank, torch.device(device)
+        self.backend = link_backend(self.device)
+        self.timeout_s = timeout_s
+        self.aborted = False
+        timeout = datetime.timedelta(seconds=timeout_s)
+        prefixed = dist.PrefixStore(prefix, store)
+        try:
+            if self.backend == "nccl":
+                opts = dist.ProcessGroupNCCL.Options()
+                opts._timeout = timeout
+                self.pg = dist.ProcessGroupNCCL(prefixed, rank, 2, opts)
+            else:
+                # blocks until the peer has joined (gloo connects at construction)
+                self.pg = dist.ProcessGroupGloo(prefixed, rank, 2, timeout)
+        except RuntimeError as e:
+            raise LinkDown(f"could not connect to {peer}: {_first_line(e)}") from e
+
+    def send(self, tensors: list[torch.Tensor], tag: int) -> list:
+        """Start sending ``tensors`` in order (each on this link's device); returns the works."""
+        return [self._op(self.pg.send, t, tag) for t in tensors]
+
+    def recv(self, tensors: list[torch.Tensor], tag: int) -> list:
+        """Start receiving into ``tensors`` in order; returns the works."""
+        return [self._op(self.pg.recv, t, tag) for t in tensors]
+
+    def _op(self, fn, tensor: torch.Tensor, tag: int):
+        if tensor.device.type != self.device.type:
+            raise ValueError(f"a {self.backend} link moves {self.device.type} tensors, got one "
+                             f"on {tensor.device}")
+        if self.aborted:
+            raise LinkDown(f"link to {self.peer} was aborted")
+        try:
+            # NCCL matches point-to-point messages by order; tags are gloo's
+            return fn([tensor], 1 - self.rank, tag if self.backend == "gloo" else 0)
+        except RuntimeError as e:
+            self.abort()
+            raise LinkDown(f"{self.peer}: {_first_line(e)}") from e
+
+    def wait(self, works: list, deadline: float) -> None:
+        """Block until every work is done or ``deadline`` (``time.monotonic()``) passes; a
+        dead or silent peer aborts the link and raises :class:`LinkDown`."""
+        for work in works:
+            remaining = deadline - time.monotonic()
+            try:
+                if self.backend == "nccl":
+                    while not work.is_completed():
+                        if time.monotonic() > deadline:
+                            raise TimeoutError(f"no answer within {self.timeout_s:g} s")
+                        time.sleep(0.0005)
+                else:
+                    if remaining <= 0:
+                        raise TimeoutError(f"no answer within {self.timeout_s:g} s")
+                    work.wait(datetime.timedelta(seconds=remaining))
+            except (RuntimeError, TimeoutError) as e:
+                self.abort()
+                detail = _first_line(e)
+                if "timed out" in detail.lower() and "no answer" not in detail:
+                    detail = f"no answer within {self.timeout_s:g} s ({detail})"
+                raise LinkDown(f"{self.peer}: {detail}") from e
+
+    def abort(self) -> None:
+        """Drop the link: pending transfers fail, the peer sees it closed. Idempotent."""
+        if self.aborted:
+            return
+        self.aborted = True
+        try:
+            (getattr(self.pg, "abort", None) or getattr(self.pg, "_shutdown"))()
+        except RuntimeError:
+            pass  # already broken: nothing left to stop
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__

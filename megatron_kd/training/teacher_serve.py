@@ -1,0 +1,188 @@
+"""``megatron-kd teacher``: a teacher replica as a service, and a small registry for it.
+
+::
+
+    # one replica: its own torchrun world, its own TP / PP; more replicas: more launches
+    torchrun --nproc-per-node 8 -m megatron_kd teacher serve --kd-teacher-load /ckpt/teacher \\
+        --kd-teacher-endpoint /shared/run42/teacher --tensor-model-parallel-size 4 \\
+        --pipeline-model-parallel-size 2
+    # students anywhere: --kd-mode disaggregated --kd-teacher-endpoint /shared/run42/teacher
+    megatron-kd teacher registry --port 29555   # an endpoint without shared storage
+
+A replica builds the frozen teacher (Megatron-Core ``GPTModel``, its own pipeline and
+tensor-parallel layout over its whole world: a replica is never a data-parallel rank of another
+replica's world), registers at the endpoint once it is ready, and serves any number of student
+runs until it is stopped (SIGTERM or SIGINT: it finishes the batch in flight, withdraws from the
+endpoint and exits 0). Rank 0 writes its log lines (JSON: connections, requests and tokens
+served, tokens/s, wire bytes, per student run) to stderr and ``--log-json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+from megatron_kd.integration.args import TEACHER_DTYPES, teacher_torch_dtype
+from megatron_kd.integration.cpu_shim import device_context, install_cpu_shim, on_cpu
+from megatron_kd.integration.groups import init_distributed_from_env, model_parallel
+from megatron_kd.integration.output_layer import to_sbh
+from megatron_kd.integration.teacher import build_frozen_teacher, check_teacher, teacher_identity
+from megatron_kd.parallel import Layout
+from megatron_kd.teacher.endpoint import parse_endpoint
+from megatron_kd.teacher.service import TeacherService
+
+__all__ = ["add_arguments", "run"]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
+    s = sub.add_parser("serve", help="run one teacher replica until stopped")
+    s.add_argument("--kd-teacher-load", required=True, metavar="DIR",
+                   help="teacher checkpoint (megatron_kd format)")
+    s.add_argument("--kd-teacher-endpoint", required=True, metavar="DIR_OR_HOST:PORT",
+                   help="where to register: a directory every student can read, or the "
+                        "host:port of `megatron-kd teacher registry`")
+    s.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    s.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    s.add_argument("--kd-teacher-dtype", choices=TEACHER_DTYPES, default="fp32",
+                   help="parameter dtype of the teacher")
+    s.add_argument("--max-batch-size", type=int, default=16,
+                   help="samples batched into one forward at most (requests of several student "
+                        "ranks and runs together)")
+    s.add_argument("--max-seq-length", type=int, default=None,
+                   help="longest request accepted (default: the teacher's positions)")
+    s.add_argument("--kd-teacher-timeout", type=float, default=600.0, metavar="SECONDS",
+                   help="a student silent this long while a response is sent to it is dropped")
+    s.add_argument("--host", default=None,
+                   help="the address students reach this replica at (default: this host's name)")
+    s.add_argument("--port", type=int, default=0, help="rendezvous port (default: any free one)")
+    s.add_argument("--seed", type=int, default=1234)
+    s.add_argument("--log-json", default=None, help="append the replica's log lines here")
+    s.add_argument("--stats-interval", type=float, default=10.0, metavar="SECONDS")
+    r = sub.add_parser("registry", help="a host:port endpoint (a TCPStore) until stopped")
+    r.add_argument("--port", type=int, required=True)
+    r.add_argument("--host", default="0.0.0.0")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.action == "registry":
+        return _registry(args)
+    return _serve(args)
+
+
+def _stopper() -> threading.Event:
+    """An event set by SIGTERM / SIGINT (the loop checks it between batches)."""
+    stop = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stop.set())
+    return stop
+
+
+def _registry(args: argparse.Namespace) -> int:
+    store = dist.TCPStore(args.host, args.port, is_master=True, wait_for_workers=False)
+    print(json.dumps({"event": "registry", "port": store.port}), file=sys.stderr, flush=True)
+    stop = _stopper()
+    while not stop.wait(0.5):
+        pass
+    return 0
+
+
+def _check(args: argparse.Namespace, world: int):
+    for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "max_batch_size"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    if world != tp * pp:
+        raise ValueError(f"a teacher replica's world is its TP x PP ({tp} x {pp} = {tp * pp}), "
+                         f"got {world} ranks: launch one `teacher serve` per replica (a replica "
+                         f"is never a data-parallel rank of another: each must be able to fail "
+                         f"alone)")
+    teacher_dir, arch = check_teacher(args.kd_teacher_load, seq_length=args.max_seq_length or 1,
+                                      tp_sizes=(tp,), pp_size=pp)
+    return teacher_dir, arch
+
+
+def _serve(args: argparse.Namespace) -> int:
+    install_cpu_shim()
+    if on_cpu():
+        torch.set_flush_denormal(True)
+    created = init_distributed_from_env()
+    stop = _stopper()
+    try:
+        teacher_dir, arch = _check(args, dist.get_world_size())
+        tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+        with model_parallel(tp, pp), device_context():
+            service = _service(args, teacher_dir, arch, tp, pp)
+            service.serve(stop.is_set)
+        return 0
+    finally:
+        if created:
+            dist.destroy_process_group()
+
+
+def _service(args: argparse.Namespace, teacher_dir: str, arch, tp: int, pp: int) -> TeacherService:
+    is_first, is_last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
+    model = build_frozen_teacher(arch, teacher_dir, dtype=teacher_torch_dtype(args.kd_teacher_dtype),
+                                 pre_process=is_first, post_process=is_last, seed=args.seed)
+    layout = Layout(world_size=tp * pp, tp=tp, pp=pp)
+    last_stage = [layout.rank_of(tp_rank=t, dp_rank=0, pp_rank=pp - 1) for t in range(tp)]
+    device = torch.device("cpu") if on_cpu() else torch.device("cuda", torch.cuda.current_device())
+    log_file = open(args.log_json, "a", encoding="utf-8") if (  # noqa: SIM115 - lives as long
+            args.log_json and dist.get_rank() == 0) else None   # as the process
+
+    def log(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+        if log_file is not None:
+            log_file.write(line + "\n")
+            log_file.flush()
+
+    return TeacherService(
+        last_stage_ranks=last_stage, identity=teacher_identity(teacher_dir, arch,
+                                                               args.kd_teacher_dtype),
+        endpoint=parse_endpoint(args.kd_teacher_endpoint),
+        host=args.host or socket.gethostname(), port=args.port,
+        forward=_forward_fn(model, is_last), device=device, timeout_s=args.kd_teacher_timeout,
+        max_batch=args.max_batch_size, log=log, stats_interval_s=args.stats_interval,
+        layout={"world_size": tp * pp, "tp": tp, "pp": pp, "pid": os.getpid(),
+                "started": round(time.time(), 3)})
+
+
+def _forward_fn(model, is_last: bool):
+    """``forward(tokens [B, s]) -> [s, B, h]`` on the last stage (None elsewhere): Megatron-Core's
+    forward-only pipeline schedule over one microbatch of the whole batch."""
+    forward_backward = get_forward_backward_func()
+
+    def forward(tokens: torch.Tensor):
+        batch, seq = tokens.shape
+        position_ids = torch.arange(seq, device=tokens.device).unsqueeze(0).expand(batch, -1)
+        out = []
+
+        def forward_step(data_iterator, model):
+            item = next(data_iterator)
+            output = model(item["tokens"], item["position_ids"], None)
+
+            def keep(output_tensor):
+                out.append(to_sbh(output_tensor).detach())
+                return torch.zeros((), device=output_tensor.device), {}
+
+            return output, keep
+
+        with device_context(), torch.no_grad():
+            forward_backward(forward_step_func=forward_step,
+                             data_iterator=iter([{"tokens": tokens, "position_ids": position_ids}]),
+                             model=[model], num_microbatches=1, seq_length=seq,
+                             micro_batch_size=batch, forward_only=True)
+        return out[0] if is_last else None
+
+    return forward

@@ -1,0 +1,182 @@
+"""Teacher failover: a run survives losing replicas and takes on new ones, with the same losses.
+
+gloo, tiny models, replicas as processes of their own (``megatron-kd teacher serve``):
+
+* 2 replicas, 2 student data-parallel ranks: one replica SIGKILLed mid-run; the run finishes
+  with the per-step losses of colocated training (1e-5 relative) and the failover is logged;
+  restarted, the replica takes work again (both replicas' request counts grow);
+* the only replica SIGKILLed and a new one started within the timeout: the run continues with
+  the same losses;
+* a replica that stalls (SIGSTOP) is dropped after the timeout; woken (SIGCONT), it cannot
+  deliver anything into the run (its links are gone; headers name the connection) and the losses
+  stay exact.
+"""
+
+import json
+import signal
+import threading
+import time
+
+import pytest
+from support.service import Replica
+from support.train_cases import (
+    STUDENT,
+    TEACHER_ARCH,
+    case_make_teacher,
+    case_train,
+    step_losses,
+)
+
+pytestmark = pytest.mark.filterwarnings("ignore")
+
+STEPS = 40
+BASE = STUDENT + ["--train-iters", str(STEPS), "--eval-interval", "1000", "--eval-iters", "0",
+                  "--kd-ce-weight", "0.2", "--lr", "1e-3"]
+
+
+def case_train_slowly(ctx, argv, delay_s):
+    """Train, each step taking at least ``delay_s`` (so the test can act mid-run)."""
+    from megatron_kd.training import trainer as trainer_mod
+
+    original = trainer_mod.Trainer.train_step
+
+    def slow(self, consumed):
+        time.sleep(delay_s)
+        return original(self, consumed)
+
+    trainer_mod.Trainer.train_step = slow
+    try:
+        return case_train(ctx, argv)
+    finally:
+        trainer_mod.Trainer.train_step = original
+
+
+@pytest.fixture(scope="module")
+def pool(dist_pool_factory):
+    return dist_pool_factory(2)
+
+
+@pytest.fixture(scope="module")
+def teacher(pool, tmp_path_factory):
+    d = str(tmp_path_factory.mktemp("teacher") / "ckpt")
+    pool.run(case_make_teacher, d, TEACHER_ARCH)
+    return d
+
+
+@pytest.fixture(scope="module")
+def colocated(pool, teacher):
+    return step_losses(pool.run(case_train, BASE + ["--kd-teacher-load", teacher])[0])
+
+
+@pytest.fixture
+def replicas(tmp_path):
+    started = []
+
+    def start(teacher):
+        started.append(Replica(tmp_path / "endpoint", teacher,
+                               log=tmp_path / f"replica{len(started)}.jsonl"))
+        return started[-1]
+
+    yield start
+    for replica in started:
+        replica.stop()
+
+
+class Background:
+    """``pool.run`` on a thread, so the test can kill and start replicas meanwhile."""
+
+    def __init__(self, pool, *args):
+        self.result, self.error = None, None
+        self.thread = threading.Thread(target=self._run, args=(pool, args), daemon=True)
+        self.thread.start()
+
+    def _run(self, pool, args):
+        try:
+            self.result = pool.run(*args)
+        except BaseException as e:  # noqa: BLE001 - re-raised by join
+            self.error = e
+
+    def join(self, timeout=600):
+        self.thread.join(timeout)
+        assert not self.thread.is_alive(), "the run did not finish"
+        if self.error is not None:
+            raise self.error
+        return self.result
+
+
+def _log(path):
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _wait_for(predicate, timeout_s=300):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.2)
+    raise AssertionError("timed out waiting")
+
+
+def _steps_done(path):
+    return len([r for r in _log(path) if "loss" in r])
+
+
+def _argv(teacher, tmp_path, timeout_s):
+    return BASE + ["--kd-teacher-load", teacher, "--kd-mode", "disaggregated",
+                   "--kd-teacher-endpoint", str(tmp_path / "endpoint"), "--kd-teacher-timeout",
+                   str(timeout_s), "--log-json", str(tmp_path / "run.jsonl")]
+
+
+def test_killed_replica_fails_over_and_a_restarted_one_takes_work(pool, teacher, colocated,
+                                                                   replicas, tmp_path):
+    first, second = replicas(teacher), replicas(teacher)
+    log = tmp_path / "run.jsonl"
+    run = Background(pool, case_train_slowly, _argv(teacher, tmp_path, 10), 0.3)
+    _wait_for(lambda: _steps_done(log) >= 3)
+    first.kill(signal.SIGKILL)
+    _wait_for(lambda: any(r.get("event") == "failover" for r in _log(log)))
+    served_at_restart = second.requests_served()
+    third = replicas(teacher)  # the restart: a new process at the same endpoint
+    summary = run.join()[0]
+    assert step_losses(summary) == pytest.approx(colocated, rel=1e-5)
+    events = [r for r in _log(log) if r.get("event") == "failover"]
+    assert len(events) == 1
+    event = events[0]
+    assert first.replica in event["replica_lost"] and second.replica in event["replica_taken"]
+    assert event["requests_resent"] >= 1 and event["seconds_lost"] < 10 + 5
+    assert {"time", "step", "dp_rank"} <= set(event)
+    second.stop()
+    third.stop()
+    assert third.requests_served() > 0  # the restarted replica took work...
+    assert second.requests_served() > served_at_restart  # ... and the other kept serving
+
+
+def test_only_replica_killed_and_replaced_within_the_timeout(pool, teacher, colocated, replicas,
+                                                             tmp_path):
+    only = replicas(teacher)
+    log = tmp_path / "run.jsonl"
+    run = Background(pool, case_train_slowly, _argv(teacher, tmp_path, 120), 0.2)
+    _wait_for(lambda: _steps_done(log) >= 3)
+    only.kill(signal.SIGKILL)
+    replacement = replicas(teacher)
+    summary = run.join()[0]
+    assert step_losses(summary) == pytest.approx(colocated, rel=1e-5)
+    events = [r for r in _log(log) if r.get("event") == "failover"]
+    assert events and all(replacement.replica in e["replica_taken"] for e in events)
+
+
+def test_stalled_replica_is_dropped_and_cannot_deliver_stale_data(pool, teacher, colocated,
+                                                                  replicas, tmp_path):
+    first, second = replicas(teacher), replicas(teacher)
+    log = tmp_path / "run.jsonl"
+    run = Background(pool, case_train_slowly, _argv(teacher, tmp_path, 3), 0.3)
+    _wait_for(lambda: _steps_done(log) >= 3)
+    first.kill(signal.SIGSTOP)
+    _wait_for(lambda: any(r.get("event") == "failover" for r in _log(log)))
+    first.kill(signal.SIGCONT)  # awake: its responses are for connections that are gone
+    summary = run.join()[0]
+    assert step_losses(summary) == pytest.approx(colocated, rel=1e-5)
+    event = [r for r in _log(log) if r.get("event") == "failover"][0]
+    assert first.replica in event["replica_lost"] and "no answer within 3 s" in event["reason"]
