@@ -7,7 +7,7 @@
 #       KD_NNODES         SLURM_NNODES
 #       KD_NTASKS         SLURM_NTASKS (every rank of the job)
 #       KD_TASKS_PER_NODE KD_NTASKS / KD_NNODES (the scripts ask for an even spread)
-#       KD_MASTER_ADDR    the first node: the torch.distributed rendezvous host
+#       KD_MASTER_ADDR    the first node's address (its NodeAddr): the rendezvous host
 #       KD_MASTER_PORT    15000 + job id mod 15000 (below Linux's ephemeral range), unless set
 #       KD_LOG_DIR        where the JSON training log and per-step outputs go
 #       KD_TASK           the per-task launcher: srun "${KD_TASK[@]}" python -m megatron_kd ...
@@ -71,6 +71,15 @@ fi
 
 kd_log() { echo "megatron-kd[$SLURM_JOB_ID]: $*" >&2; }
 
+# kd_node_addr NODE: the address Slurm reaches NODE at (its NodeAddr; the name if none is set).
+kd_node_addr() {
+    local addr
+    addr="$(scontrol show node "$1" 2>/dev/null | sed -n 's/.*NodeAddr=\([^ ]*\).*/\1/p' \
+        | head -n 1)"
+    echo "${addr:-$1}"
+}
+
+
 mapfile -t KD_NODES < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
 KD_NNODES="$SLURM_NNODES"
 KD_NTASKS="${SLURM_NTASKS:?kd_env.sh: SLURM_NTASKS is not set: submit with --ntasks-per-node}"
@@ -90,7 +99,7 @@ if [ -n "${KD_ENV_JOB_ID:-}" ] && [ "$KD_ENV_JOB_ID" != "$SLURM_JOB_ID" ]; then
     unset KD_MASTER_ADDR KD_MASTER_PORT KD_WORLD_SIZE KD_LOG_DIR
 fi
 export KD_ENV_JOB_ID="$SLURM_JOB_ID"
-KD_MASTER_ADDR="${KD_MASTER_ADDR:-${KD_NODES[0]}}"
+KD_MASTER_ADDR="${KD_MASTER_ADDR:-$(kd_node_addr "${KD_NODES[0]}")}"
 # Derived from the job id, so that two jobs sharing a node do not collide.
 KD_MASTER_PORT="${KD_MASTER_PORT:-$(( 15000 + SLURM_JOB_ID % 15000 ))}"
 KD_WORLD_SIZE="$KD_NTASKS"
@@ -130,10 +139,23 @@ kd_run_step() {
     local opts=()
     while [ "$#" -gt 0 ] && [ "$1" != "--" ]; do opts+=("$1"); shift; done
     shift
-    srun --label --output="$KD_LOG_DIR/$name.log" \
+    srun --label --job-name="$name" --output="$KD_LOG_DIR/$name.log" \
         "${opts[@]}" "${KD_TASK[@]}" "$@" &
     # shellcheck disable=SC2034  # read by the caller
     KD_STEP_PID=$!
+}
+
+# kd_stop_step NAME: SIGTERM to every task of this job's step NAME (a service stops cleanly;
+# signalling srun itself would cancel the step with SIGKILL).
+kd_stop_step() {
+    local step
+    step="$(squeue --steps --jobs "$SLURM_JOB_ID" --noheader --format="%i %j" 2>/dev/null \
+        | awk -v n="$1" '$2 == n {print $1; exit}')"
+    if [ -n "$step" ]; then
+        scancel --signal=TERM "$step"
+    else
+        kd_log "no running step named $1"
+    fi
 }
 
 kd_log "$KD_NNODES node(s) [${KD_NODES[*]}] x $KD_TASKS_PER_NODE task(s) = world $KD_WORLD_SIZE;" \

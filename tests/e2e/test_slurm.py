@@ -182,18 +182,17 @@ def _check_train_log(log_dir: Path, info, text) -> list[dict]:
 
 # --- the launcher, with a stand-in program ------------------------------------------------------
 
-# Joins the world from RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT (as the real program does, over
-# gloo) and has rank 0 write every rank's view to the --log-json path. With STUB_FAIL=1 the
-# teacher ranks exit 3 at once and the others wait (as real students would, on a dead teacher).
+# Joins its step's world from RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT (as the real program does,
+# over gloo) and has rank 0 write every rank's view to its --log-json path: `teacher serve`
+# (a service: it then waits for SIGTERM) and `train` (it then exits). With STUB_FAIL=1 the
+# teacher exits 3 at once and the student waits (as a real one would, for a replica).
 STUB = """
-import datetime, json, os, sys, time
+import datetime, json, os, signal, sys, time
 
 argv = sys.argv[1:]
-teacher_ranks = int(argv[argv.index("--kd-teacher-world-size") + 1])
-rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-is_teacher = rank >= world - teacher_ranks  # the script's default placement: teacher last
+serving = argv[:2] == ["teacher", "serve"]
 if os.environ.get("STUB_FAIL") == "1":
-    if is_teacher:
+    if serving:
         sys.exit(3)
     time.sleep(300)
     sys.exit(0)
@@ -210,6 +209,10 @@ if dist.get_rank() == 0:
     with open(argv[argv.index("--log-json") + 1], "w") as f:
         json.dump(views, f)
 dist.destroy_process_group()
+if serving:  # a service runs until stopped
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    while True:
+        time.sleep(1)
 """
 
 
@@ -219,36 +222,41 @@ def stub_python(tmp_path_factory):
     d = tmp_path_factory.mktemp("stub")
     (d / "stub.py").write_text(STUB)
     wrapper = d / "python"
-    # Called as `$KD_PYTHON -m megatron_kd train ARGS...`: drop `-m megatron_kd`.
+    # Called as `$KD_PYTHON -m megatron_kd COMMAND ARGS...`: drop `-m megatron_kd`.
     wrapper.write_text(f'#!/bin/sh\nshift 2\nexec "{sys.executable}" "{d / "stub.py"}" "$@"\n')
     wrapper.chmod(0o755)
     return str(wrapper)
 
 
-def _views(log_dir: Path) -> list[dict]:
-    return json.loads((log_dir / "train.jsonl").read_text())
+def _views(path: Path) -> list[dict]:
+    return json.loads(path.read_text())
 
 
-def _check_world(views, *, world, teacher_ranks, job_id):
-    assert [int(v["RANK"]) for v in views] == list(range(world))
-    assert {v["WORLD_SIZE"] for v in views} == {str(world)}
-    # One rendezvous for both steps: the first node, a port derived from the job id.
-    assert {(v["MASTER_ADDR"], v["MASTER_PORT"]) for v in views} == \
-        {(views[0]["SLURMD_NODENAME"], str(15000 + int(job_id) % 15000))}
-    # Both steps run the same command line, which carries the split.
-    for v in views:
+def _check_worlds(log_dir: Path, *, students, teachers, job_id):
+    """Two steps, two worlds: each its ranks 0.., its own rendezvous; the student told the
+    endpoint, the teacher serving it."""
+    student, teacher = _views(log_dir / "train.jsonl"), _views(log_dir / "teacher.jsonl")
+    for views, world in ((student, students), (teacher, teachers)):
+        assert [int(v["RANK"]) for v in views] == list(range(world))
+        assert {v["WORLD_SIZE"] for v in views} == {str(world)}
+        assert len({v["SLURM_STEP_ID"] for v in views}) == 1
+        assert {v["CUDA_VISIBLE_DEVICES"] for v in views} == {""}  # KD_USE_CPU=1
+    assert student[0]["SLURM_STEP_ID"] != teacher[0]["SLURM_STEP_ID"]
+    port = 15000 + int(job_id) % 15000
+    assert {v["MASTER_PORT"] for v in student} == {str(port)}
+    assert {v["MASTER_PORT"] for v in teacher} == {str(port + 1)}
+    endpoint = str(log_dir / "teacher-endpoint")
+    for v in student:
         a = v["argv"]
         assert a[a.index("--kd-mode") + 1] == "disaggregated"
-        assert a[a.index("--kd-teacher-world-size") + 1] == str(teacher_ranks)
-        assert v["CUDA_VISIBLE_DEVICES"] == ""  # KD_USE_CPU=1
-    student, teacher = views[:world - teacher_ranks], views[world - teacher_ranks:]
-    # Two job steps: students in one, teachers in the other.
-    assert len({v["SLURM_STEP_ID"] for v in student}) == 1
-    assert len({v["SLURM_STEP_ID"] for v in teacher}) == 1
-    assert student[0]["SLURM_STEP_ID"] != teacher[0]["SLURM_STEP_ID"]
+        assert a[a.index("--kd-teacher-endpoint") + 1] == endpoint
+    for v in teacher:
+        a = v["argv"]
+        assert a[:2] == ["teacher", "serve"]
+        assert a[a.index("--kd-teacher-endpoint") + 1] == endpoint
     # Local ranks are unique per node (one GPU each).
     per_node: dict[str, list[int]] = {}
-    for v in views:
+    for v in student + teacher:
         per_node.setdefault(v["SLURMD_NODENAME"], []).append(int(v["LOCAL_RANK"]))
     for node, local in per_node.items():
         assert sorted(local) == list(range(len(local))), (node, local)
@@ -262,12 +270,11 @@ def test_disaggregated_split_one_node(slurm, stub_python, tmp_path):
                                   KD_PYTHON=stub_python, KD_ARGS_FILE=str(args),
                                   KD_TEACHER_TASKS="1")
     _assert_completed(info, log_dir, text)
-    student, teacher = _check_world(_views(log_dir), world=3, teacher_ranks=1,
-                                    job_id=info["JobId"])
+    student, teacher = _check_worlds(log_dir, students=2, teachers=1, job_id=info["JobId"])
     assert {v["SLURMD_NODENAME"] for v in student + teacher} == {slurm.nodes[0]}
     assert [v["LOCAL_RANK"] for v in teacher] == ["2"]  # after the students' 0, 1
     node = slurm.nodes[0]
-    assert f"teacher: ranks 2..2 on {node}; student: ranks 0..1 on {node}" in text, text[-2000:]
+    assert f"teacher: 1 rank(s) on {node}; student: 2 rank(s) on {node}" in text, text[-2000:]
 
 
 def test_disaggregated_split_two_nodes(slurm, stub_python, tmp_path):
@@ -276,16 +283,18 @@ def test_disaggregated_split_two_nodes(slurm, stub_python, tmp_path):
                                   "--ntasks-per-node=2", KD_PYTHON=stub_python,
                                   KD_ARGS_FILE=str(args), KD_TEACHER_NODES="1")
     _assert_completed(info, log_dir, text)
-    student, teacher = _check_world(_views(log_dir), world=4, teacher_ranks=2,
-                                    job_id=info["JobId"])
+    student, teacher = _check_worlds(log_dir, students=2, teachers=2, job_id=info["JobId"])
     # Student on the first node, teacher on the last; nothing shared.
     assert {v["SLURMD_NODENAME"] for v in student} == {slurm.nodes[0]}
     assert {v["SLURMD_NODENAME"] for v in teacher} == {slurm.nodes[1]}
+    ta = teacher[0]["argv"]  # the default teacher layout: TP over a node's tasks, PP over nodes
+    assert ta[ta.index("--tensor-model-parallel-size") + 1] == "2"
+    assert ta[ta.index("--pipeline-model-parallel-size") + 1] == "1"
 
 
-def test_disaggregated_failed_step_fails_job(slurm, stub_python, tmp_path):
-    """A teacher that exits 3 fails the job with exit 3, and the waiting students are stopped
-    (not left to time out)."""
+def test_disaggregated_failed_teacher_step_fails_job(slurm, stub_python, tmp_path):
+    """A teacher step that exits 3 fails the job with exit 3, and the waiting student is
+    stopped (not left to wait for a replica)."""
     args = _args_file(tmp_path / "train.args", STUDENT_FLAGS, iters=1, teacher="/nonexistent")
     info, log_dir, text = _submit(slurm, "disaggregated.sbatch", tmp_path, "--nodes=1",
                                   f"--nodelist={slurm.nodes[0]}", "--ntasks-per-node=3",
@@ -305,6 +314,15 @@ def test_disaggregated_bad_split_refused(slurm, stub_python, tmp_path):
     assert "KD_TEACHER_NODES=2 must be in [1, 1]" in text
 
 
+def test_disaggregated_needs_an_endpoint_or_a_teacher_step(slurm, stub_python, tmp_path):
+    args = _args_file(tmp_path / "train.args", STUDENT_FLAGS, iters=1, teacher="/nonexistent")
+    info, log_dir, text = _submit(slurm, "disaggregated.sbatch", tmp_path, "--nodes=1",
+                                  "--ntasks-per-node=1", KD_PYTHON=stub_python,
+                                  KD_ARGS_FILE=str(args))
+    assert (info["JobState"], info["ExitCode"]) == ("FAILED", "2:0"), _explain(info, log_dir, text)
+    assert "set KD_TEACHER_ENDPOINT" in text
+
+
 # --- the real program ----------------------------------------------------------------------------
 
 def test_colocated_job(slurm, teacher, tmp_path):
@@ -315,7 +333,8 @@ def test_colocated_job(slurm, teacher, tmp_path):
     _assert_completed(info, log_dir, text)
     job_id = info["JobId"]
     line = _launch_line(text, job_id)
-    assert "world 2" in line and f"{slurm.nodes[0]}:{15000 + int(job_id) % 15000}" in line, line
+    # the rendezvous: the first node's address (NodeAddr), a port derived from the job id
+    assert "world 2" in line and f"127.0.0.1:{15000 + int(job_id) % 15000}" in line, line
     _check_train_log(log_dir, info, text)
     # Each rank's output is labelled; rank 0 prints its progress and the summary.
     assert "0: [" in text and '0: {"iterations": 3' in text, text[-2000:]
@@ -335,13 +354,47 @@ def test_cache_build_job(slurm, teacher, tmp_path):
     assert f"{cache}: OK" in text  # `megatron-kd cache verify` ran in the job
 
 
-def test_disaggregated_job(slurm, teacher, tmp_path):
+def test_disaggregated_job_with_a_teacher_step(slurm, teacher, tmp_path):
+    """One job, two job steps: a teacher replica and the student, each its own world."""
     args = _args_file(tmp_path / "train.args", STUDENT_FLAGS, iters=TRAIN_ITERS, teacher=teacher)
     info, log_dir, text = _submit(slurm, "disaggregated.sbatch", tmp_path, "--nodes=1",
                                   f"--nodelist={slurm.nodes[0]}", "--ntasks-per-node=3",
                                   KD_ARGS_FILE=str(args), KD_TEACHER_TASKS="1")
     _assert_completed(info, log_dir, text)
     _check_train_log(log_dir, info, text)
+    events = [json.loads(line)["event"] for line in
+              (log_dir / "teacher.jsonl").read_text().splitlines()]
+    assert events[0] == "ready" and "connected" in events and events[-1] == "stopped"
+
+
+def test_teacher_job_serves_a_separate_student_job(slurm, teacher, tmp_path):
+    """Two jobs: `teacher.sbatch` registers at an endpoint, a student job reads it; the teacher
+    runs on after the student is done, until it is cancelled."""
+    endpoint = tmp_path / "endpoint"
+    serve_dir = tmp_path / "serve"
+    serve_dir.mkdir()
+    serve_args = _args_file(serve_dir / "serve.args", "--kd-teacher-load {teacher}",
+                            teacher=teacher)
+    teacher_job, teacher_logs, teacher_out = _submit_nowait(
+        slurm, "teacher.sbatch", serve_dir, "--nodes=1", f"--nodelist={slurm.nodes[1]}",
+        "--ntasks-per-node=1", KD_ARGS_FILE=str(serve_args), KD_TEACHER_ENDPOINT=str(endpoint))
+    try:
+        student_dir = tmp_path / "student"
+        student_dir.mkdir()
+        args = _args_file(student_dir / "train.args", STUDENT_FLAGS, iters=TRAIN_ITERS,
+                          teacher=teacher)
+        info, log_dir, text = _submit(slurm, "disaggregated.sbatch", student_dir, "--nodes=1",
+                                      f"--nodelist={slurm.nodes[0]}", "--ntasks-per-node=2",
+                                      KD_ARGS_FILE=str(args), KD_TEACHER_ENDPOINT=str(endpoint))
+        _assert_completed(info, log_dir, text)
+        _check_train_log(log_dir, info, text)
+        assert slurm.show_job(teacher_job).get("JobState") == "RUNNING"  # it serves on
+    finally:
+        slurm.run("scancel", teacher_job, check=False)
+    info = slurm.wait(teacher_job, timeout_s=JOB_TIMEOUT_S)
+    served = [json.loads(line) for line in (teacher_logs / "teacher.jsonl").read_text()
+              .splitlines() if '"stats"' in line or '"stopped"' in line]
+    assert served and max(e["requests"] for e in served) >= TRAIN_ITERS * 2  # 2 DP ranks
 
 
 PREEMPT_ITERS = 400  # far more than run before the signal: the schedule is the same in every run
