@@ -23,6 +23,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
                 "a teacher replica as a service (serve) and its registry"),
     "cache": ("megatron_kd.training.cache_command", "offline top-K teacher cache: build / verify / info"),
     "plan": ("megatron_kd.planner.cli", "memory and traffic plan: colocated or disaggregated"),
+    "report": ("megatron_kd.training.report", "plots and a summary table of runs' JSON logs"),
 }
 
 

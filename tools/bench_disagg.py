@@ -1,35 +1,53 @@
 #!/usr/bin/env python
-"""Benchmark the disaggregated teacher against colocated distillation (not a test).
+"""Benchmark the disaggregated teacher (a ``megatron-kd teacher serve`` replica) against
+colocated distillation, its wire and its failover (not a test).
 
-One teacher process and one student process, one CPU thread each, gloo over a ``file://``
-store. Every run is ``megatron-kd train`` itself (``megatron_kd.training.train.train``) on mock
-data, in fresh processes:
+Every run is ``megatron-kd train`` itself (``megatron_kd.training.train.train``) on mock data
+in fresh processes, one CPU thread each, the student's world on gloo; each teacher replica is a
+``megatron-kd teacher serve`` process of its own, registered at a directory endpoint.
 
-* ``colocated``: world 1; the teacher's forward, then the student's step, in one process
-  (``--kd-mode colocated``). The teacher's ``forward`` is timed in place: that is the
-  *teacher forward* time ``T`` (alone on its core).
-* ``student alone``: as ``colocated`` but the teacher's forward returns the hidden states of
-  its first call (memoised): the student's full step with the KD loss (teacher projection
-  included), without the teacher's layers: the *student step* time ``S``.
-* ``disaggregated D=1, 2, 4``: world 2, student rank 0 and teacher rank 1
-  (``--kd-mode disaggregated --kd-teacher-world-size 1 --kd-prefetch-depth D``). The teacher's
-  forward time, its time blocked on sends (backpressure) and the student's time waiting for
-  the wire are recorded too, to tell contention from waiting.
+1. Step time (fp32 wire, one replica):
+
+   * ``colocated``: the teacher's forward, then the student's step, in one process. The
+     teacher's ``forward`` is timed in place: the *teacher forward* time ``T``.
+   * ``student alone``: as colocated, but the teacher's forward returns its first call's hidden
+     states (memoised): the student's full step with the KD loss (teacher projection
+     included), without the teacher's layers: the *student step* time ``S``.
+   * ``disaggregated D=1, 2, 4``: the student connects to one replica with
+     ``--kd-prefetch-depth D``. The student's time waiting in ``TeacherClient.hidden`` and the
+     replica's forward time (its own log) tell waiting from contention.
+
+   Target: with ``D >= 2`` the step time is at most 1.05 x max(T, S), the student never waits
+   in steady state.
+
+2. Wire (D=2, one replica): fp32, bf16 and fp8. Bytes per token each way as the run counts
+   them (``kd_wire_bytes`` back, ``kd_wire_bytes_to_teacher`` out, per step over the step's
+   tokens) against ``megatron-kd plan``'s figures (:func:`megatron_kd.planner.traffic.
+   wire_bytes_per_token`, 4 bytes a token id). fp8 must halve bf16's hidden-state bytes (plus
+   its 4-byte scale per token).
+
+3. Failover (D=2, two replicas): the replica serving the student is SIGKILLed at step
+   ``--kill-at-step``. Seconds lost: the excess of the worst step over the median step (the
+   wait that found the replica dead, the reconnect, and the re-sent requests computed again),
+   with the client's failover event (``seconds_lost``: the wait and the reconnect only). Target:
+   at most one step plus the reconnect (the client's own first connect, timed).
+
+4. Replicas: the student with ``--scaling-dp`` data-parallel ranks against 1, 2, 3 replicas of
+   a teacher whose forward also sleeps ``--scaling-sleep-per-token`` seconds per token (a
+   teacher on an accelerator of its own: on two shared cores, real compute in every replica
+   would measure the cores, not the service). Student tokens/s (the kept steps' tokens over their summed time) against the planner's
+   :func:`~megatron_kd.planner.traffic.served_tokens_per_s` with the measured inputs: the
+   student's own rate (teacher memoised) and one replica's serving rate (its tokens over its
+   forward seconds, from its log). The default sleep keeps even 3 replicas slower than the
+   student, so each row measures how the service spreads the student's requests.
 
 Where the time went: per step, the student's main thread's on-CPU time and run-queue wait
-(ready to run while another process had the core; Linux ``/proc/thread-self/schedstat``). A
-machine check first times a single-threaded GEMM loop alone and with a second copy running: on
-a small or shared machine two busy processes slow each other down, and that slowdown, not the
-wire, is then what separates the disaggregated step from max(T, S).
+(``/proc/thread-self/schedstat``). A machine check first times a single-threaded GEMM loop
+alone and with a second copy running: on a small machine two busy processes slow each other
+down, and that, not the wire, is then what separates the disaggregated step from max(T, S).
 
-Step times are the JSON log's ``step_time_s`` (student rank 0); each run reports the median
-over the steps after ``--warmup``. The target of the issue is that with ``D >= 2`` the step
-time is at most 1.05 x max(T, S): the teacher's cost hidden behind the student's (or the other
-way round). The wire bytes per token are ``kd_wire_bytes / (global batch x sequence)`` and must
-be exactly ``4 * h_t`` (fp32 on CPU).
-
-    python tools/bench_disagg.py                 # the default table (a few minutes on 2 cores)
-    python tools/bench_disagg.py --steps 20 --depths 2
+    python tools/bench_disagg.py                  # everything (about 10 minutes on 2 cores)
+    python tools/bench_disagg.py --sections step wire
 """
 
 from __future__ import annotations
@@ -37,14 +55,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
 
+SECTIONS = ("step", "wire", "failover", "replicas")
+
 
 # ---------------------------------------------------------------------------------------------
-# worker side (one process per rank)
+# worker side (one process per student rank)
 # ---------------------------------------------------------------------------------------------
 def _timed_forward(module, sink: list, *, memoize: bool = False) -> None:
     """Record the wall time of every ``module(...)`` call in ``sink``; with ``memoize`` every
@@ -91,8 +113,7 @@ def _schedstat() -> tuple[float, float]:
 
 
 def _timed_steps(cls, name: str, stats: dict) -> None:
-    """Per call of ``cls.name``: this thread's on-CPU time and run-queue wait (the time it was
-    ready to run but another process had the core)."""
+    """Per call of ``cls.name``: this thread's on-CPU time and run-queue wait."""
     inner = getattr(cls, name)
 
     def method(self, *args, **kwargs):
@@ -108,16 +129,13 @@ def _timed_steps(cls, name: str, stats: dict) -> None:
 
 
 def _instrument(kind: str) -> dict:
-    """Timers on this process's teacher forward, sends and receives (this process only)."""
-    from megatron_kd.teacher import ring, server, wire
-    from megatron_kd.training import disaggregated
+    """Timers on this student process's teacher forward, teacher waits and steps."""
+    from megatron_kd.teacher.client import TeacherClient
     from megatron_kd.training import trainer as train_mod
 
-    stats: dict[str, list] = {"teacher_forward_s": [], "teacher_blocked_s": [],
-                              "teacher_serve_s": [], "student_wire_wait_s": [],
+    stats: dict[str, list] = {"teacher_forward_s": [], "wire_wait_s": [], "connect_s": [],
                               "on_cpu_s": [], "run_queue_s": []}
-    _timed_steps(train_mod.Trainer, "train_step", stats)  # student: per step
-    _timed_steps(server.TeacherServer, "serve", stats)  # teacher: the whole run
+    _timed_steps(train_mod.Trainer, "train_step", stats)
     if kind in ("colocated", "student_alone"):
         build_teacher = train_mod.Trainer._build_teacher
 
@@ -129,19 +147,8 @@ def _instrument(kind: str) -> dict:
 
         train_mod.Trainer._build_teacher = patched_build_teacher
     else:
-        build_frozen = disaggregated.build_frozen_teacher
-
-        def patched_build_frozen(*args, **kwargs):
-            model = build_frozen(*args, **kwargs)
-            _timed_forward(model, stats["teacher_forward_s"])
-            return model
-
-        disaggregated.build_frozen_teacher = patched_build_frozen
-        _timed_method(server.TeacherServer, "serve", stats["teacher_serve_s"])
-        # waiting for the previous message's receive to be posted: backpressure
-        _timed_method(wire.HiddenSender, "wait", stats["teacher_blocked_s"])
-        # header + payload wait and header check: the student waiting for the teacher
-        _timed_method(ring.PrefetchRing, "get", stats["student_wire_wait_s"])
+        _timed_method(TeacherClient, "hidden", stats["wire_wait_s"])
+        _timed_method(TeacherClient, "start", stats["connect_s"])
     return stats
 
 
@@ -158,8 +165,8 @@ def _worker(rank: int, kind: str, world: int, tmp: str, payload: dict) -> None:
     try:
         if kind == "make_teacher":
             from megatron_kd.integration.arch import GPTArchConfig
-            from megatron_kd.integration.gpt import build_gpt_model
             from megatron_kd.integration.checkpoint import save_model_checkpoint
+            from megatron_kd.integration.gpt import build_gpt_model
             from megatron_kd.integration.groups import model_parallel
 
             arch = GPTArchConfig(**payload["arch"])
@@ -171,11 +178,8 @@ def _worker(rank: int, kind: str, world: int, tmp: str, payload: dict) -> None:
             from megatron_kd.training.train import parse_args, train
 
             stats = _instrument(kind)
-            summary = train(parse_args(payload["argv"]))
-            result = {"side": summary.get("side", "student"), "stats": stats}
-            if result["side"] == "teacher":
-                result.update(bytes_sent=summary["bytes_sent"],
-                              messages_sent=summary["messages_sent"])
+            train(parse_args(payload["argv"]))
+            result = {"stats": stats}
         with open(os.path.join(tmp, f"result.{rank}"), "w") as f:
             json.dump(result, f)
     finally:
@@ -198,8 +202,7 @@ def _gemm_probe(rank: int, tmp: str, iters: int) -> None:
 
 
 def contention_probe(iters: int) -> dict:
-    """The same GEMM loop in 1 process, then in 2 at once: how much two single-threaded
-    processes slow each other down on this machine (shared cores, caches, memory bandwidth)."""
+    """The same GEMM loop in 1 process, then in 2 at once."""
     import torch.multiprocessing as mp
 
     out = {}
@@ -218,8 +221,72 @@ def contention_probe(iters: int) -> dict:
 # ---------------------------------------------------------------------------------------------
 # driver side
 # ---------------------------------------------------------------------------------------------
-def _spawn(kind: str, world: int, payload: dict) -> tuple[list[dict], str]:
-    """Run ``kind`` on ``world`` fresh processes; returns their results and the run's dir."""
+class Replica:
+    """One ``teacher serve`` process at ``endpoint`` (started, registered)."""
+
+    def __init__(self, endpoint: str, teacher_dir: str, log: str, *, sleep_per_token=0.0,
+                 timeout_s: float = 300.0, serve_args: tuple = ()) -> None:
+        os.makedirs(endpoint, exist_ok=True)
+        before = set(os.listdir(endpoint))
+        self.log = log
+        argv = ["--kd-teacher-load", teacher_dir, "--kd-teacher-endpoint", endpoint,
+                "--host", "127.0.0.1", "--log-json", log, "--stats-interval", "1",
+                "--kd-teacher-timeout", str(timeout_s), *serve_args]
+        env = {k: v for k, v in os.environ.items()
+               if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+        env["OMP_NUM_THREADS"] = "1"
+        self.stderr = log + ".stderr"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "megatron_kd.testing.slow_replica", str(sleep_per_token),
+             "--", *argv], env=env, stdout=subprocess.DEVNULL, stderr=open(self.stderr, "w"),
+            start_new_session=True)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            new = [n for n in set(os.listdir(endpoint)) - before
+                   if n.startswith("replica-") and n.endswith(".json")]
+            if new:
+                with open(os.path.join(endpoint, new[0])) as f:
+                    self.replica = json.load(f)["replica"]
+                return
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.2)
+        self.stop()
+        with open(self.stderr) as f:
+            raise RuntimeError(f"replica did not register at {endpoint}:\n{f.read()[-3000:]}")
+
+    def events(self, name: str) -> list[dict]:
+        if not os.path.exists(self.log):
+            return []
+        with open(self.log) as f:
+            lines = [json.loads(line) for line in f if line.strip()]
+        return [e for e in lines if e.get("event") == name]
+
+    def requests_served(self) -> int:
+        return max((e["requests"] for e in self.events("stats") + self.events("stopped")),
+                   default=0)
+
+    def kill(self, sig=signal.SIGKILL) -> None:
+        try:
+            os.killpg(self.proc.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def stop(self) -> dict:
+        """SIGTERM, wait; the replica's final stats (its ``stopped`` event), if it wrote one."""
+        if self.proc.poll() is None:
+            self.kill(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.kill(signal.SIGKILL)
+                self.proc.wait(timeout=30)
+        stopped = self.events("stopped")
+        return stopped[-1] if stopped else {}
+
+
+def _spawn(kind: str, world: int, payload: dict) -> list[dict]:
+    """Run ``kind`` on ``world`` fresh processes; returns their results."""
     import torch.multiprocessing as mp
 
     tmp = tempfile.mkdtemp(prefix="bench_disagg_")
@@ -228,24 +295,24 @@ def _spawn(kind: str, world: int, payload: dict) -> tuple[list[dict], str]:
     for r in range(world):
         with open(os.path.join(tmp, f"result.{r}")) as f:
             results.append(json.load(f))
-    return results, tmp
+    return results
 
 
-def teacher_arch(a) -> dict:
-    return {"num_layers": a.teacher_layers, "hidden_size": a.teacher_hidden,
-            "num_attention_heads": a.teacher_heads, "num_query_groups": None,
-            "ffn_hidden_size": a.teacher_ffn or 4 * a.teacher_hidden,
-            "vocab_size": a.vocab, "padded_vocab_size": a.vocab,
-            "max_position_embeddings": a.seq_length, "tie_embeddings": True}
+def _arch(layers, hidden, heads, ffn, vocab, seq) -> dict:
+    return {"num_layers": layers, "hidden_size": hidden, "num_attention_heads": heads,
+            "num_query_groups": None, "ffn_hidden_size": ffn or 4 * hidden,
+            "vocab_size": vocab, "padded_vocab_size": vocab, "max_position_embeddings": seq,
+            "tie_embeddings": True}
 
 
-def student_argv(a, teacher_dir: str, log: str) -> list[str]:
-    return ["--num-layers", str(a.student_layers), "--hidden-size", str(a.student_hidden),
-            "--num-attention-heads", str(a.student_heads),
-            "--ffn-hidden-size", str(a.student_ffn or 4 * a.student_hidden),
+def student_argv(a, teacher_dir: str, log: str, *, layers: int, hidden: int, heads: int,
+                 dp: int = 1, microbatches: int | None = None, steps: int | None = None):
+    m = a.microbatches if microbatches is None else microbatches
+    return ["--num-layers", str(layers), "--hidden-size", str(hidden),
+            "--num-attention-heads", str(heads), "--ffn-hidden-size", str(4 * hidden),
             "--seq-length", str(a.seq_length), "--micro-batch-size", str(a.micro_batch_size),
-            "--global-batch-size", str(a.micro_batch_size * a.microbatches),
-            "--train-iters", str(a.steps), "--lr", "1e-4", "--lr-warmup-iters", "1",
+            "--global-batch-size", str(a.micro_batch_size * m * dp),
+            "--train-iters", str(steps or a.steps), "--lr", "1e-4", "--lr-warmup-iters", "1",
             "--mock-data", "--no-progress", "--eval-iters", "0", "--eval-interval", "1000000",
             "--seed", str(a.seed), "--kd-teacher-load", teacher_dir, "--kd-ce-weight", "0.1",
             "--kd-teacher-timeout", str(a.teacher_timeout), "--log-json", log]
@@ -256,117 +323,243 @@ def _per_step(values: list[float], per_step: int) -> list[float]:
     return [sum(values[i:i + per_step]) for i in range(0, len(values) - per_step + 1, per_step)]
 
 
-def _median_after(values: list[float], warmup: int) -> float | None:
+def _median_after(values: list, warmup: int):
     kept = values[warmup:]
     return statistics.median(kept) if kept else None
 
 
-def _run(a, name: str, kind: str, depth: int | None, teacher_dir: str) -> dict:
-    log_dir = tempfile.mkdtemp(prefix="bench_disagg_log_")
-    log = os.path.join(log_dir, "log.jsonl")
-    argv = student_argv(a, teacher_dir, log)
-    world = 1
-    if kind == "disaggregated":
-        world = 2
-        argv += ["--kd-mode", "disaggregated", "--kd-teacher-world-size", "1",
-                 "--kd-prefetch-depth", str(depth)]
-    t0 = time.perf_counter()
-    results, _ = _spawn(kind, world, {"argv": argv})
-    wall = time.perf_counter() - t0
-    with open(log, encoding="utf-8") as f:
-        records = [json.loads(line) for line in f if line.strip()]
-    steps = [r for r in records if "step_time_s" in r]
-    step_times = [r["step_time_s"] for r in steps]
-    student = next(r for r in results if r["side"] == "student")
-    teacher = next((r for r in results if r["side"] == "teacher"), None)
-    m = a.microbatches
-    point = {"name": name, "kind": kind, "depth": depth, "world_size": world, "wall_s": wall,
-             "step_times_s": step_times,
-             "step_time_s": _median_after(step_times, a.warmup),
-             "student_on_cpu_s": _median_after(student["stats"]["on_cpu_s"], a.warmup),
-             "student_run_queue_s": _median_after(student["stats"]["run_queue_s"], a.warmup)}
-    if kind in ("colocated", "student_alone"):
-        fwd = _per_step(student["stats"]["teacher_forward_s"], m)
-        point["teacher_forward_per_step_s"] = fwd
-        point["teacher_forward_s"] = _median_after(fwd, a.warmup)
-    else:
-        tokens = a.micro_batch_size * m * a.seq_length
-        wire = [r["kd_wire_bytes"] for r in steps]
-        wait = _per_step(student["stats"]["student_wire_wait_s"], m)
-        fwd = _per_step(teacher["stats"]["teacher_forward_s"], m)
-        point.update(
-            kd_wire_bytes_per_step=wire,
-            wire_bytes_per_token=(wire[0] / tokens) if wire and len(set(wire)) == 1 else None,
-            teacher_bytes_sent=teacher["bytes_sent"],
-            student_wire_wait_per_step_s=wait,
-            student_wire_wait_s=_median_after(wait, a.warmup),
-            student_compute_s=_median_after(
-                [s - w for s, w in zip(step_times, wait)], a.warmup),
-            teacher_forward_per_step_s=fwd,
-            teacher_forward_s=_median_after(fwd, a.warmup),
-            teacher_blocked_total_s=sum(teacher["stats"]["teacher_blocked_s"]),
-            teacher_on_cpu_per_step_s=sum(teacher["stats"]["on_cpu_s"]) / a.steps,
-            teacher_run_queue_per_step_s=sum(teacher["stats"]["run_queue_s"]) / a.steps,
-            # the teacher's own work per step (forward, schedule, sends), blocked time excluded
-            teacher_busy_per_step_s=(sum(teacher["stats"]["teacher_serve_s"])
-                                     - sum(teacher["stats"]["teacher_blocked_s"])) / a.steps)
-    return point
+def _read_log(path: str) -> list[dict]:
+    if not os.path.exists(path):
+        return []
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+class Bench:
+    def __init__(self, a, workdir: str) -> None:
+        self.a, self.workdir, self.n = a, workdir, 0
+
+    def _dir(self, name: str) -> str:
+        self.n += 1
+        d = os.path.join(self.workdir, f"{self.n:02d}_{name}")
+        os.makedirs(d)
+        return d
+
+    def student(self, name: str, kind: str, teacher_dir: str, *, extra=(), dp: int = 1,
+                size: str = "main", steps: int | None = None, during=None) -> dict:
+        """One student run; ``during(log_path)`` runs on a thread meanwhile (the failover)."""
+        import threading
+
+        a = self.a
+        d = self._dir(name)
+        log = os.path.join(d, "student.jsonl")
+        shape = ({"layers": a.student_layers, "hidden": a.student_hidden,
+                  "heads": a.student_heads} if size == "main" else
+                 {"layers": 1, "hidden": a.scaling_student_hidden, "heads": 2})
+        m = a.microbatches if size == "main" else 1
+        argv = student_argv(a, teacher_dir, log, dp=dp, microbatches=m, steps=steps, **shape)
+        argv += list(extra)
+        side = threading.Thread(target=during, args=(log,), daemon=True) if during else None
+        if side:
+            side.start()
+        t0 = time.perf_counter()
+        results = _spawn(kind, dp, {"argv": argv})
+        wall = time.perf_counter() - t0
+        if side:
+            side.join(timeout=60)
+        records = _read_log(log)
+        steps_ = [r for r in records if "step_time_s" in r]
+        times = [r["step_time_s"] for r in steps_]
+        st = results[0]["stats"]
+        point = {"name": name, "kind": kind, "wall_s": wall, "step_times_s": times,
+                 "step_time_s": _median_after(times, a.warmup), "records": steps_,
+                 "events": [r for r in records if r.get("event")],
+                 "on_cpu_s": _median_after(st["on_cpu_s"], a.warmup),
+                 "run_queue_s": _median_after(st["run_queue_s"], a.warmup),
+                 "tokens_per_step": a.micro_batch_size * m * dp * a.seq_length}
+        if kind in ("colocated", "student_alone"):
+            fwd = _per_step(st["teacher_forward_s"], m)
+            point["teacher_forward_s"] = _median_after(fwd, a.warmup)
+        else:
+            point["wire_wait_s"] = _median_after(_per_step(st["wire_wait_s"], m), a.warmup)
+            point["connect_s"] = st["connect_s"][0] if st["connect_s"] else None
+        kept = times[a.warmup:]  # throughput: all the kept steps' tokens over their time
+        point["tokens_per_s"] = point["tokens_per_step"] * len(kept) / sum(kept) if kept else None
+        return point
+
+    def disaggregated(self, name: str, teacher_dir: str, *, depth: int, wire: str,
+                      replicas: int = 1, sleep_per_token: float = 0.0, dp: int = 1,
+                      size: str = "main", kill_at_step: int | None = None,
+                      steps: int | None = None) -> dict:
+        d = self._dir(name + "_replicas")
+        endpoint = os.path.join(d, "endpoint")
+        started = [Replica(endpoint, teacher_dir, os.path.join(d, f"replica{i}.jsonl"),
+                           sleep_per_token=sleep_per_token, timeout_s=self.a.teacher_timeout)
+                   for i in range(replicas)]
+        killed: dict = {}
+
+        def kill_serving(log: str) -> None:
+            deadline = time.monotonic() + 600
+            while time.monotonic() < deadline:
+                done = [r for r in _read_log(log) if "step_time_s" in r]
+                if len(done) >= kill_at_step:
+                    victim = max(started, key=Replica.requests_served)
+                    victim.kill()
+                    killed.update(replica=victim.replica, at_step=len(done), time=time.time())
+                    return
+                time.sleep(0.05)
+
+        try:
+            point = self.student(
+                name, "disaggregated", teacher_dir, dp=dp, size=size, steps=steps,
+                extra=["--kd-mode", "disaggregated", "--kd-teacher-endpoint", endpoint,
+                       "--kd-prefetch-depth", str(depth), "--kd-wire-dtype", wire],
+                during=kill_serving if kill_at_step else None)
+        finally:
+            finals = [r.stop() for r in started]
+        served = [f for f in finals if f]
+        point.update(depth=depth, wire=wire, replicas=replicas, killed=killed or None,
+                     replica_stats=served)
+        tokens = sum(f.get("tokens", 0) for f in served)
+        forward_s = sum(f.get("forward_s", 0.0) for f in served)
+        point["replica_tokens_per_forward_s"] = tokens / forward_s if forward_s else None
+        point["teacher_forward_per_step_s"] = forward_s / len(point["step_times_s"]) \
+            if point["step_times_s"] else None
+        recs = point["records"]
+        if recs:
+            back = {r["kd_wire_bytes"] for r in recs}
+            out = {r["kd_wire_bytes_to_teacher"] for r in recs}
+            per = point["tokens_per_step"]
+            point["bytes_back_per_token"] = (back.pop() / per) if len(back) == 1 else sorted(back)
+            point["bytes_out_per_token"] = (out.pop() / per) if len(out) == 1 else sorted(out)
+        return point
 
 
 def _fmt(x, digits: int = 3) -> str:
-    return "-" if x is None else f"{x:.{digits}f}"
+    if x is None:
+        return "-"
+    if isinstance(x, list):
+        return "varies " + ",".join(f"{v:g}" for v in x)
+    return f"{x:.{digits}f}"
 
 
-def summarise(a, points: list[dict]) -> dict:
-    by = {p["name"]: p for p in points}
-    t = by["colocated"]["teacher_forward_s"]
-    s = by["student_alone"]["step_time_s"]
+# --- the sections ------------------------------------------------------------------------------
+def run_step(bench: Bench, teacher: str) -> dict:
+    a = bench.a
+    coloc = bench.student("colocated", "colocated", teacher)
+    alone = bench.student("student_alone", "student_alone", teacher)
+    t, s = coloc["teacher_forward_s"], alone["step_time_s"]
     bound = max(t, s)
-    h_t = a.teacher_hidden
-    for p in points:
+    rows = [coloc]
+    for depth in a.depths:
+        rows.append(bench.disaggregated(f"disaggregated_d{depth}", teacher, depth=depth,
+                                        wire="fp32"))
+    for p in rows:
         p["x_max_teacher_student"] = p["step_time_s"] / bound
-    disagg = [p for p in points if p["kind"] == "disaggregated"]
-    wire = {p["wire_bytes_per_token"] for p in disagg}
-    target = [p for p in disagg if p["depth"] >= 2]
-    return {
-        "teacher_forward_s": t, "student_step_s": s, "max_teacher_student_s": bound,
-        "wire_bytes_per_token": wire.pop() if len(wire) == 1 else sorted(wire, key=str),
-        "wire_bytes_per_token_expected": 4 * h_t,
-        "wire_bytes_exact": all(p["wire_bytes_per_token"] == 4 * h_t for p in disagg),
-        "target_ratio": 1.05,
-        "target_met": bool(target) and all(p["x_max_teacher_student"] <= 1.05 for p in target),
+    target = [p for p in rows if p.get("depth", 0) >= 2]
+    summary = {"teacher_forward_s": t, "student_step_s": s, "max_teacher_student_s": bound,
+               "target_ratio": 1.05,
+               "target_met": bool(target) and all(p["x_max_teacher_student"] <= 1.05
+                                                  for p in target)}
+    lines = ["| run | step time s (median) | x max(T, S) | student wire wait s/step | "
+             "student on-CPU s/step | student run-queue s/step | teacher forward s/step |",
+             "|---|---|---|---|---|---|---|",
+             f"| teacher forward alone (T) | {_fmt(t)} | {_fmt(t / bound, 2)} | | | | |",
+             f"| student step alone (S) | {_fmt(s)} | {_fmt(s / bound, 2)} | | | | |"]
+    for p in rows:
+        label = ("colocated (teacher then student, 1 process)" if p["kind"] == "colocated"
+                 else f"disaggregated, 1 replica, prefetch depth {p['depth']}")
+        fwd = p["teacher_forward_s"] if p["kind"] == "colocated" else \
+            p["teacher_forward_per_step_s"]
+        lines.append(f"| {label} | {_fmt(p['step_time_s'])} | "
+                     f"{_fmt(p['x_max_teacher_student'], 2)} | {_fmt(p.get('wire_wait_s'))} | "
+                     f"{_fmt(p['on_cpu_s'])} | {_fmt(p['run_queue_s'])} | {_fmt(fwd)} |")
+    return {"points": [alone, *rows], "summary": summary, "table": "\n".join(lines)}
+
+
+def run_wire(bench: Bench, teacher: str) -> dict:
+    from megatron_kd.planner import traffic
+
+    a = bench.a
+    rows, lines = [], ["| wire | bytes/token back (run) | planner | bytes/token out (run) | "
+                       "planner | step time s |", "|---|---|---|---|---|---|"]
+    for wire in ("fp32", "bf16", "fp8"):
+        p = bench.disaggregated(f"wire_{wire}", teacher, depth=2, wire=wire)
+        p["planner_back_per_token"] = traffic.wire_bytes_per_token(a.teacher_hidden, wire)
+        p["planner_out_per_token"] = traffic.TOKEN_ID_BYTES
+        rows.append(p)
+        lines.append(f"| {wire} | {_fmt(p['bytes_back_per_token'], 0)} | "
+                     f"{p['planner_back_per_token']} | {_fmt(p['bytes_out_per_token'], 0)} | "
+                     f"{p['planner_out_per_token']} | {_fmt(p['step_time_s'])} |")
+    by = {p["wire"]: p for p in rows}
+    summary = {
+        "exact": all(p["bytes_back_per_token"] == p["planner_back_per_token"]
+                     and p["bytes_out_per_token"] == p["planner_out_per_token"] for p in rows),
+        "fp8_over_bf16_bytes": (by["fp8"]["bytes_back_per_token"]
+                                / by["bf16"]["bytes_back_per_token"]),
     }
+    return {"points": rows, "summary": summary, "table": "\n".join(lines)}
 
 
-def table(points: list[dict], summary: dict) -> str:
-    """Step times, and where the student's (and teacher's) wall time went: waiting for the
-    wire, on a CPU, or ready to run while another process had the core (run queue)."""
-    bound = summary["max_teacher_student_s"]
-    rows = [("| run | step time s (median) | x max(T, S) | student wire wait s/step | "
-             "student on-CPU s/step | student run-queue s/step | teacher forward s/step | "
-             "teacher run-queue s/step |"),
-            "|---|---|---|---|---|---|---|---|",
-            (f"| teacher forward alone (T) | {_fmt(summary['teacher_forward_s'])} | "
-             f"{_fmt(summary['teacher_forward_s'] / bound, 2)} | | | | | |"),
-            (f"| student step alone (S) | {_fmt(summary['student_step_s'])} | "
-             f"{_fmt(summary['student_step_s'] / bound, 2)} | | | | | |")]
-    for p in points:
-        if p["kind"] == "student_alone":
-            continue
-        head = (f"{_fmt(p['step_time_s'])} | {_fmt(p['x_max_teacher_student'], 2)}")
-        if p["kind"] == "colocated":
-            rows.append(f"| colocated (teacher then student, 1 process) | {head} | | "
-                        f"{_fmt(p['student_on_cpu_s'])} | {_fmt(p['student_run_queue_s'])} | "
-                        f"{_fmt(p['teacher_forward_s'])} | |")
-            continue
-        rows.append(f"| disaggregated, prefetch depth {p['depth']} | {head} | "
-                    f"{_fmt(p['student_wire_wait_s'])} | {_fmt(p['student_on_cpu_s'])} | "
-                    f"{_fmt(p['student_run_queue_s'])} | {_fmt(p['teacher_forward_s'])} | "
-                    f"{_fmt(p['teacher_run_queue_per_step_s'])} |")
-    return "\n".join(rows)
+def run_failover(bench: Bench, teacher: str) -> dict:
+    p = bench.disaggregated("failover", teacher, depth=2, wire="fp32", replicas=2,
+                            kill_at_step=bench.a.kill_at_step)
+    return failover_result(bench.a, p)
 
 
-def plot(a, points: list[dict], summary: dict, path: str) -> bool:
+def failover_result(a, p: dict) -> dict:
+    """The failover row: the time the death cost (the worst step over the median: the wait
+    that found the replica dead, the reconnect, and the re-sent requests computed again by the
+    other replica), against one step plus the reconnect."""
+    events = [e for e in p["events"] if e.get("event") == "failover"]
+    times = p["step_times_s"]
+    median = p["step_time_s"]
+    excess = max(times) - median if times else None
+    seconds_lost = max((e["seconds_lost"] for e in events), default=None)
+    allowed = (median or 0) + (p.get("connect_s") or 0)
+    summary = {"failovers": len(events), "event_seconds_lost": seconds_lost,
+               "step_excess_s": excess, "median_step_s": median, "connect_s": p.get("connect_s"),
+               "target_s": allowed, "steps_finished": len(times), "steps_asked": a.steps,
+               "target_met": bool(events) and len(times) == a.steps
+               and excess is not None and excess <= allowed}
+    table = ("| failover | replica killed at step | failovers | seconds lost: worst step - "
+             "median | of which waiting and reconnecting (event) | target: median step + "
+             "connect s | steps finished |\n|---|---|---|---|---|---|---|\n"
+             f"| 2 replicas, SIGKILL the serving one | "
+             f"{(p['killed'] or {}).get('at_step', '-')} | {len(events)} | {_fmt(excess)} | "
+             f"{_fmt(seconds_lost)} | {_fmt(allowed)} | {len(times)} of {a.steps} |")
+    return {"points": [p], "summary": summary, "table": table}
+
+
+def run_replicas(bench: Bench, teacher: str) -> dict:
+    from megatron_kd.planner import traffic
+
+    a = bench.a
+    dp = a.scaling_dp
+    alone = bench.student("scaling_student_alone", "student_alone", teacher, dp=dp,
+                          size="scaling")
+    rows = []
+    for n in (1, 2, 3):
+        rows.append(bench.disaggregated(
+            f"scaling_{n}_replicas", teacher, depth=2, wire="fp32", replicas=n, dp=dp,
+            size="scaling", sleep_per_token=a.scaling_sleep_per_token))
+    per_replica = rows[0]["replica_tokens_per_forward_s"]
+    lines = ["| replicas | student tokens/s (run) | planner | run / planner |",
+             "|---|---|---|---|",
+             f"| student alone (teacher memoised) | {_fmt(alone['tokens_per_s'], 0)} | | |"]
+    for p in rows:
+        p["planner_tokens_per_s"] = traffic.served_tokens_per_s(
+            alone["tokens_per_s"], p["replicas"], per_replica)
+        p["run_over_planner"] = p["tokens_per_s"] / p["planner_tokens_per_s"]
+        lines.append(f"| {p['replicas']} | {_fmt(p['tokens_per_s'], 0)} | "
+                     f"{_fmt(p['planner_tokens_per_s'], 0)} | {_fmt(p['run_over_planner'], 2)} |")
+    summary = {"student_alone_tokens_per_s": alone["tokens_per_s"],
+               "replica_tokens_per_s": per_replica,
+               "run_over_planner": [p["run_over_planner"] for p in rows]}
+    return {"points": [alone, *rows], "summary": summary, "table": "\n".join(lines)}
+
+
+def plot(a, results: dict, path: str) -> bool:
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -374,40 +567,43 @@ def plot(a, points: list[dict], summary: dict, path: str) -> bool:
     except ImportError:
         print("matplotlib is not installed: no plot (pip install matplotlib)")
         return False
-    fig, (ax_b, ax_s) = plt.subplots(1, 2, figsize=(12, 4.4))
-    labels = ["teacher fwd\nalone (T)", "student step\nalone (S)"]
-    values = [summary["teacher_forward_s"], summary["student_step_s"]]
-    colors = ["tab:gray", "tab:gray"]
-    for p in points:
-        if p["kind"] == "colocated":
-            labels.append("colocated")
-            colors.append("tab:red")
-        elif p["kind"] == "disaggregated":
-            labels.append(f"disagg\nD={p['depth']}")
-            colors.append("tab:blue")
+    panels = [k for k in ("step", "failover", "replicas") if k in results]
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.4), squeeze=False)
+    for ax, key in zip(axes[0], panels):
+        r = results[key]
+        if key == "step":
+            sm = r["summary"]
+            pts = [p for p in r["points"] if p["kind"] != "student_alone"]
+            labels = ["T alone", "S alone"] + [
+                "colocated" if p["kind"] == "colocated" else f"D={p['depth']}" for p in pts]
+            values = [sm["teacher_forward_s"], sm["student_step_s"]] + [
+                p["step_time_s"] for p in pts]
+            ax.bar(range(len(values)), values,
+                   color=["tab:gray"] * 2 + ["tab:red" if p["kind"] == "colocated"
+                                             else "tab:blue" for p in pts])
+            ax.set_xticks(range(len(values)), labels, fontsize=8)
+            ax.axhline(1.05 * sm["max_teacher_student_s"], color="k", ls=":", lw=1,
+                       label="1.05 x max(T, S)")
+            ax.set(ylabel="s per step (median)", title="step time")
+            ax.legend(fontsize=8)
+        elif key == "failover":
+            p = r["points"][0]
+            ax.plot(range(1, len(p["step_times_s"]) + 1), p["step_times_s"], marker="o", ms=3)
+            if p["killed"]:
+                ax.axvline(p["killed"]["at_step"] + 0.5, color="tab:red", ls="--",
+                           label="replica SIGKILLed")
+            ax.set(xlabel="step", ylabel="step_time_s", title="failover (2 replicas)")
+            ax.legend(fontsize=8)
         else:
-            continue
-        values.append(p["step_time_s"])
-    ax_b.bar(range(len(values)), values, color=colors)
-    ax_b.set_xticks(range(len(values)), labels, fontsize=8)
-    bound = summary["max_teacher_student_s"]
-    ax_b.axhline(bound, color="k", ls="--", lw=1, label="max(T, S)")
-    ax_b.axhline(1.05 * bound, color="k", ls=":", lw=1, label="target 1.05 x max(T, S)")
-    ax_b.set(ylabel="seconds per step (median)", title="step time")
-    ax_b.legend(fontsize=8)
-    for p in points:
-        if p["kind"] == "student_alone":
-            continue
-        label = "colocated" if p["kind"] == "colocated" else f"disagg D={p['depth']}"
-        ax_s.plot(range(1, len(p["step_times_s"]) + 1), p["step_times_s"], marker="o", ms=3,
-                  label=label)
-    ax_s.axvline(a.warmup + 0.5, color="k", lw=0.8, ls=":")
-    ax_s.set(xlabel="step", ylabel="step_time_s", title="per step (dotted: end of warm-up)")
-    ax_s.legend(fontsize=8)
-    ax_s.grid(True, alpha=0.3)
-    fig.suptitle(f"teacher {a.teacher_layers}L h{a.teacher_hidden}, student {a.student_layers}L "
-                 f"h{a.student_hidden}, V {a.vocab}, seq {a.seq_length}, micro batch "
-                 f"{a.micro_batch_size} x {a.microbatches}, 1 thread per process", fontsize=9)
+            pts = r["points"][1:]
+            xs = [p["replicas"] for p in pts]
+            ax.plot(xs, [p["tokens_per_s"] for p in pts], marker="o", label="run")
+            ax.plot(xs, [p["planner_tokens_per_s"] for p in pts], marker="x", ls="--",
+                    label="planner")
+            ax.set(xlabel="teacher replicas", ylabel="student tokens/s",
+                   title=f"replicas ({a.scaling_dp} student DP ranks)")
+            ax.set_xticks(xs)
+            ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     return True
@@ -415,14 +611,13 @@ def plot(a, points: list[dict], summary: dict, path: str) -> bool:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS))
     p.add_argument("--teacher-layers", type=int, default=4)
     p.add_argument("--teacher-hidden", type=int, default=512)
     p.add_argument("--teacher-heads", type=int, default=8)
-    p.add_argument("--teacher-ffn", type=int, default=None, help="default: 4 x hidden")
     p.add_argument("--student-layers", type=int, default=2)
     p.add_argument("--student-hidden", type=int, default=256)
     p.add_argument("--student-heads", type=int, default=4)
-    p.add_argument("--student-ffn", type=int, default=None, help="default: 4 x hidden")
     p.add_argument("--vocab", type=int, default=8192,
                    help="shared vocabulary (a multiple of 128: no padding)")
     p.add_argument("--seq-length", type=int, default=256)
@@ -431,7 +626,12 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=12, help="training steps per run")
     p.add_argument("--warmup", type=int, default=2, help="first steps left out of the median")
     p.add_argument("--depths", type=int, nargs="+", default=[1, 2, 4])
-    p.add_argument("--teacher-timeout", type=float, default=300.0)
+    p.add_argument("--kill-at-step", type=int, default=5)
+    p.add_argument("--scaling-dp", type=int, default=3)
+    p.add_argument("--scaling-student-hidden", type=int, default=64)
+    p.add_argument("--scaling-teacher-hidden", type=int, default=128)
+    p.add_argument("--scaling-sleep-per-token", type=float, default=1e-3)
+    p.add_argument("--teacher-timeout", type=float, default=30.0)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--probe-iters", type=int, default=200,
                    help="GEMM iterations of the machine check (two processes vs one; 0: skip)")
@@ -440,58 +640,62 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     if a.vocab % 128:
         p.error(f"--vocab {a.vocab} must be a multiple of 128 (the student pads to 128)")
-    if a.steps <= a.warmup:
-        p.error(f"--steps {a.steps} must exceed --warmup {a.warmup}")
+    if a.steps <= a.warmup or a.kill_at_step >= a.steps:
+        p.error("need --warmup < --kill-at-step < --steps")
 
     t_start = time.perf_counter()
-    load_before = os.getloadavg()
     probe = contention_probe(a.probe_iters) if a.probe_iters else None
     if probe:
         print(f"machine check: a single-threaded GEMM loop takes "
               f"{probe['gemm_loop_1_process_s']:.2f} s alone, "
-              f"{probe['gemm_loop_2_process_s']:.2f} s with a second copy running ({probe['slowdown_2_processes']:.2f}x)", flush=True)
-    with tempfile.TemporaryDirectory(prefix="bench_disagg_teacher_") as tmp:
-        teacher_dir = os.path.join(tmp, "teacher")
-        _spawn("make_teacher", 1, {"arch": teacher_arch(a), "seed": a.seed,
-                                   "directory": teacher_dir})
-        runs = [("colocated", "colocated", None), ("student_alone", "student_alone", None)]
-        runs += [(f"disaggregated_d{d}", "disaggregated", d) for d in a.depths]
-        points = []
-        for name, kind, depth in runs:
-            point = _run(a, name, kind, depth, teacher_dir)
-            points.append(point)
-            print(f"{name}: {_fmt(point['step_time_s'])} s/step (median of steps "
-                  f"{a.warmup + 1}-{a.steps}), run {point['wall_s']:.0f} s", flush=True)
-    summary = summarise(a, points)
-    text = table(points, summary)
-    print()
-    print(f"teacher {a.teacher_layers} layers h {a.teacher_hidden}, student {a.student_layers} "
-          f"layers h {a.student_hidden}, vocab {a.vocab}, seq {a.seq_length}, micro batch "
-          f"{a.micro_batch_size} x {a.microbatches} microbatches per step, fp32, 1 thread per "
-          f"process, median over steps {a.warmup + 1}-{a.steps}")
-    print(text)
-    print(f"wire bytes per token: {summary['wire_bytes_per_token']} (4 x h_t = "
-          f"{summary['wire_bytes_per_token_expected']}: "
-          f"{'exact' if summary['wire_bytes_exact'] else 'MISMATCH'})")
-    for p_ in points:
-        if p_["kind"] == "disaggregated" and p_["x_max_teacher_student"] < 0.97:
-            print(f"note: depth {p_['depth']} ran below max(T, S): the teacher's head start "
-                  f"(it serves while the student builds) had not run out; use more --steps")
-    print(f"target (D >= 2 within 1.05 x max(T, S) = "
-          f"{1.05 * summary['max_teacher_student_s']:.3f} s): "
-          f"{'met' if summary['target_met'] else 'NOT met'}")
+              f"{probe['gemm_loop_2_process_s']:.2f} s with a second copy running "
+              f"({probe['slowdown_2_processes']:.2f}x)", flush=True)
+    results: dict = {}
+    with tempfile.TemporaryDirectory(prefix="bench_disagg_") as tmp:
+        bench = Bench(a, tmp)
+        teacher = os.path.join(tmp, "teacher")
+        _spawn("make_teacher", 1, {"arch": _arch(a.teacher_layers, a.teacher_hidden,
+                                                 a.teacher_heads, None, a.vocab, a.seq_length),
+                                   "seed": a.seed, "directory": teacher})
+        small = os.path.join(tmp, "scaling_teacher")
+        if "replicas" in a.sections:
+            _spawn("make_teacher", 1, {"arch": _arch(1, a.scaling_teacher_hidden, 2, None,
+                                                     a.vocab, a.seq_length),
+                                       "seed": a.seed, "directory": small})
+        runners = {"step": run_step, "wire": run_wire, "failover": run_failover,
+                   "replicas": run_replicas}
+        for section in a.sections:
+            results[section] = runners[section](bench, small if section == "replicas"
+                                                else teacher)
+            print(f"\n== {section}\n{results[section]['table']}", flush=True)
+    print(f"\nteacher {a.teacher_layers} layers h {a.teacher_hidden}, student "
+          f"{a.student_layers} layers h {a.student_hidden}, vocab {a.vocab}, seq {a.seq_length}, "
+          f"micro batch {a.micro_batch_size} x {a.microbatches} microbatches per step, fp32 "
+          f"weights, 1 thread per process, median over steps {a.warmup + 1}-{a.steps}")
+    if "step" in results:
+        sm = results["step"]["summary"]
+        print(f"step target (D >= 2 within 1.05 x max(T, S) = "
+              f"{1.05 * sm['max_teacher_student_s']:.3f} s): "
+              f"{'met' if sm['target_met'] else 'NOT met'}")
+    if "wire" in results:
+        sm = results["wire"]["summary"]
+        print(f"wire bytes each way equal the planner's: {'yes' if sm['exact'] else 'NO'}; "
+              f"fp8 / bf16 hidden-state bytes: {sm['fp8_over_bf16_bytes']:.3f}")
+    if "failover" in results:
+        sm = results["failover"]["summary"]
+        print(f"failover target (worst step - median <= median step + connect = "
+              f"{_fmt(sm['target_s'])} s): {'met' if sm['target_met'] else 'NOT met'}")
+    for r in results.values():
+        for pt in r["points"]:
+            pt.pop("records", None)
     os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
     with open(a.out, "w") as f:
-        json.dump({"config": vars(a), "summary": summary, "machine_check": probe,
-                   "cpu_count": os.cpu_count(),
-                   "load_average_1_5_15_before_after": [load_before, os.getloadavg()],
-                   "points": points,
-                   "table_markdown": text, "wall_s": time.perf_counter() - t_start}, f,
-                  indent=1)
+        json.dump({"config": vars(a), "machine_check": probe, "cpu_count": os.cpu_count(),
+                   "results": results, "wall_s": time.perf_counter() - t_start}, f, indent=1)
     print(f"wrote {a.out}")
     if a.plot:
         os.makedirs(os.path.dirname(a.plot) or ".", exist_ok=True)
-        if plot(a, points, summary, a.plot):
+        if plot(a, results, a.plot):
             print(f"wrote {a.plot}")
     return 0
 

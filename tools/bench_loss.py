@@ -182,7 +182,7 @@ def _make_variant(a, x_s, w_s, x_t, w_t, group):
                 xt2 = x_t.view(-1, x_t.shape[-1])
                 for i in range(0, xs2.shape[0], rows):
                     z_s = xs2[i:i + rows] @ w_s.t()
-                    z_t = xt2[i:i + rows] @ w_t.t()
+                    _ = xt2[i:i + rows] @ w_t.t()
                     gx[i:i + rows] = z_s @ w_s
                     gw.addmm_(z_s.t(), xs2[i:i + rows])  # z_s stands in for the logit gradient
         return run

@@ -5,13 +5,23 @@ For each run (its ``megatron-kd train`` arguments and the JSON log it wrote with
 
 * memory: the planner's prediction for the logging rank (rank 0: pipeline stage 0, TP rank 0)
   against the measured peak, ``max(peak_mem_bytes)`` over the run's steps. Target: within 15%.
-  Disaggregated CPU runs made by ``--run`` add a row for their first teacher rank: the planner's
-  teacher GPU (``plan.teacher_inference_terms``, stage 0) against that process's peak RSS.
-* wire (disaggregated runs): the planner's teacher -> student bytes per step against the bytes the
-  run counted (a per-step log field, ``--wire-bytes-key``). Target: equal, exactly. ``megatron-kd
-  train`` logs ``kd_wire_bytes`` (every student rank's received bytes, summed: scope
-  ``all-ranks``) and ``kd_wire_bytes_per_dp_rank`` (that over the data-parallel size: scope
-  ``dp-rank``, the default).
+  A disaggregated run's teacher is a replica of its own, outside the student's world (``megatron-kd
+  teacher serve``, its own process or torchrun, registered at the student's
+  ``--kd-teacher-endpoint``); ``--run`` starts one for each disaggregated case (the case's
+  ``teacher_args``: the serve flags of its layout, ``teacher_nproc`` ranks), waits for its
+  registration, runs the student against it and stops it (SIGTERM). A CPU run then adds a row for
+  the replica's rank 0 (its pipeline stage 0, TP rank 0): the planner's teacher GPU
+  (``plan.teacher_inference_terms`` with the replica's TP and PP from its serve flags, DP 1)
+  against that process's peak RSS.
+* wire (disaggregated runs), both directions, each per step, each target: equal, exactly.
+  Teacher -> student hidden states (``hidden_bytes_per_step_per_dp_rank`` at the run's wire
+  dtype, ``--kd-wire-dtype`` or the teacher's) against a per-step log field,
+  ``--wire-bytes-key``: ``megatron-kd train`` logs ``kd_wire_bytes`` (every student rank's
+  received bytes, summed: scope ``all-ranks``) and ``kd_wire_bytes_per_dp_rank`` (that over the
+  data-parallel size: scope ``dp-rank``, the default). Student -> teacher token ids
+  (``token_bytes_per_step_per_dp_rank``, 4 bytes a token, times the data-parallel size) against
+  ``kd_wire_bytes_to_teacher``, which sums what the student's ranks sent (each data-parallel
+  rank's last-stage TP rank 0 sends its tokens once): scope ``all-ranks``.
 
 Measurement method. On a GPU, ``peak_mem_bytes`` is ``torch.cuda.max_memory_allocated()`` and is
 compared with the planner's terms directly (the reserve left out: the allocator statistics do not
@@ -26,16 +36,20 @@ RSS follows the peak of live tensors, as ``max_memory_allocated`` does on a GPU.
 glibc's heap keeps freed activations and gradient temporaries (the offline tp1 run's RSS grows
 by about 0.4 GiB from the end of step 1 to the end of step 2 with no more live tensors, and its
 ratio reads 0.83), the CPU's counterpart of the caching allocator's reserved-but-free memory:
-not a term of the planner. Runs made elsewhere should set it too. The teacher rank's peak comes
-from a wrapper of the ``megatron-kd`` entry point that writes each rank's ``ru_maxrss`` at exit
-(``rank<R>.json``; only rank 0 writes the JSON log).
+not a term of the planner. Runs made elsewhere should set it too. The replica's peak comes from
+a wrapper of the ``megatron-kd`` entry point (the student's ranks and the replica's both run it)
+that writes each rank's ``ru_maxrss`` at exit (``rank<R>.json``, the replica's in a directory of
+its own: it writes no training log). The replica gets the same environment (``MALLOC_...``, and
+``OMP_NUM_THREADS`` as the student has it).
 
 How the planner is configured for a run: the architectures are the ones ``megatron-kd train`` itself
 resolves (``plan_run``: the student from the flags, the teacher from its checkpoint's
 ``model_config.json``, an offline run's K from its cache's manifest); precision follows ``--bf16``
 (fp32 otherwise: 4-byte weights and activations, Adam moments without a master copy) and must
-match ``--kd-teacher-dtype`` (the planner has one precision; a mismatch is refused); the streamed
-hidden states take the teacher's element size; ``--kd-prefetch-depth`` sets the ring slots; on
+match ``--kd-teacher-dtype`` (the planner has one precision; a mismatch is refused, and so is a
+replica whose ``--kd-teacher-dtype`` is not the student's); the streamed hidden states take the
+run's wire dtype on the wire (``--kd-wire-dtype``, default the teacher's) and the teacher's
+element size once decoded; one teacher replica; ``--kd-prefetch-depth`` sets the ring slots; on
 CPU the local layer spec runs unfused attention, norms and SwiGLU (``flash_attention``,
 ``fused_norm``, ``fused_swiglu`` off) and the top-K prefetcher's host queue is device memory
 (``cache_resident_microbatches = D + 2``). Known gaps: MLP biases (``--add-bias-linear``) and
@@ -47,10 +61,8 @@ planner sums its terms, though the teacher's forward working set is freed before
 window buffers are allocated (an overestimate of the smaller of the two), and the loss holds one
 ``[w, V/t]`` buffer less than counted when a micro-batch fits in one window (the tp2 cases:
 the previous window's gradient is what the fourth buffer counts); both stay inside the tolerance
-at these sizes. The teacher's send slots are counted as ``D`` micro-batches; its sender keeps one
-payload per stream in flight while it computes the next, which is the same at the default
-``D = 2`` only. A teacher rank's peak is compared on CPU only (its RSS
-is host memory on a GPU machine).
+at these sizes. The replica's send slots are counted as ``D`` micro-batches of the student's. A
+replica's peak is compared on CPU only (its RSS is host memory on a GPU machine).
 
 Usage::
 
@@ -58,13 +70,17 @@ Usage::
     python tools/validate_planner.py --train-args "<the megatron-kd train flags>" \\
         --log-json run.jsonl
     # several runs described in a JSON file: [{"name": ..., "train_args": ..., "log_json": ...,
-    #                                          "nproc": 1, "peak_dir": optional}, ...]
+    #     "nproc": 1, "peak_dir": optional, and for a disaggregated run optionally
+    #     "teacher_args": "--tensor-model-parallel-size 1" (its replica's serve flags besides
+    #     --kd-teacher-load / --kd-teacher-endpoint, which are the student's), "teacher_nproc": 1,
+    #     "teacher_peak_dir": ...}, ...]
     python tools/validate_planner.py --cases cases.json
-    # run them first (single process, or torchrun with nproc > 1), then compare
+    # run them first (single process, or torchrun with nproc > 1; a disaggregated run's replica
+    # first, `megatron-kd teacher serve`, torchrun with teacher_nproc > 1), then compare
     python tools/validate_planner.py --cases cases.json --run
     # the built-in CPU cases, every mode of megatron-kd train at TP=1 and TP=2: a random teacher
     # checkpoint, its top-K cache (megatron-kd cache build), colocated, offline and disaggregated
-    # runs (1 teacher rank + 1 or 2 student ranks); about 2.5 minutes on two idle CPU cores
+    # runs (a replica of 1 rank + a student of 1 or 2 ranks); a few minutes on two idle CPU cores
     python tools/validate_planner.py --builtin --run [--terms]
 
 Needs torch and megatron-core (it uses the training code's own argument parsing); the planner itself
@@ -78,6 +94,7 @@ import dataclasses
 import json
 import os
 import shlex
+import signal
 import subprocess
 import sys
 import tempfile
@@ -93,6 +110,11 @@ from megatron_kd.planner.presets import GpuSpec, LinkSpec
 
 TOLERANCE = 0.15  # the issue's target: predicted peak memory within 15% of the measured one
 RESERVE_TERM = "reserve (context, NCCL, frag.)"
+#: Seconds a --run waits for a teacher replica's registration (Python, torch, Megatron and the
+#: teacher's checkpoint on a busy 2-core machine).
+REPLICA_START_TIMEOUT_S = 300
+#: The per-step log field with the student -> teacher token-id bytes, summed over the student.
+TO_TEACHER_KEY = "kd_wire_bytes_to_teacher"
 
 # glibc malloc: every allocation of 64 KiB or more gets a mapping of its own, unmapped when freed
 # (a fixed threshold also turns off glibc's raising of it). Peak RSS then follows the peak of live
@@ -130,43 +152,52 @@ _STUDENT_FLAGS = (
     "--eval-iters 0 --eval-interval 1000"
 )
 _WITH_TEACHER = " --kd-teacher-load {teacher}"
+_DISAGG = " --kd-mode disaggregated --kd-teacher-endpoint {endpoint}"
+# a replica of one rank: its `megatron-kd teacher serve` layout flags and process count
+_REPLICA_1 = ("--tensor-model-parallel-size 1 --pipeline-model-parallel-size 1", 1)
 BUILTIN_TOPK = 64  # entries per token of the built-in offline case's cache
-# (name, megatron-kd train flags with {teacher} / {cache} to fill in, process count)
+# (name, megatron-kd train flags with {teacher} / {cache} / {endpoint} to fill in, process count,
+#  the teacher replica as (serve flags, process count), or None: no replica)
 BUILTIN_CASES = [
     (
         "colocated tp1 b4 s512",
         _STUDENT_FLAGS + _WITH_TEACHER + " --micro-batch-size 4 --global-batch-size 4",
         1,
+        None,
     ),
     (
         "colocated tp2 b2 s512",
         _STUDENT_FLAGS + _WITH_TEACHER + " --micro-batch-size 2 --global-batch-size 4 "
         "--tensor-model-parallel-size 2",
         2,
+        None,
     ),
     (
         "offline tp1 b4 s512",
         _STUDENT_FLAGS + " --micro-batch-size 4 --global-batch-size 4 "
         "--kd-mode offline --kd-topk-cache {cache}",
         1,
+        None,
     ),
     (
         "offline tp2 b4 s512",
         _STUDENT_FLAGS + " --micro-batch-size 4 --global-batch-size 4 "
         "--tensor-model-parallel-size 2 --kd-mode offline --kd-topk-cache {cache}",
         2,
+        None,
     ),
     (
         "disagg tp1 b4 s512",
-        _STUDENT_FLAGS + _WITH_TEACHER + " --micro-batch-size 4 --global-batch-size 4 "
-        "--kd-mode disaggregated --kd-teacher-world-size 1",
-        2,
+        _STUDENT_FLAGS + _WITH_TEACHER + " --micro-batch-size 4 --global-batch-size 4" + _DISAGG,
+        1,
+        _REPLICA_1,
     ),
     (
         "disagg tp2 b2 s512",
         _STUDENT_FLAGS + _WITH_TEACHER + " --micro-batch-size 2 --global-batch-size 4 "
-        "--tensor-model-parallel-size 2 --kd-mode disaggregated --kd-teacher-world-size 1",
-        3,
+        "--tensor-model-parallel-size 2" + _DISAGG,
+        2,
+        _REPLICA_1,
     ),
 ]
 
@@ -187,8 +218,9 @@ _MAKE_TEACHER_CODE = (
 )
 
 # Every rank of a --run records its process's peak RSS at exit (rank<R>.json in the directory
-# named by _PEAK_DIR_ENV): the JSON log is rank 0's only, and a disaggregated run's teacher ranks
-# write none. The `megatron-kd` entry point itself, wrapped.
+# named by _PEAK_DIR_ENV): the JSON log is rank 0's only, and a disaggregated run's teacher
+# replica writes none. The `megatron-kd` entry point itself, wrapped (`train` for the student,
+# `teacher serve` for the replica, each with a peak directory of its own).
 _PEAK_DIR_ENV = "VALIDATE_PLANNER_PEAK_DIR"
 _RANK_PEAK_CODE = (
     "import json, os, resource, sys\n"
@@ -269,6 +301,16 @@ class Case:
     peak_dir: str | None = None
     """Where each rank wrote its process's peak RSS at exit (``rank<R>.json``; made by
     ``--run``), or None."""
+    teacher_args: str | None = None
+    """Disaggregated: the ``megatron-kd teacher serve`` flags of the run's one teacher replica
+    besides ``--kd-teacher-load`` and ``--kd-teacher-endpoint`` (the student's) and ``--host``
+    (e.g. ``"--tensor-model-parallel-size 1"``); None for the other modes, or when the replica
+    is not known (no teacher row then)."""
+    teacher_nproc: int = 1
+    """The replica's process count (its TP x PP; torchrun when > 1)."""
+    teacher_peak_dir: str | None = None
+    """Where each replica rank wrote its process's peak RSS at exit (``rank<R>.json``; made by
+    ``--run``), or None."""
 
 
 @dataclass
@@ -278,6 +320,9 @@ class Prediction:
     wire: dict | None
     """Disaggregated: the teacher -> student bytes per step by scope (``tp-rank``: one
     last-stage TP rank; ``dp-rank``: one student DP rank; ``all-ranks``: the whole student)."""
+    wire_to_teacher: dict | None = None
+    """Disaggregated: the student -> teacher token-id bytes per step by scope (``dp-rank``,
+    ``all-ranks``: what ``kd_wire_bytes_to_teacher`` counts)."""
 
 
 # --- the run's configuration, as megatron-kd train resolves it -----------------------------------
@@ -316,8 +361,11 @@ def _mode(plan) -> str:
     return {"colocated": "colocated-fused", "disaggregated": "disaggregated"}[plan.kd.mode]
 
 
-def plan_options(args, plan, on_cpu: bool) -> PlanOptions:
-    """The planner's options for the run (see the module docstring)."""
+def plan_options(
+    args, plan, on_cpu: bool, teacher_tp: int | None = None, teacher_pp: int | None = None
+) -> PlanOptions:
+    """The planner's options for the run (see the module docstring); ``teacher_tp`` /
+    ``teacher_pp``: a disaggregated run's replica layout (None: not known)."""
     import torch
 
     student = arch_to_model(plan.student_arch, "student")
@@ -356,7 +404,7 @@ def plan_options(args, plan, on_cpu: bool) -> PlanOptions:
         teacher=teacher,
         gpu=gpu,
         inter_node_link=LinkSpec(name="measured", bytes_per_s=1e9),
-        gpus_per_node=max(plan.tp * plan.pp * plan.dp, plan.kd.teacher_tp),
+        gpus_per_node=max(plan.tp * plan.pp * plan.dp, teacher_tp or 1),
         nodes=1,
         seq_length=args.seq_length,
         micro_batch_size=args.micro_batch_size,
@@ -366,8 +414,10 @@ def plan_options(args, plan, on_cpu: bool) -> PlanOptions:
         recompute="none",
         sequence_parallel=False,
         use_distributed_optimizer=False,
-        teacher_tp=plan.kd.teacher_tp,
-        teacher_pp=plan.kd.teacher_pp,
+        teacher_tp=teacher_tp,
+        teacher_pp=teacher_pp,
+        teacher_replicas=1 if plan.kd.mode == "disaggregated" else None,
+        wire_dtype=plan.kd.wire,
         window_size=plan.kd.loss.window_size,
         prefetch_depth=plan.kd.prefetch_depth,
         hidden_elem_bytes=teacher_bytes,
@@ -396,31 +446,67 @@ def predict(args, plan, on_cpu: bool) -> Prediction:
     terms.pop(RESERVE_TERM, None)
     if mode == "no teacher":
         terms.pop("cache reader", None)
-    wire = None
+    wire = to_teacher = None
     if mode == "disaggregated":
-        per_dp = tr.hidden_bytes_per_step_per_dp_rank(
-            opts.teacher, plan.global_batch_size, plan.dp, args.seq_length, opts.hidden_elem_bytes
+        gbs, dp, s = plan.global_batch_size, plan.dp, args.seq_length
+        per_dp = tr.hidden_bytes_per_step_per_dp_rank(opts.teacher, gbs, dp, s, opts.wire_dtype)
+        wire = {"tp-rank": per_dp / plan.tp, "dp-rank": per_dp, "all-ranks": per_dp * dp}
+        ids = tr.token_bytes_per_step_per_dp_rank(gbs, dp, s)
+        to_teacher = {"dp-rank": ids, "all-ranks": ids * dp}
+    return Prediction(mode=mode, terms=terms, wire=wire, wire_to_teacher=to_teacher)
+
+
+def teacher_serve_argv(train_args: argparse.Namespace, teacher_args: str) -> list[str]:
+    """The ``megatron-kd teacher serve`` flags of a disaggregated run's replica: the student's
+    teacher checkpoint and endpoint, ``--host 127.0.0.1``, then ``teacher_args``."""
+    return [
+        "serve",
+        "--kd-teacher-load", train_args.kd_teacher_load,
+        "--kd-teacher-endpoint", train_args.kd_teacher_endpoint,
+        "--host", "127.0.0.1",
+        *shlex.split(teacher_args),
+    ]  # fmt: skip
+
+
+def teacher_serve_args(case: Case) -> argparse.Namespace:
+    """The replica's serve flags as ``megatron-kd teacher serve`` parses them, checked against
+    the student's (same checkpoint, endpoint and teacher dtype; ``teacher_nproc`` ranks)."""
+    from megatron_kd.training.teacher_serve import add_arguments
+
+    if case.teacher_args is None:
+        raise ValueError(f"case {case.name!r}: no teacher replica (teacher_args is None)")
+    train = parse_train_args(case.train_args)
+    if train.kd_mode != "disaggregated":
+        raise ValueError(
+            f"case {case.name!r}: teacher_args are for --kd-mode disaggregated runs, "
+            f"this one is {train.kd_mode}"
         )
-        wire = {"tp-rank": per_dp / plan.tp, "dp-rank": per_dp, "all-ranks": per_dp * plan.dp}
-    return Prediction(mode=mode, terms=terms, wire=wire)
+    parser = argparse.ArgumentParser(prog="megatron-kd teacher")
+    add_arguments(parser)
+    serve = parser.parse_args(teacher_serve_argv(train, case.teacher_args))
+    for flag, theirs, ours in (
+        ("--kd-teacher-load", serve.kd_teacher_load, train.kd_teacher_load),
+        ("--kd-teacher-endpoint", serve.kd_teacher_endpoint, train.kd_teacher_endpoint),
+        ("--kd-teacher-dtype", serve.kd_teacher_dtype, train.kd_teacher_dtype),
+    ):
+        if theirs != ours:
+            raise ValueError(
+                f"case {case.name!r}: the replica's {flag} {theirs!r} is not the student's {ours!r}"
+            )
+    world = serve.tensor_model_parallel_size * serve.pipeline_model_parallel_size
+    if case.teacher_nproc != world:
+        raise ValueError(
+            f"case {case.name!r}: teacher_nproc={case.teacher_nproc}, but a replica's world is "
+            f"its TP x PP = {world}"
+        )
+    return serve
 
 
-def teacher_rank(plan, world_size: int) -> int:
-    """The first teacher rank of a disaggregated run (teacher stage 0, TP rank 0)."""
-    return world_size - plan.kd.teacher_world_size
-
-
-def predict_teacher(args, plan, on_cpu: bool) -> dict:
-    """The planner's terms for the first teacher rank of a disaggregated run (stage 0, TP rank
-    0 of replica 0)."""
-    opts = plan_options(args, plan, on_cpu)
-    kd = plan.kd
-    layout = mem.ParallelLayout(
-        tp=kd.teacher_tp,
-        pp=kd.teacher_pp,
-        dp=kd.teacher_world_size // (kd.teacher_tp * kd.teacher_pp),
-        make_vocab_size_divisible_by=1,
-    )
+def predict_teacher(args, plan, on_cpu: bool, tp: int, pp: int) -> dict:
+    """The planner's terms for rank 0 of a disaggregated run's teacher replica (its stage 0,
+    TP rank 0) with the replica's layout ``tp`` x ``pp`` (a replica has no data parallelism)."""
+    opts = plan_options(args, plan, on_cpu, teacher_tp=tp, teacher_pp=pp)
+    layout = mem.ParallelLayout(tp=tp, pp=pp, dp=1, make_vocab_size_divisible_by=1)
     terms = teacher_inference_terms(opts, layout, 0)
     terms.pop(RESERVE_TERM, None)
     return terms
@@ -463,29 +549,177 @@ def read_rank_peak(peak_dir: str, rank: int) -> int | None:
         return int(json.load(f)["peak_rss_bytes"])
 
 
-def run_case(case: Case, log_path: str, peak_dir: str) -> float:
-    """Run ``megatron-kd train`` for ``case`` (torchrun when ``nproc > 1``), logging to
-    ``log_path``, each rank writing its peak RSS into ``peak_dir``; returns the wall seconds."""
-    argv = ["train", *shlex.split(case.train_args), "--log-json", log_path, "--no-progress"]
+def _launch(entry_argv: list[str], nproc: int) -> list[str]:
+    """``_RANK_PEAK_CODE`` running ``entry_argv``: one process, or torchrun of ``nproc``."""
     entry = [sys.executable, "-c", _RANK_PEAK_CODE]
-    if case.nproc > 1:
-        cmd = [
+    if nproc > 1:
+        return [
             sys.executable,
             "-m",
             "torch.distributed.run",
             "--standalone",
-            f"--nproc-per-node={case.nproc}",
+            f"--nproc-per-node={nproc}",
             "--no-python",
             *entry,
-            *argv,
+            *entry_argv,
         ]
-    else:
-        cmd = [*entry, *argv]
+    return [*entry, *entry_argv]
+
+
+def _omp_threads(nproc: int) -> str | None:
+    """``OMP_NUM_THREADS`` of a run of ``nproc`` processes: the caller's, else torchrun's
+    default (1) when ``nproc > 1``, else unset (torch's own default)."""
+    return os.environ.get("OMP_NUM_THREADS") or ("1" if nproc > 1 else None)
+
+
+def _replica_records(endpoint: str) -> set[str]:
+    if not os.path.isdir(endpoint):
+        return set()
+    return {n for n in os.listdir(endpoint) if n.startswith("replica-") and n.endswith(".json")}
+
+
+def _tail(path: str, chars: int = 3000) -> str:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return f.read()[-chars:]
+    except OSError:
+        return "(no stderr)"
+
+
+class TeacherReplica:
+    """A disaggregated case's teacher replica (``megatron-kd teacher serve`` under
+    ``_RANK_PEAK_CODE``), started in a session of its own and registered at the student's
+    directory endpoint; :meth:`stop` sends its process group SIGTERM and waits."""
+
+    def __init__(self, case: Case, peak_dir: str, log_path: str, base_env: dict) -> None:
+        from megatron_kd.teacher.endpoint import DirectoryEndpoint, parse_endpoint
+
+        serve = teacher_serve_args(case)
+        self.endpoint = serve.kd_teacher_endpoint
+        if not isinstance(parse_endpoint(self.endpoint), DirectoryEndpoint):
+            raise ValueError(
+                f"case {case.name!r}: --run waits for the replica's registration in a directory "
+                f"endpoint, got --kd-teacher-endpoint {self.endpoint!r}"
+            )
+        os.makedirs(self.endpoint, exist_ok=True)
+        before = _replica_records(self.endpoint)
+        if before:
+            raise RuntimeError(
+                f"case {case.name!r}: the endpoint {self.endpoint} already has registered "
+                f"replicas {sorted(before)}: the student would use them too (and a stale record "
+                f"a dead one); give the case an endpoint of its own"
+            )
+        os.makedirs(peak_dir, exist_ok=True)
+        argv = [
+            "teacher",
+            *teacher_serve_argv(parse_train_args(case.train_args), case.teacher_args),
+            "--log-json", log_path,
+        ]  # fmt: skip
+        env = dict(base_env, **{_PEAK_DIR_ENV: peak_dir})
+        for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+            env.pop(key, None)  # a replica is a world of its own (torchrun sets its own)
+        self.stderr_path = log_path + ".stderr"
+        with open(self.stderr_path, "w", encoding="utf-8") as stderr:
+            self.proc = subprocess.Popen(
+                _launch(argv, case.teacher_nproc),
+                env=env,
+                stdout=subprocess.DEVNULL,
+                stderr=stderr,
+                start_new_session=True,
+            )
+        deadline = time.monotonic() + REPLICA_START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            new = _replica_records(self.endpoint) - before
+            if new:
+                self.record = new.pop()
+                return
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.2)
+        exited = self.proc.poll()
+        self.stop()
+        why = (
+            f"exited with {exited}"
+            if exited is not None
+            else f"did not register within {REPLICA_START_TIMEOUT_S} s"
+        )
+        raise RuntimeError(
+            f"case {case.name!r}: the teacher replica {why} at {self.endpoint}; its stderr "
+            f"({self.stderr_path}) ends:\n{_tail(self.stderr_path)}"
+        )
+
+    def _signal(self, sig: int) -> None:
+        try:
+            os.killpg(self.proc.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def stop(self, timeout_s: float = 120.0) -> int | None:
+        """SIGTERM to the replica's process group, then wait (SIGKILL after ``timeout_s``: it
+        then writes no peak); returns its exit status."""
+        if self.proc.poll() is None:
+            self._signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                print(
+                    f"teacher replica {self.proc.pid}: no exit {timeout_s:.0f} s after SIGTERM, "
+                    f"killed (stderr: {self.stderr_path})",
+                    file=sys.stderr,
+                )
+                self._signal(signal.SIGKILL)
+                self.proc.wait(timeout=30)
+        self._signal(signal.SIGKILL)  # a torchrun worker left behind
+        return self.proc.returncode
+
+
+def run_case(
+    case: Case, log_path: str, peak_dir: str, teacher_peak_dir: str | None = None
+) -> float:
+    """Run ``megatron-kd train`` for ``case`` (torchrun when ``nproc > 1``), logging to
+    ``log_path``, each rank writing its peak RSS into ``peak_dir``; returns the student's wall
+    seconds. A disaggregated case's teacher replica (``teacher_args``, ``teacher_nproc``) is
+    started first, its ranks writing their peaks into ``teacher_peak_dir``, and stopped after
+    the student (also when the student fails)."""
+    train = parse_train_args(case.train_args)
+    disaggregated = train.kd_mode == "disaggregated"
+    if disaggregated and case.teacher_args is None:
+        raise ValueError(
+            f"case {case.name!r}: a disaggregated --run needs its teacher replica's serve flags "
+            f"(teacher_args, e.g. '--tensor-model-parallel-size 1', and teacher_nproc)"
+        )
+    if disaggregated and teacher_peak_dir is None:
+        raise ValueError(f"case {case.name!r}: a disaggregated --run needs a teacher_peak_dir")
+    argv = ["train", *shlex.split(case.train_args), "--log-json", log_path, "--no-progress"]
     os.makedirs(peak_dir, exist_ok=True)
-    env = dict(os.environ, **MEASURE_ENV, **{_PEAK_DIR_ENV: peak_dir})
-    t0 = time.perf_counter()
-    subprocess.run(cmd, check=True, env=env)
-    return time.perf_counter() - t0
+    env = dict(os.environ, **MEASURE_ENV)
+    omp = _omp_threads(case.nproc)
+    if omp is not None:
+        env["OMP_NUM_THREADS"] = omp  # the same for the student and its replica
+    replica = None
+    if disaggregated:
+        teacher_log = os.path.splitext(log_path)[0] + ".teacher.jsonl"
+        t0 = time.perf_counter()
+        replica = TeacherReplica(case, teacher_peak_dir, teacher_log, env)
+        print(
+            f"{case.name}: teacher replica registered in {time.perf_counter() - t0:.0f} s",
+            file=sys.stderr,
+        )
+    try:
+        t0 = time.perf_counter()
+        subprocess.run(
+            _launch(argv, case.nproc), check=True, env=dict(env, **{_PEAK_DIR_ENV: peak_dir})
+        )
+        return time.perf_counter() - t0
+    finally:
+        if replica is not None:
+            code = replica.stop()
+            if code != 0:
+                print(
+                    f"{case.name}: the teacher replica exited with {code} (stderr: "
+                    f"{replica.stderr_path})",
+                    file=sys.stderr,
+                )
 
 
 # --- comparison ---------------------------------------------------------------------------------
@@ -517,8 +751,8 @@ def _memory_row(name, mode, kind, terms, measured, baseline, on_cpu) -> dict:
 
 
 def compare(case: Case, baseline: int | None, wire_key: str, wire_scope: str) -> list[dict]:
-    """The rows of one run: the logging rank, and for a disaggregated CPU run with per-rank
-    peaks, its first teacher rank."""
+    """The rows of one run: the logging rank, and for a disaggregated CPU run with its
+    replica's serve flags and peaks, the replica's rank 0."""
     if case.log_json is None:
         raise ValueError(f"case {case.name!r}: no log (pass --log-json, or --run)")
     args, plan = resolve_run(case.train_args, case.nproc)
@@ -537,20 +771,33 @@ def compare(case: Case, baseline: int | None, wire_key: str, wire_scope: str) ->
             raise ValueError(
                 f"{case.log_json}: a disaggregated run must log {wire_key!r} every step"
             )
+        if not all(TO_TEACHER_KEY in r for r in steps):
+            raise ValueError(
+                f"{case.log_json}: a disaggregated run must log {TO_TEACHER_KEY!r} every step"
+            )
         counted = {r[wire_key] for r in steps}
         row["wire_predicted"] = pred.wire[wire_scope]
         row["wire_counted"] = sorted(counted)
-        row["wire_ok"] = counted == {pred.wire[wire_scope]}
-        # The teacher's memory: its process's peak RSS (host memory: CPU runs only).
-        rank = teacher_rank(plan, case.nproc)
-        peak = read_rank_peak(case.peak_dir, rank) if case.peak_dir else None
+        # kd_wire_bytes_to_teacher: summed over the student's ranks (step_wire_bytes)
+        sent = {r[TO_TEACHER_KEY] for r in steps}
+        row["wire_to_teacher_predicted"] = pred.wire_to_teacher["all-ranks"]
+        row["wire_to_teacher_counted"] = sorted(sent)
+        row["wire_ok"] = counted == {pred.wire[wire_scope]} and sent == {
+            pred.wire_to_teacher["all-ranks"]
+        }
+        # The replica's memory: its rank 0's peak RSS (host memory: CPU runs only).
+        peak = None
+        if case.teacher_args is not None and case.teacher_peak_dir:
+            peak = read_rank_peak(case.teacher_peak_dir, 0)
         if on_cpu and peak is not None:
-            terms = predict_teacher(args, plan, on_cpu)
+            serve = teacher_serve_args(case)
+            tp, pp = serve.tensor_model_parallel_size, serve.pipeline_model_parallel_size
+            terms = predict_teacher(args, plan, on_cpu, tp, pp)
             rows.append(
                 _memory_row(
                     f"{case.name} (teacher)",
                     "disagg teacher",
-                    f"cpu_max_rss of rank {rank}",
+                    f"cpu_max_rss of replica rank 0 (tp{tp} pp{pp})",
                     terms,
                     peak,
                     baseline,
@@ -572,9 +819,15 @@ def format_rows(rows: list[dict], with_terms: bool = False) -> str:
         if "wire_ok" not in r:
             wire = "n/a"
         elif r["wire_ok"]:
-            wire = f"equal ({r['wire_predicted']:.0f} B/step)"
+            wire = (
+                f"equal (to student {r['wire_predicted']:.0f}, to teacher "
+                f"{r['wire_to_teacher_predicted']:.0f} B/step)"
+            )
         else:
-            wire = f"DIFFERS {r['wire_predicted']} vs {r['wire_counted']}"
+            wire = (
+                f"DIFFERS (to student {r['wire_predicted']:.0f} vs {r['wire_counted']}, to "
+                f"teacher {r['wire_to_teacher_predicted']:.0f} vs {r['wire_to_teacher_counted']})"
+            )
         out.append(
             f"{r['name']:<31}{r['mode']:<17}{r['predicted_bytes'] / gib:>14.3f}"
             f"{r['measured_bytes'] / gib:>14.3f}{(base or 0) / gib:>14.3f}{r['ratio']:>8.3f}"
@@ -587,17 +840,26 @@ def format_rows(rows: list[dict], with_terms: bool = False) -> str:
     return "\n".join(out)
 
 
-def builtin_cases(teacher_dir: str, cache_dir: str) -> list[Case]:
-    """The built-in cases with their teacher checkpoint and top-K cache filled in."""
-    return [
-        Case(
-            name=name,
-            train_args=flags.format(teacher=teacher_dir, cache=cache_dir),
-            log_json=None,
-            nproc=nproc,
+def builtin_cases(teacher_dir: str, cache_dir: str, endpoint_dir: str) -> list[Case]:
+    """The built-in cases with their teacher checkpoint, top-K cache and teacher endpoint
+    directory filled in (the disaggregated cases run one after the other, each with a replica of
+    its own that withdraws from the endpoint when stopped)."""
+    cases = []
+    for name, flags, nproc, replica in BUILTIN_CASES:
+        teacher_args, teacher_nproc = replica if replica is not None else (None, 1)
+        cases.append(
+            Case(
+                name=name,
+                train_args=flags.format(
+                    teacher=teacher_dir, cache=cache_dir, endpoint=endpoint_dir
+                ),
+                log_json=None,
+                nproc=nproc,
+                teacher_args=teacher_args,
+                teacher_nproc=teacher_nproc,
+            )
         )
-        for name, flags, nproc in BUILTIN_CASES
-    ]
+    return cases
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -606,7 +868,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--log-json", help="its --log-json file")
     parser.add_argument("--nproc", type=int, default=1, help="its process count (world size)")
     parser.add_argument(
-        "--cases", help="JSON list of {name, train_args, log_json, nproc[, peak_dir]}"
+        "--teacher-args",
+        default=None,
+        help="a disaggregated run's teacher replica: its `megatron-kd teacher serve` flags besides "
+        "--kd-teacher-load, --kd-teacher-endpoint and --host, quoted (e.g. "
+        "'--tensor-model-parallel-size 1')",
+    )
+    parser.add_argument(
+        "--teacher-nproc", type=int, default=1, help="the replica's process count (its TP x PP)"
+    )
+    parser.add_argument(
+        "--cases",
+        help="JSON list of {name, train_args, log_json, nproc[, peak_dir, teacher_args, "
+        "teacher_nproc, teacher_peak_dir]}",
     )
     parser.add_argument(
         "--run", action="store_true", help="run each case first (logs to a temp dir)"
@@ -658,7 +932,7 @@ def main(argv: list[str] | None = None) -> int:
             teacher = os.path.join(tmp, "teacher")
             make_random_teacher(teacher)
         cache = args.cache_dir or os.path.join(tmp, "topk_cache")
-        cases = builtin_cases(teacher, cache)
+        cases = builtin_cases(teacher, cache, os.path.join(tmp, "teacher_endpoint"))
         offline = [c for c in cases if "--kd-topk-cache" in c.train_args]
         if args.cache_dir is None and offline:
             # One cache for every offline case: they read the same samples (data, length, seed,
@@ -673,12 +947,22 @@ def main(argv: list[str] | None = None) -> int:
                     log_json=c.get("log_json"),
                     nproc=int(c.get("nproc", 1)),
                     peak_dir=c.get("peak_dir"),
+                    teacher_args=c.get("teacher_args"),
+                    teacher_nproc=int(c.get("teacher_nproc", 1)),
+                    teacher_peak_dir=c.get("teacher_peak_dir"),
                 )
                 for c in json.load(f)
             ]
     elif args.train_args:
         cases = [
-            Case(name="run", train_args=args.train_args, log_json=args.log_json, nproc=args.nproc)
+            Case(
+                name="run",
+                train_args=args.train_args,
+                log_json=args.log_json,
+                nproc=args.nproc,
+                teacher_args=args.teacher_args,
+                teacher_nproc=args.teacher_nproc,
+            )
         ]
     else:
         parser.error("give --train-args (and --log-json), --cases or --builtin --run")
@@ -687,7 +971,9 @@ def main(argv: list[str] | None = None) -> int:
             stem = case.name.replace(" ", "_")
             case.log_json = os.path.join(tmp, f"{stem}.jsonl")
             case.peak_dir = os.path.join(tmp, f"{stem}.peaks")
-            seconds = run_case(case, case.log_json, case.peak_dir)
+            if case.teacher_args is not None:
+                case.teacher_peak_dir = os.path.join(tmp, f"{stem}.teacher_peaks")
+            seconds = run_case(case, case.log_json, case.peak_dir, case.teacher_peak_dir)
             print(f"{case.name}: ran in {seconds:.0f} s", file=sys.stderr)
     baseline = args.baseline_bytes
     rows = []

@@ -81,6 +81,10 @@ class TopKPrefetcher:
                                f"the next decoded micro-batch holds samples {decoded}")
         return as_sbk(ids, logprobs, self.device)
 
+    def rates(self) -> tuple[float, int, float]:
+        """``(seconds next() waited, tokens decoded, seconds decoding)`` so far."""
+        return self.wait_s, self._loader.decoded_tokens, self._loader.decode_s
+
     def close(self) -> None:
         """Stop the decoder thread (idempotent)."""
         self._loader.close()

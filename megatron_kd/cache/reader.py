@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import queue
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Iterable, Iterator, Sequence
@@ -138,6 +139,8 @@ class PrefetchingLoader:
             raise ValueError(f"depth and threads must be >= 1, got depth={depth}, "
                              f"threads={threads}")
         self.reader = reader
+        self.decode_s = 0.0  # the thread's seconds decoding (not waiting for queue room)
+        self.decoded_tokens = 0
         self._executor = ThreadPoolExecutor(threads) if threads > 1 else None
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
@@ -157,7 +160,11 @@ class PrefetchingLoader:
     def _work(self, batches: Iterator[Sequence[int]]) -> None:
         try:
             for batch in batches:
-                if not self._put(self.reader.get(batch, self._executor)):
+                t0 = time.perf_counter()
+                item = self.reader.get(batch, self._executor)
+                self.decode_s += time.perf_counter() - t0
+                self.decoded_tokens += int(np.prod(item[0].shape[:2]))
+                if not self._put(item):
                     return
         except BaseException as e:  # noqa: BLE001 - handed to the consumer
             self._put(e)

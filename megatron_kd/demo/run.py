@@ -11,11 +11,13 @@ second run skips straight to training):
    tokenizer into Megatron's indexed format (``megatron-kd preprocess``);
 3. starts 2 gloo processes and, in them, trains a small student (tensor-parallel over the 2
    ranks, fp32) twice from the same initialisation and on the same batches: with cross-entropy
-   only, and with the KD loss (``--kd-weight`` x forward KL to the teacher, run in bf16, +
+   only, and with the KD loss (``--kd-weight`` x forward KL to the teacher, run in bf16 where the
+   CPU multiplies bf16 fast, else fp32, +
    (1 - ``--kd-weight``) x cross-entropy);
 4. prints a table of both students' validation LM loss at equal steps next to the teacher's
    (measured by the KD run on the same validation batches), the tokens/s of each run, and
-   writes ``loss_curves.png`` and ``results.json``.
+   writes ``loss_curves.png``, ``results.json`` and ``report/`` (``megatron-kd report`` of the
+   two runs: loss, throughput and memory plots, a summary table).
 
 The training itself is :func:`megatron_kd.training.train.train`, called in-process with
 ``megatron-kd train`` flags (printed, so the runs can be repeated by hand).
@@ -33,8 +35,11 @@ import tempfile
 import time
 import warnings
 
+from megatron_kd.training.report import RunLog, write_report
+
 __all__ = [
     "add_arguments",
+    "choose_teacher_dtype",
     "format_table",
     "plot_curves",
     "run",
@@ -75,9 +80,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="processes started (one per tensor-parallel rank)")
     parser.add_argument("--threads-per-rank", type=int, default=1,
                         help="torch threads in each process (default 1: 2 ranks on 2 cores)")
-    parser.add_argument("--teacher-fp32", action="store_true",
-                        help="run the teacher in fp32 (default bf16: its forward is ~2x cheaper "
-                             "on CPU; the student always trains in fp32)")
+    parser.add_argument("--teacher-dtype", choices=("auto", "bf16", "fp32"), default="auto",
+                        help="the teacher's dtype (the student always trains in fp32); auto: "
+                             "bf16 where this CPU multiplies bf16 at least as fast as fp32 "
+                             "(measured at start, ~1 s), else fp32")
     parser.add_argument("--seed", type=int, default=1234,
                         help="student initialisation, data order and document shuffle")
     parser.add_argument("--skip-kd", action="store_true", help=argparse.SUPPRESS)  # tests
@@ -123,12 +129,37 @@ def student_train_argv(args: argparse.Namespace, *, data_prefix: str, tokenizer_
     ]
     if teacher_dir is not None:
         argv += ["--kd-teacher-load", teacher_dir, "--kd-loss", "forward_kl",
-                 "--kd-teacher-dtype", "fp32" if args.teacher_fp32 else "bf16",
+                 "--kd-teacher-dtype", args.teacher_dtype,
                  "--kd-weight", str(args.kd_weight), "--kd-ce-weight", str(1 - args.kd_weight),
                  "--kd-temperature", str(args.kd_temperature)]
     else:
         argv += ["--kd-weight", "0", "--kd-ce-weight", "1"]
     return argv
+
+
+def choose_teacher_dtype(threads: int) -> tuple[str, str]:
+    """``("bf16" | "fp32", why)``: bf16 where this CPU multiplies bf16 matrices at least as fast
+    as fp32 (a teacher-sized GEMM, timed), else fp32 (CPUs without bf16 instructions emulate
+    it, tens of times slower)."""
+    import torch  # heavy: the demo's driver runs the steps as subprocesses and stays light
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        seconds = {}
+        for dtype in (torch.float32, torch.bfloat16):
+            a, b = torch.randn(256, 576, dtype=dtype), torch.randn(576, 1536, dtype=dtype)
+            a @ b  # warm-up
+            t0 = time.perf_counter()
+            for _ in range(3):
+                a @ b
+            seconds[dtype] = time.perf_counter() - t0
+    finally:
+        torch.set_num_threads(before)
+    ratio = seconds[torch.bfloat16] / seconds[torch.float32]
+    if ratio <= 1.0:
+        return "bf16", f"bf16 matmul {ratio:.2f}x the time of fp32 on this CPU"
+    return "fp32", f"bf16 matmul {ratio:.1f}x slower than fp32 on this CPU"
 
 
 def _quiet_library_warnings() -> None:
@@ -267,6 +298,9 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--kd-weight must be in (0, 1], got {args.kd_weight}")
     _quiet_library_warnings()
     torch.set_flush_denormal(True)
+    why = "--teacher-dtype"
+    if args.teacher_dtype == "auto":
+        args.teacher_dtype, why = choose_teacher_dtype(args.threads_per_rank)
     t_start = time.perf_counter()
     out = os.path.abspath(args.output_dir)
     sources = os.path.abspath(args.sources_dir or os.path.join(out, "sources"))
@@ -276,6 +310,7 @@ def run(args: argparse.Namespace) -> int:
     def log(msg: str) -> None:
         print(f"[demo {time.perf_counter() - t_start:5.0f}s] {msg}", file=sys.stderr, flush=True)
 
+    log(f"teacher dtype: {args.teacher_dtype} ({why})")
     try:
         demo_assets.find_source_archives(sources)  # fail fast, before converting the teacher
         teacher_dir = demo_assets.prepare_teacher(out, tp_size=tp, log=log)
@@ -318,16 +353,28 @@ def run(args: argparse.Namespace) -> int:
         log(f"CE-only student: validation LM loss {ce['final_eval_lm_loss']:.3f} "
             f"(KD run skipped)")
         return 0
+    _print_results(args, kd, ce, out, runs_dir, t_start)
+    return 0
+
+
+def _print_results(args: argparse.Namespace, kd: dict, ce: dict, out: str, runs_dir: str,
+                   t_start: float) -> None:
+    """The curves, the report and the table of the two runs."""
+    tp = args.tensor_model_parallel_size
     table, ahead = format_table(kd, ce)
     plot_path = os.path.join(out, PLOT_FILE)
     plot_curves(kd, ce, plot_path)
-    print(f"\nmegatron-kd demo: SmolLM2-135M teacher ({'fp32' if args.teacher_fp32 else 'bf16'})"
+    report_dir = os.path.join(out, "report")  # `megatron-kd report` of the two runs
+    write_report([RunLog(os.path.join(runs_dir, "kd.jsonl"), "KD"),
+                  RunLog(os.path.join(runs_dir, "ce.jsonl"), "CE only")], report_dir,
+                 "megatron-kd demo: student trained with and without the teacher")
+    print(f"\nmegatron-kd demo: SmolLM2-135M teacher ({args.teacher_dtype})"
           f" -> {args.num_layers}-layer, h={args.hidden_size} student "
           f"({kd['student_params_per_rank']:,} parameters per rank, TP={tp}, fp32), "
           f"{args.micro_batch_size}x{args.seq_length} tokens per step\n")
     print("Validation LM loss (nats/token), same initialisation, same batches:\n")
     print(table)
     print(f"\nKD ahead at every evaluated step: {'yes' if ahead else 'NO'}")
-    print(f"curves: {plot_path}\nresults: {os.path.join(out, RESULTS_FILE)}\n"
+    print(f"curves: {plot_path}\nreport: {report_dir}\n"
+          f"results: {os.path.join(out, RESULTS_FILE)}\n"
           f"total wall time: {time.perf_counter() - t_start:.0f} s")
-    return 0

@@ -12,11 +12,11 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import random
 import tempfile
 
 import torch
 import torch.distributed as dist
-
 from megatron.core import parallel_state
 
 from megatron_kd.integration.cpu_shim import install_cpu_shim, on_cpu
@@ -71,3 +71,11 @@ def collective_device(group=None) -> torch.device:
     if backend == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def shared_random_id(group=None) -> int:
+    """A random 62-bit id, the same on every rank of ``group`` (collective: rank 0 draws it)."""
+    value = [random.SystemRandom().getrandbits(62) if dist.get_rank(group) == 0 else None]
+    dist.broadcast_object_list(value, src=dist.get_global_rank(group, 0) if group else 0,
+                               group=group)
+    return value[0]

@@ -53,11 +53,11 @@ from megatron_kd.integration.checkpoint import save_model_checkpoint
 from megatron_kd.integration.gpt import build_gpt_model
 from megatron_kd.integration.hf_convert import (
     arch_from_hf_config,
-    strip_prefix,
     convert_hf_state_dict,
     load_converted_into_model,
     pad_for_tensor_parallel,
     shard_megatron_state_dict,
+    strip_prefix,
 )
 
 __all__ = [

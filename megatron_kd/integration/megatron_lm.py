@@ -25,16 +25,28 @@ own meaning of the name), ``"kd loss"`` (the divergence, ``T^2`` included), ``"t
 (what is trained on: ``kd_weight * kd + ce_weight * lm``) and, in evaluation,
 ``"teacher lm loss"``.
 
-The teacher is placed as in ``megatron-kd train`` (see :mod:`megatron_kd.training.trainer`): not
-pipelined; every rank of the student's last pipeline stage holds the whole teacher,
-tensor-parallel over the student's TP group, so both output layers share one vocabulary
-partition. Every rank builds and loads it (the load is collective); other stages drop it.
+Colocated (``--kd-mode colocated``), the teacher is placed as in ``megatron-kd train`` (see
+:mod:`megatron_kd.training.trainer`): not pipelined; every rank of the student's last pipeline
+stage holds the whole teacher, tensor-parallel over the student's TP group, so both output
+layers share one vocabulary partition. Every rank builds and loads it (the load is collective);
+other stages drop it. On the last of several stages Megatron-LM's ``get_batch`` calls the model
+without tokens; the teacher takes them from the data iterator's item (TP rank 0 reads it and
+broadcasts them over the TP group).
+
+Disaggregated (``--kd-mode disaggregated --kd-teacher-endpoint E``), the world holds only the
+student: its ranks load just the teacher's output-layer shard, and on the last stage each
+data-parallel rank's TP rank 0 sends the token ids of its microbatches ``--kd-prefetch-depth``
+ahead (read ahead from Megatron-LM's data iterator, see
+:class:`~megatron_kd.teacher.lookahead.Lookahead`) to a replica of ``megatron-kd teacher
+serve`` registered at ``E``; the hidden states come back chunked over the TP group and survive
+the loss of a replica (:class:`~megatron_kd.teacher.client.TeacherClient`). Evaluation reports
+the student's cross-entropy only (its data iterator is not read ahead).
 
 Not supported here (each refused with ``ValueError`` before anything is built):
-``--kd-mode disaggregated`` and ``offline`` (Megatron-LM lays its groups over the whole world,
-with no room for teacher ranks: use ``megatron-kd train``), ``--sequence-parallel`` and
-``--context-parallel-size > 1`` (the bypassed hidden states would stay sharded along the
-sequence), ``--init-model-with-meta-device``, multi-token prediction and
+``--kd-mode offline`` (Megatron-LM's data iterator gives no sample indices to read the cache
+by: use ``megatron-kd train``), ``--sequence-parallel`` and ``--context-parallel-size > 1``
+(the bypassed hidden states would stay sharded along the sequence),
+``--init-model-with-meta-device``, multi-token prediction and
 ``--overlap-moe-expert-parallel-comm`` schedule plans.
 
 Nothing here imports Megatron-LM (``megatron.training``) at import time (only megatron-core):
@@ -52,20 +64,28 @@ from functools import partial
 from typing import Any
 
 import torch
-
 from megatron.core import parallel_state as ps
 
 from megatron_kd.integration.args import KDArgs, add_kd_args
+from megatron_kd.integration.groups import shared_random_id
 from megatron_kd.integration.loss_func import make_kd_loss_func
+from megatron_kd.integration.megatron_lm_teacher import (
+    lookahead,
+    megatron_lm_args,
+    microbatches_per_step,
+    start_client,
+    write_teacher_scalars,
+)
+from megatron_kd.integration.megatron_lm_teacher import teacher_hidden as microbatch_teacher
 from megatron_kd.integration.output_layer import (
     bypass_output_layer,
     output_layer_weight,
-    to_sbh,
     unwrap_model,
 )
 from megatron_kd.integration.teacher import (
     build_frozen_teacher,
     check_teacher,
+    load_output_layer_shard,
     unpipelined_groups,
 )
 
@@ -109,13 +129,6 @@ def with_kd_args(base: Callable | None = None) -> Callable:
     return provider
 
 
-def _megatron_lm_args() -> argparse.Namespace:
-    # Waits until called: megatron.training is Megatron-LM itself, not megatron-core.
-    from megatron.training import get_args
-
-    return get_args()
-
-
 def check_megatron_args(args: argparse.Namespace):
     """Validate the ``--kd-*`` flags against Megatron-LM's other flags and the teacher
     checkpoint; ``ValueError`` with the offending values. Reads only small files.
@@ -124,11 +137,10 @@ def check_megatron_args(args: argparse.Namespace):
     teacher directory resolved) and the teacher's architecture (None without a teacher).
     """
     kd = KDArgs.from_args(args)
-    if kd.mode != "colocated":
-        raise ValueError(f"--kd-mode {kd.mode} is not supported in Megatron-LM's pretrain_gpt.py "
-                         f"(only colocated is): Megatron-LM lays its process groups over the "
-                         f"whole world, leaving no ranks for a teacher; run `megatron-kd train "
-                         f"--kd-mode {kd.mode}` with the same flags instead")
+    if kd.mode == "offline":
+        raise ValueError("--kd-mode offline is not supported in Megatron-LM's pretrain_gpt.py "
+                         "yet (its data iterator does not give sample indices to read the cache "
+                         "by); run `megatron-kd train --kd-mode offline` with the same flags")
     if getattr(args, "sequence_parallel", False):
         raise ValueError("--sequence-parallel is not supported with --kd-* yet: the student's "
                          "final hidden states would stay sharded along the sequence; drop it")
@@ -184,6 +196,22 @@ class KDState:
     teacher_weight: torch.Tensor | None = None
     """``[local_vocab_size, h_t]`` the teacher's output-layer shard."""
 
+    teacher_arch: Any = None
+    """The teacher's architecture (None without a teacher)."""
+
+    run: int = 0
+    """Disaggregated: this run's id (the same on every rank)."""
+
+    client: Any = None
+    """Disaggregated: the :class:`~megatron_kd.teacher.client.TeacherClient` (made on the first
+    training microbatch)."""
+
+    lookahead: Any = None
+    """The training data iterator, read ahead (see :class:`Lookahead`)."""
+
+    microbatches: int = 0
+    """Training microbatches seen on this chunk."""
+
 
 # A teacher built at the first model_provider call of this process (virtual stage 0), waiting
 # for the call that builds the chunk holding the output layer (the last virtual stage).
@@ -223,7 +251,7 @@ def model_provider(base_model_provider: Callable, pre_process: bool = True,
     first call of the process (``vp_stage`` None or 0) builds and loads the teacher before the
     student, on every rank (collective); ranks off the last pipeline stage drop it at once.
     """
-    args = _megatron_lm_args()
+    args = megatron_lm_args()
     kd, teacher_arch = check_megatron_args(args)
     vp_stage = kwargs.get("vp_stage")
     pg_collection = kwargs.get("pg_collection")
@@ -231,23 +259,33 @@ def model_provider(base_model_provider: Callable, pre_process: bool = True,
         # Before the student: building a student chunk may be collective too (tied embeddings
         # all-reduce between the first and last stage), and with virtual stages the ranks reach
         # those collectives at different calls; the teacher's load must not sit between them.
-        teacher = _build_teacher(kd, teacher_arch, pg_collection,
-                                 keep=_on_last_pipeline_stage(pg_collection))
-        if teacher is not None:
-            _pending_teacher["teacher"] = teacher
+        if kd.mode == "disaggregated":  # only its output layer (collective) and a run id
+            _pending_teacher["weight"] = load_output_layer_shard(
+                kd.teacher_load, teacher_arch, kd.teacher_torch_dtype,
+                _tp_group(pg_collection).size())
+            _pending_teacher["run"] = shared_random_id()
+        else:
+            teacher = _build_teacher(kd, teacher_arch, pg_collection,
+                                     keep=_on_last_pipeline_stage(pg_collection))
+            if teacher is not None:
+                _pending_teacher["teacher"] = teacher
     model = base_model_provider(pre_process=pre_process, post_process=post_process, **kwargs)
     if not post_process:
         return model
     bypass_output_layer(model)
     teacher = _pending_teacher.pop("teacher", None)
-    if teacher_arch is not None and teacher is None:
+    weight = _pending_teacher.pop("weight", None)
+    if teacher is not None:
+        weight = output_layer_weight(teacher)
+    if teacher_arch is not None and weight is None:
         raise RuntimeError("model_provider: the chunk with the output layer was built before the "
                            "teacher (expected virtual stage 0 first)")
     vocab_size = teacher_arch.vocab_size if teacher_arch is not None else \
         getattr(args, "vocab_size", None)
     model.kd_state = KDState(
         kd=kd, config=kd.loss_config(vocab_size=vocab_size), tp_group=_tp_group(pg_collection),
-        teacher=teacher, teacher_weight=None if teacher is None else output_layer_weight(teacher))
+        teacher=teacher, teacher_weight=weight, teacher_arch=teacher_arch,
+        run=_pending_teacher.pop("run", 0))
     return model
 
 
@@ -289,11 +327,8 @@ class _RecordingModel:
         if self.labels is None or self.loss_mask is None:
             raise ValueError("the wrapped forward step must call the model with labels= and "
                              "loss_mask= (as Megatron-LM's pretrain_gpt.forward_step does)")
-        output = self.module(*args, **kwargs)
-        if self._state.teacher is not None:
-            with torch.no_grad():
-                self.teacher_hidden = to_sbh(self._state.teacher(*args, **kwargs))
-        return output
+        self.inputs = (args, kwargs)
+        return self.module(*args, **kwargs)
 
 
 def forward_step(base_forward_step: Callable, data_iterator, model, *args: Any, **kwargs: Any):
@@ -310,15 +345,27 @@ def forward_step(base_forward_step: Callable, data_iterator, model, *args: Any, 
     state = kd_state(model)
     if state is None:  # no output layer on this chunk: nothing to distil here
         return base_forward_step(data_iterator, model, *args, **kwargs)
+    training = unwrap_model(model).training
+    if data_iterator is not None:
+        data_iterator = lookahead(state, data_iterator, training)
+    if training and state.kd.mode == "disaggregated" and state.client is None:
+        start_client(state)
     recorder = _RecordingModel(model, state)
     output, _ = base_forward_step(data_iterator, recorder, *args, **kwargs)
     if not recorder.called:
         raise RuntimeError("the wrapped forward step returned without calling the model")
+    teacher_hidden = microbatch_teacher(state, recorder, training)
+    if training:
+        state.microbatches += 1
+        if state.client is not None and state.microbatches % microbatches_per_step() == 0:
+            write_teacher_scalars(state)
     return output, partial(
         loss_func, recorder.loss_mask, labels=recorder.labels,
-        student_weight=output_layer_weight(model), teacher_hidden=recorder.teacher_hidden,
-        teacher_weight=state.teacher_weight, config=state.config, tp_group=state.tp_group,
-        report_teacher_lm_loss=not unwrap_model(model).training)
+        student_weight=output_layer_weight(model), teacher_hidden=teacher_hidden,
+        teacher_weight=state.teacher_weight if teacher_hidden is not None else None,
+        config=state.config if teacher_hidden is not None or training else
+        dataclasses.replace(state.config, kd_weight=0.0, ce_weight=1.0),
+        tp_group=state.tp_group, report_teacher_lm_loss=not training)
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor, *, labels: torch.Tensor,

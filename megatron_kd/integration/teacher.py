@@ -34,8 +34,10 @@ from megatron_kd.integration.checkpoint import (
 )
 from megatron_kd.integration.gpt import build_gpt_model
 from megatron_kd.integration.output_layer import bypass_output_layer
+from megatron_kd.teacher.client import TeacherClient
+from megatron_kd.teacher.endpoint import parse_endpoint
 
-__all__ = ["build_frozen_teacher", "check_teacher", "load_output_layer_shard",
+__all__ = ["build_frozen_teacher", "check_teacher", "connect_teacher", "load_output_layer_shard",
            "teacher_identity", "unpipelined_groups"]
 
 
@@ -147,3 +149,25 @@ def teacher_identity(teacher_dir: str, arch: GPTArchConfig, dtype: str) -> dict:
     return {"checkpoint": digest.hexdigest()[:16], "vocab_size": arch.vocab_size,
             "padded_vocab_size": arch.padded_vocab_size, "hidden_size": arch.hidden_size,
             "dtype": dtype, "tokenizer_sha256": tokenizer_sha}
+
+
+def connect_teacher(kd, arch: GPTArchConfig, *, run: int, dp_rank: int, tp_group,
+                    micro_batch_size: int, seq_length: int, schedule, device: torch.device,
+                    max_samples: int, log) -> TeacherClient:
+    """The started teacher client of one last-stage student rank, for the replicas at
+    ``kd.teacher_endpoint`` (``kd`` a :class:`~megatron_kd.integration.args.KDArgs`). TP rank 0
+    sends the requests of ``schedule`` (``(step, microbatch, sample_ids, tokens)``); every TP
+    rank receives its chunk of the hidden states over ``tp_group``."""
+    tp = tp_group.size() if tp_group is not None else 1
+    tp_rank = tp_group.rank() if tp_group is not None else 0
+    client = TeacherClient(
+        endpoint=parse_endpoint(kd.teacher_endpoint),
+        expected=teacher_identity(kd.teacher_load, arch, kd.teacher_dtype), run=run,
+        dp_rank=dp_rank, tp_group=tp_group if tp > 1 else None, tp_rank=tp_rank, tp_size=tp,
+        micro_batch_size=micro_batch_size, seq_length=seq_length, hidden_size=arch.hidden_size,
+        dtype=kd.teacher_torch_dtype, wire_dtype=kd.wire, depth=kd.prefetch_depth,
+        timeout_s=kd.teacher_timeout, device=device,
+        schedule=schedule if tp_rank == 0 else None, max_samples=max_samples,
+        log=log if tp_rank == 0 else None)
+    client.start()
+    return client

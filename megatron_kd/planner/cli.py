@@ -34,6 +34,7 @@ _DEFAULTS = {
     "prefetch_depth": 2,
     "topk": 64,
     "cache_entry_bytes": 6,
+    "wire_dtype": "bf16",
     "inter_node_link": "ib-400g",
     "mfu": 0.40,
     "teacher_mfu": 0.40,
@@ -99,6 +100,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--kd-teacher-tensor-model-parallel-size", dest="teacher_tp", type=_size)
     g.add_argument("--kd-teacher-pipeline-model-parallel-size", dest="teacher_pp", type=_size)
     g.add_argument("--kd-teacher-expert-model-parallel-size", dest="teacher_ep", type=_size)
+    _add_distillation_arguments(parser)
+    g = parser.add_argument_group("assumptions")
+    g.add_argument("--mfu", type=float, help="student training MFU (default 0.40)")
+    g.add_argument("--teacher-mfu", type=float, help="teacher forward MFU (default 0.40)")
+    g.add_argument("--link-efficiency", type=float, help="achieved / line rate (default 0.8)")
+    g.add_argument(
+        "--reserve-gib",
+        type=float,
+        help="per-GPU reserve: context, NCCL, fragmentation (default 4)",
+    )
+    g = parser.add_argument_group("output")
+    g.add_argument("--from-args", help="a Megatron-LM launch's own arguments, quoted as one string")
+    g.add_argument("--json", action="store_true", help="print JSON instead of tables")
+
+
+def _add_distillation_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("distillation")
     g.add_argument(
         "--kd-window-size",
@@ -118,19 +135,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         help="bytes per cached entry on storage (default 6: int32 id + bf16 value)",
     )
-    g.add_argument("--modes", help=f"comma-separated subset of {','.join(MODES)}")
-    g = parser.add_argument_group("assumptions")
-    g.add_argument("--mfu", type=float, help="student training MFU (default 0.40)")
-    g.add_argument("--teacher-mfu", type=float, help="teacher forward MFU (default 0.40)")
-    g.add_argument("--link-efficiency", type=float, help="achieved / line rate (default 0.8)")
     g.add_argument(
-        "--reserve-gib",
-        type=float,
-        help="per-GPU reserve: context, NCCL, fragmentation (default 4)",
+        "--kd-teacher-replicas",
+        dest="teacher_replicas",
+        type=int,
+        help="disaggregated: plan with this many teacher replicas (default: as many as needed)",
     )
-    g = parser.add_argument_group("output")
-    g.add_argument("--from-args", help="a Megatron-LM launch's own arguments, quoted as one string")
-    g.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    g.add_argument(
+        "--kd-wire-dtype",
+        dest="wire_dtype",
+        choices=["fp32", "bf16", "fp8"],
+        help="hidden states on the disaggregated wire (default bf16)",
+    )
+    g.add_argument("--modes", help=f"comma-separated subset of {','.join(MODES)}")
 
 
 def build_options(args: argparse.Namespace) -> tuple[PlanOptions, list[str]]:
@@ -193,6 +210,8 @@ def build_options(args: argparse.Namespace) -> tuple[PlanOptions, list[str]]:
         prefetch_depth=values["prefetch_depth"],
         topk=values["topk"],
         cache_entry_bytes=values["cache_entry_bytes"],
+        wire_dtype=values["wire_dtype"],
+        teacher_replicas=values.get("teacher_replicas"),
         mfu=values["mfu"],
         teacher_mfu=values["teacher_mfu"],
         link_efficiency=values["link_efficiency"],

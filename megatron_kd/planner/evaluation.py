@@ -138,7 +138,8 @@ def _teacher_input_terms(opts: PlanOptions, mode: str, layout: ParallelLayout) -
         }
     if mode == "disaggregated":
         shard = mem.teacher_output_layer_bytes(teacher, layout, opts.precision.param_bytes)
-        ring = mem.ring_bytes(teacher, layout, s, b, opts.prefetch_depth, opts.hidden_elem_bytes)
+        ring = mem.ring_bytes(teacher, layout, s, b, opts.prefetch_depth, opts.hidden_elem_bytes,
+                              tr.wire_bytes_per_token(teacher.hidden_size, opts.wire_dtype))
         return {
             "teacher output-layer shard": shard,
             "ring slots (D x 1/t seq)": ring["ring_slots"],
@@ -187,7 +188,8 @@ def teacher_inference_terms(
     )
     if last:
         terms["send slots (D x 1/t seq)"] = (
-            opts.prefetch_depth * s * b * teacher.hidden_size * opts.hidden_elem_bytes / layout.tp
+            opts.prefetch_depth * s * b
+            * tr.wire_bytes_per_token(teacher.hidden_size, opts.wire_dtype) / layout.tp
         )
     terms["reserve (context, NCCL, frag.)"] = opts.reserve_bytes
     return terms
@@ -343,6 +345,17 @@ def _add_disaggregated_teacher(
         opts.teacher_mfu,
         tr.forward_flops_per_token(opts.teacher, opts.seq_length, include_output_layer=False),
     )
+    if opts.teacher_replicas is not None:
+        if opts.teacher_replicas < replicas:  # the student waits for its teachers
+            tokens = opts.global_batch_size * opts.seq_length
+            plan.student_tokens_per_s = tr.served_tokens_per_s(
+                plan.student_tokens_per_s, opts.teacher_replicas, per_replica)
+            plan.step_time_s = tokens / plan.student_tokens_per_s
+            plan.notes.append(
+                f"teacher-bound: {opts.teacher_replicas} replica(s) give "
+                f"{plan.student_tokens_per_s:,.0f} tokens/s; the student's rate "
+                f"needs {replicas}")
+        replicas = opts.teacher_replicas
     plan.teacher_replicas = replicas
     plan.teacher_gpus = replicas * tl.world_size
     plan.teacher_nodes = math.ceil(plan.teacher_gpus / opts.gpus_per_node)
@@ -366,16 +379,19 @@ def _add_hidden_traffic(
     s, b, t = opts.seq_length, opts.micro_batch_size, layout.tp
     step = plan.step_time_s
     per_dp = tr.hidden_bytes_per_step_per_dp_rank(
-        opts.teacher, opts.global_batch_size, layout.dp, s, opts.hidden_elem_bytes
+        opts.teacher, opts.global_batch_size, layout.dp, s, opts.wire_dtype
     )
     per_tp = per_dp / t
     need = per_tp / step
+    plan.wire["token id bytes/step/student DP rank (to teacher)"] = (
+        tr.token_bytes_per_step_per_dp_rank(opts.global_batch_size, layout.dp, s))
     plan.wire["hidden bytes/step/student DP rank"] = per_dp
     plan.wire["hidden bytes/step/student TP rank"] = per_tp
     plan.wire["hidden GB/s needed per student GPU"] = need / 1e9
     plan.wire["inter-node link GB/s (x efficiency)"] = link / 1e9
     sender = (
-        plan.student_tokens_per_s / replicas * opts.teacher.hidden_size * opts.hidden_elem_bytes
+        plan.student_tokens_per_s / replicas
+        * tr.wire_bytes_per_token(opts.teacher.hidden_size, opts.wire_dtype)
     )
     sender /= tl.tp * tl.dp
     plan.wire["hidden GB/s needed per teacher sending GPU"] = sender / 1e9

@@ -34,6 +34,7 @@ _RENAMED = {
     "kd_window_size": "window_size",
     "kd_prefetch_depth": "prefetch_depth",
     "kd_topk": "topk",
+    "kd_wire_dtype": "wire_dtype",
 }
 
 
@@ -89,6 +90,7 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument(f"--{name}", type=int, default=None)
     for name in ("hidden-dropout", "attention-dropout"):
         p.add_argument(f"--{name}", type=float, default=None)
+    p.add_argument("--kd-wire-dtype", choices=["fp32", "bf16", "fp8"], default=None)
     for name in ("recompute-granularity", "recompute-method", "kd-teacher-load"):
         p.add_argument(f"--{name}", default=None)
     for name in (

@@ -205,15 +205,19 @@ def ring_bytes(
     micro_batch_size: int,
     prefetch_depth: int,
     hidden_bytes: int = 2,
+    wire_bytes_per_token: int | None = None,
 ) -> dict[str, float]:
-    """Disaggregated receive side on one student TP rank: ``D`` slots of ``1/t`` of the sequence and
-    the one gathered ``[s, b, h_t]`` buffer in use."""
+    """Disaggregated receive side on one student TP rank: ``D`` slots of ``1/t`` of the sequence
+    (``wire_bytes_per_token`` each token, default ``h_t * hidden_bytes``) and the one gathered
+    ``[s, b, h_t]`` buffer in use."""
     if prefetch_depth <= 0:
         raise ValueError(
             f"prefetch_depth must be >= 1 for the disaggregated ring, got {prefetch_depth}"
         )
     n = seq_length * micro_batch_size
-    slot = n * teacher.hidden_size * hidden_bytes / layout.tp
+    per_token = (teacher.hidden_size * hidden_bytes if wire_bytes_per_token is None
+                 else wire_bytes_per_token)
+    slot = n * per_token / layout.tp
     return {
         "ring_slots": prefetch_depth * slot,
         "gathered_hidden": n * teacher.hidden_size * hidden_bytes,

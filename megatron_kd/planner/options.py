@@ -104,7 +104,17 @@ class PlanOptions:
     is the device memory (CPU runs: ``D`` queued, one being decoded, one in use)."""
 
     hidden_elem_bytes: int = 2
-    """Bytes per element of the streamed hidden states (bf16)."""
+    """Bytes per element of the teacher's hidden states once received (its dtype, bf16): the
+    all-gather over the student's TP group and the gathered buffer."""
+
+    teacher_replicas: int | None = None
+    """Disaggregated: the number of teacher replicas to plan with (None: as many as the
+    student's rate needs). With fewer, the student waits for its teacher: its step is the
+    replicas' time for the step's tokens."""
+
+    wire_dtype: str = "bf16"
+    """``--kd-wire-dtype``: the hidden states' element type on the wire (fp32, bf16, or fp8
+    with one fp32 scale per token)."""
 
     loss_stats: int = 5
     """fp32 per-row values the fused loss all-reduces over TP per window: forward KL needs the
@@ -146,6 +156,13 @@ class PlanOptions:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"PlanOptions.{name} must be a positive int, got {value!r}")
+        if self.teacher_replicas is not None and (
+                not isinstance(self.teacher_replicas, int) or self.teacher_replicas <= 0):
+            raise ValueError(f"PlanOptions.teacher_replicas must be a positive int or None, got "
+                             f"{self.teacher_replicas!r}")
+        if self.wire_dtype not in ("fp32", "bf16", "fp8"):
+            raise ValueError(f"PlanOptions.wire_dtype must be fp32, bf16 or fp8, got "
+                             f"{self.wire_dtype!r}")
         for name in ("window_size", "loss_block_elements"):
             value = getattr(self, name)
             if value is not None and (

@@ -26,8 +26,11 @@ Traffic per optimizer step (the quantities a run can count)
 ------------------------------------------------------------
 * teacher -> student hidden states (disaggregated; crosses the inter-node link: teachers live on
   their own nodes): every token a student data-parallel rank trains on arrives once, as ``h_t``
-  elements: exactly ``(G / dp) * s * h_t * elem_bytes`` bytes per student DP rank, each of its ``t``
-  last-stage TP ranks receiving ``1/t`` of it.
+  elements of the wire's type (``--kd-wire-dtype``: fp32 4 bytes, bf16 2, fp8 1 plus one fp32
+  scale per token): exactly ``(G / dp) * s * wire_bytes_per_token`` bytes per student DP rank,
+  each of its ``t`` last-stage TP ranks receiving ``1/t`` of it.
+* student -> teacher token ids: 4 bytes (int32) per token, ``(G / dp) * s * 4`` per student DP
+  rank, sent by its last-stage TP rank 0.
 * intra-node all-gather of the received shards inside the student TP group: each TP rank receives
   ``(t-1)/t`` of every micro-batch's ``[s, b, h_t]``: ``m * (t-1)/t * s*b*h_t*elem_bytes``.
 * TP all-reduces of the fused loss: ``loss_stats`` fp32 values per row and window (running maxima,
@@ -48,6 +51,21 @@ from __future__ import annotations
 import math
 
 from megatron_kd.planner.models import ModelConfig
+
+#: Bytes per element of each ``--kd-wire-dtype``, and per token on top (fp8's fp32 scale).
+WIRE_ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "fp8": 1}
+WIRE_TOKEN_EXTRA_BYTES = {"fp32": 0, "bf16": 0, "fp8": 4}
+
+#: Bytes per token id a student sends its teacher.
+TOKEN_ID_BYTES = 4
+
+
+def wire_bytes_per_token(hidden_size: int, wire_dtype: str) -> int:
+    """Teacher -> student bytes of one token's final hidden state on the wire."""
+    if wire_dtype not in WIRE_ELEMENT_BYTES:
+        raise ValueError(f"wire dtype must be one of {sorted(WIRE_ELEMENT_BYTES)}, "
+                         f"got {wire_dtype!r}")
+    return hidden_size * WIRE_ELEMENT_BYTES[wire_dtype] + WIRE_TOKEN_EXTRA_BYTES[wire_dtype]
 
 
 def attention_keys_mean(seq_length: int, window: int) -> float:
@@ -113,28 +131,25 @@ def step_time_s(
     return flops_per_step / (gpus * peak_flops * mfu) * (1 + (pp - 1) / num_microbatches)
 
 
-def hidden_bytes_per_step_per_dp_rank(
-    teacher: ModelConfig, global_batch_size: int, dp: int, seq_length: int, elem_bytes: int = 2
-) -> int:
-    """Teacher -> student bytes per step for one student data-parallel rank (exact)."""
+def tokens_per_step_per_dp_rank(global_batch_size: int, dp: int, seq_length: int) -> int:
     if global_batch_size % dp:
         raise ValueError(f"global_batch_size={global_batch_size} is not a multiple of dp={dp}")
-    return global_batch_size // dp * seq_length * teacher.hidden_size * elem_bytes
+    return global_batch_size // dp * seq_length
 
 
-def hidden_bytes_per_step_per_tp_rank(
-    teacher: ModelConfig,
-    global_batch_size: int,
-    dp: int,
-    tp: int,
-    seq_length: int,
-    elem_bytes: int = 2,
-) -> float:
-    """The ``1/t`` share of a DP rank's bytes one last-stage TP rank receives."""
-    return (
-        hidden_bytes_per_step_per_dp_rank(teacher, global_batch_size, dp, seq_length, elem_bytes)
-        / tp
-    )
+def hidden_bytes_per_step_per_dp_rank(
+    teacher: ModelConfig, global_batch_size: int, dp: int, seq_length: int,
+    wire_dtype: str = "bf16",
+) -> int:
+    """Teacher -> student bytes per step for one student data-parallel rank (exact: what a run
+    logs as ``kd_wire_bytes_per_dp_rank``)."""
+    return tokens_per_step_per_dp_rank(global_batch_size, dp, seq_length) * \
+        wire_bytes_per_token(teacher.hidden_size, wire_dtype)
+
+
+def token_bytes_per_step_per_dp_rank(global_batch_size: int, dp: int, seq_length: int) -> int:
+    """Student -> teacher bytes per step for one student data-parallel rank (the token ids)."""
+    return tokens_per_step_per_dp_rank(global_batch_size, dp, seq_length) * TOKEN_ID_BYTES
 
 
 def allgather_bytes_per_step_per_rank(
@@ -182,3 +197,10 @@ def replicas_needed(
     """(replicas, tokens/s of one replica) so that teachers keep up with the student."""
     per_replica = replica_gpus * peak_flops * mfu / teacher_flops_per_token
     return max(1, math.ceil(student_tokens_per_s / per_replica - 1e-9)), per_replica
+
+
+def served_tokens_per_s(student_tokens_per_s: float, replicas: int,
+                        replica_tokens_per_s: float) -> float:
+    """Student tokens/s with ``replicas`` teacher replicas: the student's own rate, or what the
+    replicas serve when that is less (the student then waits for its teachers)."""
+    return min(student_tokens_per_s, replicas * replica_tokens_per_s)

@@ -116,6 +116,10 @@ class TeacherClient:
         self.outstanding: collections.deque[Outstanding] = collections.deque()
         self.next_request = 0  # the id of the next request to send
         self.bytes_this_step = 0
+        self._tokens: dict[str, int] = {}  # this step's tokens answered, by replica id (TP 0)
+        self._peer_ids: dict[str, str] = {}  # link peer name -> replica id
+        self._wait_s = self._occupancy = 0.0  # this step's: seconds waited, ring fill summed
+        self._asks = 0
         self.failovers: list[dict] = []
         self.replica: ReplicaRecord | None = None
         self.tried: list[str] = []
@@ -151,6 +155,7 @@ class TeacherClient:
         device = link_device(self.device.type, record.layout.get("device", "cpu"))
         store = _store(record, self.timeout_s)
         peer = str(record)
+        self._peer_ids[peer] = record.replica
         self._links = []
         if self.tp_rank == 0:
             self.request_link = Link(store, f"conn/{conn}/req", 1, device=device,
@@ -241,6 +246,11 @@ class TeacherClient:
         except LinkDown:
             works = []  # the replica is gone: found when its response does not come
         self._sends.append((works, header, tokens))
+        slot = self._slots.get(out.request % self.depth)
+        if works and slot is not None and slot[0] == out.request and slot[3] is not None:
+            # its answer will come: arrival seen without waiting (the ring's occupancy)
+            self._slots[out.request % self.depth] = (*slot[:3], slot[4].watch(slot[3]),
+                                                     *slot[4:])
 
     def _post(self, request: int) -> None:
         """Post the receive of ``request``'s response into its slot."""
@@ -272,6 +282,9 @@ class TeacherClient:
                                f"{microbatch} (samples {sample_ids}) but the next request is "
                                f"step {head.step} microbatch {head.microbatch} (samples "
                                f"{head.sample_ids})")
+        if self.tp_rank == 0:  # the ring as the rank that sends sees it
+            self._occupancy += self._arrived() / len(self.outstanding)
+            self._asks += 1
         t0 = time.monotonic()
         while True:
             chunk, failure = self._take(head)
@@ -279,6 +292,7 @@ class TeacherClient:
                 self._failover(head, failure, t0)
                 continue
             break
+        self._wait_s += time.monotonic() - t0
         self.outstanding.popleft()
         if self._draining and all(slot[4] not in self._draining for slot in self._slots.values()
                                   if slot[0] > head.request):
@@ -318,6 +332,10 @@ class TeacherClient:
                                student_rank=dist.get_rank() if dist.is_initialized() else 0)
         self._response = response
         self.bytes_this_step += sum(p.numel() * p.element_size() for p in parts)
+        if self.tp_rank == 0:
+            replica = self._peer_ids.get(link.peer, link.peer)
+            self._tokens[replica] = self._tokens.get(replica, 0) + self.seq_length * len(
+                response.sample_ids)
         return parts, None
 
     def _agree(self, head: Outstanding, failure: str | None) -> bool:
@@ -422,9 +440,31 @@ class TeacherClient:
     def bytes_per_token(self) -> int:
         return wire_bytes_per_token(self.shape[2], self.wire_dtype)
 
-    def take_step_bytes(self) -> int:
-        n, self.bytes_this_step = self.bytes_this_step, 0
+    def _arrived(self) -> int:
+        """Outstanding responses already received in full (without waiting)."""
+        n = 0
+        for out in self.outstanding:
+            slot = self._slots.get(out.request % self.depth)
+            if slot is not None and slot[0] == out.request and slot[3] is not None and all(
+                    w.is_completed() for w in slot[3]):
+                n += 1
         return n
+
+    def take_step_stats(self) -> dict:
+        """Since the last call: bytes received, seconds waited for responses, the mean
+        fraction of the prefetched responses (up to ``depth``) already there when one was asked for
+        (TP rank 0; None when none was, or elsewhere), and tokens answered by each replica
+        (TP rank 0; else empty)."""
+        stats = {"bytes": self.bytes_this_step, "wait_s": self._wait_s,
+                 "occupancy": self._occupancy / self._asks if self._asks else None,
+                 "tokens_by_replica": self._tokens}
+        self.bytes_this_step, self._wait_s, self._occupancy, self._asks = 0, 0.0, 0.0, 0
+        self._tokens = {}
+        return stats
+
+    def live_replicas(self) -> int:
+        """Replicas registered at the endpoint and not found dead by this client."""
+        return sum(1 for r in self.endpoint.replicas() if r.replica not in self._dead)
 
     def close(self) -> None:
         """Drop the links (any receive still posted ends; the replica forgets the connection)."""

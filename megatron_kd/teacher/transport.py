@@ -19,11 +19,21 @@ Waiting is done on the host, with a deadline (:meth:`Link.wait`):
 
 Either way a dead or silent peer is a :class:`LinkDown` naming it, never a hang or a watchdog
 kill, and the link is aborted.
+
+gloo's receive says it is complete only once ``wait`` has returned, so receives whose arrival
+must be seen without blocking (the student's prefetch ring: how many responses are already
+there) are handed to :meth:`Link.watch` once their request is sent: the link's watcher thread
+waits on them in order, each for at most ``timeout_s`` from when it started on it (never longer
+than a caller's own deadline, which starts later), and marks each done; :meth:`Link.wait` then
+waits on that mark. Only receives whose answer will come are watched (a thread blocked in gloo
+cannot be woken).
 """
 
 from __future__ import annotations
 
 import datetime
+import queue
+import threading
 import time
 
 import torch
@@ -41,6 +51,23 @@ def link_backend(device: torch.device) -> str:
     if device.type == "cuda" and dist.is_nccl_available():
         return "nccl"
     return "gloo"
+
+
+class _Watched:
+    """A gloo receive waited on by its link's watcher thread: :meth:`is_completed` says whether
+    it has arrived (gloo's own says so only after ``wait``)."""
+
+    def __init__(self, work) -> None:
+        self.work = work
+        self.done = threading.Event()
+        self.error: BaseException | None = None
+
+    def is_completed(self) -> bool:
+        return self.done.is_set()
+
+
+#: Seconds past its own deadline the watcher thread may take to report (it starts earlier).
+_WATCH_GRACE_S = 5.0
 
 
 class Link:
@@ -61,6 +88,7 @@ class Link:
         self.backend = link_backend(self.device)
         self.timeout_s = timeout_s
         self.aborted = False
+        self._watch: queue.SimpleQueue | None = None  # receives for the watcher thread
         timeout = datetime.timedelta(seconds=timeout_s)
         prefixed = dist.PrefixStore(prefix, store)
         try:
@@ -82,6 +110,34 @@ class Link:
         """Start receiving into ``tensors`` in order; returns the works."""
         return [self._op(self.pg.recv, t, tag) for t in tensors]
 
+    def watch(self, works: list) -> list:
+        """``works`` (receives of this link whose answer was asked for), whose
+        ``is_completed()`` tells arrival without blocking on gloo too (the watcher thread);
+        wait on the returned works, not on ``works``. NCCL's say so already: returned as is."""
+        if self.backend != "gloo" or self.aborted:
+            return works
+        if self._watch is None:
+            self._watch = queue.SimpleQueue()
+            threading.Thread(target=self._watcher, args=(self._watch,), daemon=True,
+                             name=f"kd-link-watch-{self.peer}").start()
+        watched = [_Watched(w) for w in works]
+        for w in watched:
+            self._watch.put(w)
+        return watched
+
+    def _watcher(self, todo: queue.SimpleQueue) -> None:
+        """Wait on each watched receive in order; after a failure fail the rest at once (the
+        link is down)."""
+        failed: BaseException | None = None
+        while (item := todo.get()) is not None:
+            if failed is None:
+                try:
+                    item.work.wait(datetime.timedelta(seconds=self.timeout_s))
+                except RuntimeError as e:
+                    failed = e
+            item.error = failed
+            item.done.set()
+
     def _op(self, fn, tensor: torch.Tensor, tag: int):
         if tensor.device.type != self.device.type:
             raise ValueError(f"a {self.backend} link moves {self.device.type} tensors, got one "
@@ -101,7 +157,12 @@ class Link:
         for work in works:
             remaining = deadline - time.monotonic()
             try:
-                if self.backend == "nccl":
+                if isinstance(work, _Watched):
+                    if not work.done.wait(max(remaining, 0.0) + _WATCH_GRACE_S):
+                        raise TimeoutError(f"no answer within {self.timeout_s:g} s")
+                    if work.error is not None:
+                        raise RuntimeError(str(work.error)) from work.error
+                elif self.backend == "nccl":
                     while not work.is_completed():
                         if time.monotonic() > deadline:
                             raise TimeoutError(f"no answer within {self.timeout_s:g} s")
@@ -122,6 +183,8 @@ class Link:
         if self.aborted:
             return
         self.aborted = True
+        if self._watch is not None:
+            self._watch.put(None)  # the watcher ends after the receive it is waiting on
         try:
             (getattr(self.pg, "abort", None) or getattr(self.pg, "_shutdown"))()
         except RuntimeError:

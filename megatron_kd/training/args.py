@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 
 from megatron_kd.integration.args import add_kd_args
+from megatron_kd.training.metrics import add_metric_args
 
 __all__ = ["add_arguments", "parse_args"]
 
@@ -16,6 +17,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     _add_training_args(parser)
     _add_data_args(parser)
     _add_logging_args(parser)
+    add_metric_args(parser)
     add_kd_args(parser)
 
 

@@ -20,7 +20,6 @@ import sys
 import numpy as np
 import torch
 import torch.distributed as dist
-
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
@@ -41,6 +40,7 @@ from megatron_kd.integration.checkpoint import (
 from megatron_kd.integration.cpu_shim import checkpoint_save_strategy
 from megatron_kd.integration.groups import collective_device
 from megatron_kd.integration.output_layer import unwrap_model
+
 
 def _rng_state() -> dict:
     return {

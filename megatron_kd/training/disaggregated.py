@@ -11,24 +11,23 @@ by sample index), and the hidden states come back chunked over the TP group.
 
 from __future__ import annotations
 
-import random
+import sys
 
 import torch
 import torch.distributed as dist
 
 from megatron_kd.data.datasets import BatchPlan, collate
-from megatron_kd.integration.teacher import load_output_layer_shard, teacher_identity
+from megatron_kd.integration.groups import collective_device, shared_random_id
+from megatron_kd.integration.teacher import connect_teacher, load_output_layer_shard
 from megatron_kd.teacher.client import TeacherClient
-from megatron_kd.teacher.endpoint import parse_endpoint
 
-__all__ = ["run_id", "teacher_client", "training_schedule"]
+__all__ = ["log_event", "run_id", "start_teacher_client", "step_teacher_stats",
+           "training_schedule"]
 
 
 def run_id() -> int:
     """A random id for this run, the same on every rank (collective over the default group)."""
-    value = [random.SystemRandom().getrandbits(62) if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(value, src=0)
-    return value[0]
+    return shared_random_id()
 
 
 def output_layer_shard(plan, tp: int) -> torch.Tensor:
@@ -49,15 +48,59 @@ def training_schedule(dataset, batches: BatchPlan, global_batch_size: int, start
             yield step, m, ids, collate([dataset[i] for i in ids])["tokens"]
 
 
-def teacher_client(*, plan, args, run: int, dp_rank: int, tp_group, tp_rank: int, tp: int,
-                   schedule, device: torch.device, log) -> TeacherClient:
-    """The client of one last-stage student rank (not yet started)."""
-    arch = plan.teacher_arch
-    return TeacherClient(
-        endpoint=parse_endpoint(plan.kd.teacher_endpoint),
-        expected=teacher_identity(plan.kd.teacher_load, arch, plan.kd.teacher_dtype), run=run,
-        dp_rank=dp_rank, tp_group=tp_group if tp > 1 else None, tp_rank=tp_rank, tp_size=tp,
-        micro_batch_size=args.micro_batch_size, seq_length=args.seq_length,
-        hidden_size=arch.hidden_size, dtype=plan.kd.teacher_torch_dtype, wire_dtype=plan.kd.wire,
-        depth=plan.kd.prefetch_depth, timeout_s=plan.kd.teacher_timeout, device=device,
-        schedule=schedule if tp_rank == 0 else None, max_samples=args.micro_batch_size, log=log)
+def start_teacher_client(trainer, start: int, stop: int) -> TeacherClient:
+    """The started client of one last-stage student rank for steps ``[start, stop)``."""
+    plan, args = trainer.plan, trainer.args
+    schedule = training_schedule(trainer.train_ds, trainer.batches, plan.global_batch_size,
+                                 start, stop)
+    return connect_teacher(
+        plan.kd, plan.teacher_arch, run=trainer.run_id, dp_rank=trainer.dp_rank,
+        tp_group=trainer.tp_group if plan.tp > 1 else None,
+        micro_batch_size=args.micro_batch_size, seq_length=args.seq_length, schedule=schedule,
+        device=collective_device(), max_samples=args.micro_batch_size, log=log_event)
+
+
+def step_teacher_stats(trainer, num_microbatches: int) -> dict:
+    """This step's teacher traffic and waits, over the student's ranks (one all-reduce):
+    bytes of hidden states received and of token ids sent (4 a token, from each TP group's
+    rank 0), seconds a receiving rank waited (mean over them), the prefetch ring's fill when
+    a response was asked for (mean over the TP ranks 0, which send), live replicas (as DP rank
+    0's TP rank 0 sees them), failovers (each also one JSON line) and tokens answered by each
+    replica (one object gather)."""
+    remote = trainer.remote
+    stats = remote.take_step_stats() if remote is not None else {
+        "bytes": 0, "wait_s": 0.0, "occupancy": None}
+    head = remote is not None and trainer.tp_rank == 0
+    sent = num_microbatches * trainer.args.micro_batch_size * trainer.args.seq_length * 4 \
+        if head else 0
+    events = []
+    if head:
+        events, trainer._events_seen = (remote.failovers[trainer._events_seen:],
+                                        len(remote.failovers))
+    live = remote.live_replicas() if head and trainer.dp_rank == 0 else 0
+    occupancy = stats["occupancy"]
+    vec = torch.tensor([stats["bytes"], sent, len(events), stats["wait_s"], remote is not None,
+                        occupancy or 0.0, occupancy is not None, live],
+                       dtype=torch.float64, device=collective_device())
+    dist.all_reduce(vec)
+    got, sent, failovers, wait_s, receivers, fill, senders, live = vec.tolist()
+    # tokens each replica answered (TP rank 0 of each DP rank counts), and, in a step with
+    # failovers, every event as one JSON line each (rank 0): one object gather
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (stats.get("tokens_by_replica", {}), events))
+    by_replica: dict[str, int] = {}
+    for tokens, rank_events in gathered:
+        for replica, n in tokens.items():
+            by_replica[replica] = by_replica.get(replica, 0) + n
+        for event in rank_events:
+            trainer._json_log.write({"step": trainer._step, **event})
+    return {"kd_wire_bytes": int(got), "kd_wire_bytes_per_dp_rank": int(got) // trainer.plan.dp,
+            "kd_wire_bytes_to_teacher": int(sent), "failovers": int(failovers),
+            "kd_teacher_wait_s": round(wait_s / receivers, 6) if receivers else 0.0,
+            "kd_ring_occupancy": round(fill / senders, 4) if senders else None,
+            "kd_live_replicas": int(live), "kd_replica_tokens": by_replica}
+
+
+def log_event(line: str) -> None:
+    """A failover or rebalance event of a teacher client, on stderr."""
+    print(f"megatron-kd[rank {dist.get_rank()}]: {line}", file=sys.stderr, flush=True)

@@ -29,12 +29,12 @@ from megatron_kd.data.datasets import (
     parse_data_path,
 )
 from megatron_kd.data.tokenizer import HFTokenizer, MockTokenizer, tokenizer_difference
-from megatron_kd.integration.args import KDArgs
 from megatron_kd.integration.arch import GPTArchConfig
+from megatron_kd.integration.args import KDArgs
 from megatron_kd.integration.checkpoint import read_checkpoint_extra
 from megatron_kd.integration.cpu_shim import on_cpu
-from megatron_kd.parallel import check_parallel_sizes, pad_vocab_size
 from megatron_kd.integration.teacher import check_teacher
+from megatron_kd.parallel import check_parallel_sizes, pad_vocab_size
 
 __all__ = ["Plan", "build_datasets", "plan_run", "resolve_tokenizer"]
 

@@ -41,6 +41,7 @@ from megatron_kd.integration.teacher import build_frozen_teacher, check_teacher,
 from megatron_kd.parallel import Layout
 from megatron_kd.teacher.endpoint import parse_endpoint
 from megatron_kd.teacher.service import TeacherService
+from megatron_kd.training.metrics import MetricWriters, service_scalars
 
 __all__ = ["add_arguments", "run"]
 
@@ -70,6 +71,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--seed", type=int, default=1234)
     s.add_argument("--log-json", default=None, help="append the replica's log lines here")
     s.add_argument("--stats-interval", type=float, default=10.0, metavar="SECONDS")
+    s.add_argument("--tensorboard-dir", default=None,
+                   help="the replica's stats as TensorBoard scalars (teacher/...)")
+    s.add_argument("--tensorboard-queue-size", type=int, default=1000)
+    s.add_argument("--wandb-project", default="", help="the replica's stats to this W&B project")
+    s.add_argument("--wandb-exp-name", default="")
+    s.add_argument("--wandb-save-dir", default="")
     r = sub.add_parser("registry", help="a host:port endpoint (a TCPStore) until stopped")
     r.add_argument("--port", type=int, required=True)
     r.add_argument("--host", default="0.0.0.0")
@@ -140,12 +147,20 @@ def _service(args: argparse.Namespace, teacher_dir: str, arch, tp: int, pp: int)
     device = torch.device("cpu") if on_cpu() else torch.device("cuda", torch.cuda.current_device())
     log_file = open(args.log_json, "a", encoding="utf-8") if (  # noqa: SIM115 - lives as long
             args.log_json and dist.get_rank() == 0) else None   # as the process
+    writers = MetricWriters(args, dist.get_rank() == 0)  # closed at exit (atexit in both)
+    started = time.monotonic()
 
     def log(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
         if log_file is not None:
             log_file.write(line + "\n")
             log_file.flush()
+        record = json.loads(line)
+        if record.get("event") in ("stats", "stopped"):
+            seconds = int(time.monotonic() - started)
+            writers.step(seconds, record.get("samples", 0), service_scalars(record))
+            if record["event"] == "stopped":
+                writers.close()
 
     return TeacherService(
         last_stage_ranks=last_stage, identity=teacher_identity(teacher_dir, arch,

@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import sys
 import time
 
 import torch
@@ -69,11 +68,20 @@ from megatron_kd.training.checkpointing import (
 from megatron_kd.training.disaggregated import (
     output_layer_shard,
     run_id,
-    teacher_client,
-    training_schedule,
+    start_teacher_client,
+    step_teacher_stats,
 )
 from megatron_kd.training.faults import ExitSignal, FiniteGuard
-from megatron_kd.training.logs import JsonLog, Progress, RunRecord, peak_memory
+from megatron_kd.training.logs import (
+    JsonLog,
+    Progress,
+    RunRecord,
+    peak_memory,
+    reduce_reports,
+    run_summary,
+    step_cache_stats,
+)
+from megatron_kd.training.metrics import MetricWriters, StepTimers, eval_scalars, step_scalars
 from megatron_kd.training.plan import Plan, build_datasets
 
 __all__ = ["Trainer"]
@@ -120,6 +128,8 @@ class Trainer:
         self._json_log = JsonLog(None, False)
         self._events_seen = 0
         self._step = self._microbatch = 0
+        self.timers = StepTimers(getattr(args, "timing_log_level", 0))
+        self.writers = MetricWriters(args, False)
         self._build_student()
         self._build_teacher()
         self._build_data()
@@ -217,14 +227,16 @@ class Trainer:
                              "teacher_topk_logprobs"))
         if self.remote is not None and not self._evaluating:
             step, mb, ids = self._expected.pop(0)
-            out["teacher_hidden"] = self.remote.hidden(step, mb, ids)
+            with self.timers.time("teacher-wait"):
+                out["teacher_hidden"] = self.remote.hidden(step, mb, ids)
             out["teacher_weight"] = self.teacher_weight
             self.guard.watch(m, f"teacher hidden states received from {self.remote.replica}",
                              out["teacher_hidden"])
         elif self.topk is not None and not self._evaluating:
             step, mb, ids = self._expected.pop(0)
             try:
-                out["teacher_topk_ids"], out["teacher_topk_logprobs"] = self.topk.next(ids)
+                with self.timers.time("teacher-wait"):
+                    out["teacher_topk_ids"], out["teacher_topk_logprobs"] = self.topk.next(ids)
             except FloatingPointError as e:  # decoded NaN / inf: named with the step here
                 raise FloatingPointError(f"non-finite teacher values (NaN or inf) at step "
                                          f"{self._step}, microbatch {m}: {e}; no optimizer "
@@ -232,7 +244,7 @@ class Trainer:
             self.guard.watch(m, f"top-K log-probs of samples {ids} read from the cache "
                                 f"{self.plan.kd.topk_cache}", out["teacher_topk_logprobs"])
         elif self.teacher is not None:
-            with torch.no_grad():
+            with torch.no_grad(), self.timers.time("teacher-forward"):
                 out["teacher_hidden"] = to_sbh(self.teacher(tokens, position_ids, None))
             out["teacher_weight"] = output_layer_weight(self.teacher)
             self.guard.watch(m, f"hidden states of the colocated teacher "
@@ -243,7 +255,8 @@ class Trainer:
         """``loss_func``, its non-finite-loss errors naming the teacher source when it is one."""
         def named(output_tensor):
             try:
-                return loss_func(output_tensor)
+                with self.timers.time("loss-forward"):
+                    return loss_func(output_tensor)
             except FloatingPointError as e:
                 raise self.guard.diagnose(self._step, e) from e
         return named
@@ -251,7 +264,7 @@ class Trainer:
     def _run_schedule(self, microbatches: list, forward_only: bool) -> list:
         forward_backward = get_forward_backward_func()
         self._microbatch = 0
-        with device_context():
+        with device_context(), self.timers.time("forward-backward"):
             return forward_backward(
                 forward_step_func=self._forward_step, data_iterator=iter(microbatches),
                 model=[self.model], num_microbatches=len(microbatches),
@@ -259,24 +272,7 @@ class Trainer:
                 forward_only=forward_only)
 
     def _reduce_reports(self, reports: list) -> dict[str, torch.Tensor | None]:
-        """Sum ``[sum, tokens]`` pairs over microbatches and data-parallel ranks, onto every
-        rank (one all-reduce over the world; only last-stage TP-rank-0 ranks contribute)."""
-        device = collective_device()  # NCCL reduces device tensors only; gloo host tensors
-        vec = torch.zeros(2 * len(self.REPORT_KEYS), dtype=torch.float64, device=device)
-        present = torch.zeros(len(self.REPORT_KEYS), dtype=torch.float64, device=device)
-        if self.is_last and self.tp_rank == 0:
-            for rep in reports:
-                for i, key in enumerate(self.REPORT_KEYS):
-                    if key in rep:
-                        vec[2 * i: 2 * i + 2] += rep[key].double().to(device)
-                        present[i] = 1
-        both = torch.cat([vec, present])
-        dist.all_reduce(both)
-        both = both.cpu()
-        out = {}
-        for i, key in enumerate(self.REPORT_KEYS):
-            out[key] = both[2 * i: 2 * i + 2] if both[2 * len(self.REPORT_KEYS) + i] > 0 else None
-        return out
+        return reduce_reports(reports, self.REPORT_KEYS, self.is_last and self.tp_rank == 0)
 
     def train_step(self, consumed_samples: int) -> dict:
         self.model.train()
@@ -291,7 +287,7 @@ class Trainer:
                               for m in range(len(microbatches))]
         reports = self._run_schedule(microbatches, forward_only=False)
         self.guard.check(self._step)  # before the optimizer takes anything from them
-        with device_context():
+        with device_context(), self.timers.time("optimizer"):
             update_ok, grad_norm, _ = self.optimizer.step()
         if not update_ok:
             raise FloatingPointError("optimizer step skipped (non-finite gradients)")
@@ -302,33 +298,13 @@ class Trainer:
                   "lm_loss": _mean(red["lm_loss"]), "lr": lr,
                   "grad_norm": None if grad_norm is None else float(grad_norm)}
         if self.plan.kd.mode == "disaggregated":
-            record.update(self._wire_bytes(len(microbatches)))
+            record.update(step_teacher_stats(self, len(microbatches)))
+        elif self.plan.topk_cache is not None:
+            record.update(step_cache_stats(self))
+        timers = self.timers.take(collective_device())
+        if timers is not None:
+            record["timers"] = timers
         return record
-
-    def _wire_bytes(self, num_microbatches: int) -> dict:
-        """Bytes of this step on the wire, summed over the student's ranks: hidden states back
-        (as received) and token ids out (4 a token, from each TP group's rank 0)."""
-        got = self.remote.take_step_bytes() if self.remote is not None else 0
-        sent = (num_microbatches * self.args.micro_batch_size * self.args.seq_length * 4
-                if self.remote is not None and self.tp_rank == 0 else 0)
-        events = []
-        if self.remote is not None and self.tp_rank == 0:
-            events, self._events_seen = (self.remote.failovers[self._events_seen:],
-                                         len(self.remote.failovers))
-        both = torch.tensor([float(got), float(sent), float(len(events))], dtype=torch.float64,
-                            device=collective_device())
-        dist.all_reduce(both)
-        got, sent, failovers = (int(v) for v in both.tolist())
-        if failovers:  # every failover event of the step, as one JSON line each (rank 0)
-            gathered = [None] * dist.get_world_size()
-            dist.all_gather_object(gathered, events)
-            for event in (e for rank_events in gathered for e in rank_events):
-                self._json_log.write({"step": self._step, **event})
-        return {"kd_wire_bytes": got, "kd_wire_bytes_per_dp_rank": got // self.plan.dp,
-                "kd_wire_bytes_to_teacher": sent, "failovers": failovers}
-
-    def _log_event(self, line: str) -> None:
-        print(f"megatron-kd[rank {self.rank}]: {line}", file=sys.stderr, flush=True)
 
     def evaluate(self) -> dict:
         if self.valid_ds is None or self.args.eval_iters == 0:
@@ -344,6 +320,7 @@ class Trainer:
                 self.guard.check(self._step)
         self.model.train()
         self._evaluating = False
+        self.timers.discard()  # the step timers time training steps only
         red = self._reduce_reports(reports)
         return {"eval_loss": _mean(red["loss"]), "eval_kd_loss": _mean(red["kd_loss"]),
                 "eval_lm_loss": _mean(red["lm_loss"]),
@@ -385,15 +362,7 @@ class Trainer:
                 arch=plan.student_arch)
         stop_at = stop_iteration(args, start_iter)
         if plan.kd.mode == "disaggregated" and self.is_last:
-            schedule = training_schedule(self.train_ds, self.batches, plan.global_batch_size,
-                                         start_iter, stop_at)
-            self.remote = teacher_client(
-                plan=plan, args=args, run=self.run_id, dp_rank=self.dp_rank,
-                tp_group=self.tp_group, tp_rank=self.tp_rank, tp=plan.tp, schedule=schedule,
-                device=torch.device("cpu") if on_cpu() else
-                torch.device("cuda", torch.cuda.current_device()),
-                log=self._log_event if self.tp_rank == 0 else None)
-            self.remote.start()
+            self.remote = start_teacher_client(self, start_iter, stop_at)
         if plan.topk_cache is not None and self.is_last:
             self._start_topk(consumed, max(0, stop_at - start_iter))
         return start_iter, consumed
@@ -430,6 +399,8 @@ class Trainer:
         ev = {"step": iteration, "eval": True, **ev}
         evals.append(ev)
         log.write(ev)
+        self.writers.evaluation(iteration, iteration * self.plan.global_batch_size,
+                                eval_scalars(ev))
         progress.message(f"eval @ {iteration}: lm loss {ev['eval_lm_loss']:.4f}"
                          + (f", kd loss {ev['eval_kd_loss']:.4f}"
                             if ev.get("eval_kd_loss") is not None else ""))
@@ -446,6 +417,7 @@ class Trainer:
         stop_at = stop_iteration(args, start_iter)
         progress = Progress(args.train_iters, self.log_rank and not args.no_progress)
         log = self._json_log = JsonLog(args.log_json, self.log_rank)
+        self.writers = MetricWriters(args, self.log_rank)
         exit_signal = ExitSignal() if getattr(args, "exit_signal_handler", False) else None
         self._announce(progress, start_iter)
         run = RunRecord(start_iter)
@@ -471,6 +443,7 @@ class Trainer:
         finally:
             progress.close()
             log.close()
+            self.writers.close()
             if exit_signal is not None:
                 exit_signal.close()
             if self.topk is not None:
@@ -490,38 +463,20 @@ class Trainer:
         peak, kind = peak_memory()
         record = {"step": iteration, **record, "tokens_per_s": tokens_per_step / dt,
                   "step_time_s": dt, "peak_mem_bytes": peak, "peak_mem_kind": kind}
+        if "kd_replica_tokens" in record:  # disaggregated: each replica's rate for this run
+            record["kd_replica_tokens_per_s"] = {
+                replica: round(n / dt, 1) for replica, n in record["kd_replica_tokens"].items()}
         run.steps.append(record)
         log.write(record)
+        self.writers.step(iteration, iteration * self.plan.global_batch_size,
+                          step_scalars(record, args, self.plan.global_batch_size))
         recent = run.step_times[-10:]
         eta = (args.train_iters - iteration) * sum(recent) / len(recent)
         if iteration % args.log_interval == 0 or iteration == stop_at:
             progress.update(iteration, record["loss"], record["tokens_per_s"], eta)
 
     def _summary(self, run: "RunRecord", iteration: int) -> dict:
-        plan = self.plan
-        tokens_per_step = plan.global_batch_size * self.args.seq_length
-        steps, evals, step_times = run.steps, run.evals, run.step_times
-        return {
-            "start_iteration": run.start_iteration,
-            "iterations": iteration,
-            "steps": steps,
-            "evals": evals,
-            "final_loss": steps[-1]["loss"] if steps else None,
-            "final_eval_lm_loss": evals[-1]["eval_lm_loss"] if evals else None,
-            "tokens_per_s": (len(steps) * tokens_per_step / sum(step_times)) if step_times
-            else None,
-            "wall_s": time.perf_counter() - run.t_start,
-            "exit_signal": run.exit_signal,
-            "student_params_per_rank": self.num_params,
-            "student_arch": plan.student_arch.to_dict(),
-            "teacher_arch": plan.teacher_arch.to_dict() if plan.teacher_arch else None,
-            "world_size": dist.get_world_size(),
-            "rank": self.rank,
-            "kd_mode": plan.kd.mode,
-            "teacher_in_memory": self.teacher is not None,
-            "topk_wait_s": self.topk.wait_s if self.topk is not None else None,
-            "tp": plan.tp, "pp": plan.pp, "dp": plan.dp,
-        }
+        return run_summary(self, run, iteration)
 
 
 def _never_called(output_tensor):  # loss function of non-last pipeline stages

@@ -219,7 +219,7 @@ def test_kd_run_reports_the_teacher_loss_transformers_computes(tmp_path, dist_po
     argv = demo.student_train_argv(
         argparse.Namespace(num_layers=1, hidden_size=16, num_attention_heads=2, seq_length=16,
                            micro_batch_size=2, tensor_model_parallel_size=2, train_iters=2,
-                           lr=1e-3, seed=5, eval_interval=2, eval_iters=2, teacher_fp32=True,
+                           lr=1e-3, seed=5, eval_interval=2, eval_iters=2, teacher_dtype="fp32",
                            kd_weight=0.5, kd_temperature=1.0),
         data_prefix=prefix, tokenizer_file=str(tok_file), teacher_dir=teacher_dir,
         log_json=str(tmp_path / "kd.jsonl"), cache_dir=str(tmp_path / "cache"))

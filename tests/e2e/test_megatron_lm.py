@@ -6,7 +6,9 @@
 2. The flags: ``with_kd_args`` adds exactly the ``--kd-*`` flags ``megatron-kd train`` accepts.
 3. The patched entry points on megatron-core, on CPU, over 2 gloo ranks: ``model_provider``,
    ``forward_step`` and ``loss_func`` against ``vocab_parallel_kd_loss`` called directly (and a
-   dense reference), through megatron-core's own pipeline schedule too.
+   dense reference), through megatron-core's own pipeline schedule too (the last stage called
+   without tokens, as Megatron-LM's ``get_batch`` does), and ``--kd-mode disaggregated``
+   against a real ``megatron-kd teacher serve`` replica (the losses of colocated training).
 
 Megatron-LM itself (``megatron.training``, ``pretrain_gpt.py``) is not installable here. The
 stand-ins below replace only what megatron-core lacks, and play Megatron-LM's part as the
@@ -129,7 +131,7 @@ def _lm_args(kd_argv=(), **megatron_lm_fields):
     fields = {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1,
               "padded_vocab_size": 512, "seq_length": SEQ, "sequence_parallel": False,
               "context_parallel_size": 1, "init_model_with_meta_device": False,
-              "mtp_num_layers": None}
+              "mtp_num_layers": None, "micro_batch_size": MBS}
     fields.update(megatron_lm_fields)
     for key, value in fields.items():
         setattr(args, key, value)
@@ -137,8 +139,10 @@ def _lm_args(kd_argv=(), **megatron_lm_fields):
 
 
 @pytest.mark.parametrize("argv, fields, message", [
-    (["--kd-mode", "disaggregated", "--kd-teacher-world-size", "2", "--kd-teacher-load", "/t"],
-     {}, "--kd-mode disaggregated is not supported in Megatron-LM"),
+    (["--kd-mode", "offline", "--kd-topk-cache", "/c"], {},
+     "--kd-mode offline is not supported in Megatron-LM's pretrain_gpt.py"),
+    (["--kd-mode", "disaggregated", "--kd-teacher-load", "/t"], {},
+     "--kd-mode disaggregated needs --kd-teacher-endpoint"),
     (["--kd-weight", "0", "--kd-ce-weight", "1"], {"sequence_parallel": True},
      "--sequence-parallel is not supported"),
     (["--kd-weight", "0", "--kd-ce-weight", "1"], {"context_parallel_size": 2},
@@ -160,7 +164,9 @@ def test_forward_step_needs_labels_and_loss_mask():
             return torch.zeros(*tokens.shape, 4)
 
     student = Student()
-    student.kd_state = object()  # what model_provider attaches to the last stage
+    kd, _ = kd_lm.check_megatron_args(_lm_args(["--kd-weight", "0", "--kd-ce-weight", "1"]))
+    # what model_provider attaches to the last stage
+    student.kd_state = kd_lm.KDState(kd=kd, config=kd.loss_config(vocab_size=4), tp_group=None)
     batch = {"tokens": torch.zeros(1, 3, dtype=torch.long),
              "position_ids": torch.zeros(1, 3, dtype=torch.long)}
 
@@ -178,19 +184,27 @@ def test_forward_step_needs_labels_and_loss_mask():
 # Stand-ins for Megatron-LM (see the module docstring).
 
 @contextlib.contextmanager
-def megatron_lm_stub(args):
-    """``megatron.training.get_args`` returning ``args`` (Megatron-LM is not installed)."""
+def megatron_lm_stub(args, tensorboard_writer=None):
+    """``megatron.training.get_args`` returning ``args`` (Megatron-LM is not installed) and
+    ``megatron.training.global_vars``' writer getters returning ``tensorboard_writer`` (a real
+    ``SummaryWriter``, or None as on Megatron-LM's ranks but the last) and no W&B writer."""
     stub = types.ModuleType("megatron.training")
     stub.get_args = lambda: args
-    saved = sys.modules.get("megatron.training")
-    sys.modules["megatron.training"] = stub
+    global_vars = types.ModuleType("megatron.training.global_vars")
+    global_vars.get_tensorboard_writer = lambda: tensorboard_writer
+    global_vars.get_wandb_writer = lambda: None
+    stub.global_vars = global_vars
+    names = ("megatron.training", "megatron.training.global_vars")
+    saved = {name: sys.modules.get(name) for name in names}
+    sys.modules.update(zip(names, (stub, global_vars)))
     try:
         yield
     finally:
-        if saved is None:
-            sys.modules.pop("megatron.training", None)
-        else:
-            sys.modules["megatron.training"] = saved
+        for name, module in saved.items():
+            if module is None:
+                sys.modules.pop(name, None)
+            else:
+                sys.modules[name] = module
 
 
 def megatron_lm_model_provider(pre_process=True, post_process=True, vp_stage=None, config=None,
@@ -210,13 +224,19 @@ def megatron_lm_loss_func(loss_mask, output_tensor, model=None):
     raise AssertionError("Megatron-LM's own loss function must not be used when distilling")
 
 
-def megatron_lm_forward_step(data_iterator, model):
-    """Megatron-LM's forward step: a batch, then the model with labels and loss_mask."""
+def megatron_lm_forward_step(data_iterator, model, drop_inputs_off_first_stage=False):
+    """Megatron-LM's forward step: a batch, then the model with labels and loss_mask. With
+    ``drop_inputs_off_first_stage`` it calls the model as Megatron-LM's ``get_batch`` leaves it
+    on later pipeline stages: ``tokens`` and ``position_ids`` None."""
+    from megatron.core import parallel_state as ps
     from megatron.core.utils import get_attr_wrapped_model
 
     get_attr_wrapped_model(model, "vp_stage")  # as pretrain_gpt.py does (through .module)
     batch = next(data_iterator)
-    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"],
+    tokens, position_ids = batch["tokens"], batch["position_ids"]
+    if drop_inputs_off_first_stage and not ps.is_pipeline_first_stage():
+        tokens = position_ids = None
+    output = model(tokens, position_ids, None, labels=batch["labels"],
                    loss_mask=batch["loss_mask"])
     return output, partial(megatron_lm_loss_func, batch["loss_mask"], model=model)
 
@@ -307,9 +327,9 @@ def case_forward_and_loss(ctx, teacher_dir, kd_argv):
     return out
 
 
-def case_pipeline_schedule(ctx, teacher_dir, kd_argv):
+def case_pipeline_schedule(ctx, teacher_dir, kd_argv, drop_inputs=False):
     """PP=2 through megatron-core's schedule: the teacher only on the last stage, gradients
-    reaching the first."""
+    reaching the first. ``drop_inputs``: the last stage's model is called without tokens."""
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -327,7 +347,8 @@ def case_pipeline_schedule(ctx, teacher_dir, kd_argv):
                                      post_process=last, config=None,
                                      pg_collection=ProcessGroupCollection.use_mpu_process_groups())
         reports = get_forward_backward_func()(
-            forward_step_func=partial(kd_lm.forward_step, megatron_lm_forward_step),
+            forward_step_func=partial(kd_lm.forward_step, partial(
+                megatron_lm_forward_step, drop_inputs_off_first_stage=drop_inputs)),
             data_iterator=iter([make_batch(seed=11), make_batch(seed=12)]), model=[model],
             num_microbatches=2, seq_length=SEQ, micro_batch_size=MBS, forward_only=False)
         grad_norm = sum(float(p.grad.norm()) for p in model.parameters() if p.grad is not None)
@@ -335,6 +356,48 @@ def case_pipeline_schedule(ctx, teacher_dir, kd_argv):
                 "pending": dict(kd_lm._pending_teacher),
                 "reports": [{k: v.tolist() for k, v in r.items()} for r in reports],
                 "grad_norm": grad_norm}
+
+
+def case_train_microbatches(ctx, teacher_dir, kd_argv, n=3, tensorboard_dir=None):
+    """TP=2: ``n`` training microbatches through the patched forward step and loss function
+    (one data iterator, as Megatron-LM's), then one evaluation microbatch; per-microbatch loss
+    reports and the summed gradients. ``tensorboard_dir``: the last rank has Megatron-LM's
+    TensorBoard writer, writing there."""
+    from megatron_kd.integration.cpu_shim import device_context
+    from megatron_kd.integration.groups import model_parallel
+
+    args = _lm_args(["--kd-teacher-load", teacher_dir, *kd_argv], tensor_model_parallel_size=2)
+    writer = None
+    if tensorboard_dir is not None and ctx.rank == ctx.world_size - 1:
+        from torch.utils.tensorboard import SummaryWriter
+
+        writer = SummaryWriter(log_dir=tensorboard_dir)
+    with megatron_lm_stub(args, writer), model_parallel(tp=2), device_context():
+        model = kd_lm.model_provider(megatron_lm_model_provider, pre_process=True,
+                                     post_process=True)
+        state = kd_lm.kd_state(model)
+        data = iter([make_batch(seed=20 + i) for i in range(n)])
+        reports = []
+        try:
+            for _ in range(n):
+                output, loss_fn = kd_lm.forward_step(megatron_lm_forward_step, data, model)
+                loss, _, report = loss_fn(output)
+                loss.backward()
+                reports.append({k: v.tolist() for k, v in report.items()})
+            grad_norm = sum(float(p.grad.norm()) for p in model.parameters())
+            model.eval()
+            with torch.no_grad():
+                output, loss_fn = kd_lm.forward_step(megatron_lm_forward_step,
+                                                     iter([make_batch(seed=99)]), model)
+                eval_report = {k: v.tolist() for k, v in loss_fn(output)[2].items()}
+        finally:
+            if state.client is not None:
+                state.client.close()
+            if writer is not None:
+                writer.close()
+        return {"reports": reports, "grad_norm": grad_norm, "eval": eval_report,
+                "teacher_built": state.teacher is not None,
+                "client": state.client is not None}
 
 
 def case_virtual_stages(ctx, teacher_dir):
@@ -434,3 +497,65 @@ def test_vocabulary_mismatch_refused(pool, teacher_dir):
     for msg in pool.run(case_provider_error, teacher_dir, padded_vocab_size=640,
                         tensor_model_parallel_size=2):
         assert msg and "student's padded vocabulary 640" in msg and "teacher's 512" in msg
+
+
+def test_last_stage_called_without_tokens(pool, teacher_dir):
+    """Megatron-LM's ``get_batch`` gives the last of several pipeline stages no tokens: the
+    teacher takes them from the data iterator's item, and the losses are those of a model
+    called with them."""
+    argv = ["--kd-ce-weight", "0.2"]
+    with_tokens = pool.run(case_pipeline_schedule, teacher_dir, argv)[1]
+    without = pool.run(case_pipeline_schedule, teacher_dir, argv, True)[1]
+    assert without["reports"] == with_tokens["reports"]
+    assert without["grad_norm"] == with_tokens["grad_norm"]
+
+
+def test_disaggregated_teacher_in_megatron_lm(pool, teacher_dir, replicas, tmp_path):
+    """``--kd-mode disaggregated`` through the patched entry points: only the teacher's output
+    layer on the student's ranks, hidden states from a replica (``megatron-kd teacher serve``,
+    TP 1, for a TP 2 student), fp32 on the wire: the losses and gradients of colocated
+    training; evaluation reports the student's cross-entropy only."""
+    argv = ["--kd-ce-weight", "0.3"]
+    colocated = pool.run(case_train_microbatches, teacher_dir, argv)
+    replica = replicas(teacher_dir)
+    remote = pool.run(case_train_microbatches, teacher_dir,
+                      [*argv, "--kd-mode", "disaggregated", "--kd-teacher-endpoint",
+                       str(replica.endpoint), "--kd-wire-dtype", "fp32"])
+    for c, r in zip(colocated, remote):
+        assert c["teacher_built"] and not c["client"]
+        assert r["client"] and not r["teacher_built"]
+        assert len(r["reports"]) == 3
+        for rep_c, rep_r in zip(c["reports"], r["reports"]):
+            assert set(rep_r) == {"total loss", "kd loss", "lm loss"}
+            for key in rep_c:
+                assert rep_r[key] == pytest.approx(rep_c[key], rel=1e-6), key
+        assert r["grad_norm"] == pytest.approx(c["grad_norm"], rel=1e-6)
+        assert set(r["eval"]) == {"total loss", "lm loss"}
+        assert r["eval"]["total loss"] == pytest.approx(r["eval"]["lm loss"], rel=1e-6)
+        assert r["eval"]["lm loss"] == pytest.approx(c["eval"]["lm loss"], rel=1e-6)
+    replica.stop()
+    assert replica.requests_served() == 3  # one request a training microbatch, none for eval
+
+
+def test_disaggregated_scalars_in_megatron_lm_writer(pool, teacher_dir, replicas, tmp_path):
+    """Inside Megatron-LM the teacher's scalars go into Megatron-LM's own TensorBoard writer
+    (its last rank's), one point per step, read back with TensorBoard's reader."""
+    pytest.importorskip("tensorboard")
+    from support.scalars import tensorboard_scalars
+    from support.train_cases import TEACHER_ARCH
+
+    replica = replicas(teacher_dir)
+    tb = tmp_path / "tb"
+    pool.run(case_train_microbatches, teacher_dir,
+             ["--kd-mode", "disaggregated", "--kd-teacher-endpoint", str(replica.endpoint),
+              "--kd-wire-dtype", "bf16"], tensorboard_dir=str(tb))
+    replica.stop()
+    scalars = tensorboard_scalars(tb)
+    # the last rank's (TP rank 1) half of each microbatch's hidden states, bf16 on the wire;
+    # Megatron-core alone has no microbatch calculator: one microbatch a step
+    chunk = SEQ // 2 * MBS * TEACHER_ARCH["hidden_size"] * 2
+    assert scalars["kd/wire-bytes"] == {1: chunk, 2: chunk, 3: chunk}
+    assert scalars["kd/live-replicas"] == {1: 1, 2: 1, 3: 1}
+    assert scalars["kd/failovers"] == {1: 0, 2: 0, 3: 0}
+    assert set(scalars["kd/teacher-wait-s"]) == {1, 2, 3}
+    assert all(v >= 0 for v in scalars["kd/teacher-wait-s"].values())

@@ -370,3 +370,26 @@ def _literal(text):
     import re
 
     return re.escape(text)
+
+
+# --- what an offline run reports --------------------------------------------------------------
+
+def test_cache_wait_and_read_rate_in_tensorboard(pool, setup, tmp_path):
+    """The step's wait for decoded top-K targets and the decoder's rate, in the JSON log and
+    (equal) in TensorBoard."""
+    pytest.importorskip("tensorboard")
+    from support.scalars import records, tensorboard_scalars
+
+    _, caches = setup
+    log, tb = tmp_path / "run.jsonl", tmp_path / "tb"
+    pool.run(case_train, _offline(caches[SMALL_K], "--log-json", str(log), "--tensorboard-dir",
+                                  str(tb)))
+    steps = [r for r in records(log) if "step_time_s" in r]
+    assert len(steps) == TRAIN_ITERS
+    scalars = tensorboard_scalars(tb)
+    for r in steps:
+        assert r["kd_cache_wait_s"] >= 0 and r["kd_cache_read_tokens_per_s"] > 0
+        assert scalars["kd/cache-wait-s"][r["step"]] == pytest.approx(r["kd_cache_wait_s"],
+                                                                      rel=1e-5, abs=1e-7)
+        assert scalars["kd/cache-read-tokens-per-s"][r["step"]] == pytest.approx(
+            r["kd_cache_read_tokens_per_s"], rel=1e-6)

@@ -48,7 +48,7 @@ def cases(vp, tmp_path, monkeypatch):
     )
     monkeypatch.setattr(models, "check_checkpoint_tensors", lambda directory, arch=None: arch)
     cache = tmp_path / "cache"
-    built = vp.builtin_cases(str(teacher), str(cache))
+    built = vp.builtin_cases(str(teacher), str(cache), str(tmp_path / "endpoint"))
     offline = [c for c in built if "--kd-topk-cache" in c.train_args]
     assert offline, "the built-in cases must include an offline run"
     _write_cache(vp, offline[0], str(cache), str(teacher), arch.vocab_size)
@@ -97,10 +97,57 @@ def test_builtin_cases_cover_every_mode(vp, cases):
     assert modes == set(KD_MODES)
 
 
-def test_builtin_cases_resolve_and_predict(vp, cases):
+def test_builtin_disaggregated_cases_have_a_replica(vp, cases, tmp_path):
+    disagg = [c for c in cases if vp.parse_train_args(c.train_args).kd_mode == "disaggregated"]
+    assert [(c.name, c.nproc) for c in disagg] == [
+        ("disagg tp1 b4 s512", 1),
+        ("disagg tp2 b2 s512", 2),
+    ]
+    for case in disagg:
+        # the student's world is its own ranks only; the replica is a world of its own
+        assert "--kd-teacher-world-size" not in case.train_args
+        assert f"--kd-teacher-endpoint {tmp_path / 'endpoint'}" in case.train_args
+        assert case.teacher_args is not None and case.teacher_nproc == 1
+        argv = vp.teacher_serve_argv(vp.parse_train_args(case.train_args), case.teacher_args)
+        assert argv[0] == "serve" and "--kd-teacher-world-size" not in argv
+
+
+def test_teacher_serve_args_are_checked(vp, cases):
+    case = next(c for c in cases if c.teacher_args is not None)
+    with pytest.raises(ValueError, match="teacher_nproc=2"):
+        vp.teacher_serve_args(vp.dataclasses.replace(case, teacher_nproc=2))
+    two = vp.dataclasses.replace(
+        case, teacher_args=case.teacher_args + " --tensor-model-parallel-size 2", teacher_nproc=2
+    )
+    assert vp.teacher_serve_args(two).tensor_model_parallel_size == 2
+    with pytest.raises(ValueError, match="--kd-teacher-dtype 'bf16' is not the student's"):
+        vp.teacher_serve_args(
+            vp.dataclasses.replace(
+                case, teacher_args=case.teacher_args + " --kd-teacher-dtype bf16"
+            )
+        )
+    with pytest.raises(ValueError, match="--kd-teacher-load 'elsewhere' is not the student's"):
+        vp.teacher_serve_args(
+            vp.dataclasses.replace(
+                case, teacher_args=case.teacher_args + " --kd-teacher-load elsewhere"
+            )
+        )
+    colocated = next(c for c in cases if c.teacher_args is None)
+    with pytest.raises(ValueError, match="no teacher replica"):
+        vp.teacher_serve_args(colocated)
+    # a disaggregated --run without its replica's flags is refused before anything starts
+    with pytest.raises(ValueError, match="needs its teacher replica's serve flags"):
+        vp.run_case(vp.dataclasses.replace(case, teacher_args=None), "x.jsonl", "peaks", "tpeaks")
+
+
+def test_builtin_cases_resolve_and_predict(vp, cases, tmp_path):
+    def tmp_endpoint(case):
+        return tmp_path / "endpoint"
+
     gib = 1 << 30
     # the teacher: h_t=768, V=32000, fp32; every case: G=4 sequences of s=512 tokens
     wire_per_dp_rank = 4 * 512 * 768 * 4  # G/dp * s * h_t * 4 bytes, dp = 1 in every case
+    ids_per_dp_rank = 4 * 512 * 4  # G/dp * s token ids of 4 bytes
     for case in cases:
         args, plan = vp.resolve_run(case.train_args, case.nproc)
         pred = vp.predict(args, plan, on_cpu=True)
@@ -108,6 +155,9 @@ def test_builtin_cases_resolve_and_predict(vp, cases):
         # well above the ~0.35 GiB framework baseline, as the tool's docstring asks
         assert total > 0.5 * gib, (case.name, total)
         assert "reserve (context, NCCL, frag.)" not in pred.terms
+        if plan.kd.mode != "disaggregated":
+            assert case.teacher_args is None and pred.wire is None
+            assert pred.wire_to_teacher is None
         if plan.kd.mode == "colocated":
             assert pred.mode == "colocated-fused" and "teacher weights" in pred.terms
         elif plan.kd.mode == "offline":
@@ -118,17 +168,34 @@ def test_builtin_cases_resolve_and_predict(vp, cases):
             assert "teacher weights" not in pred.terms
         else:
             assert pred.mode == "disaggregated"
+            # the wire is the teacher's dtype (fp32: no --kd-wire-dtype)
+            assert plan.kd.wire == "fp32"
             assert pred.wire == {
                 "dp-rank": wire_per_dp_rank,
                 "tp-rank": wire_per_dp_rank / plan.tp,
                 "all-ranks": wire_per_dp_rank,
             }
+            # kd_wire_bytes_to_teacher sums the student's ranks: dp x (G/dp * s * 4), dp = 1
+            assert pred.wire_to_teacher == {
+                "dp-rank": ids_per_dp_rank,
+                "all-ranks": ids_per_dp_rank,
+            }
             # the student's copy of the teacher output-layer shard: V/t * h_t * 4 bytes
             assert pred.terms["teacher output-layer shard"] == 32000 // plan.tp * 768 * 4
-            assert vp.teacher_rank(plan, case.nproc) == case.nproc - 1
-            teacher = vp.predict_teacher(args, plan, on_cpu=True)
-            # the teacher rank loads its (untied) output layer too: V * h_t * 4 bytes
+            # one replica of one rank, outside the student's world, at the student's endpoint
+            assert args.kd_teacher_endpoint == str(tmp_endpoint(case))
+            assert case.teacher_nproc == 1
+            serve = vp.teacher_serve_args(case)
+            assert (serve.tensor_model_parallel_size, serve.pipeline_model_parallel_size) == (1, 1)
+            assert serve.kd_teacher_load == args.kd_teacher_load
+            assert serve.kd_teacher_endpoint == args.kd_teacher_endpoint
+            assert serve.host == "127.0.0.1"
+            teacher = vp.predict_teacher(args, plan, True, 1, 1)
+            # the replica loads its (untied) output layer too: V * h_t * 4 bytes
             assert teacher["teacher output layer (loaded, not run)"] == 32000 * 768 * 4
+            # its D = 2 send slots: whole micro-batches (replica TP 1), fp32 on the wire
+            b = args.micro_batch_size
+            assert teacher["send slots (D x 1/t seq)"] == 2 * 512 * b * 768 * 4
             assert "reserve (context, NCCL, frag.)" not in teacher
 
 
@@ -140,10 +207,87 @@ def test_rows_and_table(vp, cases):
     row = vp._memory_row(case.name, pred.mode, "cpu_max_rss", pred.terms, 1 << 31, baseline, True)
     # ratio = predicted / (measured - baseline)
     assert row["ratio"] == sum(pred.terms.values()) / ((1 << 31) - baseline)
-    row.update(wire_predicted=pred.wire["dp-rank"], wire_counted=[6291456], wire_ok=True)
+    row.update(
+        wire_predicted=pred.wire["dp-rank"],
+        wire_counted=[6291456],
+        wire_to_teacher_predicted=pred.wire_to_teacher["all-ranks"],
+        wire_to_teacher_counted=[8192],
+        wire_ok=True,
+    )
     table = vp.format_rows([row], with_terms=True)
-    assert case.name in table and "equal (6291456 B/step)" in table
+    assert case.name in table and "equal (to student 6291456, to teacher 8192 B/step)" in table
     assert "ring slots (D x 1/t seq)" in table
+
+
+def _write_run(tmp_path, name, steps, teacher_peak):
+    log = tmp_path / f"{name}.jsonl"
+    log.write_text("".join(json.dumps(r) + "\n" for r in steps))
+    peaks = tmp_path / f"{name}.teacher_peaks"
+    peaks.mkdir()
+    (peaks / "rank0.json").write_text(json.dumps({"peak_rss_bytes": teacher_peak}))
+    return str(log), str(peaks)
+
+
+def test_compare_disaggregated_run(vp, cases, tmp_path):
+    """Both directions of the wire compared exactly, and the replica's rank-0 row."""
+    case = next(c for c in cases if c.name == "disagg tp2 b2 s512")
+    args, plan = vp.resolve_run(case.train_args, case.nproc)
+    hidden, ids = 4 * 512 * 768 * 4, 4 * 512 * 4  # dp = 1: per DP rank = all ranks
+    step = {
+        "peak_mem_kind": "cpu_max_rss",
+        "peak_mem_bytes": 3 << 30,
+        "kd_wire_bytes": hidden,
+        "kd_wire_bytes_per_dp_rank": hidden,
+        "kd_wire_bytes_to_teacher": ids,
+    }
+    baseline = 1 << 28
+    log, peaks = _write_run(tmp_path, "ok", [dict(step, step=1), dict(step, step=2)], 2 << 30)
+    run = vp.dataclasses.replace(case, log_json=log, teacher_peak_dir=peaks)
+    rows = vp.compare(run, baseline, "kd_wire_bytes_per_dp_rank", "dp-rank")
+    assert [r["mode"] for r in rows] == ["disaggregated", "disagg teacher"]
+    assert rows[0]["wire_ok"] and rows[0]["wire_counted"] == [hidden]
+    assert rows[0]["wire_to_teacher_predicted"] == ids
+    assert rows[0]["wire_to_teacher_counted"] == [ids]
+    assert vp.compare(run, baseline, "kd_wire_bytes", "all-ranks")[0]["wire_ok"]
+    teacher = rows[1]
+    assert teacher["terms"] == vp.predict_teacher(args, plan, True, 1, 1)
+    assert teacher["measured_bytes"] == 2 << 30 and teacher["kind"].endswith("(tp1 pp1)")
+    assert teacher["ratio"] == sum(teacher["terms"].values()) / ((2 << 30) - baseline)
+    # no teacher row without the replica's flags (its layout is not known)
+    assert (
+        len(
+            vp.compare(
+                vp.dataclasses.replace(run, teacher_args=None),
+                baseline,
+                "kd_wire_bytes_per_dp_rank",
+                "dp-rank",
+            )
+        )
+        == 1
+    )
+    # one token id byte off in one step: the wire differs
+    off = dict(step, step=2, kd_wire_bytes_to_teacher=ids + 4)
+    log, peaks = _write_run(tmp_path, "off", [dict(step, step=1), off], 2 << 30)
+    rows = vp.compare(
+        vp.dataclasses.replace(run, log_json=log, teacher_peak_dir=peaks),
+        baseline,
+        "kd_wire_bytes_per_dp_rank",
+        "dp-rank",
+    )
+    assert not rows[0]["wire_ok"] and rows[0]["wire_to_teacher_counted"] == [ids, ids + 4]
+    assert "DIFFERS" in vp.format_rows(rows)
+    # the hidden states' scope: kd_wire_bytes_per_dp_rank is not the tp-rank share
+    assert not vp.compare(run, baseline, "kd_wire_bytes_per_dp_rank", "tp-rank")[0]["wire_ok"]
+    # a disaggregated log without the token-id bytes is refused
+    missing = {k: v for k, v in step.items() if k != "kd_wire_bytes_to_teacher"}
+    log, peaks = _write_run(tmp_path, "missing", [dict(missing, step=1)], 2 << 30)
+    with pytest.raises(ValueError, match="kd_wire_bytes_to_teacher"):
+        vp.compare(
+            vp.dataclasses.replace(run, log_json=log),
+            baseline,
+            "kd_wire_bytes_per_dp_rank",
+            "dp-rank",
+        )
 
 
 def test_teacher_dtype_mismatch_is_refused(vp, cases):

@@ -18,12 +18,12 @@ import threading
 import time
 
 import pytest
-from support.service import Replica
 from support.train_cases import (
     STUDENT,
     TEACHER_ARCH,
     case_make_teacher,
     case_train,
+    case_train_slowly,
     step_losses,
 )
 
@@ -32,23 +32,6 @@ pytestmark = pytest.mark.filterwarnings("ignore")
 STEPS = 40
 BASE = STUDENT + ["--train-iters", str(STEPS), "--eval-interval", "1000", "--eval-iters", "0",
                   "--kd-ce-weight", "0.2", "--lr", "1e-3"]
-
-
-def case_train_slowly(ctx, argv, delay_s):
-    """Train, each step taking at least ``delay_s`` (so the test can act mid-run)."""
-    from megatron_kd.training import trainer as trainer_mod
-
-    original = trainer_mod.Trainer.train_step
-
-    def slow(self, consumed):
-        time.sleep(delay_s)
-        return original(self, consumed)
-
-    trainer_mod.Trainer.train_step = slow
-    try:
-        return case_train(ctx, argv)
-    finally:
-        trainer_mod.Trainer.train_step = original
 
 
 @pytest.fixture(scope="module")
@@ -66,20 +49,6 @@ def teacher(pool, tmp_path_factory):
 @pytest.fixture(scope="module")
 def colocated(pool, teacher):
     return step_losses(pool.run(case_train, BASE + ["--kd-teacher-load", teacher])[0])
-
-
-@pytest.fixture
-def replicas(tmp_path):
-    started = []
-
-    def start(teacher):
-        started.append(Replica(tmp_path / "endpoint", teacher,
-                               log=tmp_path / f"replica{len(started)}.jsonl"))
-        return started[-1]
-
-    yield start
-    for replica in started:
-        replica.stop()
 
 
 class Background:
@@ -169,7 +138,7 @@ def test_only_replica_killed_and_replaced_within_the_timeout(pool, teacher, colo
 
 def test_stalled_replica_is_dropped_and_cannot_deliver_stale_data(pool, teacher, colocated,
                                                                   replicas, tmp_path):
-    first, second = replicas(teacher), replicas(teacher)
+    first, _second = replicas(teacher), replicas(teacher)
     log = tmp_path / "run.jsonl"
     run = Background(pool, case_train_slowly, _argv(teacher, tmp_path, 3), 0.3)
     _wait_for(lambda: _steps_done(log) >= 3)

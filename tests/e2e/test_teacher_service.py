@@ -15,7 +15,6 @@ import sys
 import time
 
 import pytest
-from support.service import Replica
 from support.train_cases import (
     STUDENT,
     TEACHER_ARCH,
@@ -70,22 +69,6 @@ def teacher(pool, tmp_path_factory):
     d = str(tmp_path_factory.mktemp("teacher") / "ckpt")
     pool.run(case_make_teacher, d, TEACHER_ARCH)
     return d
-
-
-@pytest.fixture
-def replicas(tmp_path):
-    """``start(teacher, tp=1, pp=1)`` a replica at ``tmp_path/endpoint``; all stopped after."""
-    started = []
-
-    def start(teacher, **kw):
-        replica = Replica(tmp_path / "endpoint", teacher, log=tmp_path /
-                          f"replica{len(started)}.jsonl", **kw)
-        started.append(replica)
-        return replica
-
-    yield start
-    for replica in started:
-        replica.stop()
 
 
 def _disaggregated(argv, endpoint, *flags):

@@ -19,14 +19,17 @@ class Replica:
     """One running replica (a process, or a torchrun of several)."""
 
     def __init__(self, endpoint: Path, teacher: str, *, tp: int = 1, pp: int = 1,
-                 log: Path, extra: tuple[str, ...] = ()) -> None:
+                 log: Path, extra: tuple[str, ...] = (), sleep_per_token: float = 0.0) -> None:
         self.endpoint, self.log = endpoint, log
         before = set(_records(endpoint))
         world = tp * pp
-        launch = ([sys.executable, "-m", "megatron_kd"] if world == 1 else
+        module = (["megatron_kd.testing.slow_replica", str(sleep_per_token), "--"]
+                  if sleep_per_token else ["megatron_kd"])
+        launch = ([sys.executable, "-m", *module] if world == 1 else
                   [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                   f"--nproc-per-node={world}", "-m", "megatron_kd"])
-        argv = [*launch, "teacher", "serve", "--kd-teacher-load", teacher,
+                   f"--nproc-per-node={world}", "-m", *module])
+        argv = [*launch, *([] if sleep_per_token else ["teacher", "serve"]),
+                "--kd-teacher-load", teacher,
                 "--kd-teacher-endpoint", str(endpoint), "--host", "127.0.0.1",
                 "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size",
                 str(pp), "--log-json", str(log), "--stats-interval", "1", *extra]

@@ -60,6 +60,26 @@ def case_train(ctx, argv, dense=False):
     return summary
 
 
+def case_train_slowly(ctx, argv, delay_s):
+    """Train, each step taking at least ``delay_s`` longer (a slow student, or time for a
+    test to act mid-run)."""
+    import time
+
+    from megatron_kd.training import trainer as trainer_mod
+
+    original = trainer_mod.Trainer.train_step
+
+    def slow(self, consumed):
+        time.sleep(delay_s)
+        return original(self, consumed)
+
+    trainer_mod.Trainer.train_step = slow
+    try:
+        return case_train(ctx, argv)
+    finally:
+        trainer_mod.Trainer.train_step = original
+
+
 def case_plan_error(ctx, argv):
     """Run ``train``; return the ValueError message (and that no step ran)."""
     from megatron_kd.training import train as train_mod

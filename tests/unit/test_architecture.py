@@ -39,6 +39,16 @@ def test_parallel_has_no_megatron(modules):
     assert arch.check_allowed_imports(modules, "parallel", set(), ("megatron", "torch")) == []
 
 
+def test_teacher_service_needs_no_megatron(modules):
+    # the model and its schedule are handed in: a replica's transport works without Megatron
+    assert arch.check_allowed_imports(modules, "teacher", {"parallel"}, ("megatron",)) == []
+
+
+def test_integration_imports_only_the_layers_below(modules):
+    assert arch.check_allowed_imports(modules, "integration",
+                                      {"loss", "parallel", "data", "teacher"}) == []
+
+
 def test_cache_does_not_import_the_teacher(modules):
     problems = arch.check_allowed_imports(
         modules, "cache", {p.package for p in modules.values()} - {"teacher"})

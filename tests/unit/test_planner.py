@@ -6,7 +6,6 @@ exact unless a tolerance says why.
 """
 
 import dataclasses
-import math
 
 import pytest
 
@@ -440,9 +439,15 @@ def test_wire_bytes():
         vocab_size=10,
         tie_embeddings=True,
     )
-    # G=8 sequences over dp=2 -> 4 per DP rank * s=16 * h_t=32 * 2 bytes
+    # G=8 sequences over dp=2 -> 4 per DP rank * s=16 * h_t=32 * 2 bytes (bf16)
     assert tr.hidden_bytes_per_step_per_dp_rank(tea, 8, 2, 16) == 4096
-    assert tr.hidden_bytes_per_step_per_tp_rank(tea, 8, 2, 4, 16) == 1024
+    assert tr.hidden_bytes_per_step_per_dp_rank(tea, 8, 2, 16, "fp32") == 8192
+    # fp8: one byte an element plus a 4-byte scale per token: 64 tokens * (32 + 4)
+    assert tr.hidden_bytes_per_step_per_dp_rank(tea, 8, 2, 16, "fp8") == 2304
+    # token ids the other way: 64 tokens * 4 bytes
+    assert tr.token_bytes_per_step_per_dp_rank(8, 2, 16) == 256
+    with pytest.raises(ValueError, match="wire dtype must be one of"):
+        tr.wire_bytes_per_token(32, "fp16")
     # all-gather: m=4 * 3/4 * 16 tokens * 32 * 2
     assert tr.allgather_bytes_per_step_per_rank(tea, 4, 16, 1, 4) == 3072
     # loss all-reduce: m=4 * 16 rows * 6 stats * 4 bytes * 2*3/4
@@ -452,4 +457,3 @@ def test_wire_bytes():
     assert tr.loss_allreduce_bytes_per_step_per_rank(4, 16, 1, 1, 6) == 0  # tp=1: no peers
     with pytest.raises(ValueError, match="global_batch_size=7"):
         tr.hidden_bytes_per_step_per_dp_rank(tea, 7, 2, 16)
-    assert math.isclose(tr.hidden_bytes_per_step_per_tp_rank(tea, 8, 2, 3, 16), 4096 / 3)

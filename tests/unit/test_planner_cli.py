@@ -1,5 +1,6 @@
 """Planner presets, plans, the ``megatron-kd plan`` command and ``--from-args`` (no torch)."""
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -243,6 +244,27 @@ def test_disaggregated_wire_bytes_are_exact():
     # 64 sequences / dp 4 = 16 per DP rank * 8192 tokens * h_t 2048 * 2 bytes; 1/2 per TP rank
     assert plan.wire["hidden bytes/step/student DP rank"] == 16 * 8192 * 2048 * 2
     assert plan.wire["hidden bytes/step/student TP rank"] == 16 * 8192 * 2048
+    # and the token ids the other way: 4 bytes a token
+    assert plan.wire["token id bytes/step/student DP rank (to teacher)"] == 16 * 8192 * 4
+    fp8 = plan_mode(_opts("qwen3.5-9b", "qwen3.5-35b-a3b", tp=2, pp=1, recompute="none",
+                          wire_dtype="fp8"), "disaggregated")
+    assert fp8.wire["hidden bytes/step/student DP rank"] == 16 * 8192 * (2048 + 4)
+
+
+def test_fewer_teacher_replicas_than_needed_bound_the_student():
+    base = _opts("qwen3-8b", "qwen3-235b-a22b", gpu="h100-80g")
+    free = plan_mode(base, "disaggregated")
+    assert free.teacher_replicas >= 2
+    per_replica = free.wire["teacher replica tokens/s"]
+    for n in range(1, free.teacher_replicas + 2):
+        plan = plan_mode(dataclasses.replace(base, teacher_replicas=n), "disaggregated")
+        assert plan.teacher_replicas == n and plan.teacher_gpus == n * free.teacher_gpus // \
+            free.teacher_replicas
+        expected = min(free.student_tokens_per_s, n * per_replica)
+        assert plan.student_tokens_per_s == pytest.approx(expected, rel=1e-12)
+        assert any("teacher-bound" in note for note in plan.notes) == (n < free.teacher_replicas)
+    with pytest.raises(ValueError, match="teacher_replicas must be a positive int"):
+        dataclasses.replace(base, teacher_replicas=0)
 
 
 def test_plan_options_validation():

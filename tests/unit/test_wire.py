@@ -53,3 +53,15 @@ def test_wire_dtypes(wire_dtype, bound):
     err = ((back - hidden).abs() / hidden.abs().amax(-1, keepdim=True)).max()
     assert float(err) <= bound
     assert wire_bytes_per_token(64, wire_dtype) == {"fp32": 256, "bf16": 128, "fp8": 68}[wire_dtype]
+
+
+@pytest.mark.parametrize("wire_dtype", ["fp32", "bf16", "fp8"])
+def test_planner_counts_the_bytes_the_wire_carries(wire_dtype):
+    """``megatron-kd plan``'s bytes per token are the payload the service actually sends."""
+    from megatron_kd.planner import traffic
+
+    for hidden in (1, 64, 2880, 4096):
+        sent = encode_hidden(torch.zeros(1, 1, hidden), wire_dtype)
+        on_wire = sum(p.numel() * p.element_size() for p in sent)
+        assert traffic.wire_bytes_per_token(hidden, wire_dtype) == on_wire
+        assert wire_bytes_per_token(hidden, wire_dtype) == on_wire

@@ -1,0 +1,231 @@
+"""What a run reports beyond its JSON log: TensorBoard and Weights & Biases under Megatron-LM's
+flags and scalar names, and the step timers (``--timing-log-level``).
+
+Scalar names are Megatron-LM's where it has one (``lm loss``, ``learning-rate``, ``grad-norm``,
+``batch-size``, ``iteration-time``, ``throughput``, ``mem-allocated-bytes``, ``lm loss
+validation``, each also ``... vs samples``); the distillation's own go under ``kd/``:
+
+========================================  ====================================================
+``kd loss``, ``total loss``               the divergence (``T^2`` included) and what is trained
+``kd/student - teacher lm loss``          evaluation: how far the student is from the teacher
+``kd/wire-bytes``, ``kd/wire-bytes-out``  disaggregated: hidden-state bytes received, token-id
+                                          bytes sent (the step's, all student ranks)
+``kd/teacher-wait-s``                     disaggregated: seconds a receiving rank waited for
+                                          the teacher in the step (mean over those ranks)
+``kd/ring-occupancy``                     disaggregated: the fraction of the prefetched
+                                          responses (up to ``D``) already arrived when the step
+                                          asked for one (1: the teacher keeps ahead; 0: the
+                                          student waits)
+``kd/live-replicas``, ``kd/failovers``    disaggregated: replicas registered and not found
+                                          dead; failovers in the step
+``kd/replica-<id>/tokens-per-s``          disaggregated: tokens each replica answered for
+                                          this run in the step, over the step's time
+``kd/cache-wait-s``, ``kd/cache-read-``   offline: seconds the step waited for decoded top-K
+``tokens-per-s``                          targets, and the decoder's rate so far
+``timers/<name>``                         with ``--timing-log-level >= 1`` and
+                                          ``--log-timers-to-tensorboard``
+========================================  ====================================================
+
+Megatron-LM writes from its last rank; here the logging rank (rank 0) writes, with values
+reduced over the world first (the same numbers the JSON log has). A teacher replica
+(``megatron-kd teacher serve --tensorboard-dir``) writes its own side under ``teacher/``
+(:func:`service_scalars`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["MetricWriters", "StepTimers", "add_metric_args", "eval_scalars", "service_scalars",
+           "step_scalars"]
+
+#: The step's phases ``--timing-log-level 1`` times (max over ranks); level 2 synchronises the
+#: GPU at each boundary, so the times are the device's, not the launches'.
+TIMER_NAMES = ("forward-backward", "teacher-forward", "teacher-wait", "loss-forward",
+               "optimizer")
+
+
+def add_metric_args(parser: argparse.ArgumentParser) -> None:
+    """Megatron-LM's TensorBoard, W&B and timer flags, with its meanings."""
+    g = parser.add_argument_group("TensorBoard, Weights & Biases, timers (Megatron-LM's flags)")
+    g.add_argument("--tensorboard-dir", default=None,
+                   help="write TensorBoard event files here (rank 0)")
+    g.add_argument("--tensorboard-log-interval", type=int, default=1)
+    g.add_argument("--tensorboard-queue-size", type=int, default=1000)
+    g.add_argument("--log-timers-to-tensorboard", action="store_true",
+                   help="iteration-time and the --timing-log-level timers as scalars")
+    g.add_argument("--log-memory-to-tensorboard", action="store_true",
+                   help="peak memory of the step as mem-allocated-bytes")
+    g.add_argument("--log-throughput", action="store_true",
+                   help="tokens per second as the throughput scalar")
+    g.add_argument("--timing-log-level", type=int, choices=(0, 1, 2), default=0,
+                   help="0: the iteration time only; 1: where the step's time goes "
+                        f"({', '.join(TIMER_NAMES)}; max over ranks, in the JSON log); 2: the "
+                        "same with the GPU synchronised at each boundary")
+    g.add_argument("--wandb-project", default="", help="log to this W&B project (rank 0)")
+    g.add_argument("--wandb-exp-name", default="", help="the W&B run's name")
+    g.add_argument("--wandb-save-dir", default="",
+                   help="W&B's local directory (default: <--save>/wandb or ./wandb); set "
+                        "WANDB_MODE=offline to keep everything local")
+
+
+class StepTimers:
+    """Named wall-clock totals of one step on this rank (``--timing-log-level``)."""
+
+    def __init__(self, level: int) -> None:
+        self.level = level
+        self._totals: dict[str, float] = {}
+        self._sync = level >= 2 and torch.cuda.is_available()
+
+    @contextlib.contextmanager
+    def time(self, name: str):
+        if self.level < 1:
+            yield
+            return
+        if self._sync:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            if self._sync:
+                torch.cuda.synchronize()
+            self._totals[name] = self._totals.get(name, 0.0) + time.perf_counter() - t0
+
+    def discard(self) -> None:
+        """Forget what was timed since the last :meth:`take` (an evaluation's phases)."""
+        self._totals = {}
+
+    def take(self, device: torch.device) -> dict[str, float] | None:
+        """This step's timers, max over the world (collective when ``level >= 1``); reset."""
+        if self.level < 1:
+            return None
+        vec = torch.tensor([self._totals.get(n, 0.0) for n in TIMER_NAMES], dtype=torch.float64,
+                           device=device)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(vec, op=dist.ReduceOp.MAX)
+        self._totals = {}
+        return {n: round(float(v), 6) for n, v in zip(TIMER_NAMES, vec.tolist())}
+
+
+def step_scalars(record: dict, args: argparse.Namespace, batch_size: int) -> dict[str, float]:
+    """Megatron-LM's (and the distillation's) scalars of one JSON step record."""
+    out = {"lm loss": record.get("lm_loss"), "kd loss": record.get("kd_loss"),
+           "total loss": record.get("loss"), "learning-rate": record.get("lr"),
+           "grad-norm": record.get("grad_norm"), "batch-size": batch_size}
+    if getattr(args, "log_timers_to_tensorboard", False):
+        out["iteration-time"] = record.get("step_time_s")
+        for name, value in (record.get("timers") or {}).items():
+            out[f"timers/{name}"] = value
+    if getattr(args, "log_throughput", False):
+        out["throughput"] = record.get("tokens_per_s")
+    if getattr(args, "log_memory_to_tensorboard", False):
+        out["mem-allocated-bytes"] = record.get("peak_mem_bytes")
+    for key, name in (("kd_wire_bytes", "kd/wire-bytes"),
+                      ("kd_wire_bytes_to_teacher", "kd/wire-bytes-out"),
+                      ("kd_teacher_wait_s", "kd/teacher-wait-s"),
+                      ("kd_ring_occupancy", "kd/ring-occupancy"),
+                      ("kd_live_replicas", "kd/live-replicas"),
+                      ("failovers", "kd/failovers"),
+                      ("kd_cache_wait_s", "kd/cache-wait-s"),
+                      ("kd_cache_read_tokens_per_s", "kd/cache-read-tokens-per-s")):
+        if key in record:
+            out[name] = record[key]
+    for replica, rate in (record.get("kd_replica_tokens_per_s") or {}).items():
+        out[f"kd/replica-{replica}/tokens-per-s"] = rate
+    return {k: float(v) for k, v in out.items() if v is not None}
+
+
+def eval_scalars(record: dict) -> dict[str, float]:
+    """The scalars of one evaluation record (Megatron-LM's ``<key> validation`` names)."""
+    out = {"lm loss validation": record.get("eval_lm_loss"),
+           "kd loss validation": record.get("eval_kd_loss"),
+           "total loss validation": record.get("eval_loss"),
+           "teacher lm loss validation": record.get("eval_teacher_lm_loss")}
+    if record.get("eval_lm_loss") is not None and record.get("eval_teacher_lm_loss") is not None:
+        out["kd/student - teacher lm loss"] = (record["eval_lm_loss"]
+                                               - record["eval_teacher_lm_loss"])
+    return {k: float(v) for k, v in out.items() if v is not None}
+
+
+def service_scalars(record: dict) -> dict[str, float]:
+    """A teacher replica's ``stats`` / ``stopped`` log record as scalars (its totals so far,
+    and per student run), written against seconds since the replica started."""
+    out = {f"teacher/{key}": record[key] for key in
+           ("requests", "samples", "tokens", "tokens_per_s", "bytes_in", "bytes_out",
+            "forward_s", "connections") if record.get(key) is not None}
+    if record.get("requests"):
+        out["teacher/samples-per-request"] = record["samples"] / record["requests"]
+    for run, per in (record.get("runs") or {}).items():
+        for key in ("requests", "tokens", "bytes_out"):
+            out[f"teacher/run-{run}/{key}"] = per[key]
+    return {k: float(v) for k, v in out.items()}
+
+
+class MetricWriters:
+    """TensorBoard (``--tensorboard-dir``) and W&B (``--wandb-project``) on the logging rank.
+
+    A flag given without its package installed is an error naming the package, never a run
+    that silently writes nothing."""
+
+    def __init__(self, args: argparse.Namespace, enabled: bool) -> None:
+        self.args = args
+        self.tb = self.wandb = None
+        if not enabled:
+            return
+        if getattr(args, "tensorboard_dir", None):
+            try:
+                # optional: only runs that ask for TensorBoard need the package
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError as e:
+                raise ImportError(f"--tensorboard-dir needs the tensorboard package (pip install "
+                                  f"tensorboard, or megatron_kd[metrics]): {e}") from e
+            self.tb = SummaryWriter(log_dir=args.tensorboard_dir,
+                                    max_queue=args.tensorboard_queue_size)
+        if getattr(args, "wandb_project", ""):
+            try:
+                import wandb  # optional: only runs that ask for W&B need the package
+            except ImportError as e:
+                raise ImportError(f"--wandb-project needs the wandb package (pip install wandb, "
+                                  f"or megatron_kd[metrics]): {e}") from e
+            save_dir = args.wandb_save_dir or (os.path.join(args.save, "wandb") if
+                                               getattr(args, "save", None) else "wandb")
+            os.makedirs(save_dir, exist_ok=True)
+            self.wandb = wandb.init(project=args.wandb_project,
+                                    name=args.wandb_exp_name or None, dir=save_dir,
+                                    config={k: v for k, v in vars(args).items()
+                                            if isinstance(v, (int, float, str, bool, type(None)))})
+
+    def step(self, iteration: int, samples: int, scalars: dict[str, float]) -> None:
+        """Scalars at ``iteration`` (and ``... vs samples``), every
+        ``--tensorboard-log-interval`` iterations."""
+        interval = max(1, getattr(self.args, "tensorboard_log_interval", 1))
+        if iteration % interval:
+            return
+        self._write(iteration, samples, scalars)
+
+    def evaluation(self, iteration: int, samples: int, scalars: dict[str, float]) -> None:
+        self._write(iteration, samples, scalars)
+
+    def _write(self, iteration: int, samples: int, scalars: dict[str, float]) -> None:
+        if self.tb is not None:
+            for name, value in scalars.items():
+                self.tb.add_scalar(name, value, iteration)
+                self.tb.add_scalar(f"{name} vs samples", value, samples)
+        if self.wandb is not None:
+            self.wandb.log(scalars, step=iteration)
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.flush()
+            self.tb.close()
+            self.tb = None
+        if self.wandb is not None:
+            self.wandb.finish()
+            self.wandb = None

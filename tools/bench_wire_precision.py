@@ -1,0 +1,160 @@
+#!/usr/bin/env python
+"""How much the wire's precision moves the loss, on the demo's real teacher (not a test).
+
+The demo's teacher (SmolLM2-135M-Instruct, imported by ``megatron-kd demo`` into
+``<demo dir>/teacher``) runs as a ``megatron-kd teacher serve`` replica (fp32 by default: most
+CPUs without bf16 instructions run bf16 tens of times slower); the demo's student trains
+against it with ``--kd-mode disaggregated`` on the demo's text, once per ``--kd-wire-dtype``
+(fp32, bf16, fp8), from the same initialisation and on the same batches. fp32 on the wire is
+the teacher's exact output, the reference. Reported per step: the KD, LM and total loss of each
+wire and their relative deviation, fp8 against bf16 (the question: what does halving bf16's
+bytes cost?) and each against fp32. Step 1 isolates the wire alone (same weights); later steps
+add what training did with it.
+
+Needs a finished ``megatron-kd demo`` (its teacher and its tokenized text); nothing else is
+fetched.
+
+    python tools/bench_wire_precision.py --demo-dir demo_out --steps 10
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_disagg import Replica  # noqa: E402 - the same replica launcher
+
+
+def _demo_argv(demo_dir: str, steps: int, log: str, cache: str) -> list[str]:
+    """The demo's KD student flags (its own defaults), one process, ``steps`` steps."""
+    from megatron_kd.demo.run import add_arguments, student_train_argv
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--output-dir", demo_dir, "--train-iters", str(steps),
+                              "--tensor-model-parallel-size", "1",
+                              "--eval-interval", str(steps + 1), "--eval-iters", "0"])
+    teacher = os.path.join(demo_dir, "teacher")
+    return student_train_argv(args, data_prefix=os.path.join(demo_dir, "data", "corpus"),
+                              tokenizer_file=os.path.join(teacher, "tokenizer.json"),
+                              teacher_dir=teacher, log_json=log, cache_dir=cache)
+
+
+def run_one(demo_dir: str, wire: str, steps: int, work: str, teacher_dtype: str) -> list[dict]:
+    d = os.path.join(work, wire)
+    os.makedirs(d)
+    teacher = os.path.join(demo_dir, "teacher")
+    replica = Replica(os.path.join(d, "endpoint"), teacher, os.path.join(d, "replica.jsonl"),
+                      serve_args=("--kd-teacher-dtype", teacher_dtype))
+    log = os.path.join(d, "student.jsonl")
+    argv = _demo_argv(demo_dir, steps, log, os.path.join(d, "cache"))
+    argv[argv.index("--kd-teacher-dtype") + 1] = teacher_dtype
+    argv += ["--kd-mode", "disaggregated", "--kd-teacher-endpoint",
+             os.path.join(d, "endpoint"), "--kd-wire-dtype", wire, "--no-progress"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    try:
+        subprocess.run([sys.executable, "-m", "megatron_kd", "train", *argv], check=True,
+                       env=env, stdout=subprocess.DEVNULL)
+    finally:
+        replica.stop()
+    with open(log, encoding="utf-8") as f:
+        return [r for r in (json.loads(line) for line in f if line.strip())
+                if "kd_loss" in r and "step" in r]
+
+
+def _deviation(rows_a: list[dict], rows_b: list[dict]) -> list[dict]:
+    out = []
+    for r, q in zip(rows_a, rows_b):
+        row = {"step": r["step"]}
+        for key in ("kd_loss", "lm_loss", "loss"):
+            row[key] = abs(q[key] - r[key]) / abs(r[key])
+        out.append(row)
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--demo-dir", default="demo_out")
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--teacher-dtype", choices=("fp32", "bf16"), default="fp32")
+    p.add_argument("--out", default="bench_out/bench_wire_precision.json")
+    p.add_argument("--plot", default="bench_out/bench_wire_precision.png")
+    a = p.parse_args(argv)
+    teacher = os.path.join(a.demo_dir, "teacher")
+    if not os.path.isfile(os.path.join(teacher, "model_config.json")):
+        p.error(f"no demo teacher at {teacher}: run `megatron-kd demo --output-dir "
+                f"{a.demo_dir}` first")
+    t0 = time.perf_counter()
+    runs = {}
+    wires = ("fp32", "bf16", "fp8") if a.teacher_dtype == "fp32" else ("bf16", "fp8")
+    with tempfile.TemporaryDirectory(prefix="bench_wire_precision_") as work:
+        for wire in wires:
+            runs[wire] = run_one(a.demo_dir, wire, a.steps, work, a.teacher_dtype)
+            print(f"{wire}: {len(runs[wire])} steps", flush=True)
+    dev = {"fp8_vs_bf16": _deviation(runs["bf16"], runs["fp8"])}
+    if "fp32" in runs:
+        dev["bf16_vs_fp32"] = _deviation(runs["fp32"], runs["bf16"])
+        dev["fp8_vs_fp32"] = _deviation(runs["fp32"], runs["fp8"])
+    lines = ["| step | KD loss, " + " | KD loss, ".join(f"{w} wire" for w in wires)
+             + " | " + " | ".join(f"KD rel. dev. {k.replace('_vs_', ' vs ')}" for k in dev)
+             + " | total rel. dev. fp8 vs bf16 |",
+             "|---|" + "---|" * (len(wires) + len(dev) + 1)]
+    for i, r in enumerate(runs["bf16"]):
+        if r["step"] in (1, 2) or r["step"] % 5 == 0:
+            lines.append(f"| {r['step']} | "
+                         + " | ".join(f"{runs[w][i]['kd_loss']:.5f}" for w in wires) + " | "
+                         + " | ".join(f"{dev[k][i]['kd_loss']:.2e}" for k in dev)
+                         + f" | {dev['fp8_vs_bf16'][i]['loss']:.2e} |")
+    summary = {k: {"first_step_kd_loss": v[0]["kd_loss"],
+                   "max_kd_loss": max(d["kd_loss"] for d in v),
+                   "max_total_loss": max(d["loss"] for d in v)} for k, v in dev.items()}
+    summary["bytes_per_step"] = {w: runs[w][0]["kd_wire_bytes"] for w in wires}
+    summary["fp8_over_bf16_bytes"] = (summary["bytes_per_step"]["fp8"]
+                                      / summary["bytes_per_step"]["bf16"])
+    table = "\n".join(lines)
+    print(table)
+    f8 = summary["fp8_vs_bf16"]
+    print(f"fp8 vs bf16 on the wire: KD loss {f8['first_step_kd_loss']:.2e} relative at step 1 "
+          f"(the wire alone), at most {f8['max_kd_loss']:.2e} over {a.steps} steps; total loss "
+          f"at most {f8['max_total_loss']:.2e}; fp8 sends {summary['fp8_over_bf16_bytes']:.3f}x "
+          f"bf16's bytes")
+    os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
+    with open(a.out, "w") as f:
+        json.dump({"config": vars(a), "summary": summary, "runs": runs, "deviation": dev,
+                   "table_markdown": table, "wall_s": time.perf_counter() - t0}, f, indent=1)
+    print(f"wrote {a.out}")
+    if a.plot:
+        try:
+            import matplotlib
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError:
+            print("matplotlib is not installed: no plot")
+            return 0
+        fig, (ax_l, ax_d) = plt.subplots(1, 2, figsize=(11, 4))
+        for w in wires:
+            ax_l.plot([r["step"] for r in runs[w]], [r["kd_loss"] for r in runs[w]],
+                      label=f"{w} wire")
+        ax_l.set(xlabel="step", ylabel="KD loss", title="KD loss, demo teacher")
+        ax_l.legend()
+        for k, v in dev.items():
+            ax_d.semilogy([d["step"] for d in v], [max(d["kd_loss"], 1e-12) for d in v],
+                          label=k.replace("_vs_", " vs "))
+        ax_d.set(xlabel="step", ylabel="relative deviation of the KD loss",
+                 title="wire precision")
+        ax_d.legend()
+        fig.tight_layout()
+        os.makedirs(os.path.dirname(a.plot) or ".", exist_ok=True)
+        fig.savefig(a.plot, dpi=120)
+        print(f"wrote {a.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
