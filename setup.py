@@ -23,8 +23,11 @@ setup(
     extras_require={
         # What the test suite needs beyond the core (tokenizer and HF import parity tests).
         # atheris: the coverage-guided fuzzer of the decoders (tests/unit/test_fuzz.py).
+        # tensorboard, wandb: the metrics tests read back event files and an offline W&B run.
         "test": ["pytest>=7", "tokenizers", "safetensors", "transformers>=4.56", "matplotlib",
-                 "gguf", "atheris"],
+                 "gguf", "atheris", "tensorboard", "wandb"],
+        # TensorBoard and W&B (--tensorboard-dir, --wandb-project) and megatron-kd report's plots.
+        "metrics": ["tensorboard", "wandb", "matplotlib"],
         # Transformer Engine layer specs: GPU only, never imported unguarded.
         "te": ["transformer-engine[pytorch]"],
         # Peers for benchmarks: ModelOpt's LogitsKLLoss (Megatron-LM's KD loss) and the

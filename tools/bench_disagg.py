@@ -41,6 +41,12 @@ in fresh processes, one CPU thread each, the student's world on gloo; each teach
    forward seconds, from its log). The default sleep keeps even 3 replicas slower than the
    student, so each row measures how the service spreads the student's requests.
 
+5. Wait (``--sections wait``, not in the default set): the student against a fast teacher
+   (the real one, D=2) and a deliberately slow one (its forward also sleeps
+   ``--slow-sleep-per-token`` s a token), written as ``megatron-kd report`` of the two runs to
+   ``--report-dir``: the slow teacher shows the student's wait and an empty ring, the fast one
+   no wait and a full ring.
+
 Where the time went: per step, the student's main thread's on-CPU time and run-queue wait
 (``/proc/thread-self/schedstat``). A machine check first times a single-threaded GEMM loop
 alone and with a second copy running: on a small machine two busy processes slow each other
@@ -48,6 +54,7 @@ down, and that, not the wire, is then what separates the disaggregated step from
 
     python tools/bench_disagg.py                  # everything (about 10 minutes on 2 cores)
     python tools/bench_disagg.py --sections step wire
+    python tools/bench_disagg.py --sections wait --report-dir docs/teacher_wait
 """
 
 from __future__ import annotations
@@ -63,6 +70,7 @@ import tempfile
 import time
 
 SECTIONS = ("step", "wire", "failover", "replicas")
+EXTRA_SECTIONS = ("wait",)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -372,6 +380,7 @@ class Bench:
         times = [r["step_time_s"] for r in steps_]
         st = results[0]["stats"]
         point = {"name": name, "kind": kind, "wall_s": wall, "step_times_s": times,
+                 "log": log,
                  "step_time_s": _median_after(times, a.warmup), "records": steps_,
                  "events": [r for r in records if r.get("event")],
                  "on_cpu_s": _median_after(st["on_cpu_s"], a.warmup),
@@ -559,6 +568,40 @@ def run_replicas(bench: Bench, teacher: str) -> dict:
     return {"points": [alone, *rows], "summary": summary, "table": "\n".join(lines)}
 
 
+def run_wait(bench: Bench, teacher: str) -> dict:
+    """A fast and a slow teacher, the student's wait and ring in ``megatron-kd report``."""
+    import shutil
+
+    from megatron_kd.training.report import RunLog, write_report
+
+    a = bench.a
+    fast = bench.disaggregated("wait_fast", teacher, depth=2, wire="fp32")
+    slow = bench.disaggregated("wait_slow", teacher, depth=2, wire="fp32",
+                               sleep_per_token=a.slow_sleep_per_token)
+    lines = ["| teacher | step time (median) | student wait per step (median) | ring occupancy "
+             "(median) |", "|---|---|---|---|"]
+    for label, p in (("fast (real forward)", fast),
+                     (f"slow (+{a.slow_sleep_per_token * 1e3:g} ms a token)", slow)):
+        kept = p["records"][a.warmup:-1]  # the last step drains the ring: nothing left to send
+        p["wait_per_step_s"] = statistics.median(r["kd_teacher_wait_s"] for r in kept)
+        p["ring_occupancy"] = statistics.median(r["kd_ring_occupancy"] for r in kept)
+        lines.append(f"| {label} | {_fmt(p['step_time_s'])} s | {_fmt(p['wait_per_step_s'])} s "
+                     f"| {_fmt(p['ring_occupancy'], 2)} |")
+    written = {}
+    if a.report_dir:
+        os.makedirs(a.report_dir, exist_ok=True)
+        written = write_report([RunLog(fast["log"], "fast teacher"),
+                                RunLog(slow["log"], "slow teacher")], a.report_dir,
+                               "student against a fast and a slow teacher (D=2)")
+        for p in (fast, slow):  # keep the logs beside the report (the bench's tmp goes away)
+            shutil.copy(p["log"], os.path.join(a.report_dir, p["name"] + ".jsonl"))
+    summary = {name: {"wait_per_step_s": p["wait_per_step_s"],
+                      "ring_occupancy": p["ring_occupancy"], "step_time_s": p["step_time_s"]}
+               for name, p in (("fast", fast), ("slow", slow))}
+    return {"points": [fast, slow], "summary": summary, "report": written,
+            "table": "\n".join(lines)}
+
+
 def plot(a, results: dict, path: str) -> bool:
     try:
         import matplotlib
@@ -568,6 +611,8 @@ def plot(a, results: dict, path: str) -> bool:
         print("matplotlib is not installed: no plot (pip install matplotlib)")
         return False
     panels = [k for k in ("step", "failover", "replicas") if k in results]
+    if not panels:  # the wait section has its own plots (megatron-kd report)
+        return False
     fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.4), squeeze=False)
     for ax, key in zip(axes[0], panels):
         r = results[key]
@@ -611,7 +656,12 @@ def plot(a, results: dict, path: str) -> bool:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS))
+    p.add_argument("--sections", nargs="+", choices=SECTIONS + EXTRA_SECTIONS,
+                   default=list(SECTIONS))
+    p.add_argument("--slow-sleep-per-token", type=float, default=2e-3,
+                   help="wait section: the slow teacher's extra seconds a token")
+    p.add_argument("--report-dir", default="bench_out/teacher_wait",
+                   help="wait section: where megatron-kd report of the two runs goes")
     p.add_argument("--teacher-layers", type=int, default=4)
     p.add_argument("--teacher-hidden", type=int, default=512)
     p.add_argument("--teacher-heads", type=int, default=8)
@@ -663,7 +713,7 @@ def main(argv=None) -> int:
                                                      a.vocab, a.seq_length),
                                        "seed": a.seed, "directory": small})
         runners = {"step": run_step, "wire": run_wire, "failover": run_failover,
-                   "replicas": run_replicas}
+                   "replicas": run_replicas, "wait": run_wait}
         for section in a.sections:
             results[section] = runners[section](bench, small if section == "replicas"
                                                 else teacher)
@@ -688,6 +738,7 @@ def main(argv=None) -> int:
     for r in results.values():
         for pt in r["points"]:
             pt.pop("records", None)
+            pt.pop("log", None)
     os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
     with open(a.out, "w") as f:
         json.dump({"config": vars(a), "machine_check": probe, "cpu_count": os.cpu_count(),

@@ -1,7 +1,10 @@
 """Distillation inside Megatron-LM's ``pretrain_gpt.py``: the pieces its patch plugs in.
 
-Megatron-LM keeps its own training loop, data pipeline, checkpoints and logging; the patch in
-``patches/`` changes three arguments of its ``pretrain(...)`` call and nothing else:
+Megatron-LM keeps its own training loop, data pipeline, checkpoints and logging; the patches in
+``patches/`` change three arguments of its ``pretrain(...)`` call and nothing else (older trees,
+up to the pinned commit, which hand ``pretrain()`` a model provider; for Megatron-LM main, whose
+model builder takes no provider, :func:`add_kd_hooks` appends :func:`pre_wrap_hook` to the model
+config instead of wrapping the provider):
 
 * ``extra_args_provider=with_kd_args(<its own provider>)`` -- the ``--kd-*`` flags
   (:func:`megatron_kd.integration.args.add_kd_args`, the same flags ``megatron-kd train`` accepts).
@@ -90,19 +93,36 @@ from megatron_kd.integration.teacher import (
 )
 
 __all__ = [
+    "MEGATRON_LM_MAIN_COMMIT",
+    "MODEL_BUILDER_PATCH_FROM",
+    "PATCHES",
     "PINNED_MEGATRON_LM_COMMIT",
     "REPORT_NAMES",
     "KDState",
+    "add_kd_hooks",
     "check_megatron_args",
     "extra_args_provider",
     "forward_step",
     "loss_func",
     "model_provider",
+    "pre_wrap_hook",
     "with_kd_args",
 ]
 
 PINNED_MEGATRON_LM_COMMIT = "f88b85f8c60aa89f5cf38b33a09657a4977af6cd"
-"""The Megatron-LM commit whose ``pretrain_gpt.py`` the patch in ``patches/`` is made for."""
+"""The Megatron-LM commit whose ``pretrain_gpt.py`` the model-provider patch in ``patches/`` is
+made for (the last one that hands ``pretrain()`` a model provider)."""
+
+MEGATRON_LM_MAIN_COMMIT = "d98e8a64ddf34856e74b24714e3bedb2f5a39553"
+"""The Megatron-LM main commit the model-builder patch is tested at."""
+
+MODEL_BUILDER_PATCH_FROM = "e97ac83603e4bd79a1fe27f015b176510c0a3e1d"
+"""The first Megatron-LM commit whose ``pretrain_gpt.py`` the model-builder patch applies to
+(``GPTModelConfig.pre_wrap_hooks``, no model provider)."""
+
+PATCHES = {"model_provider": "megatron_lm_f88b85f_pretrain_gpt.patch",
+           "model_builder": "megatron_lm_main_pretrain_gpt.patch"}
+"""The two patches in ``patches/``, by how ``pretrain_gpt.py`` builds its model."""
 
 REPORT_NAMES = {"loss": "total loss", "kd_loss": "kd loss", "lm_loss": "lm loss",
                 "teacher_lm_loss": "teacher lm loss"}
@@ -253,40 +273,75 @@ def model_provider(base_model_provider: Callable, pre_process: bool = True,
     """
     args = megatron_lm_args()
     kd, teacher_arch = check_megatron_args(args)
-    vp_stage = kwargs.get("vp_stage")
     pg_collection = kwargs.get("pg_collection")
-    if teacher_arch is not None and vp_stage in (None, 0):
+    if kwargs.get("vp_stage") in (None, 0):
         # Before the student: building a student chunk may be collective too (tied embeddings
         # all-reduce between the first and last stage), and with virtual stages the ranks reach
         # those collectives at different calls; the teacher's load must not sit between them.
-        if kd.mode == "disaggregated":  # only its output layer (collective) and a run id
-            _pending_teacher["weight"] = load_output_layer_shard(
-                kd.teacher_load, teacher_arch, kd.teacher_torch_dtype,
-                _tp_group(pg_collection).size())
-            _pending_teacher["run"] = shared_random_id()
-        else:
-            teacher = _build_teacher(kd, teacher_arch, pg_collection,
-                                     keep=_on_last_pipeline_stage(pg_collection))
-            if teacher is not None:
-                _pending_teacher["teacher"] = teacher
+        _prepare_teacher(kd, teacher_arch, pg_collection)
     model = base_model_provider(pre_process=pre_process, post_process=post_process, **kwargs)
-    if not post_process:
-        return model
+    if post_process:
+        _attach_kd_state(model, args, kd, teacher_arch, pg_collection)
+    return model
+
+
+def pre_wrap_hook(chunks: list) -> list:
+    """Megatron-LM main's model builder (``GPTModelBuilder``, from commit 223e244 on): the
+    model chunks it built, before DDP and mixed-precision wrapping, made to distil. The teacher
+    is built and loaded once (collective over the world: every rank reaches this hook after all
+    its chunks are built), then the chunk with the output layer is bypassed and given its
+    :class:`KDState`, as :func:`model_provider` does. Append it with :func:`add_kd_hooks`."""
+    args = megatron_lm_args()
+    kd, teacher_arch = check_megatron_args(args)
+    pg_collection = getattr(unwrap_model(chunks[0]), "pg_collection", None)
+    _prepare_teacher(kd, teacher_arch, pg_collection)
+    for chunk in chunks:
+        if getattr(unwrap_model(chunk), "post_process", False):
+            _attach_kd_state(unwrap_model(chunk), args, kd, teacher_arch, pg_collection)
+    _pending_teacher.clear()  # ranks off the last stage: nothing of the teacher kept
+    return chunks
+
+
+def add_kd_hooks(model_config):
+    """``model_config`` (Megatron-LM main's ``GPTModelConfig``) with :func:`pre_wrap_hook`
+    appended to its ``pre_wrap_hooks``; returned for chaining."""
+    model_config.pre_wrap_hooks.append(pre_wrap_hook)
+    return model_config
+
+
+def _prepare_teacher(kd: KDArgs, teacher_arch, pg_collection) -> None:
+    """Colocated: build and load the teacher (kept on the last pipeline stage only);
+    disaggregated: load its output-layer shard and agree on a run id. Collective."""
+    if teacher_arch is None:
+        return
+    if kd.mode == "disaggregated":  # only its output layer (collective) and a run id
+        _pending_teacher["weight"] = load_output_layer_shard(
+            kd.teacher_load, teacher_arch, kd.teacher_torch_dtype,
+            _tp_group(pg_collection).size())
+        _pending_teacher["run"] = shared_random_id()
+    else:
+        teacher = _build_teacher(kd, teacher_arch, pg_collection,
+                                 keep=_on_last_pipeline_stage(pg_collection))
+        if teacher is not None:
+            _pending_teacher["teacher"] = teacher
+
+
+def _attach_kd_state(model, args, kd: KDArgs, teacher_arch, pg_collection) -> None:
+    """The output layer of ``model`` (the chunk that has it) bypassed, its KD state attached."""
     bypass_output_layer(model)
     teacher = _pending_teacher.pop("teacher", None)
     weight = _pending_teacher.pop("weight", None)
     if teacher is not None:
         weight = output_layer_weight(teacher)
     if teacher_arch is not None and weight is None:
-        raise RuntimeError("model_provider: the chunk with the output layer was built before the "
-                           "teacher (expected virtual stage 0 first)")
+        raise RuntimeError("the chunk with the output layer was built before the teacher "
+                           "(expected virtual stage 0 first)")
     vocab_size = teacher_arch.vocab_size if teacher_arch is not None else \
         getattr(args, "vocab_size", None)
     model.kd_state = KDState(
         kd=kd, config=kd.loss_config(vocab_size=vocab_size), tp_group=_tp_group(pg_collection),
         teacher=teacher, teacher_weight=weight, teacher_arch=teacher_arch,
         run=_pending_teacher.pop("run", 0))
-    return model
 
 
 def kd_state(model) -> KDState | None:
@@ -346,15 +401,16 @@ def forward_step(base_forward_step: Callable, data_iterator, model, *args: Any, 
     if state is None:  # no output layer on this chunk: nothing to distil here
         return base_forward_step(data_iterator, model, *args, **kwargs)
     training = unwrap_model(model).training
+    look = None
     if data_iterator is not None:
-        data_iterator = lookahead(state, data_iterator, training)
+        data_iterator = look = lookahead(state, data_iterator, training)
     if training and state.kd.mode == "disaggregated" and state.client is None:
         start_client(state)
     recorder = _RecordingModel(model, state)
     output, _ = base_forward_step(data_iterator, recorder, *args, **kwargs)
     if not recorder.called:
         raise RuntimeError("the wrapped forward step returned without calling the model")
-    teacher_hidden = microbatch_teacher(state, recorder, training)
+    teacher_hidden = microbatch_teacher(state, recorder, training, look)
     if training:
         state.microbatches += 1
         if state.client is not None and state.microbatches % microbatches_per_step() == 0:

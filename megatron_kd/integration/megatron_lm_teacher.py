@@ -57,9 +57,10 @@ def _microbatch_tokens(state, recorder, current) -> torch.Tensor:
     return buf
 
 
-def teacher_hidden(state, recorder, training: bool):
+def teacher_hidden(state, recorder, training: bool, look: Lookahead | None = None):
     """``[s, b, h_t]`` teacher hidden states of this microbatch, or None (no teacher, or
-    evaluation of a disaggregated run: the student's CE only)."""
+    evaluation of a disaggregated run: the student's CE only). ``look``: the data iterator the
+    forward step read this microbatch from (training or evaluation), where this rank has one."""
     if state.kd.mode == "disaggregated":
         if not training:
             return None
@@ -72,7 +73,7 @@ def teacher_hidden(state, recorder, training: bool):
     with torch.no_grad():
         if args and args[0] is not None:  # the model's own inputs (first stage, or no PP)
             return to_sbh(state.teacher(*args, **kwargs))
-        current = state.lookahead.current if training and state.lookahead is not None else None
+        current = look.current if look is not None else None
         tokens = _microbatch_tokens(state, recorder, current)
         position_ids = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
         return to_sbh(state.teacher(tokens, position_ids, None))

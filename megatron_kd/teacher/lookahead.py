@@ -13,7 +13,8 @@ class Lookahead:
     is :attr:`current`), while :meth:`ahead` yields each item as soon as it is read, so that a
     teacher's requests can go out ``depth`` microbatches before the step that uses them. On the
     last pipeline stage Megatron-LM's ``get_batch`` drops the tokens; the iterator's items still
-    carry them, and the teacher takes them from here.
+    carry them, and the teacher takes them from here (``next()`` hands out a copy of a dict
+    item, so what the consumer rewrites in it stays out of :attr:`current`).
 
     ``next()`` (the training loop) and :meth:`ahead` (a teacher client's sender thread) may run
     in two threads: the source is read under a lock, each item once, in order."""
@@ -38,7 +39,10 @@ class Lookahead:
             if not self._buffer:
                 self._read()
             self.current = self._buffer.popleft()
-        return self.current
+        # A dict item is handed out as a shallow copy: Megatron-LM's get_batch rewrites the
+        # entries of what it gets in place (moved to the GPU, None off the first stage), and
+        # the teacher reads the tokens from ``current`` after it.
+        return dict(self.current) if isinstance(self.current, dict) else self.current
 
     def ahead(self):
         while True:

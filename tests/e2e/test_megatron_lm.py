@@ -38,8 +38,6 @@ import torch
 from megatron_kd.integration import megatron_lm as kd_lm
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-PATCH = os.path.join(REPO, "patches",
-                     f"megatron_lm_{kd_lm.PINNED_MEGATRON_LM_COMMIT[:7]}_pretrain_gpt.patch")
 
 # Same vocabulary (500 true, 512 padded) and maximum length as the teacher of support.train_cases.
 STUDENT_ARCH = {"num_layers": 2, "hidden_size": 32, "num_attention_heads": 4,
@@ -50,8 +48,11 @@ SEQ, MBS = 32, 2
 
 # --- 1. the patch ---------------------------------------------------------------------------
 
-def test_patch_is_small_and_names_existing_entry_points():
-    with open(PATCH, encoding="utf-8") as f:
+@pytest.mark.parametrize("kind,names", [
+    ("model_provider", {"with_kd_args", "model_provider", "forward_step"}),
+    ("model_builder", {"with_kd_args", "add_kd_hooks", "forward_step"})])
+def test_patch_is_small_and_names_existing_entry_points(kind, names):
+    with open(os.path.join(REPO, "patches", kd_lm.PATCHES[kind]), encoding="utf-8") as f:
         text = f.read()
     files = re.findall(r"^\+\+\+ b/(\S+)", text, flags=re.MULTILINE)
     assert files == ["pretrain_gpt.py"]
@@ -60,33 +61,56 @@ def test_patch_is_small_and_names_existing_entry_points():
     removed = [line for line in text.splitlines()
                if line.startswith("-") and not line.startswith("---")]
     assert len(added) <= 6 and len(removed) <= 3  # only the hunks: no copied Megatron-LM code
-    names = set(re.findall(r"kd_lm\.(\w+)", "\n".join(added)))
-    assert names == {"with_kd_args", "model_provider", "forward_step"}
+    assert set(re.findall(r"kd_lm\.(\w+)", "\n".join(added))) == names
     for name in names:
         assert callable(getattr(kd_lm, name)), name
     with open(os.path.join(REPO, "patches", "README.md"), encoding="utf-8") as f:
-        assert kd_lm.PINNED_MEGATRON_LM_COMMIT in f.read()
+        readme = f.read()
+    for commit in (kd_lm.PINNED_MEGATRON_LM_COMMIT, kd_lm.MEGATRON_LM_MAIN_COMMIT,
+                   kd_lm.MODEL_BUILDER_PATCH_FROM):
+        assert commit in readme
 
 
-def test_patch_applies_to_pinned_megatron_lm():
-    root = os.environ.get("MEGATRON_LM_DIR")
-    if not root:
-        pytest.skip("MEGATRON_LM_DIR is not set (a Megatron-LM git checkout at "
-                    f"{kd_lm.PINNED_MEGATRON_LM_COMMIT})")
-    if not os.path.isfile(os.path.join(root, "pretrain_gpt.py")):
-        pytest.skip(f"MEGATRON_LM_DIR={root!r} has no pretrain_gpt.py")
-    head = subprocess.run(["git", "-C", root, "rev-parse", "HEAD"], capture_output=True,
-                          text=True, check=False)
-    if head.returncode != 0 or head.stdout.strip() != kd_lm.PINNED_MEGATRON_LM_COMMIT:
-        pytest.skip(f"MEGATRON_LM_DIR={root!r} is at {head.stdout.strip() or head.stderr!r}, "
-                    f"not the pinned {kd_lm.PINNED_MEGATRON_LM_COMMIT}")
-    check = subprocess.run(["git", "-C", root, "apply", "--check", PATCH], capture_output=True,
-                           text=True, check=False)
-    if check.returncode != 0:
-        # Idempotence: a checkout where the patch is already applied is fine too.
-        applied = subprocess.run(["git", "-C", root, "apply", "--reverse", "--check", PATCH],
-                                 capture_output=True, text=True, check=False)
-        assert applied.returncode == 0, f"patch does not apply: {check.stderr}"
+def megatron_lm_checkouts():
+    """The Megatron-LM checkouts named by ``MEGATRON_LM_DIR`` (``os.pathsep``-separated)."""
+    return [d for d in os.environ.get("MEGATRON_LM_DIR", "").split(os.pathsep) if d]
+
+
+def _git(root, *argv):
+    return subprocess.run(["git", "-C", root, *argv], capture_output=True, text=True,
+                          check=False)
+
+
+def patch_for_checkout(root):
+    """``(kind, patch path)`` the patches README prescribes for the checkout at ``root``."""
+    head = _git(root, "rev-parse", "HEAD").stdout.strip()
+    if head == kd_lm.PINNED_MEGATRON_LM_COMMIT:
+        kind = "model_provider"
+    elif _git(root, "merge-base", "--is-ancestor", kd_lm.MODEL_BUILDER_PATCH_FROM,
+              "HEAD").returncode == 0:
+        kind = "model_builder"
+    else:
+        pytest.skip(f"{root} is at {head}: neither the pinned commit nor after "
+                    f"{kd_lm.MODEL_BUILDER_PATCH_FROM[:10]}")
+    return kind, os.path.join(REPO, "patches", kd_lm.PATCHES[kind])
+
+
+def test_patch_applies_to_megatron_lm_checkouts():
+    """On each checkout: its patch applies cleanly or is applied already (idempotent), and the
+    other one does not apply."""
+    roots = megatron_lm_checkouts()
+    if not roots:
+        pytest.skip("MEGATRON_LM_DIR is not set (Megatron-LM git checkouts, e.g. at "
+                    f"{kd_lm.PINNED_MEGATRON_LM_COMMIT[:10]} and main)")
+    for root in roots:
+        assert os.path.isfile(os.path.join(root, "pretrain_gpt.py")), root
+        kind, patch = patch_for_checkout(root)
+        check = _git(root, "apply", "--check", patch)
+        applied = _git(root, "apply", "--reverse", "--check", patch)
+        assert check.returncode == 0 or applied.returncode == 0, (root, check.stderr)
+        other = os.path.join(REPO, "patches",
+                             next(p for k, p in kd_lm.PATCHES.items() if k != kind))
+        assert _git(root, "apply", "--check", other).returncode != 0, (root, other)
 
 
 # --- 2. the flags ---------------------------------------------------------------------------

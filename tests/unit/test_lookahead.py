@@ -31,3 +31,13 @@ def test_two_threads_read_the_source_once_each_item():
     thread.join(timeout=30)
     assert reads == list(range(2000))
     assert got_next == list(range(2000)) and got_ahead == list(range(2000))
+
+
+def test_what_the_consumer_rewrites_stays_out_of_current():
+    """Megatron-LM's get_batch rewrites the batch dict it gets in place (tokens None off the
+    first stage): the teacher still finds the tokens in ``current``."""
+    tokens = [1, 2, 3]
+    look = Lookahead(iter([{"tokens": tokens, "labels": [2, 3, 4]}]))
+    batch = next(look)
+    batch["tokens"] = None
+    assert look.current["tokens"] is tokens and look.current["labels"] == [2, 3, 4]

@@ -1,0 +1,199 @@
+"""The real Megatron-LM ``pretrain_gpt.py``, patched, on CPU: its losses are ``megatron-kd train``'s.
+
+Runs only with Megatron-LM checkouts (read-only; nothing of them is copied here):
+
+    MEGATRON_LM_DIR=/src/Megatron-LM-f88b85f:/src/Megatron-LM-main \\
+    MEGATRON_LM_PYTHON=/venv312/bin/python  python -m pytest tests/e2e/test_megatron_lm_real.py
+
+``MEGATRON_LM_PYTHON`` (default: this interpreter) must be Python >= 3.12 (Megatron-LM's own
+requirement since mid 2026) with torch and pybind11; each checkout goes first on its
+``PYTHONPATH``, so its own ``megatron.core`` runs it. Each checkout's patch (``patches/README.md``)
+is applied to a copy of its ``pretrain_gpt.py`` in a temporary directory, unless the checkout has
+it applied already. ``tests/support/megatron_lm_cpu.py`` (test-only) replaces Megatron-LM's
+CUDA-only start-up. The same tiny configuration then runs through Megatron-LM and through
+``megatron-kd train`` (this interpreter, its installed megatron-core) at TP1, TP2 and PP2, for 5
+iterations on the same indexed text and the same teacher: fp32, the per-iteration total, KD and
+LM losses equal within 1e-5 relative (Megatron-LM prints 7 digits), and the evaluation at
+iteration 5 runs through the teacher on every layout (PP2: the last stage gets no tokens from
+Megatron-LM's ``get_batch``). Evaluation values are not compared: Megatron-LM evaluates on the
+validation batches that follow the previous evaluation's, ``megatron-kd train`` on the first
+``--eval-iters`` batches each time.
+"""
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from megatron_kd.integration import megatron_lm as kd_lm
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+LAUNCHER = os.path.join(REPO, "tests", "support", "megatron_lm_cpu.py")
+ITERS = 5
+
+# The same configuration for both, in the flags both spell the same way.
+COMMON = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+          "--num-query-groups", "2", "--ffn-hidden-size", "64", "--seq-length", "32",
+          "--max-position-embeddings", "64", "--micro-batch-size", "2",
+          "--global-batch-size", "4", "--train-iters", str(ITERS), "--lr", "1e-2",
+          "--lr-warmup-iters", "1", "--min-lr", "1e-3", "--lr-decay-style", "cosine",
+          "--clip-grad", "0.0", "--adam-beta1", "0.9", "--adam-beta2", "0.95",
+          "--adam-eps", "1e-8", "--weight-decay", "0.01", "--init-method-std", "0.02",
+          "--hidden-dropout", "0", "--attention-dropout", "0", "--split", "90,5,5",
+          "--eval-iters", "1", "--eval-interval", str(ITERS), "--seed", "1234",
+          "--kd-ce-weight", "0.5"]
+# What Megatron-LM needs said (its defaults differ from megatron-kd train's), on the CPU.
+MEGATRON_LM_ONLY = ["--group-query-attention", "--normalization", "RMSNorm", "--swiglu",
+                    "--position-embedding-type", "rope", "--disable-bias-linear",
+                    "--tokenizer-type", "NullTokenizer", "--vocab-size", "500",
+                    "--make-vocab-size-divisible-by", "128", "--distributed-backend", "gloo",
+                    "--transformer-impl", "local", "--use-cpu-initialization",
+                    "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion",
+                    "--no-bias-swiglu-fusion", "--no-rope-fusion", "--no-persist-layer-norm",
+                    "--log-interval", "1", "--save-interval", "1000"]
+LAYOUTS = {"tp1": (1, []), "tp2": (2, ["--tensor-model-parallel-size", "2"]),
+           "pp2": (2, ["--pipeline-model-parallel-size", "2"])}
+KEYS = ("total loss", "kd loss", "lm loss")
+
+pytestmark = pytest.mark.filterwarnings("ignore")
+
+
+def _checkouts():
+    return [d for d in os.environ.get("MEGATRON_LM_DIR", "").split(os.pathsep) if d]
+
+
+def _megatron_lm_python():
+    exe = os.environ.get("MEGATRON_LM_PYTHON", sys.executable)
+    version = subprocess.run([exe, "-c", "import sys; print(sys.version_info[:2] >= (3, 12))"],
+                             capture_output=True, text=True, check=False).stdout.strip()
+    if version != "True":
+        pytest.skip(f"Megatron-LM needs Python >= 3.12; MEGATRON_LM_PYTHON={exe!r} is not")
+    return exe
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory, dist_pool_factory):
+    """The indexed text, its tokenizer and the teacher checkpoint, made once."""
+    if not _checkouts():
+        pytest.skip("MEGATRON_LM_DIR is not set (Megatron-LM checkouts)")
+    pytest.importorskip("tokenizers")
+    from support.text import TEXT, write_tokenizer
+    from support.train_cases import TEACHER_ARCH, case_make_teacher
+
+    from megatron_kd.data.preprocess import preprocess
+    from megatron_kd.data.tokenizer import HFTokenizer
+
+    tmp = tmp_path_factory.mktemp("megatron_lm_real")
+    (tmp / "text").mkdir()
+    (tmp / "text" / "part.txt").write_text(TEXT * 40, encoding="utf-8")
+    tok = write_tokenizer(tmp / "tokenizer.json")
+    preprocess([str(tmp / "text")], HFTokenizer(tok), str(tmp / "corpus"))
+    teacher = str(tmp / "teacher")
+    arch = dict(TEACHER_ARCH, init_method_std=0.25)
+    dist_pool_factory(2).run(case_make_teacher, teacher, arch)
+    return {"dir": tmp, "tokenizer": tok, "data": str(tmp / "corpus"), "teacher": teacher}
+
+
+def _patched_script(root, tmp):
+    """``pretrain_gpt.py`` of ``root`` with its patch applied (a copy, unless applied there)."""
+    kind = "model_provider" if _git(root, "rev-parse", "HEAD") == \
+        kd_lm.PINNED_MEGATRON_LM_COMMIT else "model_builder"
+    patch = os.path.join(REPO, "patches", kd_lm.PATCHES[kind])
+    script = os.path.join(root, "pretrain_gpt.py")
+    applied = subprocess.run(["git", "-C", root, "apply", "--reverse", "--check", patch],
+                             capture_output=True, check=False).returncode == 0
+    if applied:
+        return script
+    copy = tmp / f"patched_{os.path.basename(root)}"
+    copy.mkdir()
+    shutil.copy(script, copy / "pretrain_gpt.py")
+    subprocess.run(["patch", "-p1", "-s", "-d", str(copy), "-i", patch], check=True)
+    return str(copy / "pretrain_gpt.py")
+
+
+def _git(root, *argv):
+    return subprocess.run(["git", "-C", root, *argv], capture_output=True, text=True,
+                          check=False).stdout.strip()
+
+
+def _torchrun(python, nproc, argv, env):
+    proc = subprocess.run([python, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc-per-node", str(nproc), *argv], capture_output=True,
+                          text=True, env=env, timeout=600, check=False)
+    assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-6000:])
+    return proc.stdout + proc.stderr
+
+
+_LINE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|(.*)")
+_VALUE = re.compile(r"(total loss|kd loss|lm loss): ([0-9.E+-]+)")
+_VALID = re.compile(r"validation loss at iteration \d+ \|(.*)")
+_VALID_VALUE = re.compile(r"(total loss|kd loss|lm loss|teacher lm loss) value: ([0-9.E+-]+)")
+
+
+def megatron_lm_losses(log):
+    """``({iteration: {key: value}}, {key: validation value})`` from Megatron-LM's log.
+
+    Megatron-LM logs iteration 1 without clearing its sums, so its iteration-2 line is the mean
+    of iterations 1 and 2: undone here (2 x line 2 - line 1)."""
+    lines = {int(m.group(1)): {k: float(v) for k, v in _VALUE.findall(m.group(2))}
+             for m in map(_LINE.search, log.splitlines()) if m}
+    if 1 in lines and 2 in lines:
+        lines[2] = {k: 2 * lines[2][k] - lines[1][k] for k in lines[2]}
+    valid = next((m.group(1) for m in map(_VALID.search, log.splitlines()) if m), "")
+    return lines, {k: float(v) for k, v in _VALID_VALUE.findall(valid)}
+
+
+def _megatron_kd_losses(log_json):
+    with open(log_json, encoding="utf-8") as f:
+        records = [json.loads(line) for line in f if line.strip()]
+    steps = {r["step"]: {"total loss": r["loss"], "kd loss": r["kd_loss"],
+                         "lm loss": r["lm_loss"]} for r in records if "step_time_s" in r}
+    ev = next(r for r in records if r.get("eval"))
+    return steps, {"total loss": ev["eval_loss"], "kd loss": ev["eval_kd_loss"],
+                   "lm loss": ev["eval_lm_loss"], "teacher lm loss": ev["eval_teacher_lm_loss"]}
+
+
+@pytest.fixture(scope="module")
+def reference(inputs):
+    """``megatron-kd train`` on each layout (this interpreter)."""
+    out = {}
+    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    for name, (nproc, flags) in LAYOUTS.items():
+        log = str(inputs["dir"] / f"kd_{name}.jsonl")
+        _torchrun(sys.executable, nproc, ["-m", "megatron_kd", "train", *COMMON, *flags,
+                                          "--data-path", inputs["data"], "--tokenizer-model",
+                                          inputs["tokenizer"], "--kd-teacher-load",
+                                          inputs["teacher"], "--log-json", log,
+                                          "--no-progress"], env)
+        out[name] = _megatron_kd_losses(log)
+    return out
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_real_pretrain_gpt_matches_megatron_kd_train(inputs, reference, layout, tmp_path):
+    python = _megatron_lm_python()
+    nproc, flags = LAYOUTS[layout]
+    want_steps, want_valid = reference[layout]
+    assert want_valid["teacher lm loss"] > 0
+    assert sorted(want_steps) == list(range(1, ITERS + 1))
+    for root in _checkouts():
+        script = _patched_script(root, tmp_path)
+        # CUDA_DEVICE_MAX_CONNECTIONS: Megatron-LM asserts it for TP > 1 (a CUDA setting)
+        env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
+                   CUDA_DEVICE_MAX_CONNECTIONS="1",
+                   PYTHONPATH=os.pathsep.join([root, os.path.join(REPO, "tests"), REPO]),
+                   PATH=os.pathsep.join([os.path.dirname(python), os.environ["PATH"]]))
+        log = _torchrun(python, nproc, [LAUNCHER, script, *COMMON, *MEGATRON_LM_ONLY, *flags,
+                                        "--data-path", inputs["data"], "--kd-teacher-load",
+                                        inputs["teacher"]], env)
+        got_steps, got_valid = megatron_lm_losses(log)
+        assert sorted(got_steps) == list(range(1, ITERS + 1)), (root, log[-3000:])
+        for it in range(1, ITERS + 1):
+            for key in KEYS:
+                assert got_steps[it][key] == pytest.approx(want_steps[it][key], rel=1e-5), (
+                    root, layout, it, key)
+        assert set(got_valid) == set(want_valid) and all(v > 0 for v in got_valid.values())
