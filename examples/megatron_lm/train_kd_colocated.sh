@@ -3,7 +3,7 @@
 # pretrain_gpt.py (patched: see patches/README.md), colocated: every GPU holds the student and,
 # on the last pipeline stage, the frozen teacher.
 #
-#   cd Megatron-LM    # at the pinned commit, with the patch applied
+#   cd Megatron-LM    # with its patch applied (patches/README.md: main or the pinned commit)
 #   bash /path/to/megatron_kd/examples/megatron_lm/train_kd_colocated.sh \
 #       CHECKPOINT_DIR TENSORBOARD_DIR TEACHER_DIR DATA_PREFIX HF_TOKENIZER [more flags]
 #

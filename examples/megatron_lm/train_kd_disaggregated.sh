@@ -8,7 +8,7 @@
 #   # the teacher, once (its own job, its own TP/PP; more replicas: submit it again):
 #   KD_TEACHER_LOAD=/data/teacher_kd KD_TEACHER_ENDPOINT=/shared/endpoints/teacher \
 #       sbatch --nodes=1 /path/to/megatron_kd/examples/slurm/teacher.sbatch
-#   # the student, in a Megatron-LM checkout at the pinned commit with the patch applied:
+#   # the student, in a Megatron-LM checkout with its patch applied (patches/README.md):
 #   cd Megatron-LM
 #   KD_TEACHER_ENDPOINT=/shared/endpoints/teacher \
 #   bash /path/to/megatron_kd/examples/megatron_lm/train_kd_disaggregated.sh \

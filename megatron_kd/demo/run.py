@@ -128,8 +128,11 @@ def student_train_argv(args: argparse.Namespace, *, data_prefix: str, tokenizer_
         "--log-interval", "10",
     ]
     if teacher_dir is not None:
+        dtype = args.teacher_dtype
+        if dtype == "auto":  # measured here unless run() already chose
+            dtype = choose_teacher_dtype(args.threads_per_rank)[0]
         argv += ["--kd-teacher-load", teacher_dir, "--kd-loss", "forward_kl",
-                 "--kd-teacher-dtype", args.teacher_dtype,
+                 "--kd-teacher-dtype", dtype,
                  "--kd-weight", str(args.kd_weight), "--kd-ce-weight", str(1 - args.kd_weight),
                  "--kd-temperature", str(args.kd_temperature)]
     else:

@@ -4,7 +4,8 @@ Megatron-Core assumes CUDA in a handful of places that have nothing to do with t
 
 * ``torch.cuda.current_device()`` as the device of new tensors (rotary embeddings, the global
   memory buffer used by attention, DDP's gradient buffers);
-* ``torch.cuda.synchronize()`` around timers and buffer frees;
+* ``torch.cuda.synchronize()`` around timers and buffer frees, and (megatron-core 0.19)
+  ``torch.cuda.current_stream()`` in DDP's gradient sync;
 * the CUDA random-number generator, which the model-parallel RNG tracker saves, forks and
   restores (``torch.cuda.get_rng_state`` / ``set_rng_state`` / ``manual_seed`` and
   ``megatron.core.tensor_parallel.random._get_cuda_rng_state`` / ``_set_cuda_rng_state``);
@@ -95,6 +96,10 @@ def _cpu_current_device() -> str:
     return "cpu"
 
 
+def _cpu_current_stream(device: Any = None):
+    return torch.cpu.current_stream()
+
+
 def _patch(obj: Any, name: str, value: Any) -> None:
     key = (obj, name)
     if key not in _ORIGINALS:
@@ -120,6 +125,9 @@ def install_cpu_shim() -> bool:
     _patch(torch.cuda, "current_device", _cpu_current_device)
     _patch(torch.cuda, "synchronize", _noop)
     _patch(torch.cuda, "empty_cache", _noop)
+    # megatron-core 0.19: DDP's gradient sync asks for the current CUDA stream
+    # (param_and_grad_buffer.start_grad_sync); the host's program order is the stream here.
+    _patch(torch.cuda, "current_stream", _cpu_current_stream)
     for mod in (torch.cuda, cuda_random):
         _patch(mod, "get_rng_state", _cpu_get_rng_state)
         _patch(mod, "set_rng_state", _cpu_set_rng_state)

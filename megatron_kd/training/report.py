@@ -174,7 +174,7 @@ def write_report(runs: list[RunLog], out: str, title: str | None = None) -> dict
             plt, runs, [("tokens_per_s", "tokens/s", "throughput")], "throughput"),
         "teacher.png": _per_step_figure(
             plt, runs, [("kd_teacher_wait_s", "s per step", "student waiting for the teacher"),
-                        ("kd_ring_occupancy", "fraction of D arrived", "prefetch ring fill"),
+                        ("kd_ring_occupancy", "fraction of prefetched arrived", "prefetch ring fill"),
                         ("kd_cache_wait_s", "s per step", "waiting for the top-K cache")],
             "teacher"),
         "memory.png": _per_step_figure(

@@ -94,7 +94,12 @@ def test_student_argv_is_valid_for_megatron_kd_train(tmp_path):
     kd = parse_args(demo.student_train_argv(args, teacher_dir="t", **common))
     ce = parse_args(demo.student_train_argv(args, teacher_dir=None, **common))
     assert (kd.kd_weight, kd.kd_ce_weight, kd.kd_teacher_load) == (0.5, 0.5, "t")
-    assert kd.kd_teacher_dtype == "bf16" and not kd.bf16  # fp32 student on CPU
+    # --teacher-dtype auto (the default): measured on this CPU, one of the two
+    assert kd.kd_teacher_dtype in ("bf16", "fp32") and not kd.bf16  # fp32 student on CPU
+    for dtype in ("bf16", "fp32"):  # given: passed through
+        args.teacher_dtype = dtype
+        given = parse_args(demo.student_train_argv(args, teacher_dir="t", **common))
+        assert given.kd_teacher_dtype == dtype
     assert (ce.kd_weight, ce.kd_ce_weight, ce.kd_teacher_load) == (0.0, 1.0, None)
     # Same student, same data, same seed: the two runs differ only in the loss.
     same = ("num_layers", "hidden_size", "seed", "data_path", "split", "lr", "train_iters",

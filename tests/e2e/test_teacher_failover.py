@@ -101,13 +101,18 @@ def _argv(teacher, tmp_path, timeout_s):
 def test_killed_replica_fails_over_and_a_restarted_one_takes_work(pool, teacher, colocated,
                                                                    replicas, tmp_path):
     first, second = replicas(teacher), replicas(teacher)
-    log = tmp_path / "run.jsonl"
-    run = Background(pool, case_train_slowly, _argv(teacher, tmp_path, 10), 0.3)
+    log, hold = tmp_path / "run.jsonl", tmp_path / "hold"
+    run = Background(pool, case_train_slowly, _argv(teacher, tmp_path, 10), 0.3, str(hold))
     _wait_for(lambda: _steps_done(log) >= 3)
     first.kill(signal.SIGKILL)
     _wait_for(lambda: any(r.get("event") == "failover" for r in _log(log)))
+    # the student waits while the restart comes up (a replica's start-up on a loaded machine
+    # may outlast the run), then has >= 2 rebalance checks left (every 8 requests)
+    hold.touch()
     served_at_restart = second.requests_served()
     third = replicas(teacher)  # the restart: a new process at the same endpoint
+    assert _steps_done(log) <= STEPS - 16
+    hold.unlink()
     summary = run.join()[0]
     assert step_losses(summary) == pytest.approx(colocated, rel=1e-5)
     events = [r for r in _log(log) if r.get("event") == "failover"]

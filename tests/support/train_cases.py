@@ -60,9 +60,10 @@ def case_train(ctx, argv, dense=False):
     return summary
 
 
-def case_train_slowly(ctx, argv, delay_s):
+def case_train_slowly(ctx, argv, delay_s, hold=None):
     """Train, each step taking at least ``delay_s`` longer (a slow student, or time for a
-    test to act mid-run)."""
+    test to act mid-run); while the file ``hold`` exists (at most 120 s) no step starts."""
+    import os
     import time
 
     from megatron_kd.training import trainer as trainer_mod
@@ -71,6 +72,9 @@ def case_train_slowly(ctx, argv, delay_s):
 
     def slow(self, consumed):
         time.sleep(delay_s)
+        deadline = time.monotonic() + 120
+        while hold is not None and os.path.exists(hold) and time.monotonic() < deadline:
+            time.sleep(0.05)
         return original(self, consumed)
 
     trainer_mod.Trainer.train_step = slow
