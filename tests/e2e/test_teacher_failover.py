@@ -29,7 +29,7 @@ from support.train_cases import (
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
-STEPS = 40
+STEPS = 26
 BASE = STUDENT + ["--train-iters", str(STEPS), "--eval-interval", "1000", "--eval-iters", "0",
                   "--kd-ce-weight", "0.2", "--lr", "1e-3"]
 
