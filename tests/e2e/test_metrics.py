@@ -13,21 +13,9 @@ import statistics
 
 import pytest
 from support.scalars import records, tensorboard_scalars, wandb_history
-from support.train_cases import STUDENT, TEACHER_ARCH, case_make_teacher, case_train_slowly
+from support.train_cases import STUDENT, case_train_slowly
 
 pytestmark = pytest.mark.filterwarnings("ignore")
-
-
-@pytest.fixture(scope="module")
-def pool(dist_pool_factory):
-    return dist_pool_factory(2)
-
-
-@pytest.fixture(scope="module")
-def teacher(pool, tmp_path_factory):
-    d = str(tmp_path_factory.mktemp("teacher") / "ckpt")
-    pool.run(case_make_teacher, d, TEACHER_ARCH)
-    return d
 
 
 def test_tensorboard_and_wandb_hold_the_json_log(pool, teacher, tmp_path, monkeypatch):

@@ -20,8 +20,6 @@ import time
 import pytest
 from support.train_cases import (
     STUDENT,
-    TEACHER_ARCH,
-    case_make_teacher,
     case_train,
     case_train_slowly,
     step_losses,
@@ -32,18 +30,6 @@ pytestmark = pytest.mark.filterwarnings("ignore")
 STEPS = 26
 BASE = STUDENT + ["--train-iters", str(STEPS), "--eval-interval", "1000", "--eval-iters", "0",
                   "--kd-ce-weight", "0.2", "--lr", "1e-3"]
-
-
-@pytest.fixture(scope="module")
-def pool(dist_pool_factory):
-    return dist_pool_factory(2)
-
-
-@pytest.fixture(scope="module")
-def teacher(pool, tmp_path_factory):
-    d = str(tmp_path_factory.mktemp("teacher") / "ckpt")
-    pool.run(case_make_teacher, d, TEACHER_ARCH)
-    return d
 
 
 @pytest.fixture(scope="module")

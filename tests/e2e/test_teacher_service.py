@@ -59,18 +59,6 @@ def case_train_failing(ctx, argv, kill_pids=(), at_step=None):
         trainer_mod.Trainer.train_step = original
 
 
-@pytest.fixture(scope="module")
-def pool(dist_pool_factory):
-    return dist_pool_factory(2)
-
-
-@pytest.fixture(scope="module")
-def teacher(pool, tmp_path_factory):
-    d = str(tmp_path_factory.mktemp("teacher") / "ckpt")
-    pool.run(case_make_teacher, d, TEACHER_ARCH)
-    return d
-
-
 def _disaggregated(argv, endpoint, *flags):
     return argv + ["--kd-mode", "disaggregated", "--kd-teacher-endpoint", str(endpoint), *flags]
 
