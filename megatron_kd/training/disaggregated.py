@@ -19,6 +19,7 @@ import torch.distributed as dist
 from megatron_kd.data.datasets import BatchPlan, collate
 from megatron_kd.integration.groups import collective_device, shared_random_id
 from megatron_kd.integration.teacher import connect_teacher, load_output_layer_shard
+from megatron_kd.planner.traffic import TOKEN_ID_BYTES
 from megatron_kd.teacher.client import TeacherClient
 
 __all__ = ["log_event", "run_id", "start_teacher_client", "step_teacher_stats",
@@ -62,17 +63,17 @@ def start_teacher_client(trainer, start: int, stop: int) -> TeacherClient:
 
 def step_teacher_stats(trainer, num_microbatches: int) -> dict:
     """This step's teacher traffic and waits, over the student's ranks (one all-reduce):
-    bytes of hidden states received and of token ids sent (4 a token, from each TP group's
-    rank 0), seconds a receiving rank waited (mean over them), the prefetch ring's fill when
-    a response was asked for (mean over the TP ranks 0, which send), live replicas (as DP rank
-    0's TP rank 0 sees them), failovers (each also one JSON line) and tokens answered by each
-    replica (one object gather)."""
+    bytes of hidden states received and of token ids sent (``TOKEN_ID_BYTES`` a token, from
+    each TP group's rank 0), seconds a receiving rank waited (mean over them), the prefetch
+    ring's fill when a response was asked for (mean over the TP ranks 0, which send), live
+    replicas (as DP rank 0's TP rank 0 sees them), failovers (each also one JSON line) and
+    tokens answered by each replica (one object gather)."""
     remote = trainer.remote
     stats = remote.take_step_stats() if remote is not None else {
         "bytes": 0, "wait_s": 0.0, "occupancy": None}
     head = remote is not None and trainer.tp_rank == 0
-    sent = num_microbatches * trainer.args.micro_batch_size * trainer.args.seq_length * 4 \
-        if head else 0
+    sent = (num_microbatches * trainer.args.micro_batch_size * trainer.args.seq_length
+            * TOKEN_ID_BYTES) if head else 0
     events = []
     if head:
         events, trainer._events_seen = (remote.failovers[trainer._events_seen:],

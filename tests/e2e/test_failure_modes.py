@@ -21,7 +21,7 @@ import sys
 
 import numpy as np
 import pytest
-from support.train_cases import STUDENT, TEACHER_ARCH, case_make_teacher, case_train, step_losses
+from support.train_cases import STUDENT, case_train, step_losses
 
 from megatron_kd.cache.format import load_manifest
 
@@ -137,18 +137,6 @@ def case_disk_full_at_save(ctx, argv, save_root, full_from_iteration):
 
 
 # --- fixtures ---------------------------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def pool(dist_pool_factory):
-    return dist_pool_factory(2)
-
-
-@pytest.fixture(scope="module")
-def teacher(pool, tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("faults") / "teacher")
-    pool.run(case_make_teacher, path, TEACHER_ARCH)
-    return path
-
 
 def _flip_middle_byte(path):
     data = bytearray(open(path, "rb").read())

@@ -458,17 +458,8 @@ def case_provider_error(ctx, teacher_dir, **fields):
 
 
 @pytest.fixture(scope="module")
-def pool(dist_pool_factory):
-    return dist_pool_factory(2)
-
-
-@pytest.fixture(scope="module")
-def teacher_dir(pool, tmp_path_factory):
-    from support.train_cases import TEACHER_ARCH, case_make_teacher
-
-    d = str(tmp_path_factory.mktemp("teacher") / "ckpt")
-    pool.run(case_make_teacher, d, TEACHER_ARCH)
-    return d
+def teacher_dir(teacher):
+    return teacher  # the tier's tiny teacher (tests/e2e/conftest.py)
 
 
 @pytest.mark.parametrize("kd_argv", [

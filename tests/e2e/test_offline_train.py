@@ -119,11 +119,6 @@ def case_train_watched(ctx, argv):
 # --- fixtures ---------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def pool(dist_pool_factory):
-    return dist_pool_factory(2)
-
-
-@pytest.fixture(scope="module")
 def setup(pool, tmp_path_factory):
     """The teacher checkpoint and two caches of it: K = V and K = SMALL_K."""
     tmp = tmp_path_factory.mktemp("offline")

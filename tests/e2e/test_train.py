@@ -14,7 +14,6 @@ from support.train_cases import (
     LOG_FIELDS,
     STUDENT,
     TEACHER_ARCH,
-    case_make_teacher,
     case_plan_error,
     case_train,
     step_losses,
@@ -23,15 +22,8 @@ from support.train_cases import (
 
 
 @pytest.fixture(scope="module")
-def pool(dist_pool_factory):
-    return dist_pool_factory(2)
-
-
-@pytest.fixture(scope="module")
-def teacher_dir(pool, tmp_path_factory):
-    d = str(tmp_path_factory.mktemp("teacher") / "ckpt")
-    pool.run(case_make_teacher, d, TEACHER_ARCH)
-    return d
+def teacher_dir(teacher):
+    return teacher  # the tier's tiny teacher (tests/e2e/conftest.py)
 
 
 def _read_log(path):
