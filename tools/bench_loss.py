@@ -1,25 +1,32 @@
 #!/usr/bin/env python
-"""Benchmark the fused KD loss against dense peers (not a test).
+"""Benchmark the fused KD loss against its peers and the GEMM floor (not a test).
 
-Variants, each in a fresh process group of its own processes (so memory figures are clean):
+Variants, each in a fresh process group of its own processes (so memory figures are clean), for
+each loss kind (``fkl`` forward KL, ``rkl`` reverse KL, ``jsd`` Jensen-Shannon at ``--beta``):
 
-* ``dense``: full student and teacher logits, ``log_softmax``, autograd (TP = 1 only).
-* ``modelopt``: Megatron-LM's KD loss, ModelOpt's ``LogitsKLLoss``, on Megatron-style logit
-  shards (``x @ W_shard.T`` per TP rank) with its own TP all-reduces (needs the ``peers`` extra).
-* ``fused_precompute`` / ``fused_recompute``: ``megatron_kd.loss.vocab_parallel_kd_loss`` with
-  each backward strategy.
-* ``gemm``: the bare GEMMs the fused loss must do (student and teacher projections, the two
-  gradient GEMMs), in the same windows: the time floor.
+* ``fused_<kind>``: ``megatron_kd.loss.vocab_parallel_kd_loss`` (precomputed gradients);
+  ``fusedrc_<kind>``: the same with the recomputing backward.
+* ``liger_<kind>``: Liger-Kernel's ``LigerFusedLinearJSDLoss`` (its chunked fused-linear loss,
+  ``torch.compile``d, chunk 1024; beta 0 is its forward KL, 1 its reverse KL; hard-loss weight
+  0), TP 1 only (``peers`` extra). On CUDA also ``ligertriton_jsd``: its Triton
+  ``LigerFusedLinearJSD``.
+* ``dense_fkl``: full student and teacher logits, ``log_softmax``, autograd (TP 1 only).
+* ``modelopt_fkl``: Megatron-LM's KD loss, ModelOpt's ``LogitsKLLoss``, on Megatron-style
+  logit shards with its own TP all-reduces (``peers`` extra).
+* ``floor``: the same four GEMMs (student and teacher projections, the hidden and weight
+  gradients) with nothing else, timed for row blocks of 128, 512, 1024 and 2048 rows and as one full GEMM
+  where it fits, into preallocated outputs: the best of those times is the floor every variant
+  is divided by (the fastest way to do the FLOPs, not the loss's own blocking).
 
-All variants compute forward KL at T = 1 from hidden states and output-layer shards, then the
-backward pass. Reported per variant: extra peak memory above the inputs (CPU: the process's peak
-resident set size, ``VmHWM`` after resetting it through ``/proc/self/clear_refs``, minus the
-resident size once the inputs exist, max over TP ranks; CUDA: ``torch.cuda.max_memory_allocated``
-minus the allocation after the inputs) and the median forward+backward time of ``--repeats``
-runs. A variant that runs out of memory is reported as OOM.
+Reported per variant: extra peak memory above the inputs (CPU: the process's peak resident set
+size, ``VmHWM`` after resetting it through ``/proc/self/clear_refs``, minus the resident size
+once the inputs exist, max over TP ranks; CUDA: ``torch.cuda.max_memory_allocated`` minus the
+allocation after the inputs) and the median forward+backward time of ``--repeats`` runs after
+one untimed warm-up run (Liger's compilation happens there). A variant that runs out of memory
+is reported as OOM; a peer that is not installed as n/a.
 
-    python tools/bench_loss.py                       # the full table (tens of minutes on 2 cores)
-    python tools/bench_loss.py --tokens 1024 --tp 1  # one point
+    python tools/bench_loss.py --tokens 2048 4096 --tp 1 2   # the README table (about 40 min)
+    python tools/bench_loss.py --tokens 1024 --tp 1 --variants floor fused_fkl liger_fkl
 """
 
 from __future__ import annotations
@@ -34,7 +41,13 @@ import sys
 import tempfile
 import time
 
-VARIANTS = ["dense", "modelopt", "fused_precompute", "fused_recompute", "gemm"]
+KINDS = {"fkl": "forward_kl", "rkl": "reverse_kl", "jsd": "jsd"}
+LIGER_BETA = {"fkl": 0.0, "rkl": 1.0}  # Liger's generalised JSD: 0 forward KL, 1 reverse KL
+VARIANTS = (["floor"] + [f"fused_{k}" for k in KINDS] + [f"liger_{k}" for k in KINDS]
+            + ["fusedrc_fkl", "dense_fkl", "modelopt_fkl", "ligertriton_jsd"])
+DEFAULT_VARIANTS = [v for v in VARIANTS if v not in ("modelopt_fkl", "ligertriton_jsd")]
+TP1_ONLY = ("liger_", "ligertriton_", "dense_")
+FLOOR_BLOCKS = (128, 512, 1024, 2048)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -93,37 +106,97 @@ def _worker(rank: int, a: argparse.Namespace, init_file: str, out_file: str) -> 
     x_s.requires_grad_(True)
     w_s.requires_grad_(True)
 
-    run = _make_variant(a, x_s, w_s, x_t, w_t, group)
-    status = "ok"
-    times: list[float] = []
+    if a.variant == "floor":
+        result = {"rank": rank, **_floor(a, x_s, w_s, x_t, w_t, group)}
+    else:
+        result = {"rank": rank, **_measure(a, _make_variant(a, x_s, w_s, x_t, w_t, group),
+                                           x_s, w_s, group)}
+    with open(f"{out_file}.{rank}", "w") as f:
+        json.dump(result, f)
+    dist.destroy_process_group()
+
+
+def _sync(device) -> None:
+    import torch
     if device.type == "cuda":
         torch.cuda.synchronize()
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-    else:
-        import gc
-        gc.collect()
-        base = _rss_bytes()
-        _reset_peak()
+
+
+def _measure(a, run, x_s, w_s, group) -> dict:
+    """One untimed warm-up, then ``a.repeats`` timed runs; times and extra peak memory."""
+    import torch
+    import torch.distributed as dist
+
+    device = x_s.device
+    status = "ok"
+    times: list[float] = []
     try:
+        run()  # warm-up: compilation (Liger), first-touch page faults, allocator caches
+        x_s.grad = None
+        w_s.grad = None
+        _sync(device)
+        if device.type == "cuda":
+            base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+        else:
+            import gc
+            gc.collect()
+            base = _rss_bytes()
+            _reset_peak()
         for _ in range(a.repeats):
             x_s.grad = None
             w_s.grad = None
             dist.barrier(group)
             t0 = time.perf_counter()
             run()
-            if device.type == "cuda":
-                torch.cuda.synchronize()
+            _sync(device)
             times.append(time.perf_counter() - t0)
+        peak = (torch.cuda.max_memory_allocated() if device.type == "cuda"
+                else _peak_bytes()) - base
     except (MemoryError, RuntimeError) as e:  # an allocation failure is a result (OOM)
         if "memory" not in str(e).lower() and not isinstance(e, MemoryError):
             raise
-        status = "OOM"
-    peak = (torch.cuda.max_memory_allocated() if device.type == "cuda" else _peak_bytes()) - base
-    result = {"rank": rank, "status": status, "times": times, "extra_peak_bytes": peak}
-    with open(f"{out_file}.{rank}", "w") as f:
-        json.dump(result, f)
-    dist.destroy_process_group()
+        status, peak = "OOM", None
+    return {"status": status, "times": times, "extra_peak_bytes": peak}
+
+
+def _floor(a, x_s, w_s, x_t, w_t, group) -> dict:
+    """The four GEMMs of the loss alone, per row-block size (and whole), into preallocated
+    outputs; ``times`` are those of the fastest blocking."""
+    import torch
+    import torch.distributed as dist
+
+    xs2, xt2 = x_s.detach().view(-1, x_s.shape[-1]), x_t.view(-1, x_t.shape[-1])
+    ws, n = w_s.detach(), xs2.shape[0]
+    gx, gw = torch.empty_like(xs2), torch.zeros_like(ws)
+    blocks = sorted({b for b in FLOOR_BLOCKS if b < n} | {n})  # n: one full GEMM
+    by_block: dict[int, list[float]] = {}
+    for rows in blocks:
+        try:
+            z_s = torch.empty(rows, ws.shape[0], dtype=ws.dtype, device=ws.device)
+            z_t = torch.empty_like(z_s)
+        except (MemoryError, RuntimeError):
+            continue  # the full GEMM does not fit: the blocks still give the floor
+        times = []
+        for rep in range(a.repeats + 1):  # the first is the warm-up
+            dist.barrier(group)
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                for i in range(0, n, rows):
+                    r = min(rows, n - i)
+                    torch.mm(xs2[i:i + r], ws.t(), out=z_s[:r])
+                    torch.mm(xt2[i:i + r], w_t.t(), out=z_t[:r])
+                    torch.mm(z_s[:r], ws, out=gx[i:i + r])  # z_s stands in for the gradient
+                    gw.addmm_(z_s[:r].t(), xs2[i:i + r])
+            _sync(ws.device)
+            if rep:
+                times.append(time.perf_counter() - t0)
+        by_block[rows] = times
+        del z_s, z_t
+    best = min(by_block, key=lambda r: statistics.median(by_block[r]))
+    return {"status": "ok", "times": by_block[best], "extra_peak_bytes": None,
+            "floor_block": best, "floor_by_block": {str(r): statistics.median(t)
+                                                    for r, t in by_block.items()}}
 
 
 def _make_variant(a, x_s, w_s, x_t, w_t, group):
@@ -132,18 +205,39 @@ def _make_variant(a, x_s, w_s, x_t, w_t, group):
 
     from megatron_kd.loss import KDLossConfig, vocab_parallel_kd_loss
 
-    window = a.window_size
-    if a.variant.startswith("fused"):
-        cfg = KDLossConfig(window_size=window, backward=a.variant.split("_")[1])
+    impl, kind = a.variant.split("_")
+    if a.tp != 1 and a.variant.startswith(TP1_ONLY):
+        raise SystemExit(f"{a.variant} has no TP form")
+    if impl in ("fused", "fusedrc"):
+        cfg = KDLossConfig(kind=KINDS[kind], beta=a.beta, window_size=a.window_size,
+                           backward="precompute" if impl == "fused" else "recompute")
 
         def run():
             loss, _ = vocab_parallel_kd_loss(x_s, w_s, x_t, w_t, config=cfg, tp_group=group)
             loss.backward()
         return run
-    if a.variant == "dense":
-        if a.tp != 1:
-            raise SystemExit("dense has no TP form (its Megatron TP form is 'modelopt')")
+    if impl == "liger":
+        from liger_kernel.chunked_loss import LigerFusedLinearJSDLoss
 
+        beta = LIGER_BETA.get(kind, a.beta)
+        loss_fn = LigerFusedLinearJSDLoss(weight_hard_loss=0.0, weight_soft_loss=1.0, beta=beta,
+                                          compiled=True, chunk_size=1024)
+        labels = torch.zeros(x_s.shape[0] * x_s.shape[1], dtype=torch.long, device=x_s.device)
+
+        def run():
+            loss_fn(x_s.view(-1, x_s.shape[-1]), w_s, x_t.view(-1, x_t.shape[-1]), w_t,
+                    labels).backward()
+        return run
+    if impl == "ligertriton":
+        from liger_kernel.transformers import LigerFusedLinearJSD
+
+        loss_fn = LigerFusedLinearJSD(jsd_beta=a.beta)
+
+        def run():
+            loss_fn(x_s.view(-1, x_s.shape[-1]), w_s, x_t.view(-1, x_t.shape[-1]),
+                    w_t).backward()
+        return run
+    if impl == "dense":
         def run():
             z_s = (x_s @ w_s.t()).float()
             with torch.no_grad():
@@ -152,7 +246,7 @@ def _make_variant(a, x_s, w_s, x_t, w_t, group):
             loss = F.kl_div(logp_s, logp_t, reduction="sum", log_target=True)
             loss.backward()
         return run
-    if a.variant == "modelopt":
+    if impl == "modelopt":
         from types import SimpleNamespace
 
         from megatron.core import parallel_state
@@ -170,22 +264,6 @@ def _make_variant(a, x_s, w_s, x_t, w_t, group):
             loss = per_token.sum()
             loss.backward()
         return run
-    if a.variant == "gemm":
-        from megatron_kd.loss.config import KDLossConfig as _C
-        rows = _C(window_size=window).rows_per_window(w_s.shape[0])
-
-        def run():
-            with torch.no_grad():
-                gx = torch.empty_like(x_s).view(-1, x_s.shape[-1])
-                gw = torch.zeros_like(w_s)
-                xs2 = x_s.view(-1, x_s.shape[-1])
-                xt2 = x_t.view(-1, x_t.shape[-1])
-                for i in range(0, xs2.shape[0], rows):
-                    z_s = xs2[i:i + rows] @ w_s.t()
-                    _ = xt2[i:i + rows] @ w_t.t()
-                    gx[i:i + rows] = z_s @ w_s
-                    gw.addmm_(z_s.t(), xs2[i:i + rows])  # z_s stands in for the logit gradient
-        return run
     raise SystemExit(f"unknown variant {a.variant}")
 
 
@@ -199,7 +277,7 @@ def _run_point(a, variant: str, tokens: int, tp: int) -> dict:
                "--_tokens", str(tokens), "--_tp", str(tp), "--_out", out,
                "--vocab", str(a.vocab), "--h-s", str(a.h_s), "--h-t", str(a.h_t),
                "--repeats", str(a.repeats), "--threads", str(a.threads), "--device", a.device,
-               "--dtype", a.dtype, "--mem-limit-gb", str(a.mem_limit_gb)]
+               "--dtype", a.dtype, "--mem-limit-gb", str(a.mem_limit_gb), "--beta", str(a.beta)]
         if a.window_size:
             cmd += ["--window-size", str(a.window_size)]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=a.point_timeout)
@@ -213,20 +291,24 @@ def _run_point(a, variant: str, tokens: int, tp: int) -> dict:
         if proc.returncode != 0 or len(results) != tp:
             tail = (proc.stderr or "").strip().splitlines()[-3:]
             killed = proc.returncode in (-9, 137) or any("memory" in t.lower() for t in tail)
-            if "no TP form" in (proc.stderr or "") or "No module named 'modelopt'" in (
-                    proc.stderr or ""):
+            if any(m in (proc.stderr or "") for m in (
+                    "no TP form", "No module named 'modelopt'", "No module named 'liger_kernel'")):
                 point.update(status="n/a", reason=" ".join(tail)[-200:])
             else:
                 point.update(status="OOM" if killed else "error", reason=" ".join(tail)[-300:])
             return point
         statuses = {r["status"] for r in results}
         times = results[0]["times"]
+        peaks = [r["extra_peak_bytes"] for r in results if r["extra_peak_bytes"] is not None]
         point.update(
             status="OOM" if "OOM" in statuses else "ok",
             time_s=statistics.median(times) if times else None,
             times_s=times,
-            extra_peak_bytes=max(r["extra_peak_bytes"] for r in results),
+            extra_peak_bytes=max(peaks) if peaks else None,
         )
+        for key in ("floor_block", "floor_by_block"):
+            if key in results[0]:
+                point[key] = results[0][key]
         return point
 
 
@@ -250,21 +332,29 @@ def _fmt_bytes(b) -> str:
     return f"{b / (1 << 30):.2f} GB" if b >= (1 << 30) else f"{b / (1 << 20):.0f} MB"
 
 
+def _ratio(a, b) -> str:
+    return f"{a / b:.2f}" if a is not None and b else "-"
+
+
 def _table(points: list[dict]) -> str:
-    rows = ["| TP | T | variant | fwd+bwd s (median) | x GEMM floor | x dense | extra peak memory |",
-            "|---|---|---|---|---|---|---|"]
+    """One row per point: time against the floor and against Liger's loss of the same kind,
+    extra memory against Liger's."""
+    rows = ["| TP | T | variant | fwd+bwd s (median) | x floor | x Liger (same kind) | "
+            "extra peak memory | memory x Liger |",
+            "|---|---|---|---|---|---|---|---|"]
     by = {(p["tp"], p["tokens"], p["variant"]): p for p in points}
     for p in points:
-        floor = by.get((p["tp"], p["tokens"], "gemm"), {}).get("time_s")
-        dense = by.get((1, p["tokens"], "dense"), {}).get("time_s")
+        tp, t, v = p["tp"], p["tokens"], p["variant"]
         if p["status"] != "ok":
-            rows.append(f"| {p['tp']} | {p['tokens']} | {p['variant']} | {p['status']} | | | |")
+            rows.append(f"| {tp} | {t} | {v} | {p['status']} | | | | |")
             continue
-        t = p["time_s"]
-        vs_floor = f"{t / floor:.2f}" if floor else "-"
-        vs_dense = f"{t / dense:.2f}" if dense else "-"
-        rows.append(f"| {p['tp']} | {p['tokens']} | {p['variant']} | {t:.2f} | {vs_floor} | "
-                    f"{vs_dense} | {_fmt_bytes(p['extra_peak_bytes'])} |")
+        floor = by.get((tp, t, "floor"), {}).get("time_s")
+        liger = by.get((1, t, "liger_" + v.split("_")[-1]), {}) if v != "floor" else {}
+        name = v if v != "floor" else f"floor (best: {p.get('floor_block')} rows)"
+        rows.append(f"| {tp} | {t} | {name} | {p['time_s']:.2f} | {_ratio(p['time_s'], floor)}"
+                    f" | {_ratio(p['time_s'], liger.get('time_s'))} | "
+                    f"{_fmt_bytes(p['extra_peak_bytes'])} | "
+                    f"{_ratio(p['extra_peak_bytes'], liger.get('extra_peak_bytes'))} |")
     return "\n".join(rows)
 
 
@@ -276,8 +366,8 @@ def _plot(points: list[dict], path: str) -> bool:
     except ImportError:
         print("matplotlib is not installed: no plot (pip install matplotlib)")
         return False
-    fig, (ax_m, ax_t) = plt.subplots(1, 2, figsize=(11, 4.2))
-    colors = {v: f"C{i}" for i, v in enumerate(VARIANTS)}  # one colour per variant, both panels
+    fig, (ax_m, ax_t) = plt.subplots(1, 2, figsize=(12, 4.6))
+    colors = {v: f"C{i % 10}" for i, v in enumerate(VARIANTS)}  # one colour per variant
     for tp in sorted({p["tp"] for p in points}):
         for v in VARIANTS:
             pts = sorted((p for p in points if p["tp"] == tp and p["variant"] == v
@@ -286,7 +376,7 @@ def _plot(points: list[dict], path: str) -> bool:
                 continue
             xs = [p["tokens"] for p in pts]
             style = "-" if tp == 1 else "--"
-            if v != "gemm":
+            if pts[0]["extra_peak_bytes"] is not None:
                 ax_m.plot(xs, [p["extra_peak_bytes"] / (1 << 30) for p in pts], style,
                           marker="o", color=colors[v], label=f"{v} TP{tp}")
             ax_t.plot(xs, [p["time_s"] for p in pts], style, marker="o", color=colors[v],
@@ -297,22 +387,56 @@ def _plot(points: list[dict], path: str) -> bool:
              title="time (median)")
     for ax in (ax_m, ax_t):
         ax.grid(True, which="both", alpha=0.3)
-    ax_m.legend(fontsize=7)
-    ax_t.legend(fontsize=7)
+        ax.legend(fontsize=6, ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     return True
+
+
+def _measure_all(a) -> list[dict]:
+    """Every point, ``a.rounds`` times over (variants interleaved within a round, so a drift in
+    the machine's speed hits every variant alike); a point's time is the median of all its
+    rounds' timed runs, its memory the largest."""
+    rounds: dict[tuple, list[dict]] = {}
+    for r in range(a.rounds):
+        for tp in a.tp:
+            for tokens in a.tokens:
+                for v in a.variants:
+                    if tp != 1 and v.startswith(TP1_ONLY):
+                        continue
+                    pt = _run_point(a, v, tokens, tp)
+                    rounds.setdefault((tp, tokens, v), []).append(pt)
+                    msg = (f"{pt['time_s']:.2f} s, {_fmt_bytes(pt['extra_peak_bytes'])}"
+                           if pt["status"] == "ok" else f"{pt['status']} {pt.get('reason', '')}")
+                    print(f"round {r + 1}: TP={tp} T={tokens} {v}: {msg}", flush=True)
+    return [_merge_rounds(pts) for pts in rounds.values()]
+
+
+def _merge_rounds(pts: list[dict]) -> dict:
+    bad = [p for p in pts if p["status"] != "ok"]
+    if bad:
+        return bad[0]
+    out = dict(pts[-1])
+    times = [t for p in pts for t in p["times_s"]]
+    out.update(time_s=statistics.median(times), times_s=times,
+               round_medians_s=[p["time_s"] for p in pts])
+    peaks = [p["extra_peak_bytes"] for p in pts if p["extra_peak_bytes"] is not None]
+    out["extra_peak_bytes"] = max(peaks) if peaks else None
+    return out
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tokens", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
     p.add_argument("--tp", type=int, nargs="+", default=[1, 2])
-    p.add_argument("--variants", nargs="+", default=VARIANTS, choices=VARIANTS)
+    p.add_argument("--variants", nargs="+", default=DEFAULT_VARIANTS, choices=VARIANTS)
+    p.add_argument("--beta", type=float, default=0.5, help="JSD mixing weight (both losses)")
     p.add_argument("--vocab", type=int, default=151936, help="vocabulary (Qwen3: 151,936)")
     p.add_argument("--h-s", type=int, default=256, help="student hidden (GPU: 1024)")
     p.add_argument("--h-t", type=int, default=512, help="teacher hidden (GPU: 2048)")
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per point and round")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="passes over all points (interleaved), merged per point")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1,
                    help="CPU threads in all (split over TP ranks)")
     p.add_argument("--window-size", type=int, default=None)
@@ -343,21 +467,11 @@ def main(argv=None) -> int:
         if a.plot and _plot(points, a.plot):
             print(f"wrote {a.plot}")
         return 0
-    points = []
-    for tp in a.tp:
-        for tokens in a.tokens:
-            for v in a.variants:
-                if v == "dense" and tp != 1:
-                    continue
-                pt = _run_point(a, v, tokens, tp)
-                points.append(pt)
-                msg = (f"{pt['time_s']:.2f} s, {_fmt_bytes(pt['extra_peak_bytes'])}"
-                       if pt["status"] == "ok" else f"{pt['status']} {pt.get('reason', '')}")
-                print(f"TP={tp} T={tokens} {v}: {msg}", flush=True)
+    points = _measure_all(a)
     table = _table(points)
     print()
     print(f"V={a.vocab}, h_s={a.h_s}, h_t={a.h_t}, {a.dtype}, device={a.device}, "
-          f"threads={a.threads}, repeats={a.repeats}")
+          f"threads={a.threads}, repeats={a.repeats}, rounds={a.rounds}")
     print(table)
     os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
     meta = {k: v for k, v in vars(a).items() if not k.startswith("_")}

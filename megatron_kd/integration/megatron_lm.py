@@ -338,8 +338,12 @@ def _attach_kd_state(model, args, kd: KDArgs, teacher_arch, pg_collection) -> No
                            "(expected virtual stage 0 first)")
     vocab_size = teacher_arch.vocab_size if teacher_arch is not None else \
         getattr(args, "vocab_size", None)
+    # Megatron-LM's --gradient-accumulation-fusion (on by default on a GPU): the output-layer
+    # weight gradient goes into its DDP's main_grad, as Megatron's own output layer does.
+    fusion = bool(getattr(args, "gradient_accumulation_fusion", False))
     model.kd_state = KDState(
-        kd=kd, config=kd.loss_config(vocab_size=vocab_size), tp_group=_tp_group(pg_collection),
+        kd=kd, config=kd.loss_config(vocab_size=vocab_size, gradient_accumulation_fusion=fusion),
+        tp_group=_tp_group(pg_collection),
         teacher=teacher, teacher_weight=weight, teacher_arch=teacher_arch,
         run=_pending_teacher.pop("run", 0))
 

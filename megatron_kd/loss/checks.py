@@ -21,7 +21,7 @@ from megatron_kd.loss.config import KDLossConfig
 from megatron_kd.loss.window import Shard, Window
 from megatron_kd.parallel.vocab import vocab_shard
 
-__all__ = ["check_finite", "check_global", "check_local", "exchange_sizes", "full_lead", "world",
+__all__ = ["FiniteTracker", "check_global", "check_local", "exchange_sizes", "full_lead", "world",
            "shard_of"]
 
 
@@ -184,16 +184,41 @@ def check_global(topk_ids, topk_logprobs, labels, config: KDLossConfig, shard: S
                                  f"in some token: not log-softmax values over the full vocabulary")
 
 
-def check_finite(kd_row: torch.Tensor | None, ce_row: torch.Tensor | None, win: Window,
-                 config: KDLossConfig, offset: int) -> None:
-    """Raise ``FloatingPointError`` naming the term at the first weighted non-finite row."""
-    for name, row, weight in (("KD", kd_row, win.m), ("CE", ce_row, win.ce_m)):
-        if row is None:
-            continue
-        bad = (weight != 0) & ~torch.isfinite(row)
-        if bool(bad.any()):
-            i = int(torch.nonzero(bad)[0])
-            label = f"KD ({config.kind})" if name == "KD" else "CE"
-            raise FloatingPointError(
-                f"non-finite {label} loss {row[i].item()} at active token {offset + i} "
-                f"(check the hidden states and weights for inf/NaN)")
+class FiniteTracker:
+    """The first weighted non-finite per-row loss of a call, kept on the device.
+
+    :meth:`update` runs per block inside the loss's forward without a host synchronisation
+    (tensor ops only); :meth:`raise_if_bad` reads the result once, after the autograd Function
+    has returned, and raises ``FloatingPointError`` naming the term, the token and the value.
+    """
+
+    NONE = 1 << 62  # "no bad token yet" (larger than any token index)
+
+    def __init__(self, device: torch.device, dtype: torch.dtype):
+        self.index = torch.full((), self.NONE, dtype=torch.int64, device=device)
+        self.value = torch.zeros((), dtype=dtype, device=device)
+        self.term = torch.zeros((), dtype=torch.int64, device=device)  # 0: KD, 1: CE
+
+    def update(self, kd_row: torch.Tensor | None, ce_row: torch.Tensor | None, win: Window,
+               offset: int) -> None:
+        """Record the block's first weighted non-finite row if it comes before the one kept."""
+        for term, row, weight in ((0, kd_row, win.m), (1, ce_row, win.ce_m)):
+            if row is None or row.numel() == 0:
+                continue
+            bad = (weight != 0) & ~torch.isfinite(row)
+            first = bad.to(torch.int8).argmax()  # first True (0 when none: masked below)
+            index = torch.where(bad.any(), first + offset, self.NONE)
+            better = index < self.index
+            self.value = torch.where(better, row[first].to(self.value.dtype), self.value)
+            self.term = torch.where(better, term, self.term)
+            self.index = torch.minimum(index, self.index)
+
+    def raise_if_bad(self, config: KDLossConfig) -> None:
+        """One host read of the tracked state; raises if a weighted row was not finite."""
+        index, term, value = (int(self.index), int(self.term), float(self.value))
+        if index == self.NONE:
+            return
+        label = f"KD ({config.kind})" if term == 0 else "CE"
+        raise FloatingPointError(
+            f"non-finite {label} loss {value} at active token {index} "
+            f"(check the hidden states and weights for inf/NaN)")

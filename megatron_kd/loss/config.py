@@ -74,7 +74,17 @@ class KDLossConfig:
     sparse teacher stay full ``[s, b]``."""
 
     check_finite: bool = True
-    """Raise ``FloatingPointError`` naming the term when a token's loss is not finite."""
+    """Raise ``FloatingPointError`` naming the term when a token's loss is not finite. The
+    forward pass tracks the first such token on the device; the loss reads it once, after its
+    autograd Function returns (one host read per call, none inside forward or backward)."""
+
+    gradient_accumulation_fusion: bool = False
+    """Megatron's gradient-accumulation fusion: the output-layer weight gradient is added to
+    ``student_weight.main_grad`` (fp32) in backward instead of being returned, and Megatron's
+    DDP is told so through ``grad_added_to_main_grad``. With ``backward="recompute"`` no
+    ``[local_vocab_size, h_s]`` gradient buffer exists at all; with ``"precompute"`` the
+    forward pass's buffer is added to ``main_grad`` in backward (scaled by the incoming
+    gradient). The weight must have a ``main_grad`` attribute."""
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:

@@ -20,12 +20,19 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megatron_kd.loss.checks import (check_finite, check_global, check_local, exchange_sizes,
-                                     full_lead, shard_of, world)
+from megatron_kd.loss.checks import (
+    FiniteTracker,
+    check_global,
+    check_local,
+    exchange_sizes,
+    full_lead,
+    shard_of,
+    world,
+)
 from megatron_kd.loss.combine import gather_sequence, reduce_hidden_grad
 from megatron_kd.loss.config import KDLossConfig
 from megatron_kd.loss.kinds import KindMath, Stats, kind_for
-from megatron_kd.loss.window import Shard, WindowWalker
+from megatron_kd.loss.window import Shard, WindowWalker, active_rows
 
 __all__ = ["vocab_parallel_kd_loss"]
 
@@ -33,69 +40,68 @@ __all__ = ["vocab_parallel_kd_loss"]
 class _FusedKDLoss(torch.autograd.Function):
     """Fused projection + KD (+ CE) loss over a vocab-parallel output layer.
 
-    Collectives (``tp_group``; none when it is ``None`` or of size 1), all of the loss's:
+    Collectives (``tp_group``; none when it is ``None`` or of size 1). Before this Function
+    runs, :func:`vocab_parallel_kd_loss` all-gathers three integers per rank (shard size, token
+    count, whether the local input checks failed), so every rank learns the shard offsets and
+    every rank raises the same error instead of one rank hanging the others. Here:
 
-    * forward: one all-gather of three integers per rank (shard size, token count, whether the
-      local input checks failed), so every rank learns the shard offsets and every rank raises
-      the same error instead of one rank hanging the others; with ``sequence_parallel`` an
-      all-gather of the student (and a dense teacher's) hidden states; per block of rows (a
-      block is the whole window unless CPU blocks run with TP, ``window.CPU_BLOCKS_WITH_TP``)
-      one MAX and one SUM all-reduce of ``[k, rows]`` per-row values
-      (:class:`~megatron_kd.loss.combine.ShardMax`, :class:`~megatron_kd.loss.combine.ShardSum`;
-      JSD: one more SUM); with precomputed gradients and a gradient for
-      ``student_hidden``, one all-reduce (reduce-scatter with ``sequence_parallel``) of the
-      ``[tokens, h_s]`` hidden gradient, which sums the contributions of every vocab shard.
+    * forward: with ``sequence_parallel`` an all-gather of the student (and a dense teacher's)
+      hidden states; per block of rows (a block is the whole window unless CPU blocks run with
+      TP, ``window.CPU_BLOCKS_WITH_TP``) one MAX and one SUM all-reduce of ``[k, rows]`` per-row
+      values (:class:`~megatron_kd.loss.combine.ShardMax`,
+      :class:`~megatron_kd.loss.combine.ShardSum`; JSD: one more SUM); with precomputed
+      gradients and a gradient for ``student_hidden``, one all-reduce (reduce-scatter with
+      ``sequence_parallel``) of the ``[tokens, h_s]`` hidden gradient, which sums the
+      contributions of every vocab shard.
     * backward, ``precompute``: none (the saved gradients are scaled by the incoming gradient).
     * backward, ``recompute``: with ``sequence_parallel`` the all-gather(s) of the hidden states
       again (forward does not keep the gathered sequence); with a gradient for
       ``student_hidden`` the same one all-reduce / reduce-scatter of the hidden gradient. The
       per-row statistics come from the forward pass, so no per-block collective.
 
-    The combine Functions run with autograd off inside this forward: the loss's gradients are
-    the hand-written ones of :meth:`KindMath.grad` and :meth:`KindMath.recomputed_grad`.
-    The teacher's inputs are constants: no gradient flows to them.
+    Neither pass synchronises with the host: no ``.item()``, no ``bool(tensor)``, no
+    data-dependent shapes (the active rows and the value checks come from
+    :func:`vocab_parallel_kd_loss`; a non-finite loss is tracked on the device by
+    :class:`~megatron_kd.loss.checks.FiniteTracker`). The combine Functions run with autograd
+    off inside this forward: the loss's gradients are the hand-written ones of
+    :meth:`KindMath.grad` and :meth:`KindMath.recomputed_grad`. The teacher's inputs are
+    constants: no gradient flows to them.
     """
 
     @staticmethod
     def forward(ctx, student_hidden: torch.Tensor, student_weight: torch.Tensor,
                 teacher_hidden: torch.Tensor | None, teacher_weight: torch.Tensor | None,
                 topk_ids: torch.Tensor | None, topk_logprobs: torch.Tensor | None,
-                labels: torch.Tensor | None, loss_mask: torch.Tensor | None,
-                config: KDLossConfig, tp_group: dist.ProcessGroup | None,
-                local_error: str | None, terms_out: dict | None) -> torch.Tensor:
-        tp_rank, tp_world_size = world(tp_group)
-        # The all-gather of shard sizes; raises on every rank if any rank's input is bad.
-        sizes = exchange_sizes(student_weight, student_hidden, local_error, tp_group,
-                               tp_world_size)
-        assert loss_mask is not None  # given, or made by vocab_parallel_kd_loss once checked
-        shard = shard_of(sizes, tp_group, tp_rank, tp_world_size, config)
-        check_global(topk_ids, topk_logprobs, labels, config, shard)
-
-        cdt = torch.float64 if student_hidden.dtype == torch.float64 else torch.float32
+                labels: torch.Tensor | None, loss_mask: torch.Tensor,
+                config: KDLossConfig, shard: Shard, active: torch.Tensor,
+                tracker: FiniteTracker | None, terms_out: dict | None) -> torch.Tensor:
+        cdt = compute_dtype(student_hidden)
         h_s = student_hidden.shape[-1]
         lead = loss_mask.shape
         sp = config.sequence_parallel and shard.tp_world_size > 1
         walker = _walker(student_hidden, student_weight, teacher_hidden, teacher_weight,
-                         topk_ids, topk_logprobs, labels, loss_mask, config, shard, sp, cdt)
+                         topk_ids, topk_logprobs, labels, loss_mask, active, config, shard, sp,
+                         cdt)
         maths = kind_for(config, shard, topk_ids is not None, teacher_hidden is not None,
                          labels is not None)
 
         needs_grad = student_hidden.requires_grad or student_weight.requires_grad
         precompute = config.backward == "precompute" and needs_grad
+        fuse_wgrad = config.gradient_accumulation_fusion and student_weight.requires_grad
         grad_x = (walker.x_s.new_zeros(loss_mask.numel(), h_s, dtype=cdt)
                   if precompute and student_hidden.requires_grad else None)
         grad_w = (student_weight.new_zeros(student_weight.shape, dtype=cdt)
                   if precompute and student_weight.requires_grad else None)
-        kd_total, ce_total, saved_stats = _forward_windows(walker, maths, config, precompute,
-                                                           needs_grad, grad_x, grad_w, cdt)
+        kd_total, ce_total, saved_stats = _forward_windows(walker, maths, precompute,
+                                                           needs_grad, grad_x, grad_w, tracker,
+                                                           cdt)
 
         loss = config.kd_weight * kd_total + config.ce_weight * ce_total
         if terms_out is not None:
             terms_out["kd_sum"] = kd_total.detach()
             terms_out["ce_sum"] = ce_total.detach()
 
-        ctx.shard = shard
-        ctx.sp = sp
+        ctx.shard, ctx.sp, ctx.fuse_wgrad = shard, sp, fuse_wgrad
         ctx.hidden_shape = student_hidden.shape
         ctx.hidden_dtype = student_hidden.dtype
         ctx.weight_dtype = student_weight.dtype
@@ -105,9 +111,10 @@ class _FusedKDLoss(torch.autograd.Function):
                 grad_x = reduce_hidden_grad(grad_x, shard.tp_group, shard.tp_world_size, sp,
                                             lead, h_s)
                 grad_x = grad_x.to(student_hidden.dtype).view(student_hidden.shape)
-            if grad_w is not None:
+            if grad_w is not None and not fuse_wgrad:
                 grad_w = grad_w.to(student_weight.dtype)
             ctx.grads = (grad_x, grad_w)
+            ctx.weight = student_weight if fuse_wgrad else None
         else:
             ctx.config = config
             ctx.maths = maths
@@ -115,7 +122,7 @@ class _FusedKDLoss(torch.autograd.Function):
             ctx.saved_stats = saved_stats
             ctx.lead = lead
             ctx.save_for_backward(student_hidden, student_weight, teacher_hidden, teacher_weight,
-                                  topk_ids, topk_logprobs, labels, loss_mask)
+                                  topk_ids, topk_logprobs, labels, loss_mask, active)
         return loss
 
     @staticmethod
@@ -123,10 +130,14 @@ class _FusedKDLoss(torch.autograd.Function):
         if ctx.precompute:
             grad_x, grad_w = ctx.grads
             ctx.grads = None
-            scale = grad_loss.item()
-            if scale != 1.0:
-                grad_x = None if grad_x is None else grad_x * scale
-                grad_w = None if grad_w is None else grad_w * scale
+            # Scaled by a device tensor: reading the scale on the host would stall a GPU.
+            grad_x = None if grad_x is None else grad_x * grad_loss.to(grad_x.dtype)
+            if grad_w is not None and ctx.fuse_wgrad:
+                weight, ctx.weight = ctx.weight, None
+                weight.main_grad.addcmul_(grad_w, grad_loss.to(grad_w.dtype))
+                grad_w = _main_grad_placeholder(weight)
+            elif grad_w is not None:
+                grad_w = grad_w * grad_loss.to(grad_w.dtype)
         else:
             grad_x, grad_w = _recompute_backward(ctx, grad_loss)
         return (
@@ -139,15 +150,33 @@ class _FusedKDLoss(torch.autograd.Function):
             None,  # labels
             None,  # loss_mask
             None,  # config
-            None,  # tp_group
-            None,  # local_error
+            None,  # shard
+            None,  # active
+            None,  # tracker
             None,  # terms_out
         )
 
 
+def compute_dtype(student_hidden: torch.Tensor) -> torch.dtype:
+    """fp32 inside (fp64 for fp64 inputs, the references' dtype)."""
+    return torch.float64 if student_hidden.dtype == torch.float64 else torch.float32
+
+
+def _main_grad_placeholder(weight: torch.Tensor) -> torch.Tensor | None:
+    """What backward returns for a weight whose gradient went into ``main_grad``: Megatron's
+    convention (its ``LinearWithGradAccumulationAndAsyncCommunication``): a placeholder its DDP
+    hook discards once ``grad_added_to_main_grad`` is set, or None without that attribute."""
+    if not hasattr(weight, "grad_added_to_main_grad"):
+        return None
+    weight.grad_added_to_main_grad = True
+    if getattr(weight, "zero_out_wgrad", False):
+        return torch.zeros(weight.main_grad.shape, dtype=weight.dtype, device=weight.device)
+    return torch.empty(weight.main_grad.shape, dtype=weight.dtype, device=weight.device)
+
+
 def _walker(student_hidden, student_weight, teacher_hidden, teacher_weight, topk_ids,
-            topk_logprobs, labels, loss_mask, config: KDLossConfig, shard: Shard, sp: bool,
-            cdt: torch.dtype) -> WindowWalker:
+            topk_logprobs, labels, loss_mask, active, config: KDLossConfig, shard: Shard,
+            sp: bool, cdt: torch.dtype) -> WindowWalker:
     """The window walk over the full sequence (all-gathered first under sequence parallelism)."""
     group, size = shard.tp_group, shard.tp_world_size
     x_s = gather_sequence(student_hidden, group, size) if sp else student_hidden
@@ -155,12 +184,12 @@ def _walker(student_hidden, student_weight, teacher_hidden, teacher_weight, topk
     if teacher_hidden is not None and sp:
         x_t = gather_sequence(teacher_hidden, group, size)
     return WindowWalker(x_s, student_weight, x_t, teacher_weight, topk_ids, topk_logprobs,
-                        labels, loss_mask, config, shard, cdt)
+                        labels, loss_mask, active, config, shard, cdt)
 
 
-def _forward_windows(walker: WindowWalker, maths: KindMath, config: KDLossConfig,
-                     precompute: bool, needs_grad: bool, grad_x: torch.Tensor | None,
-                     grad_w: torch.Tensor | None,
+def _forward_windows(walker: WindowWalker, maths: KindMath, precompute: bool,
+                     needs_grad: bool, grad_x: torch.Tensor | None, grad_w: torch.Tensor | None,
+                     tracker: FiniteTracker | None,
                      cdt: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, list[Stats]]:
     """Walk the windows: ``(sum of weighted KD, sum of weighted CE, per-block statistics for a
     recomputing backward)``; with ``precompute`` the gradients accumulate into ``grad_x`` /
@@ -171,8 +200,8 @@ def _forward_windows(walker: WindowWalker, maths: KindMath, config: KDLossConfig
     for rows, xs_w, z_s, blocks in walker.windows():
         for start, win, zb_s, zb_t in blocks:
             block = maths.stats(zb_s, zb_t, win)
-            if config.check_finite:
-                check_finite(block.kd_row, block.ce_row, win, config, start)
+            if tracker is not None:
+                tracker.update(block.kd_row, block.ce_row, win, start)
             if block.kd_row is not None:
                 kd_total += (win.m * block.kd_row).sum()
             if block.ce_row is not None:
@@ -189,29 +218,36 @@ def _forward_windows(walker: WindowWalker, maths: KindMath, config: KDLossConfig
 
 def _recompute_backward(ctx, grad_loss: torch.Tensor
                         ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """Project again window by window and turn the saved statistics into the gradients."""
+    """Project again window by window and turn the saved statistics into the gradients (the
+    weight's straight into ``main_grad``, scaled, with gradient-accumulation fusion)."""
     (student_hidden, student_weight, teacher_hidden, teacher_weight, topk_ids, topk_logprobs,
-     labels, loss_mask) = ctx.saved_tensors
+     labels, loss_mask, active) = ctx.saved_tensors
     shard, maths, cdt, sp = ctx.shard, ctx.maths, ctx.cdt, ctx.sp
     h_s = student_hidden.shape[-1]
     walker = _walker(student_hidden, student_weight, teacher_hidden, teacher_weight, topk_ids,
-                     topk_logprobs, labels, loss_mask, ctx.config, shard, sp, cdt)
+                     topk_logprobs, labels, loss_mask, active, ctx.config, shard, sp, cdt)
+    scale = grad_loss.to(cdt)
     grad_x = (walker.x_s.new_zeros(loss_mask.numel(), h_s, dtype=cdt)
               if ctx.needs_input_grad[0] else None)
-    grad_w = (student_weight.new_zeros(student_weight.shape, dtype=cdt)
-              if ctx.needs_input_grad[1] else None)
+    fused = ctx.fuse_wgrad and ctx.needs_input_grad[1]
+    if fused:
+        grad_w = student_weight.main_grad
+    else:
+        grad_w = (student_weight.new_zeros(student_weight.shape, dtype=cdt)
+                  if ctx.needs_input_grad[1] else None)
     stats = iter(ctx.saved_stats)
     for rows, xs_w, z_s, blocks in walker.windows():
         for _, win, zb_s, zb_t in blocks:
             _store_grad(maths.recomputed_grad(zb_s, zb_t, next(stats), win), zb_s)
-        walker.accumulate(z_s, xs_w, rows, grad_x, grad_w)
+        walker.accumulate(z_s, xs_w, rows, grad_x, grad_w, scale if fused else None)
     ctx.saved_stats = None
-    scale = grad_loss.to(cdt)
     if grad_x is not None:
         grad_x = reduce_hidden_grad(grad_x, shard.tp_group, shard.tp_world_size, sp, ctx.lead,
                                     h_s)
         grad_x = (grad_x * scale).to(ctx.hidden_dtype).view(ctx.hidden_shape)
-    if grad_w is not None:
+    if fused:
+        grad_w = _main_grad_placeholder(student_weight)
+    elif grad_w is not None:
         grad_w = (grad_w * scale).to(ctx.weight_dtype)
     return grad_x, grad_w
 
@@ -270,16 +306,28 @@ def vocab_parallel_kd_loss(
     fails hands the message on, and every rank raises after the exchange.
     """
     config = config or KDLossConfig()
-    _, tp_world_size = world(tp_group)
+    tp_rank, tp_world_size = world(tp_group)
     sp = config.sequence_parallel and tp_world_size > 1
     local_error = check_local(student_hidden, student_weight, teacher_hidden, teacher_weight,
                               teacher_topk_ids, teacher_topk_logprobs, labels, loss_mask, config,
                               tp_world_size, sp)
-    if loss_mask is None and local_error is None:
+    if (local_error is None and config.gradient_accumulation_fusion
+            and student_weight.requires_grad and not hasattr(student_weight, "main_grad")):
+        local_error = ("gradient_accumulation_fusion=True but student_weight has no main_grad "
+                       "(Megatron's DDP wrapper adds it; turn the fusion off without it)")
+    # The all-gather of shard sizes; raises on every rank if any rank's input is bad.
+    sizes = exchange_sizes(student_weight, student_hidden, local_error, tp_group, tp_world_size)
+    shard = shard_of(sizes, tp_group, tp_rank, tp_world_size, config)
+    check_global(teacher_topk_ids, teacher_topk_logprobs, labels, config, shard)
+    if loss_mask is None:
         loss_mask = torch.ones(full_lead(student_hidden, tp_world_size, sp), dtype=torch.float32,
                                device=student_hidden.device)
+    tracker = (FiniteTracker(student_hidden.device, compute_dtype(student_hidden))
+               if config.check_finite else None)
     loss = _FusedKDLoss.apply(student_hidden, student_weight, teacher_hidden, teacher_weight,
                               teacher_topk_ids, teacher_topk_logprobs, labels, loss_mask, config,
-                              tp_group, local_error, terms_out)
+                              shard, active_rows(loss_mask), tracker, terms_out)
+    if tracker is not None:
+        tracker.raise_if_bad(config)  # the one host read of the call, after the Function
     num_tokens = loss_mask.sum().to(loss.dtype)
     return loss, num_tokens

@@ -8,6 +8,11 @@ statistics and the logit gradient) runs in blocks of rows small enough for the l
 passes then read the cache instead of memory. The per-row all-reduces run per block, so with
 TP > 1 (and on other devices) a block is the whole window: on gloo the extra synchronisations
 cost more than the cache saves.
+
+Nothing window- or block-sized is allocated per window: the logits go into two window buffers
+(:meth:`WindowWalker.logits`) and the kinds' temporaries into named block buffers
+(:class:`Scratch`), both reused for the whole call. A fresh allocation of that size costs a
+page fault per 4 KiB on CPU (measured in the README's loss benchmark section).
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from megatron_kd.loss.config import KDLossConfig
 from megatron_kd.parallel.vocab import VocabShard
 
 __all__ = ["CPU_BLOCK_ELEMENTS", "CPU_BLOCKS_WITH_TP", "Ids", "Shard", "Window", "WindowWalker",
-           "make_window"]
+           "Scratch", "active_rows", "make_window"]
 
 #: Elements of one ``[rows, V_local]`` fp32 block on CPU (8 MiB, 13 rows at V = 151,936): a
 #: block's two or three live buffers fit a 32 MiB last-level cache (the measurements behind the
@@ -95,6 +100,28 @@ class Ids:
             g.scatter_add_(1, self.index, torch.where(self.in_shard, src, 0.0))
 
 
+class Scratch:
+    """Named ``[rows, V_local]`` temporaries of a block, reused block to block.
+
+    A kind's elementwise steps write their temporaries here (``out=``) instead of allocating:
+    on CPU a fresh block-sized tensor per step costs page faults (a JSD call at T = 2048,
+    V = 151,936 spent 4 s of system time in them). Buffers under one name must not be alive
+    twice in one block; every block's buffers are dead once its gradient is stored.
+    """
+
+    def __init__(self) -> None:
+        self._bufs: dict[str, torch.Tensor] = {}
+
+    def take(self, name: str, like: torch.Tensor) -> torch.Tensor:
+        """A buffer of ``like``'s shape, dtype and device (contents undefined)."""
+        n = like.numel()
+        buf = self._bufs.get(name)
+        if buf is None or buf.numel() < n or buf.dtype != like.dtype:
+            buf = like.new_empty(n)
+            self._bufs[name] = buf
+        return buf[:n].view(like.shape)
+
+
 @dataclass
 class Window:
     """One block of rows: the per-token inputs restricted to those rows, in the compute dtype.
@@ -114,6 +141,9 @@ class Window:
 
     w_ce: torch.Tensor
     """``ce_m * ce_weight``: the CE term's weights."""
+
+    scratch: Scratch
+    """The walk's block temporaries."""
 
     labels: Ids | None = None
     """``[rows, 1]`` the labels on this shard (ignored labels map to no column); None without."""
@@ -136,7 +166,7 @@ class Window:
 
 def make_window(rows: Rows, mask: torch.Tensor, labels: torch.Tensor | None,
                 ids: torch.Tensor | None, lp: torch.Tensor | None, config: KDLossConfig,
-                shard: Shard, cdt: torch.dtype) -> Window:
+                shard: Shard, cdt: torch.dtype, scratch: Scratch) -> Window:
     """The :class:`Window` of ``rows`` of the flattened per-token inputs."""
     m = mask[rows]
     w_kd = m * config.kd_weight
@@ -144,11 +174,11 @@ def make_window(rows: Rows, mask: torch.Tensor, labels: torch.Tensor | None,
         lab = labels[rows]
         valid = lab != config.ignore_index
         ce_m = torch.where(valid, m, 0.0)  # the CE term's token weights
-        win = Window(m=m, w_kd=w_kd, ce_m=ce_m, w_ce=ce_m * config.ce_weight,
+        win = Window(m=m, w_kd=w_kd, ce_m=ce_m, w_ce=ce_m * config.ce_weight, scratch=scratch,
                      labels=Ids(torch.where(valid, lab, -1)[:, None], shard))
     else:
         zeros = torch.zeros_like(m)
-        win = Window(m=m, w_kd=w_kd, ce_m=zeros, w_ce=zeros)
+        win = Window(m=m, w_kd=w_kd, ce_m=zeros, w_ce=zeros, scratch=scratch)
     if ids is not None:
         win.topk = Ids(ids[rows], shard)
         lp_w = lp[rows].to(cdt)
@@ -170,6 +200,15 @@ Block = tuple[int, Window, torch.Tensor, torch.Tensor | None]
 WindowItem = tuple[Rows, torch.Tensor, torch.Tensor, Iterator[Block]]
 
 
+def active_rows(loss_mask: torch.Tensor) -> torch.Tensor:
+    """Indices of the tokens with a non-zero loss-mask weight (the others are skipped).
+
+    Data-dependent, so a host synchronisation on a GPU: the loss finds them once per call,
+    before its autograd Function runs, and hands them in.
+    """
+    return torch.nonzero(loss_mask.reshape(-1) != 0).view(-1)
+
+
 class WindowWalker:
     """The inputs flattened to ``[tokens, ...]`` and the windows over the weighted tokens; the
     forward pass and the recomputing backward walk the same windows in the same order.
@@ -181,15 +220,18 @@ class WindowWalker:
     def __init__(self, x_s: torch.Tensor, student_weight: torch.Tensor, x_t: torch.Tensor | None,
                  teacher_weight: torch.Tensor | None, topk_ids: torch.Tensor | None,
                  topk_logprobs: torch.Tensor | None, labels: torch.Tensor | None,
-                 loss_mask: torch.Tensor, config: KDLossConfig, shard: Shard, cdt: torch.dtype):
+                 loss_mask: torch.Tensor, active: torch.Tensor, config: KDLossConfig,
+                 shard: Shard, cdt: torch.dtype):
         n_rows = loss_mask.numel()
         self.x_s = x_s.reshape(n_rows, x_s.shape[-1])
         self.x_t = None if x_t is None else x_t.reshape(n_rows, x_t.shape[-1])
         self.w_s = student_weight[: shard.local_valid]
         self.w_t = None if teacher_weight is None else teacher_weight[: shard.local_valid]
         self.mask = loss_mask.reshape(n_rows).to(cdt)
-        self.active = torch.nonzero(self.mask != 0).view(-1)  # zero-weight tokens are skipped
+        self.active = active  # zero-weight tokens are skipped (see active_rows)
         self.all_active = self.active.numel() == n_rows
+        self._out: dict[str, torch.Tensor] = {}  # window logit buffers, reused window to window
+        self.scratch = Scratch()
         self.labels = None if labels is None else labels.reshape(n_rows)
         self.ids = None if topk_ids is None else topk_ids.reshape(n_rows, -1)
         self.lp = None if topk_logprobs is None else topk_logprobs.reshape(n_rows, -1)
@@ -200,9 +242,21 @@ class WindowWalker:
         else:
             self.rows_per_block = self.rows_per_window
 
-    def logits(self, x: torch.Tensor, w_valid: torch.Tensor) -> torch.Tensor:
-        """``x @ w_valid.T`` in the input dtype, returned in the compute dtype."""
-        return (x @ w_valid.t()).to(self.cdt)
+    def logits(self, x: torch.Tensor, w_valid: torch.Tensor, name: str) -> torch.Tensor:
+        """``x @ w_valid.T`` in the input dtype, returned in the compute dtype.
+
+        In the compute dtype the product goes into the walker's buffer ``name``, reused by
+        every window: a fresh window-sized allocation per window costs a page fault per 4 KiB
+        on CPU (about 1 s of a 12 s forward KL at V = 151,936 on 2 cores, README).
+        """
+        if x.dtype != self.cdt or w_valid.dtype != self.cdt:
+            return (x @ w_valid.t()).to(self.cdt)
+        buf = self._out.get(name)
+        if buf is None:
+            buf = x.new_empty((min(self.rows_per_window, self.active.numel()), w_valid.shape[0]))
+            self._out[name] = buf
+        out = buf[: x.shape[0]]
+        return torch.mm(x, w_valid.t(), out=out)
 
     def windows(self) -> Iterator[WindowItem]:
         """``(rows, student hidden rows, z_s, blocks)`` per window of active rows, where
@@ -213,8 +267,8 @@ class WindowWalker:
             stop = min(start + self.rows_per_window, n_active)
             rows = slice(start, stop) if self.all_active else self.active[start:stop]
             xs_w = self.x_s[rows]
-            z_s = self.logits(xs_w, self.w_s)
-            z_t = self.logits(self.x_t[rows], self.w_t) if self.x_t is not None else None
+            z_s = self.logits(xs_w, self.w_s, "z_s")
+            z_t = self.logits(self.x_t[rows], self.w_t, "z_t") if self.x_t is not None else None
             yield rows, xs_w, z_s, self._blocks(start, stop, z_s, z_t)
 
     def _blocks(self, start: int, stop: int, z_s: torch.Tensor,
@@ -224,12 +278,15 @@ class WindowWalker:
             rows = (slice(start + b0, start + b1) if self.all_active
                     else self.active[start + b0:start + b1])
             win = make_window(rows, self.mask, self.labels, self.ids, self.lp, self.config,
-                              self.shard, self.cdt)
+                              self.shard, self.cdt, self.scratch)
             yield start + b0, win, z_s[b0:b1], None if z_t is None else z_t[b0:b1]
 
     def accumulate(self, g: torch.Tensor, xs_w: torch.Tensor, rows: Rows,
-                   grad_x: torch.Tensor | None, grad_w: torch.Tensor | None) -> None:
-        """Hidden and weight gradients of one window from its logit gradient ``g``."""
+                   grad_x: torch.Tensor | None, grad_w: torch.Tensor | None,
+                   w_scale: torch.Tensor | None = None) -> None:
+        """Hidden and weight gradients of one window from its logit gradient ``g``; with
+        ``w_scale`` (a 0-d tensor) the weight gradient is scaled by it as it is added (for
+        ``main_grad``, which holds other microbatches' gradients)."""
         gd = g.to(xs_w.dtype)
         if grad_x is not None:
             gx = (gd @ self.w_s).to(grad_x.dtype)
@@ -239,7 +296,8 @@ class WindowWalker:
                 grad_x.index_copy_(0, rows, gx)
         if grad_w is not None:
             n_valid = self.w_s.shape[0]
+            x = xs_w if w_scale is None else xs_w * w_scale.to(xs_w.dtype)  # [rows, h]: cheap
             if gd.dtype == grad_w.dtype:
-                grad_w[:n_valid].addmm_(gd.t(), xs_w)
+                grad_w[:n_valid].addmm_(gd.t(), x)
             else:
-                grad_w[:n_valid] += (gd.t() @ xs_w).to(grad_w.dtype)
+                grad_w[:n_valid] += (gd.t() @ x).to(grad_w.dtype)

@@ -1,4 +1,5 @@
-"""Test support that ships with the package: a pool of gloo ranks on CPU (:mod:`.pool`)."""
+"""Test support that ships with the package: a pool of gloo ranks on CPU (:mod:`.pool`); a
+simulated accelerator (:mod:`.devices`, imported by name: it loads torch, the pool must not)."""
 
 from megatron_kd.testing.pool import DistPool, RankContext, RankFailure
 

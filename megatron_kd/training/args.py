@@ -62,6 +62,9 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
     p = parser.add_argument_group("parallelism and precision")
     p.add_argument("--tensor-model-parallel-size", type=int, default=1)
     p.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    p.add_argument("--use-distributed-optimizer", action="store_true",
+                   help="Megatron-Core's distributed optimizer: optimizer state and fp32 main "
+                        "weights sharded over the data-parallel ranks")
     p.add_argument("--bf16", action="store_true",
                    help="bf16 student parameters, fp32 main weights (GPU only: Megatron-Core's "
                         "mixed-precision optimizer requires CUDA tensors)")

@@ -121,6 +121,10 @@ def _check_flags(args: argparse.Namespace, kd: KDArgs, world_size: int) -> tuple
         raise ValueError("--bf16 needs a GPU: Megatron-Core's mixed-precision optimizer accepts "
                          "only CUDA tensors. On CPU train the student in fp32 (a bf16 teacher "
                          "is fine: --kd-teacher-dtype bf16)")
+    if getattr(args, "use_distributed_optimizer", False) and on_cpu():
+        raise ValueError("--use-distributed-optimizer needs a GPU: Megatron-Core's "
+                         "DistributedOptimizer accepts only CUDA parameters (megatron-core "
+                         "0.16-0.19). On CPU leave it off")
     if args.save_interval is not None and args.save_interval < 1:
         raise ValueError(f"--save-interval must be >= 1, got {args.save_interval}")
     return tp, pp, dp, gbs

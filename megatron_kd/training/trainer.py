@@ -118,7 +118,10 @@ class Trainer:
         self.dp_rank = ps.get_data_parallel_rank()
         self.pp_rank = ps.get_pipeline_model_parallel_rank()
         self.log_rank = self.rank == 0
-        self.loss_config = plan.kd.loss_config(vocab_size=plan.student_arch.vocab_size)
+        # The output-layer weight gradient straight into DDP's fp32 main_grad (Megatron's
+        # gradient-accumulation fusion, in the loss: no [V/tp, h] gradient tensor).
+        self.loss_config = plan.kd.loss_config(vocab_size=plan.student_arch.vocab_size,
+                                               gradient_accumulation_fusion=True)
         # Evaluation without teacher outputs (offline: the cache holds training samples only;
         # disaggregated: the teacher streams training microbatches only): the student's CE.
         self.ce_config = dataclasses.replace(self.loss_config, kd_weight=0.0, ce_weight=1.0)
@@ -147,8 +150,8 @@ class Trainer:
         bypass_output_layer(model)
         config = model.config
         ddp_config = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False,
-            average_in_collective=False)
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+            use_distributed_optimizer=args.use_distributed_optimizer, average_in_collective=False)
         self.model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
         config.finalize_model_grads_func = finalize_model_grads
         config.no_sync_func = self.model.no_sync
@@ -157,7 +160,8 @@ class Trainer:
             optimizer="adam", lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
             adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
             clip_grad=args.clip_grad, bf16=plan.params_dtype == torch.bfloat16,
-            params_dtype=plan.params_dtype, use_distributed_optimizer=False)
+            params_dtype=plan.params_dtype,
+            use_distributed_optimizer=args.use_distributed_optimizer)
         self.optimizer = get_megatron_optimizer(opt_config, [self.model])
         decay_iters = args.lr_decay_iters or args.train_iters
         self.scheduler = OptimizerParamScheduler(

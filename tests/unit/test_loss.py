@@ -99,9 +99,9 @@ def test_cpu_row_blocks_inside_windows(monkeypatch, name, backward, window_size)
         blocks.append(rows.numel() if torch.is_tensor(rows) else rows.stop - rows.start)
         return make_window(rows, *args)
 
-    def logits_spy(self, x, w):
+    def logits_spy(self, x, w, name):
         projections.append(x.shape[0])
-        return logits(self, x, w)
+        return logits(self, x, w, name)
 
     monkeypatch.setattr(window, "make_window", window_spy)
     monkeypatch.setattr(window.WindowWalker, "logits", logits_spy)
@@ -128,8 +128,8 @@ def test_window_bounds_rows_in_flight(monkeypatch):
     seen = []
     real = window.WindowWalker.logits
 
-    def spy(self, x, w):
-        out = real(self, x, w)
+    def spy(self, x, w, name):
+        out = real(self, x, w, name)
         seen.append(tuple(out.shape))
         return out
 

@@ -1,0 +1,312 @@
+"""A simulated accelerator for CPU-only runs: finds host tensors handed to NCCL collectives.
+
+On NCCL every tensor given to a collective or point-to-point op must live on the GPU; a host
+tensor is refused at run time, so a helper that builds its buffer with ``torch.tensor([...])``
+(no device) passes every gloo test and fails on the first GPU run. Inside
+:func:`simulated_accelerator` a CPU run behaves, for *where* tensors live, as a GPU run would::
+
+    with simulated_accelerator() as calls:
+        x = torch.randn(3).cuda()          # an "accelerator" tensor: x.device == cuda:0
+        dist.all_reduce(x)                 # fine
+        dist.all_reduce(torch.zeros(3))    # AssertionError: a host tensor (file:line, shape)
+    calls                                  # ["all_reduce t.py:4", "all_reduce t.py:5"]
+
+The data never leaves the CPU (so gloo runs the collectives); a tensor is *tagged* as living on
+the accelerator, by an attribute on its Python object:
+
+* ``.to("cuda")``, ``.cuda()``, ``.to(<tagged tensor>)`` and factories with ``device="cuda"``,
+  ``device=0`` or ``device=<a tagged tensor's .device>`` make tagged tensors;
+* results of ops on tagged tensors are tagged (``new_empty``, ``zeros_like``, views, autograd's
+  backward included); an in-place op leaves its target as it was;
+* ``.device`` of a tagged tensor is ``cuda:0`` (``is_cuda`` True, ``get_device()`` 0);
+* ``.cpu()``, ``.to("cpu")`` give untagged copies; ``.item()``, ``.tolist()`` plain values;
+* factories without a device make untagged host tensors, as on a GPU machine;
+* ``torch.distributed.get_backend()`` answers ``"nccl"`` and ``torch.cuda.current_device()``
+  ``0``, so code that picks its device from the backend picks the accelerator.
+
+The ``torch.distributed`` functions that take tensors (collectives and point-to-point ops, the
+``P2POp`` objects of ``batch_isend_irecv`` included) are wrapped: each tensor argument must be
+tagged, else an ``AssertionError`` names the function, the calling ``file:line``, the tensor's
+shape and dtype. The ``*_object`` variants are not wrapped (they pickle on the host by design).
+
+Not modelled: ops mixing host and device tensors run (a GPU would refuse most of them); there
+is one device (no ``cuda:1``); the backward pass of ``torch.autograd.grad`` runs untagged
+(``Tensor.backward`` and ``torch.autograd.backward`` keep tagging). Only this process is affected, and only inside the
+``with`` block; tags left on tensors afterwards change nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import os
+import sys
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch.autograd.graph import _engine_run_backward
+from torch.overrides import TorchFunctionMode
+
+__all__ = ["ACCELERATOR", "CHECKED_FUNCTIONS", "on_accelerator", "simulated_accelerator",
+           "to_accelerator"]
+
+#: The device tagged tensors report.
+ACCELERATOR = torch.device("cuda", 0)
+
+#: The ``torch.distributed`` functions whose tensor arguments are checked (those present).
+CHECKED_FUNCTIONS = (
+    "all_reduce", "all_reduce_coalesced", "all_gather", "all_gather_into_tensor",
+    "all_gather_coalesced", "_all_gather_base", "reduce_scatter", "reduce_scatter_tensor",
+    "_reduce_scatter_base", "broadcast", "reduce", "gather", "scatter", "all_to_all",
+    "all_to_all_single", "send", "recv", "isend", "irecv", "batch_isend_irecv")
+
+_TAG = "_megatron_kd_on_accelerator"
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_THIS_FILE = os.path.abspath(__file__)
+_REAL_P2POP = dist.P2POp
+_BASE = torch._C.TensorBase
+_BACKWARD_SIGNATURES = {f: inspect.signature(f) for f in (torch.Tensor.backward,
+                                                         torch.autograd.backward)}
+# property getters of a tensor whose answer changes on the accelerator
+_GETTERS = {_BASE.__dict__["device"]: ACCELERATOR, _BASE.__dict__["is_cuda"]: True,
+            _BASE.__dict__["is_cpu"]: False}
+
+
+def on_accelerator(t: Any) -> bool:
+    """Whether ``t`` is a tensor on the (simulated) accelerator."""
+    return isinstance(t, torch.Tensor) and bool(getattr(t, _TAG, False))
+
+
+def _tag(t: torch.Tensor) -> torch.Tensor:
+    setattr(t, _TAG, True)
+    return t
+
+
+def to_accelerator(t: torch.Tensor) -> torch.Tensor:
+    """A tagged copy of ``t`` (``t`` itself when it is tagged already), as ``t.cuda()``."""
+    if on_accelerator(t):
+        return t
+    with torch._C.DisableTorchFunction():
+        return _tag(t.clone())
+
+
+def _is_accel_device(d: Any) -> bool | None:
+    """True for a CUDA device (a device index too), False for another one, None for none."""
+    if d is None:
+        return None
+    if isinstance(d, torch.device):
+        return d.type == "cuda"
+    if isinstance(d, str):
+        return d.split(":")[0] == "cuda"
+    if isinstance(d, int) and not isinstance(d, bool):
+        return True
+    return False
+
+
+def _any_tagged(obj: Any) -> bool:
+    if isinstance(obj, torch.Tensor):
+        return on_accelerator(obj)
+    if isinstance(obj, (list, tuple)):
+        return any(_any_tagged(o) for o in obj)
+    if isinstance(obj, dict):
+        return any(_any_tagged(o) for o in obj.values())
+    return False
+
+
+def _tag_outputs(out: Any, keep: tuple) -> Any:
+    """Tag the tensors of ``out`` except those that are arguments (in-place results)."""
+    if isinstance(out, torch.Tensor):
+        if not any(out is k for k in keep):
+            _tag(out)
+    elif isinstance(out, (list, tuple)):
+        for o in out:
+            _tag_outputs(o, keep)
+    return out
+
+
+def _target(func: Callable, args: tuple, kwargs: dict) -> tuple[bool | None, tuple, dict]:
+    """``(where the result goes: True accelerator, False host, None as its inputs; args,
+    kwargs)`` of a call, a CUDA device in them replaced by the CPU (the data stays there)."""
+    target = _is_accel_device(kwargs.get("device"))
+    if target:
+        kwargs = {**kwargs, "device": "cpu"}
+    if func is torch.Tensor.to and len(args) > 1:
+        first = args[1]
+        if isinstance(first, torch.Tensor):
+            target = on_accelerator(first)
+        elif isinstance(first, (torch.device, str, int)) and not isinstance(first, bool):
+            target = _is_accel_device(first)
+            if target:
+                args = (args[0], "cpu", *args[2:])
+    elif func is torch.Tensor.cpu:
+        target = False
+    return target, args, kwargs
+
+
+class _AcceleratorMode(TorchFunctionMode):
+    """The tagging: device arguments, propagation, the getters (see the module docstring)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        tagged = _any_tagged(args) or _any_tagged(kwargs)
+        owner = getattr(func, "__self__", None)
+        if tagged and owner is not None and owner in _GETTERS:
+            return _GETTERS[owner]
+        if tagged and func is torch.Tensor.get_device:
+            return ACCELERATOR.index
+        if func is torch.Tensor.cuda:
+            return to_accelerator(args[0])
+        if func is torch.Tensor.backward or func is torch.autograd.backward:
+            with self:  # the backward pass runs inside this call: keep tagging there
+                return _backward(func, args, kwargs)
+        target, args, kwargs = _target(func, args, kwargs)
+        out = func(*args, **kwargs)
+        source = args[0] if args else None
+        if target is False:
+            if out is source and on_accelerator(source):  # .cpu() of a "device" tensor copies
+                with torch._C.DisableTorchFunction():
+                    out = source.clone()
+            return out
+        if target and out is source and not on_accelerator(source):
+            with torch._C.DisableTorchFunction():
+                out = source.clone()  # .to("cuda") of a host tensor copies
+        if target or tagged:
+            keep = tuple(a for a in (*args, kwargs.get("out")) if isinstance(a, torch.Tensor))
+            _tag_outputs(out, keep if not target else ())
+        return out
+
+
+def _backward(func: Callable, args: tuple, kwargs: dict) -> None:
+    """``Tensor.backward`` / ``torch.autograd.backward`` without their torch-function dispatch,
+    which would run the engine with the mode off: the default gradients (``ones_like``, tagged
+    like the outputs), then the engine (the CPU engine runs the graph on this thread, so inside
+    the mode)."""
+    a = _BACKWARD_SIGNATURES[func].bind(*args, **kwargs).arguments
+    tensors = a["self"] if "self" in a else a["tensors"]
+    grads = a.get("gradient", a.get("grad_tensors"))
+    tensors = (tensors,) if isinstance(tensors, torch.Tensor) else tuple(tensors)
+    if grads is None or isinstance(grads, torch.Tensor):
+        grads = [grads] * len(tensors)
+    grads = tuple(torch.ones_like(t) if g is None else g for t, g in zip(tensors, grads))
+    inputs = a.get("inputs")
+    inputs = () if inputs is None else (inputs,) if isinstance(inputs, torch.Tensor) else \
+        tuple(inputs)
+    create_graph = a.get("create_graph", False)
+    keep = a.get("retain_graph")
+    _engine_run_backward(tensors, grads, create_graph if keep is None else keep, create_graph,
+                         inputs, allow_unreachable=True, accumulate_grad=True)
+
+
+def _caller() -> str:
+    """``file:line`` of the first frame outside this module and torch."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        path = os.path.abspath(frame.f_code.co_filename)
+        if path != _THIS_FILE and not path.startswith(_TORCH_DIR + os.sep):
+            rel = os.path.relpath(path)
+            return f"{path if rel.startswith(os.pardir) else rel}:{frame.f_lineno}"
+        frame = frame.f_back
+    return "<unknown>"
+
+
+def _tensors(obj: Any) -> Iterator[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for o in obj:
+            yield from _tensors(o)
+    elif isinstance(obj, _REAL_P2POP):
+        yield obj.tensor
+
+
+def _checked(name: str, real: Callable, calls: list[str]) -> Callable:
+    def wrapper(*args, **kwargs):
+        where = _caller()
+        calls.append(f"{name} {where}")
+        for t in _tensors((args, tuple(kwargs.values()))):
+            if not on_accelerator(t):
+                raise AssertionError(
+                    f"torch.distributed.{name} called from {where} with a host tensor "
+                    f"(shape {tuple(t.shape)}, dtype {t.dtype}): on NCCL every tensor of a "
+                    f"collective must live on the process group's device (cuda)")
+        with torch._C.DisableTorchFunction():  # the real op sees plain host tensors
+            return real(*args, **kwargs)
+
+    wrapper.__name__ = wrapper.__qualname__ = name
+    wrapper.__wrapped__ = real
+    return wrapper
+
+
+def _p2p_op_class(real_ops: dict) -> type:
+    base = _REAL_P2POP
+
+    class P2POp(base):
+        """``torch.distributed.P2POp`` that accepts the wrapped ``isend`` / ``irecv``."""
+
+        def __new__(cls, op, tensor, *args, **kwargs):
+            return base.__new__(cls, real_ops.get(op, op), tensor, *args, **kwargs)
+
+        def __init__(self, op, tensor, *args, **kwargs):
+            super().__init__(real_ops.get(op, op), tensor, *args, **kwargs)
+
+    return P2POp
+
+
+def _autograd_patches(patch: Callable) -> None:
+    """Autograd's own nodes run in C++, outside the mode, so the gradients they hand a custom
+    ``Function``'s backward are untagged; on a GPU a gradient lives where its forward output
+    does. So a Function whose outputs are tagged marks its node, and the node's incoming
+    gradients are tagged."""
+    function_apply = torch.autograd.Function.apply.__func__
+    node_apply = torch.autograd.function.BackwardCFunction.apply
+
+    def apply(cls, *args, **kwargs):
+        out = function_apply(cls, *args, **kwargs)
+        for o in out if isinstance(out, (tuple, list)) else (out,):
+            if on_accelerator(o) and o.grad_fn is not None:
+                setattr(o.grad_fn, _TAG, True)
+        return out
+
+    def backward_apply(node, *grads):
+        if getattr(node, _TAG, False):
+            for g in grads:
+                if isinstance(g, torch.Tensor):
+                    _tag(g)
+        return node_apply(node, *grads)
+
+    patch(torch.autograd.Function, "apply", classmethod(apply))
+    patch(torch.autograd.function.BackwardCFunction, "apply", backward_apply)
+
+
+@contextlib.contextmanager
+def simulated_accelerator() -> Iterator[list[str]]:
+    """Pretend, in this process, that NCCL runs the collectives on a GPU (module docstring).
+
+    Yields the list of the checked calls so far, ``"<function> <file>:<line>"`` each (so a
+    test can tell that the collectives it means to check did run under the check).
+    """
+    saved: dict[tuple[Any, str], Any] = {}
+    calls: list[str] = []
+
+    def patch(obj: Any, name: str, value: Any) -> None:
+        # a class's own attribute as stored (a classmethod, not the bound method getattr gives)
+        saved[(obj, name)] = vars(obj)[name] if name in vars(obj) else getattr(obj, name)
+        setattr(obj, name, value)
+
+    real_ops = {}
+    try:
+        for name in CHECKED_FUNCTIONS:
+            if hasattr(dist, name):
+                real = getattr(dist, name)
+                patch(dist, name, _checked(name, real, calls))
+                real_ops[getattr(dist, name)] = real
+        patch(dist, "P2POp", _p2p_op_class(real_ops))
+        patch(dist, "get_backend", lambda group=None: "nccl")
+        patch(torch.cuda, "current_device", lambda: ACCELERATOR.index)
+        _autograd_patches(patch)
+        with _AcceleratorMode():
+            yield calls
+    finally:
+        for (obj, name), value in saved.items():
+            setattr(obj, name, value)

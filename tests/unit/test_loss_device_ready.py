@@ -1,0 +1,158 @@
+"""Fused KD loss, tier 1: what a GPU needs that a CPU run does not show by itself.
+
+* No host synchronisation inside the loss's autograd Function: every call that reads a
+  tensor's value on the host (``.item()``, ``bool()``, ``int()``, ``float()``, ``.tolist()``,
+  ``.cpu()``, ``nonzero``) raises while the Function's forward or backward runs.
+* Megatron's gradient-accumulation fusion: the weight gradient lands in ``main_grad`` (added to
+  what it held, scaled by the incoming gradient), against the fp64 reference.
+"""
+
+import pytest
+import torch
+from support.kd_cases import config_of, make_inputs, reference, rel_err, spec
+from torch.overrides import TorchFunctionMode
+
+from megatron_kd.loss import KDLossConfig, fused, vocab_parallel_kd_loss
+
+HOST_READS = {"item", "__bool__", "__int__", "__float__", "__index__", "tolist", "cpu",
+              "nonzero", "numpy"}
+
+
+class NoHostReads(TorchFunctionMode):
+    """Raise on any torch call that moves a tensor's value to the host."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if name in HOST_READS:
+            raise AssertionError(f"host synchronisation {name}() inside the loss's autograd")
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.fixture
+def guarded(monkeypatch):
+    """Run _FusedKDLoss.forward and .backward under NoHostReads."""
+    forward, backward = fused._FusedKDLoss.forward, fused._FusedKDLoss.backward
+
+    def guarded_forward(ctx, *args):
+        with NoHostReads():
+            return forward(ctx, *args)
+
+    def guarded_backward(ctx, *grads):
+        with NoHostReads():
+            return backward(ctx, *grads)
+
+    monkeypatch.setattr(fused._FusedKDLoss, "forward", staticmethod(guarded_forward))
+    monkeypatch.setattr(fused._FusedKDLoss, "backward", staticmethod(guarded_backward))
+
+
+CASES = {
+    "fwd_kl_T2_ce": dict(kind="forward_kl", temperature=2.0, ce_weight=0.5),
+    "rev_kl_ce": dict(kind="reverse_kl", ce_weight=0.3),
+    "jsd_ce": dict(kind="jsd", beta=0.3, ce_weight=0.4),
+    "topk_renorm_T2": dict(teacher="renormalize", topk_tail="renormalize", temperature=2.0,
+                           ce_weight=0.5),
+    "topk_ghost": dict(teacher="ghost", topk_tail="ghost", ce_weight=0.2, vocab_size=1001),
+    "ce_only": dict(teacher=None, kd_weight=0.0, ce_weight=1.0),
+}
+
+
+def _run(sp, weight_setup=None, scale=0.75):
+    inp = make_inputs(sp)
+    hidden = inp["student_hidden"].clone().requires_grad_(True)
+    weight = inp["student_weight"].clone().requires_grad_(True)
+    if weight_setup is not None:
+        weight_setup(weight)
+    loss, _ = vocab_parallel_kd_loss(
+        hidden, weight, inp.get("teacher_hidden"), inp.get("teacher_weight"),
+        inp.get("teacher_topk_ids"), inp.get("teacher_topk_logprobs"), inp.get("labels"),
+        inp.get("loss_mask"), config=config_of(sp) if weight_setup is None else
+        _fusion_config(sp))
+    (loss * scale).backward()
+    return inp, loss, hidden, weight
+
+
+def _fusion_config(sp):
+    cfg = config_of(sp)
+    cfg.gradient_accumulation_fusion = True
+    return cfg
+
+
+@pytest.mark.parametrize("backward", ["precompute", "recompute"])
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_no_host_reads_inside_the_autograd_function(guarded, name, backward):
+    sp = spec(backward=backward, mask=True, window_size=4, **CASES[name])
+    inp, loss, hidden, weight = _run(sp)
+    ref_loss, ref_gx, ref_gw = reference(sp, inp)
+    assert rel_err(loss.detach(), ref_loss) < 1e-9  # the guarded run is the real computation
+    assert rel_err(hidden.grad, 0.75 * ref_gx) < 1e-9  # scaled by the upstream gradient
+    assert rel_err(weight.grad, 0.75 * ref_gw) < 1e-9
+
+
+def test_the_guard_catches_a_host_read(guarded, monkeypatch):
+    # the check can fail: a .item() slipped into a kind's maths is caught
+    real = fused.KindMath.stats
+
+    def stats_with_item(self, z_s, z_t, win):
+        z_s.max().item()
+        return real(self, z_s, z_t, win)
+
+    monkeypatch.setattr(fused.KindMath, "stats", stats_with_item)
+    with pytest.raises(AssertionError, match=r"item\(\) inside the loss's autograd"):
+        _run(spec())
+
+
+def test_non_finite_loss_still_raises_after_the_function():
+    # the finite check moved out of the Function: it still names the term and the token
+    sp = spec(ce_weight=0.5, labels=True)
+    inp = make_inputs(sp)
+    hidden = inp["student_hidden"].clone()
+    hidden[1, 2, 0] = float("nan")  # token 1 * b + 2 = 5 of the flattened [s, b]
+    with pytest.raises(FloatingPointError, match=r"non-finite KD \(forward_kl\) loss nan at "
+                                                 r"active token 5"):
+        vocab_parallel_kd_loss(hidden, inp["student_weight"], inp["teacher_hidden"],
+                               inp["teacher_weight"], labels=inp["labels"],
+                               config=config_of(sp))
+
+
+@pytest.mark.parametrize("backward", ["precompute", "recompute"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", ["forward_kl", "jsd"])
+def test_gradient_accumulation_fusion_adds_into_main_grad(kind, dtype, backward):
+    sp = spec(kind=kind, dtype=dtype, backward=backward, ce_weight=0.4, mask=True)
+    held = torch.randn(sp["padded_vocab"], sp["h_s"], dtype=torch.float64,
+                       generator=torch.Generator().manual_seed(5))
+    main_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+
+    def setup(weight):
+        weight.main_grad = held.to(main_dtype).clone()  # another microbatch's gradient
+        weight.grad_added_to_main_grad = False
+
+    inp, loss, hidden, weight = _run(sp, setup, scale=0.75)
+    _, ref_gx, ref_gw = reference(sp, inp)
+    tol = {torch.float64: 1e-9, torch.float32: 1e-5, torch.bfloat16: 2e-2}[dtype]
+    assert weight.grad_added_to_main_grad  # Megatron's DDP hook skips its own add
+    assert weight.main_grad.dtype == main_dtype
+    assert rel_err(weight.main_grad - held.to(main_dtype), 0.75 * ref_gw) < tol
+    assert rel_err(hidden.grad, 0.75 * ref_gx) < tol
+
+
+def test_fusion_without_the_ddp_flag_returns_no_weight_grad():
+    # a main_grad without Megatron's flag: the gradient is in main_grad and .grad stays None
+    sp = spec(backward="recompute")
+
+    def setup(weight):
+        weight.main_grad = torch.zeros(weight.shape, dtype=torch.float64)
+
+    inp, _, _, weight = _run(sp, setup, scale=1.0)
+    assert weight.grad is None
+    assert rel_err(weight.main_grad, reference(sp, inp)[2]) < 1e-9
+
+
+def test_fusion_without_main_grad_is_refused():
+    inp = make_inputs(spec())
+    weight = inp["student_weight"].clone().requires_grad_(True)
+    with pytest.raises(ValueError, match="gradient_accumulation_fusion=True but student_weight "
+                                         "has no main_grad"):
+        vocab_parallel_kd_loss(inp["student_hidden"], weight, inp["teacher_hidden"],
+                               inp["teacher_weight"],
+                               config=KDLossConfig(gradient_accumulation_fusion=True))

@@ -1,0 +1,803 @@
+#!/usr/bin/env python
+"""One hardware check of megatron_kd: the fused loss, its benchmark, a training step and a cache
+build on the chosen device, written up as a JSON and a Markdown report.
+
+Steps (each in processes of its own, so one that fails or crashes does not stop the others):
+
+* ``make_teacher``: the tiny teacher's checkpoint (``tests/support/train_cases.TEACHER_ARCH``),
+  single rank; needed by ``train_step_bf16_te`` and ``cache_build``.
+* ``parity``: ``megatron_kd.loss.vocab_parallel_kd_loss`` on the device against the fp64
+  reference ``tests/support/kd_reference.py`` (loss and both gradients; forward KL, reverse KL,
+  JSD, sparse top-K teachers, fp32 and bf16 inputs, gradient-accumulation fusion).
+* ``bench_loss``: ``tools/bench_loss.py`` one variant at a time inside a time budget; its table.
+* ``train_step_bf16_te``: GPU only. ``megatron-kd train`` for 3 iterations with ``--bf16``
+  (Transformer Engine layers when it imports); losses and peak memory from ``--log-json``.
+* ``cache_build``: ``megatron-kd cache build`` with the tiny teacher, then ``cache verify``.
+
+    bash tools/gpu_check.sh                  # the device found (CUDA if there is one)
+    bash tools/gpu_check.sh --device cpu --out /tmp/gpu_check_cpu
+    python tools/gpu_check.py --device cpu --steps parity
+
+Exit status: 0 when no step failed, 1 when one did, 2 when ``--device cuda`` was asked for and
+no GPU is usable (every step is then reported as skipped).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import math
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+import traceback
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TESTS = os.path.join(ROOT, "tests")
+SCRIPT = os.path.abspath(__file__)
+
+STEPS = ("make_teacher", "parity", "bench_loss", "train_step_bf16_te", "cache_build")
+# the benchmark last: it takes what is left of the time budget
+RUN_ORDER = ("make_teacher", "parity", "train_step_bf16_te", "cache_build", "bench_loss")
+GPU_ONLY = ("train_step_bf16_te",)
+NEEDS_TEACHER = ("train_step_bf16_te", "cache_build")
+NO_GPU = "skipped: no GPU"
+
+TOLERANCE = {"fp32": 1e-5, "bf16": 2e-2}
+PARITY_SIZES = {
+    "tiny": dict(s=8, b=2, h_s=16, h_t=24, padded_vocab=1009, k=7, window_size=4),
+    "moderate": dict(s=256, b=2, h_s=512, h_t=768, padded_vocab=32000, k=32, window_size=128),
+}
+BENCH_GPU_VARIANTS = ("floor", "fused_fkl", "fused_rkl", "fused_jsd", "fusedrc_fkl", "dense_fkl",
+                      "liger_fkl", "liger_jsd", "ligertriton_jsd", "modelopt_fkl")
+BENCH_SHAPES = {
+    "cuda": (("multiverse_128k", ["--tokens", "8192", "--vocab", "128256", "--h-s", "3072",
+                                  "--h-t", "4096", "--tp", "1", "--repeats", "3"],
+              BENCH_GPU_VARIANTS),
+             ("qwen3_152k", ["--tokens", "8192", "--vocab", "151936", "--h-s", "3072",
+                             "--h-t", "4096", "--tp", "1"], BENCH_GPU_VARIANTS)),
+    "cpu": (("cpu_tiny", ["--tokens", "256", "--vocab", "8192", "--h-s", "64", "--h-t", "128",
+                          "--tp", "1", "--repeats", "1"], ("floor", "fused_fkl", "liger_fkl")),),
+}
+# Megatron-Core's bf16 mixed precision and its distributed optimizer (both CUDA only)
+TRAIN_PRECISION = ("--bf16", "--use-distributed-optimizer")
+# an own variant in error or over its timeout (the floor or a fused one out of memory) fails
+# the step; a peer (Liger, ModelOpt) that fails or is not installed is only reported
+OWN_VARIANTS = ("floor", "fused", "dense")
+# seconds: per-step timeouts, the benchmark's budget, the whole run's budget
+LIMITS = {"cuda": dict(make_teacher=120, parity=180, train_step_bf16_te=240, cache_build=180,
+                       bench=300, point=120, total=440),
+          "cpu": dict(make_teacher=150, parity=150, train_step_bf16_te=240, cache_build=180,
+                      bench=150, point=120, total=600)}
+
+
+# ---------------------------------------------------------------------------------------------
+# processes
+# ---------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class Ctx:
+    """What every step needs: the options, the device, where to write, the deadline."""
+    args: argparse.Namespace
+    device: str
+    out: str
+    env: dict
+    deadline: float
+    limits: dict
+    teacher_ok: bool = False
+    teacher: dict = dataclasses.field(default_factory=dict)  # make_teacher's figures
+
+    def remaining(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def path(self, *parts: str) -> str:
+        p = os.path.join(self.out, *parts)
+        os.makedirs(os.path.dirname(p), exist_ok=True)
+        return p
+
+
+def _env(device: str) -> dict:
+    env = dict(os.environ)
+    # this checkout's megatron_kd first (workers add tests/ to their own sys.path)
+    env["PYTHONPATH"] = os.pathsep.join(
+        [ROOT] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    env["PYTHONUNBUFFERED"] = "1"
+    env.setdefault("PYTHONWARNINGS", "ignore::UserWarning")
+    if device == "cpu":
+        env["CUDA_VISIBLE_DEVICES"] = ""  # a CPU check on a GPU machine stays on the CPU
+    return env
+
+
+def run_cmd(cmd: list[str], ctx: Ctx, log: str, timeout: float) -> dict:
+    """Run ``cmd`` in a session of its own (its output appended to ``log``); on timeout, and
+    after it ends (a stray grandchild would hold the GPU), every process left in that session
+    is killed. Returns rc (124 on timeout), seconds, output tail."""
+    t0 = time.monotonic()
+    with open(log, "a", encoding="utf-8") as f:
+        f.write(f"$ {shlex.join(cmd)}\n")
+        f.flush()
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=ctx.env, stdout=f, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=max(1.0, timeout))
+            timed_out = False
+        except subprocess.TimeoutExpired:
+            _kill_session(proc.pid)
+            proc.wait()
+            rc, timed_out = 124, True
+            f.write(f"\n[killed after {timeout:.0f} s]\n")
+        except BaseException:  # Ctrl-C or SIGTERM of this script: its session does not see it
+            _kill_session(proc.pid)
+            raise
+        _kill_session(proc.pid)  # what it left behind (e.g. after an inner timeout)
+    return {"rc": rc, "timed_out": timed_out, "seconds": round(time.monotonic() - t0, 2),
+            "tail": _tail(log, 30)}
+
+
+def _kill_session(pid: int) -> None:
+    """SIGKILL the process group ``pid`` leads (the session ``run_cmd`` started), if any is
+    left; a group id is not reused while a process of the group lives."""
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _tail(path: str, lines: int) -> str:
+    with open(path, encoding="utf-8", errors="replace") as f:
+        return "".join(f.readlines()[-lines:])
+
+
+def _worker_cmd(ctx: Ctx, name: str, out_json: str, *extra: str) -> list[str]:
+    return [sys.executable, SCRIPT, "--worker", name, "--worker-out", out_json,
+            "--device", ctx.device, *extra]
+
+
+def _run_worker(ctx: Ctx, step: dict, name: str, timeout: float, *extra: str) -> dict | None:
+    """A worker of this script: its JSON figures, or None (the step is then failed)."""
+    out_json = ctx.path("work", f"{name}.json")
+    if os.path.exists(out_json):
+        os.remove(out_json)
+    cmd = _worker_cmd(ctx, name, out_json, *extra)
+    step["commands"].append(shlex.join(cmd))
+    r = run_cmd(cmd, ctx, step["log"], timeout)
+    partial = None
+    if os.path.exists(out_json):
+        with open(out_json, encoding="utf-8") as f:
+            partial = json.load(f)
+    if r["rc"] != 0:
+        _fail(step, f"{name} worker exited {r['rc']}" + (" (timeout)" if r["timed_out"] else ""),
+              r["tail"])
+        if partial is not None:
+            step["figures"] = partial  # what it had measured before it stopped
+        return None
+    if partial is None:
+        _fail(step, f"{name} worker wrote no figures", r["tail"])
+    return partial
+
+
+def _fail(step: dict, reason: str, tail: str = "") -> None:
+    step["status"] = "failed"
+    step.setdefault("errors", []).append(reason)
+    if tail:
+        step["output_tail"] = tail
+
+
+# ---------------------------------------------------------------------------------------------
+# workers (run in their own process: ``--worker NAME``)
+# ---------------------------------------------------------------------------------------------
+def _parity_cases(size: str) -> list[tuple[str, dict]]:
+    """(name, spec overrides) of every parity case: with labels, ce_weight 0.3, a loss mask."""
+    base = dict(PARITY_SIZES[size], labels=True, ce_weight=0.3, mask=True)
+    cases = []
+    for dt in ("fp32", "bf16"):
+        for kind in ("forward_kl", "reverse_kl", "jsd"):
+            for t in (1.0, 2.0):
+                cases.append((f"{kind} T={t:g} {dt}",
+                              dict(base, kind=kind, temperature=t, dtype=dt)))
+        for tail, t in (("renormalize", 1.0), ("renormalize", 2.0), ("ghost", 1.0)):
+            cases.append((f"top-K {tail} T={t:g} {dt}",
+                          dict(base, teacher=tail, topk_tail=tail, temperature=t, dtype=dt)))
+    for backward, dt in (("precompute", "fp32"), ("recompute", "fp32"), ("precompute", "bf16")):
+        cases.append((f"forward_kl main_grad {backward} {dt}",
+                      dict(base, dtype=dt, backward=backward, gaf=True)))
+    return cases
+
+
+def _parity_one(name: str, over: dict, device: str) -> dict:
+    """One case: our loss on ``device`` against the fp64 reference on the same values."""
+    import torch
+    from support.kd_cases import config_of, make_inputs, reference, rel_err, spec
+
+    from megatron_kd.loss import vocab_parallel_kd_loss
+
+    over = dict(over)
+    gaf, dt = over.pop("gaf", False), over.pop("dtype")
+    sp = spec(**over, dtype={"fp32": torch.float32, "bf16": torch.bfloat16}[dt])
+    inp = {k: v.to(device) for k, v in make_inputs(sp).items()}
+    with torch.device(device):  # the reference makes its mask and buffers without a device
+        ref_loss, ref_gx, ref_gw = reference(sp, inp)
+    hidden = inp["student_hidden"].clone().requires_grad_(True)
+    weight = inp["student_weight"].clone().requires_grad_(True)
+    if gaf:
+        weight.main_grad = torch.zeros(weight.shape, dtype=torch.float32, device=device)
+        weight.grad_added_to_main_grad = False
+    cfg = dataclasses.replace(config_of(sp), gradient_accumulation_fusion=gaf)
+    _sync(device)
+    t0 = time.perf_counter()
+    loss, n_tokens = vocab_parallel_kd_loss(
+        hidden, weight, teacher_hidden=inp.get("teacher_hidden"),
+        teacher_weight=inp.get("teacher_weight"), teacher_topk_ids=inp.get("teacher_topk_ids"),
+        teacher_topk_logprobs=inp.get("teacher_topk_logprobs"), labels=inp.get("labels"),
+        loss_mask=inp.get("loss_mask"), config=cfg)
+    (loss * 0.75).backward()  # a non-unit upstream gradient must scale every gradient
+    _sync(device)
+    seconds = time.perf_counter() - t0
+    grad_w = weight.main_grad if gaf else weight.grad
+    errs = {"loss": rel_err(loss.detach(), ref_loss),
+            "grad_x": rel_err(hidden.grad / 0.75, ref_gx),
+            "grad_w": rel_err(grad_w / 0.75, ref_gw)}
+    tol = TOLERANCE[dt]
+    tokens_ok = abs(float(n_tokens) - float(inp["loss_mask"].sum())) < 1e-4
+    ok = all(math.isfinite(e) and e <= tol for e in errs.values()) and tokens_ok
+    row = {"case": name, "dtype": dt, "tolerance": tol, "seconds": round(seconds, 4),
+           "loss": float(loss.detach()), "reference_loss": float(ref_loss),
+           "num_tokens_ok": tokens_ok,
+           **{f"rel_err_{k}": v for k, v in errs.items()}}
+    if gaf:
+        row["grad_added_to_main_grad"] = bool(weight.grad_added_to_main_grad)
+        ok = ok and row["grad_added_to_main_grad"]
+    elif dt == "fp32":  # context: what a textbook dense fp32 loss gets on the same inputs
+        row.update(_naive_fp32_errors(sp, inp, device, ref_loss, ref_gx, ref_gw))
+    row["ok"] = ok
+    return row
+
+
+def _naive_fp32_errors(sp, inp, device, ref_loss, ref_gx, ref_gw) -> dict:
+    """Errors of the reference's own formulas evaluated in fp32 (not part of the verdict)."""
+    import torch
+    from support.kd_cases import IGNORE, rel_err
+    from support.kd_reference import reference_kd_loss
+
+    x = inp["student_hidden"].clone().requires_grad_(True)
+    w = inp["student_weight"].clone().requires_grad_(True)
+    with torch.device(device):
+        loss = reference_kd_loss(
+            x, w, inp.get("teacher_hidden"), inp.get("teacher_weight"),
+            inp.get("teacher_topk_ids"), inp.get("teacher_topk_logprobs"), inp.get("labels"),
+            inp.get("loss_mask"), kind=sp["kind"], temperature=sp["temperature"],
+            beta=sp["beta"], kd_weight=sp["kd_weight"], ce_weight=sp["ce_weight"],
+            topk_tail=sp["topk_tail"], vocab_size=sp["vocab_size"], ignore_index=IGNORE)
+        loss.backward()
+    return {"naive_fp32_rel_err_loss": rel_err(loss.detach(), ref_loss),
+            "naive_fp32_rel_err_grad_x": rel_err(x.grad, ref_gx),
+            "naive_fp32_rel_err_grad_w": rel_err(w.grad, ref_gw)}
+
+
+def _sync(device: str) -> None:
+    import torch
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def worker_parity(a: argparse.Namespace) -> dict:
+    """Every case; the figures so far are written after each one (a timeout keeps them)."""
+    import torch
+    torch.manual_seed(0)
+    size = a.parity_size or ("moderate" if a.device == "cuda" else "tiny")
+    cases = _parity_cases(size)
+    rows: list[dict] = []
+    figures = {"size": size, "sizes": PARITY_SIZES[size], "tolerance": TOLERANCE,
+               "tf32_matmul": bool(torch.backends.cuda.matmul.allow_tf32), "cases": rows}
+    for name, over in cases:
+        try:
+            rows.append(_parity_one(name, over, a.device))
+        except Exception as e:  # one broken case must not hide the others
+            rows.append({"case": name, "ok": False, "error": f"{type(e).__name__}: {e}",
+                         "dtype": over["dtype"]})
+        worst = {}
+        for dt in TOLERANCE:
+            for key in ("loss", "grad_x", "grad_w"):
+                vals = [r[f"rel_err_{key}"] for r in rows if r["dtype"] == dt and "error" not in r]
+                worst[f"{dt}_{key}"] = max(vals) if vals else None
+        figures.update(max_rel_err=worst, complete=len(rows) == len(cases),
+                       all_ok=len(rows) == len(cases) and all(r["ok"] for r in rows))
+        _write_json(a.worker_out, figures)
+    return figures
+
+
+def worker_make_teacher(a: argparse.Namespace) -> dict:
+    import torch.distributed as dist
+    from support.train_cases import TEACHER_ARCH
+
+    from megatron_kd.integration.arch import GPTArchConfig
+    from megatron_kd.integration.checkpoint import save_model_checkpoint
+    from megatron_kd.integration.gpt import build_gpt_model
+    from megatron_kd.integration.groups import init_distributed_from_env, model_parallel
+
+    arch = GPTArchConfig(**TEACHER_ARCH)
+    created = init_distributed_from_env()
+    try:
+        with model_parallel(tp=1):
+            model = build_gpt_model(arch, seed=5)
+            save_model_checkpoint(model, arch, a.teacher_dir)
+    finally:
+        if created:
+            dist.destroy_process_group()
+    te = any(type(m).__module__.startswith(("transformer_engine", "megatron.core.extensions"))
+             for m in model.modules())
+    return {"checkpoint": a.teacher_dir, "arch": TEACHER_ARCH,
+            "parameters": sum(p.numel() for p in model.parameters()),
+            "param_device": str(next(model.parameters()).device),
+            "transformer_engine_layers": te, **_te_info()}
+
+
+def _te_info() -> dict:
+    """Whether Transformer Engine imports here, and which layers ``build_gpt_model``'s own rule
+    (``megatron_kd.integration.gpt._layer_spec``) picks."""
+    from support.train_cases import TEACHER_ARCH
+
+    from megatron_kd.integration import gpt
+    from megatron_kd.integration.arch import GPTArchConfig
+
+    out = {}
+    try:
+        import transformer_engine
+        out["transformer_engine"] = getattr(transformer_engine, "__version__", "importable")
+    except Exception as e:  # ImportError, or a broken build raising anything at import
+        out["transformer_engine"] = None
+        out["transformer_engine_error"] = f"{type(e).__name__}: {e}"[:300]
+    spec = gpt._layer_spec(GPTArchConfig(**TEACHER_ARCH))
+    out["layer_spec"] = "transformer_engine" if "transformer_engine" in repr(spec) else "local"
+    return out
+
+
+WORKERS = {"parity": worker_parity, "make_teacher": worker_make_teacher}
+
+
+def worker_main(a: argparse.Namespace) -> int:
+    _write_json(a.worker_out, WORKERS[a.worker](a))
+    return 0
+
+
+def _write_json(path: str, obj) -> None:
+    with open(path + ".tmp", "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=1)
+    os.replace(path + ".tmp", path)
+
+
+# ---------------------------------------------------------------------------------------------
+# steps (driver side): each fills ``step`` (status, figures, commands)
+# ---------------------------------------------------------------------------------------------
+def step_make_teacher(ctx: Ctx, step: dict) -> None:
+    import shutil
+    teacher = os.path.join(ctx.out, "teacher")
+    shutil.rmtree(teacher, ignore_errors=True)
+    figures = _run_worker(ctx, step, "make_teacher", _timeout(ctx, "make_teacher"),
+                          "--teacher-dir", teacher)
+    if figures is not None:
+        step["figures"] = ctx.teacher = figures
+        ctx.teacher_ok = os.path.isfile(os.path.join(teacher, "model_config.json"))
+        if not ctx.teacher_ok:
+            _fail(step, "no model_config.json in the teacher checkpoint")
+
+
+def step_parity(ctx: Ctx, step: dict) -> None:
+    extra = ["--parity-size", ctx.args.parity_size] if ctx.args.parity_size else []
+    figures = _run_worker(ctx, step, "parity", _timeout(ctx, "parity"), *extra)
+    if figures is None:
+        return
+    step["figures"] = figures
+    bad = [r["case"] for r in figures["cases"] if not r["ok"]]
+    if bad:
+        _fail(step, f"{len(bad)} case(s) out of tolerance or broken: {', '.join(bad)}")
+
+
+def _bench_point(ctx: Ctx, step: dict, shape: str, shape_args: list[str], variant: str,
+                 deadline: float) -> dict:
+    """One variant of one shape through ``tools/bench_loss.py``; its point (never raises)."""
+    tokens = int(shape_args[shape_args.index("--tokens") + 1])
+    point = {"variant": variant, "tokens": tokens, "tp": 1}
+    left = deadline - time.monotonic()
+    if left < 20:
+        return dict(point, status="skipped", reason="time budget")
+    timeout = min(ctx.limits["point"], left)
+    out = ctx.path("bench_loss", shape, f"{variant}.json")
+    cmd = [sys.executable, os.path.join(ROOT, "tools", "bench_loss.py"), *shape_args,
+           "--device", ctx.device, "--variants", variant, "--point-timeout", f"{timeout:.0f}",
+           "--out", out, "--plot", ""]
+    step["commands"].append(shlex.join(cmd))
+    r = run_cmd(cmd, ctx, step["log"], timeout + 15)
+    if r["rc"] == 0 and os.path.exists(out):
+        with open(out, encoding="utf-8") as f:
+            pts = json.load(f)["points"]
+        if pts:
+            return pts[0]
+    if r["timed_out"] or "TimeoutExpired" in r["tail"]:
+        if timeout < ctx.limits["point"]:  # cut short by the budget, not slow by itself
+            return dict(point, status="skipped",
+                        reason=f"time budget ran out ({timeout:.0f} s left for this point)")
+        return dict(point, status="timeout", reason=f"over the point timeout of {timeout:.0f} s")
+    last = r["tail"].strip().splitlines()
+    return dict(point, status="error", reason=last[-1][-300:] if last else f"exit {r['rc']}")
+
+
+def _bench_table(ctx: Ctx, step: dict, shape: str, points: list[dict]) -> str:
+    """bench_loss's own table (and plot) of the merged points, through its ``--from-json``."""
+    merged = ctx.path("bench_loss", f"{shape}.json")
+    with open(merged, "w", encoding="utf-8") as f:
+        json.dump({"points": points}, f, indent=1)
+    cmd = [sys.executable, os.path.join(ROOT, "tools", "bench_loss.py"), "--from-json", merged,
+           "--plot", ctx.path("bench_loss", f"{shape}.png")]
+    step["commands"].append(shlex.join(cmd))
+    log = ctx.path("logs", f"bench_loss_{shape}_table.log")
+    if os.path.exists(log):
+        os.remove(log)
+    r = run_cmd(cmd, ctx, log, 120)
+    with open(log, encoding="utf-8") as f:
+        table = "\n".join(line for line in f.read().splitlines() if line.startswith("|"))
+    if r["rc"] != 0 or not table:
+        _fail(step, f"bench_loss --from-json exited {r['rc']}", r["tail"])
+    with open(merged, "w", encoding="utf-8") as f:
+        json.dump({"points": points, "table_markdown": table}, f, indent=1)
+    return table
+
+
+def step_bench_loss(ctx: Ctx, step: dict) -> None:
+    budget = min(ctx.limits["bench"], ctx.remaining() - 10)
+    deadline = time.monotonic() + budget
+    shapes = {}
+    for shape, shape_args, variants in BENCH_SHAPES[ctx.device]:
+        points = [_bench_point(ctx, step, shape, shape_args, v, deadline) for v in variants]
+        shapes[shape] = {"args": " ".join(shape_args), "points": points,
+                         "table_markdown": _bench_table(ctx, step, shape, points)}
+        for p in points:
+            own = p["variant"].startswith(OWN_VARIANTS)
+            if own and (p["status"] in ("error", "timeout") or (
+                    p["status"] == "OOM" and not p["variant"].startswith("dense"))):
+                _fail(step, f"{shape} {p['variant']}: {p['status']} {p.get('reason', '')}")
+    peers = [f"{s} {p['variant']}: {p['status']}" for s, d in shapes.items()
+             for p in d["points"] if p["status"] in ("error", "timeout", "n/a")
+             and not p["variant"].startswith(OWN_VARIANTS)]
+    step["figures"] = {"figures_of": "CUDA" if ctx.device == "cuda" else "CPU (not GPU)",
+                       "budget_s": round(budget, 1), "shapes": shapes, "peers_not_measured": peers}
+
+
+def step_train(ctx: Ctx, step: dict) -> None:
+    from support.train_cases import student_argv
+
+    # the layers build_gpt_model picked for the teacher, on this device in this environment:
+    # the same code builds the student and the teacher of this run
+    probe = {k: ctx.teacher.get(k) for k in ("transformer_engine", "transformer_engine_error",
+                                             "layer_spec", "transformer_engine_layers")}
+    log_json = ctx.path("train_step", "log.jsonl")
+    if os.path.exists(log_json):
+        os.remove(log_json)
+    cmd = [sys.executable, "-m", "megatron_kd", "train", *student_argv(), "--train-iters", "3",
+           "--eval-iters", "0", *TRAIN_PRECISION, "--kd-teacher-load",
+           os.path.join(ctx.out, "teacher"), "--log-json", log_json]
+    step["commands"].append(shlex.join(cmd))
+    r = run_cmd(cmd, ctx, step["log"], _timeout(ctx, "train_step_bf16_te"))
+    records = []
+    if os.path.exists(log_json):
+        with open(log_json, encoding="utf-8") as f:
+            records = [json.loads(line) for line in f if line.strip()]
+    steps = [x for x in records if "step" in x and not x.get("eval")]
+    step["figures"] = {
+        "transformer_engine_used": bool(probe["transformer_engine_layers"]), **probe,
+        "loss_lines": [{k: x.get(k) for k in ("step", "loss", "kd_loss", "lm_loss", "grad_norm",
+                                              "tokens_per_s", "peak_mem_bytes")} for x in steps],
+        "peak_mem_bytes": max((x.get("peak_mem_bytes") or 0 for x in steps), default=None),
+        "peak_mem_kind": steps[-1].get("peak_mem_kind") if steps else None,
+        "train_seconds": r["seconds"]}
+    if r["rc"] != 0:
+        _fail(step, f"megatron-kd train exited {r['rc']}", r["tail"])
+    elif len(steps) != 3 or not all(math.isfinite(x.get("loss") or math.nan) for x in steps):
+        _fail(step, f"expected 3 finite step losses in {log_json}, got {len(steps)} steps",
+              r["tail"])
+
+
+def step_cache_build(ctx: Ctx, step: dict) -> None:
+    import shutil
+    cache = os.path.join(ctx.out, "cache")
+    shutil.rmtree(cache, ignore_errors=True)
+    mk = [sys.executable, "-m", "megatron_kd", "cache"]
+    build = mk + ["build", "--out", cache, "--kd-teacher-load", os.path.join(ctx.out, "teacher"),
+                  "--kd-topk", "20", "--logprob-encoding", "fp32", "--samples-per-shard", "2",
+                  "--window-size", "7", "--seq-length", "32", "--micro-batch-size", "2",
+                  "--train-iters", "3", "--global-batch-size", "2", "--mock-data", "--seed", "5"]
+    figures = {"device": ctx.device}
+    step["figures"] = figures
+    for name, cmd in (("build", build), ("verify", mk + ["verify", cache]),
+                      ("info", mk + ["info", cache, "--json"])):
+        step["commands"].append(shlex.join(cmd))
+        log = ctx.path("logs", f"cache_build_{name}.log")
+        if os.path.exists(log):
+            os.remove(log)
+        r = run_cmd(cmd, ctx, log, _timeout(ctx, "cache_build"))
+        with open(log, encoding="utf-8") as f:
+            text = f.read()
+        with open(step["log"], "a", encoding="utf-8") as f:
+            f.write(text)
+        figures[f"{name}_seconds"] = r["seconds"]
+        if r["rc"] != 0:
+            _fail(step, f"cache {name} exited {r['rc']}", r["tail"])
+            return
+        _cache_figures(figures, name, text)
+    if not figures.get("verify_ok"):
+        _fail(step, "cache verify did not report OK")
+
+
+def _cache_figures(figures: dict, name: str, text: str) -> None:
+    if name == "build":
+        for line in text.splitlines():
+            if line.startswith("{") and "shards_written" in line:
+                figures["build"] = json.loads(line)
+    elif name == "verify":
+        figures["verify_ok"] = any(line.rstrip().endswith(": OK") for line in text.splitlines())
+    else:
+        start = text.find("\n{") + 1  # past the "$ command" line; warnings may follow it
+        info, _ = json.JSONDecoder().raw_decode(text, start)
+        figures["info"] = {k: info.get(k) for k in ("shards_built", "shards_total", "topk",
+                                                    "num_samples", "vocab_size", "bytes_per_token",
+                                                    "complete")}
+
+
+STEP_FUNCS = {"make_teacher": step_make_teacher, "parity": step_parity,
+              "bench_loss": step_bench_loss, "train_step_bf16_te": step_train,
+              "cache_build": step_cache_build}
+
+
+def _timeout(ctx: Ctx, name: str) -> float:
+    return max(5.0, min(ctx.limits[name], ctx.remaining()))
+
+
+def run_step(ctx: Ctx, name: str) -> dict:
+    step = {"step": name, "status": "ok", "seconds": 0.0, "figures": {}, "commands": [],
+            "log": ctx.path("logs", f"{name}.log")}
+    if os.path.exists(step["log"]):
+        os.remove(step["log"])
+    if name in GPU_ONLY and ctx.device != "cuda":
+        step["status"] = NO_GPU
+    elif name in NEEDS_TEACHER and not ctx.teacher_ok:
+        step["status"] = "skipped: no teacher checkpoint (make_teacher failed)"
+    elif ctx.remaining() < 15:
+        step["status"] = "skipped: time budget of the run spent"
+    if step["status"] != "ok":
+        step["log"] = ""
+    else:
+        t0 = time.monotonic()
+        try:
+            STEP_FUNCS[name](ctx, step)
+        except Exception:  # a bug in one step must not stop the others
+            _fail(step, "the check itself raised", traceback.format_exc()[-3000:])
+        step["seconds"] = round(time.monotonic() - t0, 2)
+        step["log"] = os.path.relpath(step["log"], ctx.out)
+    print(f"[gpu_check] {name}: {step['status']} ({step['seconds']:.1f} s)", flush=True)
+    return step
+
+
+# ---------------------------------------------------------------------------------------------
+# report
+# ---------------------------------------------------------------------------------------------
+def _version(*dists: str) -> str:
+    import importlib.metadata as md
+    for d in dists:
+        try:
+            return md.version(d)
+        except md.PackageNotFoundError:
+            continue
+    return "not installed"
+
+
+def _git(*args: str) -> str:
+    try:
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True,
+                              timeout=30).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def header(device: str, argv: list[str], cuda_available: bool) -> dict:
+    import platform
+
+    import torch
+    name = "cpu"
+    if device == "cuda" and cuda_available:
+        name = torch.cuda.get_device_name(0)
+    dirty = bool(_git("status", "--porcelain", "--untracked-files=no"))
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "git_commit": (_git("rev-parse", "HEAD") or "unknown") + (" (dirty)" if dirty else ""),
+        "torch": torch.__version__,
+        "megatron_core": _version("megatron-core", "megatron_core"),
+        "transformer_engine": _version("transformer-engine", "transformer_engine",
+                                       "transformer-engine-torch"),
+        "liger_kernel": _version("liger-kernel", "liger_kernel"),
+        "device": name, "device_requested": device, "cuda_available": cuda_available,
+        "python": platform.python_version(), "host": platform.node(),
+        "command": shlex.join(["tools/gpu_check.py", *argv]),
+    }
+
+
+def _short(step: dict) -> str:
+    """A one-line digest of a step's figures for the summary table."""
+    f, name = step.get("figures") or {}, step["step"]
+    if name == "parity" and f.get("max_rel_err"):
+        parts = [f"{len([r for r in f['cases'] if r['ok']])}/{len(f['cases'])} cases ok"]
+        for dt, tol in TOLERANCE.items():
+            errs = [v for k, v in f["max_rel_err"].items() if k.startswith(dt) and v is not None]
+            if errs:
+                parts.append(f"{dt} max rel err {max(errs):.2e} (tol {tol:g})")
+        return "; ".join(parts)
+    if name == "bench_loss" and f.get("shapes"):
+        parts = []
+        for shape, d in f["shapes"].items():
+            ok = [p for p in d["points"] if p["status"] == "ok"]
+            parts.append(f"{shape}: {len(ok)}/{len(d['points'])} points measured")
+        return f"{f['figures_of']} figures; " + ", ".join(parts)
+    if name == "train_step_bf16_te" and f.get("loss_lines"):
+        losses = ", ".join(f"{x['loss']:.4f}" for x in f["loss_lines"])
+        return (f"TE {'used' if f['transformer_engine_used'] else 'not used'}; losses {losses}; "
+                f"peak {(f['peak_mem_bytes'] or 0) / 2**20:.0f} MiB")
+    if name == "cache_build" and f.get("info"):
+        return (f"on {f['device']}: {f['info']['shards_built']}/{f['info']['shards_total']} "
+                f"shards, K={f['info']['topk']}, verify {'OK' if f.get('verify_ok') else 'FAILED'}")
+    if name == "make_teacher" and f:
+        return f"{f['parameters']} parameters on {f['param_device']}"
+    return ""
+
+
+def _md_step(step: dict) -> list[str]:
+    f = step.get("figures") or {}
+    lines = [f"## {step['step']}", "", f"- status: **{step['status']}**",
+             f"- wall seconds: {step['seconds']}", f"- log: `{step['log']}`"]
+    for e in step.get("errors", []):
+        lines.append(f"- error: {e}")
+    if step["commands"]:
+        lines += ["", "Commands:", "", "```bash", *step["commands"], "```"]
+    if step["step"] == "parity" and f.get("cases"):
+        lines += ["", f"Sizes: `{json.dumps(f['sizes'])}`; tolerance fp32 {TOLERANCE['fp32']:g},"
+                  f" bf16 {TOLERANCE['bf16']:g} (max relative error, normwise).", "",
+                  "The last column, for context only: the reference's own formulas evaluated "
+                  "in fp32 on the same inputs (loss / grad hidden / grad weight).", "",
+                  "| case | ok | rel err loss | rel err grad hidden | rel err grad weight | s "
+                  "| textbook fp32 |", "|---|---|---|---|---|---|---|"]
+        for r in f["cases"]:
+            if "error" in r:
+                lines.append(f"| {r['case']} | **NO** | {r['error'][:120]} | | | | |")
+                continue
+            naive = " / ".join(f"{r[f'naive_fp32_rel_err_{k}']:.1e}" for k in
+                               ("loss", "grad_x", "grad_w") if f"naive_fp32_rel_err_{k}" in r)
+            lines.append(f"| {r['case']} | {'yes' if r['ok'] else '**NO**'} | "
+                         f"{r['rel_err_loss']:.2e} | {r['rel_err_grad_x']:.2e} | "
+                         f"{r['rel_err_grad_w']:.2e} | {r['seconds']:.3f} | {naive} |")
+    elif step["step"] == "bench_loss" and f.get("shapes"):
+        lines += ["", f"Figures of: {f['figures_of']}; time budget {f['budget_s']} s; one "
+                  "bench_loss run per variant, the table by its --from-json."]
+        for shape, d in f["shapes"].items():
+            lines += ["", f"### {shape}: `{d['args']}`", "", d["table_markdown"] or "(no table)"]
+            why = [f"{p['variant']}: {p['status']} ({p['reason']})" for p in d["points"]
+                   if p.get("reason")]
+            if why:
+                lines += ["", *(f"- {w}" for w in why)]
+    elif f:
+        lines += ["", "Figures:", "", "```json", json.dumps(f, indent=1), "```"]
+    if step.get("output_tail"):
+        lines += ["", "Output (tail):", "", "```", step["output_tail"].rstrip(), "```"]
+    return lines + [""]
+
+
+def _guarded(render, step: dict, fallback):
+    """``render(step)``, or ``fallback`` when odd figures (a None, a missing key) break it: the
+    JSON report keeps them all."""
+    try:
+        return render(step)
+    except (KeyError, TypeError, ValueError):
+        return fallback
+
+
+def write_reports(out: str, head: dict, steps: list[dict]) -> tuple[str, str]:
+    report = {"header": head, "steps": steps,
+              "failed": [s["step"] for s in steps if s["status"] == "failed"]}
+    json_path, md_path = os.path.join(out, "report.json"), os.path.join(out, "report.md")
+    with open(json_path, "w", encoding="utf-8") as f:
+        json.dump(report, f, indent=1)
+    lines = ["# megatron_kd hardware check", "", "| | |", "|---|---|"]
+    lines += [f"| {k} | {v} |" for k, v in head.items()]
+    lines += ["", "## Summary", "", "| step | status | wall s | figures |", "|---|---|---|---|"]
+    for s in steps:
+        lines.append(f"| {s['step']} | {s['status']} | {s['seconds']:.1f} | "
+                     f"{_guarded(_short, s, '')} |")
+    lines.append("")
+    for s in steps:
+        lines += _guarded(_md_step, s, [f"## {s['step']}", "", f"- status: **{s['status']}**",
+                                        "- (figures could not be rendered: see report.json)",
+                                        ""])
+    with open(md_path, "w", encoding="utf-8") as f:
+        f.write("\n".join(lines))
+    return json_path, md_path
+
+
+# ---------------------------------------------------------------------------------------------
+# main
+# ---------------------------------------------------------------------------------------------
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
+                   help="auto: CUDA when a GPU is usable, else the CPU")
+    p.add_argument("--out", default="gpu_check_out", help="report directory")
+    p.add_argument("--steps", nargs="+", choices=STEPS, default=list(STEPS),
+                   help="steps to run (make_teacher is added when a later step needs it)")
+    p.add_argument("--parity-size", choices=tuple(PARITY_SIZES), default=None,
+                   help="parity sizes (default: moderate on CUDA, tiny on the CPU)")
+    p.add_argument("--budget", type=float, default=None,
+                   help="seconds for the whole run (default: 440 on CUDA, 600 on the CPU)")
+    p.add_argument("--bench-budget", type=float, default=None,
+                   help="seconds for bench_loss (default: 300 on CUDA, 150 on the CPU)")
+    p.add_argument("--point-timeout", type=float, default=None,
+                   help="seconds for one bench_loss point (default: 120)")
+    # internal: one worker process
+    p.add_argument("--worker", choices=tuple(WORKERS), help=argparse.SUPPRESS)
+    p.add_argument("--worker-out", help=argparse.SUPPRESS)
+    p.add_argument("--teacher-dir", help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def _limits(a: argparse.Namespace, device: str) -> dict:
+    limits = dict(LIMITS[device])
+    for key, value in (("total", a.budget), ("bench", a.bench_budget), ("point", a.point_timeout)):
+        if value is not None:
+            limits[key] = value
+    return limits
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    a = parse_args(argv)
+    if TESTS not in sys.path:
+        sys.path.insert(0, TESTS)  # tests/support: the reference, the tiny models' flags
+    if a.worker:
+        return worker_main(a)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # its processes are killed too
+    import torch
+    cuda = torch.cuda.is_available() and a.device != "cpu"
+    device = a.device if a.device != "auto" else ("cuda" if cuda else "cpu")
+    out = os.path.abspath(a.out)
+    os.makedirs(out, exist_ok=True)
+    head = header(device, argv, cuda)
+    print(f"[gpu_check] device {head['device']} ({device}), report in {out}", flush=True)
+    selected = set(a.steps) | ({"make_teacher"} if set(a.steps) & set(NEEDS_TEACHER) else set())
+    limits = _limits(a, device)
+    ctx = Ctx(args=a, device=device, out=out, env=_env(device),
+              deadline=time.monotonic() + limits["total"], limits=limits)
+    run_order = [n for n in RUN_ORDER if n in selected]
+    head.update(run_order=" -> ".join(run_order), time_budget_s=limits["total"])
+    t0 = time.monotonic()
+    steps = {}
+    for name in run_order:
+        if device == "cuda" and not cuda:
+            steps[name] = {"step": name, "status": NO_GPU + " (--device cuda but CUDA is not "
+                           "available)", "seconds": 0.0, "figures": {}, "commands": [], "log": ""}
+            continue
+        steps[name] = run_step(ctx, name)
+    head["total_seconds"] = round(time.monotonic() - t0, 1)
+    ordered = [steps[n] for n in STEPS if n in steps]
+    json_path, md_path = write_reports(out, head, ordered)
+    print(f"[gpu_check] wrote {json_path} and {md_path}", flush=True)
+    if device == "cuda" and not cuda:
+        print("[gpu_check] --device cuda was asked for but CUDA is not available: nothing ran",
+              file=sys.stderr)
+        return 2
+    failed = [s["step"] for s in ordered if s["status"] == "failed"]
+    if failed:
+        print(f"[gpu_check] FAILED: {', '.join(failed)}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
