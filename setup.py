@@ -31,8 +31,10 @@ setup(
         # Transformer Engine layer specs: GPU only, never imported unguarded.
         "te": ["transformer-engine[pytorch]"],
         # Peers for benchmarks: ModelOpt's LogitsKLLoss (Megatron-LM's KD loss) and the
-        # dependencies ModelOpt imports without declaring them.
-        "peers": ["nvidia-modelopt", "requests", "huggingface_hub"],
+        # dependencies ModelOpt imports without declaring them; Liger-Kernel's fused-linear
+        # distillation losses (on a CPU-only machine install it with --no-deps: its chunked
+        # losses need no Triton).
+        "peers": ["nvidia-modelopt", "requests", "huggingface_hub", "liger-kernel"],
         # The CPU demo: loading a GGUF teacher through transformers.
         "demo": ["transformers>=4.56", "gguf", "accelerate", "tokenizers", "safetensors",
                  "matplotlib"],
