@@ -375,11 +375,12 @@ def _plot(points: list[dict], path: str) -> bool:
             if not pts:
                 continue
             xs = [p["tokens"] for p in pts]
-            style = "-" if tp == 1 else "--"
+            style = ":" if v.startswith("liger") else "-" if tp == 1 else "--"
+            marker = "s" if v.startswith("liger") else "o"  # peers apart from ours at a glance
             if pts[0]["extra_peak_bytes"] is not None:
                 ax_m.plot(xs, [p["extra_peak_bytes"] / (1 << 30) for p in pts], style,
-                          marker="o", color=colors[v], label=f"{v} TP{tp}")
-            ax_t.plot(xs, [p["time_s"] for p in pts], style, marker="o", color=colors[v],
+                          marker=marker, color=colors[v], label=f"{v} TP{tp}")
+            ax_t.plot(xs, [p["time_s"] for p in pts], style, marker=marker, color=colors[v],
                       label=f"{v} TP{tp}")
     ax_m.set(xlabel="tokens T", ylabel="extra peak memory (GB)", xscale="log", yscale="log",
              title="memory above the inputs")
