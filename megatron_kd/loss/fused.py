@@ -229,7 +229,7 @@ def _recompute_backward(ctx, grad_loss: torch.Tensor
     scale = grad_loss.to(cdt)
     grad_x = (walker.x_s.new_zeros(loss_mask.numel(), h_s, dtype=cdt)
               if ctx.needs_input_grad[0] else None)
-    fused = ctx.fuse_wgrad and ctx.needs_input_grad[1]
+    fused = ctx.fuse_wgrad  # already False when the weight needs no gradient
     if fused:
         grad_w = student_weight.main_grad
     else:

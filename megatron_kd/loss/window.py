@@ -9,14 +9,14 @@ passes then read the cache instead of memory. The per-row all-reduces run per bl
 TP > 1 (and on other devices) a block is the whole window: on gloo the extra synchronisations
 cost more than the cache saves.
 
-Nothing window- or block-sized is allocated per window: the logits go into two window buffers
-(:meth:`WindowWalker.logits`) and the kinds' temporaries into named block buffers
-(:class:`Scratch`), both reused for the whole call. A fresh allocation of that size costs a
+Nothing window- or block-sized is allocated per window: the logits (:meth:`WindowWalker.logits`)
+and the kinds' temporaries go into named buffers (:class:`Scratch`) reused for the whole call. A fresh allocation of that size costs a
 page fault per 4 KiB on CPU (measured in the README's loss benchmark section).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -101,25 +101,29 @@ class Ids:
 
 
 class Scratch:
-    """Named ``[rows, V_local]`` temporaries of a block, reused block to block.
+    """Named temporaries of a walk, reused window to window and block to block: the window
+    logits (:meth:`WindowWalker.logits`) and the kinds' ``[rows, V_local]`` block temporaries.
 
     A kind's elementwise steps write their temporaries here (``out=``) instead of allocating:
     on CPU a fresh block-sized tensor per step costs page faults (a JSD call at T = 2048,
     V = 151,936 spent 4 s of system time in them). Buffers under one name must not be alive
-    twice in one block; every block's buffers are dead once its gradient is stored.
+    twice at once; every block's temporaries are dead once its gradient is stored.
     """
 
     def __init__(self) -> None:
         self._bufs: dict[str, torch.Tensor] = {}
 
-    def take(self, name: str, like: torch.Tensor) -> torch.Tensor:
-        """A buffer of ``like``'s shape, dtype and device (contents undefined)."""
-        n = like.numel()
+    def take(self, name: str, like: torch.Tensor,
+             shape: tuple[int, ...] | None = None) -> torch.Tensor:
+        """A buffer of ``shape`` (default ``like``'s) with ``like``'s dtype and device
+        (contents undefined); it grows when a larger one is asked for."""
+        shape = tuple(like.shape) if shape is None else shape
+        n = math.prod(shape)
         buf = self._bufs.get(name)
         if buf is None or buf.numel() < n or buf.dtype != like.dtype:
             buf = like.new_empty(n)
             self._bufs[name] = buf
-        return buf[:n].view(like.shape)
+        return buf[:n].view(shape)
 
 
 @dataclass
@@ -230,7 +234,6 @@ class WindowWalker:
         self.mask = loss_mask.reshape(n_rows).to(cdt)
         self.active = active  # zero-weight tokens are skipped (see active_rows)
         self.all_active = self.active.numel() == n_rows
-        self._out: dict[str, torch.Tensor] = {}  # window logit buffers, reused window to window
         self.scratch = Scratch()
         self.labels = None if labels is None else labels.reshape(n_rows)
         self.ids = None if topk_ids is None else topk_ids.reshape(n_rows, -1)
@@ -245,17 +248,13 @@ class WindowWalker:
     def logits(self, x: torch.Tensor, w_valid: torch.Tensor, name: str) -> torch.Tensor:
         """``x @ w_valid.T`` in the input dtype, returned in the compute dtype.
 
-        In the compute dtype the product goes into the walker's buffer ``name``, reused by
+        In the compute dtype the product goes into the scratch buffer ``name``, reused by
         every window: a fresh window-sized allocation per window costs a page fault per 4 KiB
         on CPU (about 1 s of a 12 s forward KL at V = 151,936 on 2 cores, README).
         """
         if x.dtype != self.cdt or w_valid.dtype != self.cdt:
             return (x @ w_valid.t()).to(self.cdt)
-        buf = self._out.get(name)
-        if buf is None:
-            buf = x.new_empty((min(self.rows_per_window, self.active.numel()), w_valid.shape[0]))
-            self._out[name] = buf
-        out = buf[: x.shape[0]]
+        out = self.scratch.take(name, x, (x.shape[0], w_valid.shape[0]))
         return torch.mm(x, w_valid.t(), out=out)
 
     def windows(self) -> Iterator[WindowItem]:
