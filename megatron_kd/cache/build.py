@@ -23,8 +23,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_kd.cache.format import CacheSpec
-from megatron_kd.cache.writer import CacheWriter
 from megatron_kd.cache.topk import vocab_parallel_topk_logprobs
+from megatron_kd.cache.writer import CacheWriter
 
 
 @dataclass(kw_only=True)

@@ -74,6 +74,26 @@ class GPTArchConfig:
     kv_channels: int | None = None
     """Per-head width; None means ``hidden_size // num_attention_heads``."""
 
+    qk_layernorm: bool = False
+    """A normalisation of each query and key head before RoPE (Qwen3; Megatron-LM
+    ``--qk-layernorm``)."""
+
+    num_experts: int | None = None
+    """Experts of every layer's mixture-of-experts MLP; None is a dense MLP
+    (``--num-experts``)."""
+
+    moe_ffn_hidden_size: int | None = None
+    """Hidden width of one expert (per SwiGLU branch); None means ``ffn_hidden_size``
+    (``--moe-ffn-hidden-size``)."""
+
+    moe_router_topk: int = 2
+    """Experts each token is routed to (``--moe-router-topk``)."""
+
+    moe_router_pre_softmax: bool = False
+    """Softmax over all experts, then the top k (their probabilities not renormalised); False
+    is top k of the router logits, then a softmax over those k, which equals renormalising
+    the top-k probabilities (``--moe-router-pre-softmax``)."""
+
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
                      "vocab_size", "padded_vocab_size", "max_position_embeddings"):
@@ -101,6 +121,7 @@ class GPTArchConfig:
                                              or self.kv_channels < 1):
             raise ValueError(f"GPTArchConfig.kv_channels must be a positive int or None, "
                              f"got {self.kv_channels!r}")
+        self._check_moe()
         if self.normalization not in _NORMALIZATIONS:
             raise ValueError(f"GPTArchConfig.normalization must be one of {_NORMALIZATIONS}, "
                              f"got {self.normalization!r}")
@@ -115,6 +136,34 @@ class GPTArchConfig:
         if not self.init_method_std > 0:
             raise ValueError(f"GPTArchConfig.init_method_std must be > 0, "
                              f"got {self.init_method_std}")
+
+    def _check_moe(self) -> None:
+        if self.num_experts is None:
+            if self.moe_ffn_hidden_size is not None:
+                raise ValueError(f"GPTArchConfig.moe_ffn_hidden_size={self.moe_ffn_hidden_size} "
+                                 f"needs num_experts")
+            return
+        for name in ("num_experts", "moe_router_topk"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"GPTArchConfig.{name} must be a positive int, got {value!r}")
+        if self.moe_router_topk > self.num_experts:
+            raise ValueError(f"GPTArchConfig.moe_router_topk ({self.moe_router_topk}) exceeds "
+                             f"num_experts ({self.num_experts})")
+        width = self.moe_ffn_hidden_size
+        if width is not None and (isinstance(width, bool) or not isinstance(width, int)
+                                  or width < 1):
+            raise ValueError(f"GPTArchConfig.moe_ffn_hidden_size must be a positive int or "
+                             f"None, got {width!r}")
+        if self.add_bias_linear:
+            raise ValueError("GPTArchConfig: add_bias_linear with num_experts is not supported "
+                             "(Megatron-Core's expert MLP with biases fails in backward in "
+                             "megatron-core 0.16)")
+
+    @property
+    def expert_ffn_hidden_size(self) -> int:
+        """One expert's hidden width, resolved (``ffn_hidden_size`` for a dense model)."""
+        return self.moe_ffn_hidden_size or self.ffn_hidden_size
 
     @property
     def query_groups(self) -> int:
@@ -143,11 +192,24 @@ class GPTArchConfig:
             problems.append(f"num_query_groups={self.query_groups}")
         if self.ffn_hidden_size % tp_size:
             problems.append(f"ffn_hidden_size={self.ffn_hidden_size}")
+        if self.num_experts is not None and self.expert_ffn_hidden_size % tp_size:
+            problems.append(f"moe_ffn_hidden_size={self.expert_ffn_hidden_size}")
         if self.padded_vocab_size % tp_size:
             problems.append(f"padded_vocab_size={self.padded_vocab_size}")
         if problems:
             raise ValueError(f"tensor-parallel size {tp_size} does not divide "
                              f"{', '.join(problems)}")
+
+    def check_expert_parallel(self, ep_size: int) -> None:
+        """Raise ``ValueError`` when the experts cannot be split evenly over ``ep_size`` ranks."""
+        if ep_size == 1:
+            return
+        if self.num_experts is None:
+            raise ValueError(f"expert-parallel size {ep_size} needs a mixture-of-experts model "
+                             f"(num_experts is None)")
+        if self.num_experts % ep_size:
+            raise ValueError(f"expert-parallel size {ep_size} does not divide "
+                             f"num_experts={self.num_experts}")
 
     def check_pipeline_parallel(self, pp_size: int) -> None:
         """Raise ``ValueError`` when the layers cannot be split evenly over ``pp_size`` stages."""

@@ -10,6 +10,9 @@ Megatron-Core assumes CUDA in a handful of places that have nothing to do with t
   restores (``torch.cuda.get_rng_state`` / ``set_rng_state`` / ``manual_seed`` and
   ``megatron.core.tensor_parallel.random._get_cuda_rng_state`` / ``_set_cuda_rng_state``);
 * gradient clipping (``clip_grad_by_total_norm_fp32`` asserts CUDA tensors);
+* the mixture-of-experts all-to-all dispatcher (:func:`_install_moe_shim`): a CUDA side
+  stream for its device-to-host copies, split sizes that only become host numbers when they
+  were on a GPU, and a Transformer Engine GEMM the router names without importing it;
 * the pipeline schedules (``get_forward_backward_func``), the optimizer and the default causal
   attention mask, which create small tensors with ``device="cuda"``.
 
@@ -37,6 +40,8 @@ from megatron.core.dist_checkpointing.strategies import torch as mcore_torch
 from megatron.core.optimizer import clip_grads as mcore_clip_grads
 from megatron.core.optimizer import optimizer as mcore_optimizer
 from megatron.core.tensor_parallel import random as mcore_random
+from megatron.core.transformer.moe import moe_utils as mcore_moe_utils
+from megatron.core.transformer.moe import token_dispatcher as mcore_token_dispatcher
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint import save as dcp_save
 from torch.overrides import TorchFunctionMode
@@ -100,6 +105,60 @@ def _cpu_current_stream(device: Any = None):
     return torch.cpu.current_stream()
 
 
+class _HostEvent:
+    """Stands in for a CUDA event: the host's program order has already completed it."""
+
+    def synchronize(self) -> None:
+        return None
+
+
+class _HostStream:
+    """Stands in for a CUDA side stream on the host (work on it is ordinary host work)."""
+
+    def wait_stream(self, stream: Any) -> None:
+        return None
+
+    def record_event(self, event: Any = None) -> _HostEvent:
+        return _HostEvent()
+
+
+def _host_stream_context(stream: Any = None):
+    return contextlib.nullcontext()
+
+
+def _host_split_sizes(tensor, as_numpy: bool = False, record_stream: bool = False):
+    # Megatron's maybe_move_tensor_to_cpu converts only CUDA tensors, so on the host the
+    # all-to-all split sizes stay tensors, which all_to_all_single does not take: convert here.
+    if torch.is_tensor(tensor) and as_numpy:
+        return tensor.detach().cpu().numpy()
+    return tensor
+
+
+def _install_moe_shim() -> None:
+    """The all-to-all token dispatcher and router on the host (megatron-core 0.16.1 and 0.19.2).
+
+    * ``MoEAlltoAllTokenDispatcher.__init__``: ``cuda_dtoh_stream = torch.cuda.Stream()`` and
+      ``_maybe_dtoh_and_synchronize``: ``torch.cuda.stream(...)``, ``record_event()``,
+      ``d2h_event.synchronize()``; a host stream stands in.
+    * ``moe_utils.maybe_move_tensor_to_cpu``: ``if torch.is_tensor(tensor) and tensor.is_cuda``
+      leaves the split sizes as tensors on the host; they are made numpy arrays, as on a GPU.
+    * ``moe_utils.RouterGatingLinearFunction.forward``: ``if te_general_gemm is not None``
+      raises ``NameError`` without Transformer Engine in 0.16.1 (the name is bound only when
+      the import succeeds); bound to None here, Megatron's own "no TE" value.
+    """
+    dispatcher = mcore_token_dispatcher.MoEAlltoAllTokenDispatcher
+    if dispatcher.cuda_dtoh_stream is None:
+        _patch(dispatcher, "cuda_dtoh_stream", _HostStream())
+    _patch(torch.cuda, "stream", _host_stream_context)
+    _patch(mcore_token_dispatcher, "maybe_move_tensor_to_cpu", _host_split_sizes)
+    if not hasattr(mcore_moe_utils, "te_general_gemm"):
+        _ORIGINALS[(mcore_moe_utils, "te_general_gemm")] = _UNBOUND
+        mcore_moe_utils.te_general_gemm = None
+
+
+_UNBOUND = object()  # marks an attribute the shim added (uninstall deletes it)
+
+
 def _patch(obj: Any, name: str, value: Any) -> None:
     key = (obj, name)
     if key not in _ORIGINALS:
@@ -138,13 +197,17 @@ def install_cpu_shim() -> bool:
     for mod in (mcore_clip_grads, mcore_optimizer):
         if hasattr(mod, "clip_grad_by_total_norm_fp32"):
             _patch(mod, "clip_grad_by_total_norm_fp32", _cpu_clip_grad_by_total_norm_fp32)
+    _install_moe_shim()
     return True
 
 
 def uninstall_cpu_shim() -> None:
     """Restore every patched attribute (for tests)."""
     for (obj, name), value in reversed(list(_ORIGINALS.items())):
-        setattr(obj, name, value)
+        if value is _UNBOUND:
+            delattr(obj, name)
+        else:
+            setattr(obj, name, value)
     _ORIGINALS.clear()
 
 

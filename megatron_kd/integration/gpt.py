@@ -28,7 +28,7 @@ from megatron_kd.integration.cpu_shim import install_cpu_shim, on_cpu
 __all__ = ["build_gpt_model", "model_arch"]
 
 
-def _transformer_config(arch: GPTArchConfig, *, tp_size: int, pp_size: int,
+def _transformer_config(arch: GPTArchConfig, *, tp_size: int, pp_size: int, ep_size: int,
                         params_dtype: torch.dtype, **overrides: Any):
     kwargs = {
         "num_layers": arch.num_layers,
@@ -43,6 +43,7 @@ def _transformer_config(arch: GPTArchConfig, *, tp_size: int, pp_size: int,
         "activation_func": F.silu if arch.swiglu else F.gelu,
         "add_bias_linear": arch.add_bias_linear,
         "init_method_std": arch.init_method_std,
+        "qk_layernorm": arch.qk_layernorm,
         "tensor_model_parallel_size": tp_size,
         "pipeline_model_parallel_size": pp_size,
         "params_dtype": params_dtype,
@@ -59,8 +60,26 @@ def _transformer_config(arch: GPTArchConfig, *, tp_size: int, pp_size: int,
         "gradient_accumulation_fusion": False,
         "persist_layer_norm": False,
     }
+    if arch.num_experts is not None:
+        kwargs.update(_moe_config(arch, ep_size))
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
+
+
+def _moe_config(arch: GPTArchConfig, ep_size: int) -> dict[str, Any]:
+    """Dropless top-k routing (no capacity factor, no auxiliary loss unless overridden), the
+    all-to-all dispatcher, one ``SequentialMLP`` per rank (grouped GEMM needs a GPU)."""
+    return {
+        "num_moe_experts": arch.num_experts,
+        "moe_ffn_hidden_size": arch.expert_ffn_hidden_size,
+        "moe_router_topk": arch.moe_router_topk,
+        "moe_router_pre_softmax": arch.moe_router_pre_softmax,
+        "moe_router_load_balancing_type": "none",
+        "moe_aux_loss_coeff": 0.0,
+        "moe_token_dispatcher_type": "alltoall",
+        "moe_grouped_gemm": False,
+        "expert_model_parallel_size": ep_size,
+    }
 
 
 def _layer_spec(arch: GPTArchConfig):
@@ -71,8 +90,12 @@ def _layer_spec(arch: GPTArchConfig):
         except ImportError:
             pass
         else:
-            return get_gpt_layer_with_transformer_engine_spec()
-    return get_gpt_layer_local_spec(normalization=arch.normalization)
+            return get_gpt_layer_with_transformer_engine_spec(
+                num_experts=arch.num_experts, moe_grouped_gemm=False,
+                qk_layernorm=arch.qk_layernorm)
+    return get_gpt_layer_local_spec(num_experts=arch.num_experts, moe_grouped_gemm=False,
+                                    qk_layernorm=arch.qk_layernorm,
+                                    normalization=arch.normalization)
 
 
 def build_gpt_model(
@@ -98,6 +121,9 @@ def build_gpt_model(
     if pg_collection is not None:
         tp_size, pp_size = pg_collection.tp.size(), pg_collection.pp.size()
         tp_rank = pg_collection.tp.rank()
+        ep, etp = getattr(pg_collection, "ep", None), getattr(pg_collection, "expt_tp", None)
+        ep_size, ep_rank = (ep.size(), ep.rank()) if ep is not None else (1, 0)
+        etp_rank = etp.rank() if etp is not None else tp_rank
     else:
         if not parallel_state.model_parallel_is_initialized():
             raise RuntimeError("build_gpt_model needs megatron.core.parallel_state initialised "
@@ -105,11 +131,17 @@ def build_gpt_model(
         tp_size = parallel_state.get_tensor_model_parallel_world_size()
         pp_size = parallel_state.get_pipeline_model_parallel_world_size()
         tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        ep_size = parallel_state.get_expert_model_parallel_world_size()
+        ep_rank = parallel_state.get_expert_model_parallel_rank()
+        etp_rank = parallel_state.get_expert_tensor_parallel_rank()
     arch.check_tensor_parallel(tp_size)
     arch.check_pipeline_parallel(pp_size)
+    if arch.num_experts is not None:  # a dense model ignores the expert groups
+        arch.check_expert_parallel(ep_size)
     if seed is not None:
-        model_parallel_cuda_manual_seed(seed, tp_rank=tp_rank, ep_rank=0, etp_rank=0)
-    config = _transformer_config(arch, tp_size=tp_size, pp_size=pp_size,
+        model_parallel_cuda_manual_seed(seed, tp_rank=tp_rank, ep_rank=ep_rank,
+                                        etp_rank=etp_rank)
+    config = _transformer_config(arch, tp_size=tp_size, pp_size=pp_size, ep_size=ep_size,
                                  params_dtype=params_dtype, **config_overrides)
     kwargs = {}
     if pg_collection is not None:

@@ -46,18 +46,21 @@ def init_distributed_from_env(timeout_s: float = 600.0) -> bool:
 
 
 @contextlib.contextmanager
-def model_parallel(tp: int = 1, pp: int = 1):
-    """``parallel_state.initialize_model_parallel(tp, pp)`` over the default group, undone on exit.
+def model_parallel(tp: int = 1, pp: int = 1, ep: int = 1, etp: int | None = None):
+    """``parallel_state.initialize_model_parallel(tp, pp)`` (experts over ``ep`` x ``etp``
+    ranks, ``etp`` defaulting to ``tp``) over the default group, undone on exit.
 
     ``torch.distributed`` must already be initialised. Installs the CPU shim when no GPU is
     present.
     """
     install_cpu_shim()
-    check_parallel_sizes(dist.get_world_size(), tp, pp)
+    check_parallel_sizes(dist.get_world_size(), tp, pp, ep, etp)
     if parallel_state.model_parallel_is_initialized():
         raise RuntimeError("megatron.core.parallel_state is already initialised")
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp,
-                                             pipeline_model_parallel_size=pp)
+                                             pipeline_model_parallel_size=pp,
+                                             expert_model_parallel_size=ep,
+                                             expert_tensor_parallel_size=etp)
     try:
         yield
     finally:
@@ -79,3 +82,31 @@ def shared_random_id(group=None) -> int:
     dist.broadcast_object_list(value, src=dist.get_global_rank(group, 0) if group else 0,
                                group=group)
     return value[0]
+
+
+def add_expert_parallel_args(parser) -> None:
+    """``--expert-model-parallel-size`` and ``--expert-tensor-parallel-size`` (Megatron-LM's
+    names) on an argparse parser or group."""
+    parser.add_argument("--expert-model-parallel-size", type=int, default=1,
+                        help="ranks the experts of a mixture-of-experts model are split over")
+    parser.add_argument("--expert-tensor-parallel-size", type=int, default=None,
+                        help="ranks each expert is split over (default: the tensor-parallel "
+                             "size)")
+
+
+def check_experts_within_tensor_parallel(arch, tp: int, ep: int, etp: int | None) -> None:
+    """A teacher whose ranks each work alone on their own samples (a replica, a cache build's
+    data-parallel ranks) keeps its experts inside one tensor-parallel group: ``ep x etp`` must
+    divide ``tp``, so no all-to-all spans ranks that run different numbers of forwards."""
+    etp = tp if etp is None else etp
+    if ep > 1 or etp != tp:
+        if not arch.num_experts:
+            raise ValueError(f"--expert-model-parallel-size {ep} / --expert-tensor-parallel-size "
+                             f"{etp} given for a teacher without experts")
+        arch.check_expert_parallel(ep)
+        if tp % (ep * etp):
+            raise ValueError(f"--expert-model-parallel-size {ep} x --expert-tensor-parallel-size "
+                             f"{etp} must divide --tensor-model-parallel-size {tp}: a teacher's "
+                             f"experts are split within its tensor-parallel group (e.g. "
+                             f"--tensor-model-parallel-size 2 --expert-model-parallel-size 2 "
+                             f"--expert-tensor-parallel-size 1)")

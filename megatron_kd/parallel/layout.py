@@ -73,12 +73,23 @@ class Layout:
         return [self.rank_of(tp_rank=tp_rank, dp_rank=dp_rank, pp_rank=p) for p in range(self.pp)]
 
 
-def check_parallel_sizes(world_size: int, tp: int, pp: int) -> int:
-    """Data-parallel size for ``tp * pp`` model-parallel ranks; ValueError when it does not fit."""
-    if tp < 1 or pp < 1:
+def check_parallel_sizes(world_size: int, tp: int, pp: int, ep: int = 1,
+                         etp: int | None = None) -> int:
+    """Data-parallel size for ``tp * pp`` model-parallel ranks; ValueError when it does not fit.
+
+    The experts have a layout of their own over each pipeline stage's ``tp * dp`` ranks
+    (Megatron-Core's "parallel folding"): ``ep`` expert-parallel times ``etp`` expert
+    tensor-parallel ranks (``etp`` defaults to ``tp``) must divide ``tp * dp``."""
+    etp = tp if etp is None else etp
+    if tp < 1 or pp < 1 or ep < 1 or etp < 1:
         raise ValueError(f"parallel sizes must be >= 1, got tensor-model-parallel-size={tp}, "
-                         f"pipeline-model-parallel-size={pp}")
+                         f"pipeline-model-parallel-size={pp}, expert-model-parallel-size={ep}")
     if world_size % (tp * pp):
         raise ValueError(f"world size {world_size} is not divisible by tensor-model-parallel-size "
                          f"{tp} x pipeline-model-parallel-size {pp}")
-    return world_size // (tp * pp)
+    dp = world_size // (tp * pp)
+    if (tp * dp) % (ep * etp):
+        raise ValueError(f"expert-model-parallel-size {ep} x expert-tensor-parallel-size {etp} "
+                         f"does not divide the {tp * dp} ranks of a pipeline stage (world "
+                         f"{world_size} / PP {pp})")
+    return dp

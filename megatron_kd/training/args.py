@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 
 from megatron_kd.integration.args import add_kd_args
+from megatron_kd.integration.groups import add_expert_parallel_args
 from megatron_kd.training.metrics import add_metric_args
 
 __all__ = ["add_arguments", "parse_args"]
@@ -55,6 +56,18 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     m.add_argument("--vocab-size", type=int, default=None,
                    help="true vocabulary (default: the teacher's, else the tokenizer's)")
     m.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    m.add_argument("--qk-layernorm", action="store_true",
+                   help="normalise each query and key head before RoPE (Qwen3)")
+    e = parser.add_argument_group("student model: mixture of experts")
+    e.add_argument("--num-experts", type=int, default=None,
+                   help="experts of every layer's MLP (default: a dense MLP)")
+    e.add_argument("--moe-ffn-hidden-size", type=int, default=None,
+                   help="hidden width of one expert (default: --ffn-hidden-size)")
+    e.add_argument("--moe-router-topk", type=int, default=2, help="experts per token")
+    e.add_argument("--moe-router-pre-softmax", action="store_true",
+                   help="softmax over all experts before the top k (not renormalised)")
+    e.add_argument("--moe-aux-loss-coeff", type=float, default=0.0,
+                   help="weight of Megatron-Core's load-balancing auxiliary loss (0: none)")
 
 
 
@@ -62,6 +75,7 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
     p = parser.add_argument_group("parallelism and precision")
     p.add_argument("--tensor-model-parallel-size", type=int, default=1)
     p.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    add_expert_parallel_args(p)
     p.add_argument("--use-distributed-optimizer", action="store_true",
                    help="Megatron-Core's distributed optimizer: optimizer state and fp32 main "
                         "weights sharded over the data-parallel ranks")

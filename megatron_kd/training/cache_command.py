@@ -37,7 +37,12 @@ from megatron_kd.data.tokenizer import MockTokenizer
 from megatron_kd.integration.args import TEACHER_DTYPES, teacher_torch_dtype
 from megatron_kd.integration.checkpoint import checkpoint_hash
 from megatron_kd.integration.cpu_shim import device_context, install_cpu_shim, on_cpu
-from megatron_kd.integration.groups import init_distributed_from_env, model_parallel
+from megatron_kd.integration.groups import (
+    add_expert_parallel_args,
+    check_experts_within_tensor_parallel,
+    init_distributed_from_env,
+    model_parallel,
+)
 from megatron_kd.integration.output_layer import output_layer_weight, to_sbh
 from megatron_kd.integration.teacher import build_frozen_teacher
 from megatron_kd.training.plan import build_datasets, check_teacher, resolve_tokenizer
@@ -64,6 +69,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     b.add_argument("--window-size", type=int, default=1024,
                    help="rows projected onto the vocabulary at once")
     b.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    add_expert_parallel_args(b)
     b.add_argument("--kd-teacher-dtype", choices=TEACHER_DTYPES, default="fp32",
                    help="parameter dtype of the teacher (the top-K maths runs in fp32 either "
                         "way)")
@@ -101,7 +107,8 @@ def _build(args: argparse.Namespace) -> int:
         torch.set_flush_denormal(True)
     created = init_distributed_from_env()
     try:
-        with model_parallel(args.tensor_model_parallel_size, 1), device_context():
+        with model_parallel(args.tensor_model_parallel_size, 1, args.expert_model_parallel_size,
+                            args.expert_tensor_parallel_size), device_context():
             stats = _build_in_model_parallel(args, codec)
         if dist.get_rank() == 0:
             print(json.dumps({"shards_written": len(stats.shards_written),
@@ -117,6 +124,9 @@ def _build(args: argparse.Namespace) -> int:
 def _build_in_model_parallel(args: argparse.Namespace, codec: LogprobCodec):
     teacher_dir, arch = check_teacher(args.kd_teacher_load, seq_length=args.seq_length,
                                       tp_sizes=(args.tensor_model_parallel_size,))
+    check_experts_within_tensor_parallel(arch, args.tensor_model_parallel_size,
+                                         args.expert_model_parallel_size,
+                                         args.expert_tensor_parallel_size)
     tokenizer = resolve_tokenizer(args, teacher_dir)
     if tokenizer is not None and tokenizer.vocab_size > arch.vocab_size:
         raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens but the teacher "

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
+from megatron.core import parallel_state as ps
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 from torch.distributed.checkpoint.api import CheckpointException
@@ -92,6 +93,7 @@ def save_training_checkpoint(root: str, *, iteration: int, consumed_samples: int
         "iteration": iteration,
         "consumed_samples": consumed_samples,
         "world_size": dist.get_world_size(),
+        "expert_model_parallel_size": ps.get_expert_model_parallel_world_size(),
         "rng_state": _rng_sharded_object(_rng_state()),
     }
     needed = _state_bytes(state)
@@ -178,6 +180,18 @@ def _write_failure(partial: str, needed: int, error: BaseException) -> str:
             f"space and resume with --load")
 
 
+def _check_expert_layout(arch: GPTArchConfig, saved_ep: int, directory: str) -> None:
+    """A mixture-of-experts student resumes at the expert-parallel size it was saved at:
+    Megatron-Core's optimizer is one optimizer at EP 1 and a chain of two (dense, experts) at
+    EP > 1, and its state does not load across that change (megatron-core 0.16-0.19)."""
+    ep = ps.get_expert_model_parallel_world_size()
+    if arch.num_experts and (saved_ep > 1) != (ep > 1):
+        raise ValueError(f"--load {directory!r} was saved at --expert-model-parallel-size "
+                         f"{saved_ep}, this run has {ep}: a mixture-of-experts student's "
+                         f"optimizer state does not move between EP 1 and EP > 1 "
+                         f"(Megatron-Core keeps one optimizer at EP 1, a chain of two above)")
+
+
 def load_training_checkpoint(root: str, *, model, optimizer, scheduler,
                              arch: GPTArchConfig) -> tuple[int, int]:
     """Restore the newest complete checkpoint under ``root``; returns ``(iteration,
@@ -198,6 +212,7 @@ def load_training_checkpoint(root: str, *, model, optimizer, scheduler,
     if mismatches:
         raise ValueError(f"--load {directory!r} does not fit the student: " + "; ".join(mismatches))
     common = dist_checkpointing.load_common_state_dict(directory)
+    _check_expert_layout(arch, common.get("expert_model_parallel_size", 1), directory)
     same_world = common.get("world_size") == dist.get_world_size()
     inner = unwrap_model(model)
     model_sd = inner.sharded_state_dict()

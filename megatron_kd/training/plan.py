@@ -52,6 +52,11 @@ class Plan:
     dp: int
     global_batch_size: int
     params_dtype: torch.dtype
+    ep: int = 1
+    """Expert-parallel size (the experts of a mixture-of-experts student or colocated
+    teacher)."""
+    etp: int | None = None
+    """Expert tensor-parallel size (None: the tensor-parallel size)."""
     notes: list[str] = field(default_factory=list)
     topk_cache: Any = None
     """Offline mode: the opened, checked top-K cache (a ``TopKCacheReader``)."""
@@ -112,7 +117,8 @@ def _check_flags(args: argparse.Namespace, kd: KDArgs, world_size: int) -> tuple
     if args.eval_iters < 0:
         raise ValueError(f"--eval-iters must be >= 0, got {args.eval_iters}")
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    dp = check_parallel_sizes(world_size, tp, pp)
+    dp = check_parallel_sizes(world_size, tp, pp, args.expert_model_parallel_size,
+                              args.expert_tensor_parallel_size)
     gbs = args.global_batch_size or args.micro_batch_size * dp
     if gbs % (args.micro_batch_size * dp):
         raise ValueError(f"--global-batch-size {gbs} is not divisible by --micro-batch-size "
@@ -167,13 +173,34 @@ def _student_arch(args: argparse.Namespace, vocab: int, padded: int, tp: int,
         tie_embeddings=not args.untie_embeddings_and_output_weights,
         add_bias_linear=args.add_bias_linear,
         position_embedding_type=args.position_embedding_type,
-        init_method_std=args.init_method_std)
+        init_method_std=args.init_method_std, qk_layernorm=args.qk_layernorm,
+        num_experts=args.num_experts, moe_ffn_hidden_size=args.moe_ffn_hidden_size,
+        moe_router_topk=args.moe_router_topk, moe_router_pre_softmax=args.moe_router_pre_softmax)
     if arch.max_position_embeddings < args.seq_length:
         raise ValueError(f"--max-position-embeddings {arch.max_position_embeddings} < "
                          f"--seq-length {args.seq_length}")
     arch.check_tensor_parallel(tp)
     arch.check_pipeline_parallel(pp)
     return arch
+
+
+def _check_experts(student: GPTArchConfig, teacher: GPTArchConfig | None, tp: int,
+                   ep: int) -> None:
+    """Mixture-of-experts layouts this trainer can run; ValueError naming the values if not.
+    ``teacher``: a teacher built in the student's groups (colocated), else None."""
+    moe = [arch for arch in (student, teacher) if arch is not None and arch.num_experts]
+    if ep > 1 and not moe:
+        raise ValueError(f"--expert-model-parallel-size {ep} but neither the student nor a "
+                         f"colocated teacher has experts (--num-experts)")
+    for arch in moe:
+        arch.check_expert_parallel(ep)
+    if student.num_experts and tp > 1:
+        raise ValueError(f"a mixture-of-experts student (--num-experts {student.num_experts}) at "
+                         f"--tensor-model-parallel-size {tp} needs sequence parallelism "
+                         f"(Megatron-Core's MoELayer refuses tensor parallelism without it in "
+                         f"training), which megatron-kd train does not offer: use "
+                         f"--tensor-model-parallel-size 1 with --expert-model-parallel-size, or "
+                         f"Megatron-LM's pretrain_gpt.py with --sequence-parallel")
 
 
 def plan_run(args: argparse.Namespace, world_size: int) -> Plan:
@@ -200,8 +227,10 @@ def plan_run(args: argparse.Namespace, world_size: int) -> Plan:
     if tokenizer is None:
         tokenizer = MockTokenizer(vocab)
     student_arch = _student_arch(args, vocab, padded, tp, pp)
+    ep, etp = args.expert_model_parallel_size, args.expert_tensor_parallel_size
+    _check_experts(student_arch, teacher_arch if kd.mode == "colocated" else None, tp, ep)
     plan = Plan(kd=kd, student_arch=student_arch, teacher_arch=teacher_arch, tokenizer=tokenizer,
-                tp=tp, pp=pp, dp=dp, global_batch_size=gbs,
+                tp=tp, pp=pp, dp=dp, ep=ep, etp=etp, global_batch_size=gbs,
                 params_dtype=torch.bfloat16 if args.bf16 else torch.float32)
     if kd.mode == "offline":
         _open_topk_cache(args, plan)

@@ -35,7 +35,12 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megatron_kd.integration.args import TEACHER_DTYPES, teacher_torch_dtype
 from megatron_kd.integration.cpu_shim import device_context, install_cpu_shim, on_cpu
-from megatron_kd.integration.groups import init_distributed_from_env, model_parallel
+from megatron_kd.integration.groups import (
+    add_expert_parallel_args,
+    check_experts_within_tensor_parallel,
+    init_distributed_from_env,
+    model_parallel,
+)
 from megatron_kd.integration.output_layer import to_sbh
 from megatron_kd.integration.teacher import build_frozen_teacher, check_teacher, teacher_identity
 from megatron_kd.parallel import Layout
@@ -56,6 +61,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "host:port of `megatron-kd teacher registry`")
     s.add_argument("--tensor-model-parallel-size", type=int, default=1)
     s.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    add_expert_parallel_args(s)
     s.add_argument("--kd-teacher-dtype", choices=TEACHER_DTYPES, default="fp32",
                    help="parameter dtype of the teacher")
     s.add_argument("--max-batch-size", type=int, default=16,
@@ -117,6 +123,8 @@ def _check(args: argparse.Namespace, world: int):
                          f"alone)")
     teacher_dir, arch = check_teacher(args.kd_teacher_load, seq_length=args.max_seq_length or 1,
                                       tp_sizes=(tp,), pp_size=pp)
+    check_experts_within_tensor_parallel(arch, tp, args.expert_model_parallel_size,
+                                         args.expert_tensor_parallel_size)
     return teacher_dir, arch
 
 
@@ -129,7 +137,8 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         teacher_dir, arch = _check(args, dist.get_world_size())
         tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-        with model_parallel(tp, pp), device_context():
+        with model_parallel(tp, pp, args.expert_model_parallel_size,
+                            args.expert_tensor_parallel_size), device_context():
             service = _service(args, teacher_dir, arch, tp, pp)
             service.serve(stop.is_set)
         return 0
@@ -169,7 +178,8 @@ def _service(args: argparse.Namespace, teacher_dir: str, arch, tp: int, pp: int)
         host=args.host or socket.gethostname(), port=args.port,
         forward=_forward_fn(model, is_last), device=device, timeout_s=args.kd_teacher_timeout,
         max_batch=args.max_batch_size, log=log, stats_interval_s=args.stats_interval,
-        layout={"world_size": tp * pp, "tp": tp, "pp": pp, "pid": os.getpid(),
+        layout={"world_size": tp * pp, "tp": tp, "pp": pp,
+                "ep": args.expert_model_parallel_size, "pid": os.getpid(),
                 "started": round(time.time(), 3)})
 
 

@@ -40,7 +40,7 @@ def train(args: argparse.Namespace, *, loss_fn=None) -> dict:
     created = init_distributed_from_env()
     try:
         plan = plan_run(args, dist.get_world_size())  # every check before any model is built
-        with model_parallel(plan.tp, plan.pp), device_context():
+        with model_parallel(plan.tp, plan.pp, plan.ep, plan.etp), device_context():
             trainer = Trainer(args, plan, loss_fn=loss_fn)
             try:
                 return trainer.fit()

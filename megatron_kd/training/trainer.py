@@ -93,6 +93,14 @@ def _mean(pair: torch.Tensor | None) -> float | None:
     return float(pair[0] / pair[1])
 
 
+
+def _moe_recipe(args: argparse.Namespace, arch) -> dict:
+    """Megatron-Core's load-balancing auxiliary loss for a mixture-of-experts student."""
+    coeff = getattr(args, "moe_aux_loss_coeff", 0.0)
+    if not arch.num_experts or not coeff:
+        return {}
+    return {"moe_router_load_balancing_type": "aux_loss", "moe_aux_loss_coeff": coeff}
+
 class Trainer:
     """One distillation run; ``parallel_state`` must be initialised (TP x PP).
 
@@ -146,7 +154,7 @@ class Trainer:
             # start identical).
             params_dtype=plan.params_dtype, seed=args.seed + 100 * self.pp_rank,
             hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
-            calculate_per_token_loss=True)
+            calculate_per_token_loss=True, **_moe_recipe(args, plan.student_arch))
         bypass_output_layer(model)
         config = model.config
         ddp_config = DistributedDataParallelConfig(

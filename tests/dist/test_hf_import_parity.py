@@ -1,8 +1,9 @@
 """``megatron-kd import-hf``: logits parity with transformers' own forward on 2 gloo ranks.
 
 The import is saved at TP=1 and loaded through ``dist_checkpointing`` at TP=1 and TP=2 (the
-vocabulary shards of the logits concatenated), compared with ``LlamaForCausalLM`` on the same
-tokens in fp32.
+vocabulary shards of the logits concatenated) and, for mixture-of-experts models, at expert
+parallel 2, compared with transformers' ``LlamaForCausalLM``, ``Qwen3ForCausalLM`` and
+``Qwen3MoeForCausalLM`` on the same tokens in fp32.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
-from support.hf_models import BATCH, SEQ, bpe_tokenizer, tiny_llama
+from support.hf_models import BATCH, SEQ, bpe_tokenizer, tiny_llama, tiny_qwen3, tiny_qwen3_moe
 
 from megatron_kd.integration import hf_import
 
@@ -39,13 +40,14 @@ def case_import(ctx, hf_path, save_dir, pad_for_tp=1):
     return arch.to_dict()
 
 
-def case_logits(ctx, save_dir, tokens, tp_size, direct_from=None):
+def case_logits(ctx, save_dir, tokens, tp_size, direct_from=None, ep_size=1, etp_size=None):
     """This rank's logits ``[b, s, V/tp]`` from the checkpoint (or converted straight from HF)."""
     from megatron.core import parallel_state
 
     from megatron_kd.integration import checkpoint, gpt
 
-    parallel_state.initialize_model_parallel(tp_size, 1)
+    parallel_state.initialize_model_parallel(tp_size, 1, expert_model_parallel_size=ep_size,
+                                             expert_tensor_parallel_size=etp_size)
     try:
         arch = checkpoint.read_checkpoint_arch(save_dir)
         model = gpt.build_gpt_model(arch, seed=123)
@@ -55,7 +57,10 @@ def case_logits(ctx, save_dir, tokens, tp_size, direct_from=None):
             ckpt = hf_import.load_hf_checkpoint(direct_from)
             full = hf_import.convert_hf_state_dict(ckpt.state_dict, arch)
             hf_import.load_converted_into_model(
-                model, full, arch, parallel_state.get_tensor_model_parallel_rank(), tp_size)
+                model, full, arch, parallel_state.get_tensor_model_parallel_rank(), tp_size,
+                parallel_state.get_expert_model_parallel_rank(), ep_size,
+                parallel_state.get_expert_tensor_parallel_rank(),
+                parallel_state.get_expert_tensor_parallel_world_size())
         model.eval()
         b, s = tokens.shape
         position_ids = torch.arange(s).unsqueeze(0).expand(b, s)
@@ -116,3 +121,42 @@ def test_logits_parity_with_heads_padded_for_tp2(tmp_path, dist_pool_factory):
         shards = pool.run(case_logits, save_dir, tokens, tp)[:tp]
         torch.testing.assert_close(torch.cat(shards, dim=-1)[..., :vocab], expected,
                                    atol=ATOL, rtol=0)
+
+
+_QWEN_MODELS = {
+    "qwen3": lambda tmp: tiny_qwen3(tmp),
+    "qwen3_moe": lambda tmp: tiny_qwen3_moe(tmp),
+    "qwen3_moe_softmax_topk": lambda tmp: tiny_qwen3_moe(tmp, norm_topk_prob=False,
+                                                         name="moe_pre"),
+}
+
+
+@pytest.mark.parametrize("family", sorted(_QWEN_MODELS))
+def test_qwen3_logits_parity_tp_ep(tmp_path, dist_pool_factory, family):
+    pool = dist_pool_factory(2)
+    hf_path, tokens, expected = _QWEN_MODELS[family](tmp_path)
+    save_dir = str(tmp_path / "megatron")
+    arch = pool.run(case_import, hf_path, save_dir)[0]
+    assert arch["qk_layernorm"] is True
+    assert arch["kv_channels"] == 16  # head_dim 16 != hidden 48 / 4 heads
+    moe = arch["num_experts"] is not None
+    assert moe is family.startswith("qwen3_moe")
+    if moe:
+        assert (arch["num_experts"], arch["moe_ffn_hidden_size"], arch["moe_router_topk"]) == (
+            4, 24, 2)
+        assert arch["moe_router_pre_softmax"] is family.endswith("softmax_topk")
+    vocab = expected.shape[-1]
+    # (tp, ep, expert tp) on 2 ranks; EP 2 at TP 2 folds the experts over the TP ranks
+    layouts = [(1, 1, None), (2, 1, None)] + ([(1, 2, None), (2, 2, 1)] if moe else [])
+    for tp, ep, etp in layouts:
+        shards = pool.run(case_logits, save_dir, tokens, tp, ep_size=ep, etp_size=etp)
+        full = torch.cat(shards[:tp], dim=-1)[..., :vocab]
+        torch.testing.assert_close(full, expected, atol=ATOL, rtol=0,
+                                   msg=lambda m, tp=tp, ep=ep: f"TP{tp} EP{ep}: {m}")
+        if tp == 1:  # the other rank (data- or expert-parallel) computes the same logits
+            torch.testing.assert_close(shards[1], shards[0], atol=0, rtol=0)
+    if moe:  # the in-memory EP split (no checkpoint round trip) gives the same logits
+        direct = pool.run(case_logits, save_dir, tokens, 2, direct_from=hf_path, ep_size=2,
+                          etp_size=1)
+        torch.testing.assert_close(torch.cat(direct, dim=-1)[..., :vocab], expected, atol=ATOL,
+                                   rtol=0)

@@ -1,5 +1,5 @@
-"""A tiny random Llama saved as safetensors, with transformers' own logits on fixed tokens: the
-independent reference of the import tests."""
+"""Tiny random Llama / Qwen3 / Qwen3-MoE models saved as safetensors, with transformers' own
+logits on fixed tokens: the independent reference of the import tests."""
 
 from __future__ import annotations
 
@@ -11,8 +11,27 @@ SEQ = 13  # odd, not a power of two
 BATCH = 2
 
 
+def _randomise_and_save(model, out: str, vocab: int, seed: int):
+    """Non-trivial weights (norms in [0.5, 1.5], so a swapped norm is caught), saved as
+    safetensors, with the model's logits on fixed tokens."""
+    torch.manual_seed(seed)
+    model = model.float().eval()
+    with torch.no_grad():
+        for name_, p in model.named_parameters():
+            if "norm" in name_:
+                p.uniform_(0.5, 1.5)
+            else:
+                p.normal_(0.0, 0.1)
+    model.save_pretrained(out, safe_serialization=True)
+    torch.manual_seed(0)
+    tokens = torch.randint(0, vocab, (BATCH, SEQ))
+    with torch.no_grad():
+        logits = model(tokens).logits  # [b, s, V]
+    return out, tokens, logits
+
+
 def tiny_llama(tmp_path, *, tied: bool, vocab: int = 203, name: str = "hf", groups: int = 2,
-                ffn: int = 72):
+               ffn: int = 72):
     """A randomly initialised tiny Llama (GQA: 6 heads in ``groups`` groups) as safetensors."""
     from transformers import LlamaConfig, LlamaForCausalLM  # the tests skip without it
 
@@ -31,20 +50,39 @@ def tiny_llama(tmp_path, *, tied: bool, vocab: int = 203, name: str = "hf", grou
         mlp_bias=False,
     )
     torch.manual_seed(7 if tied else 8)
-    model = LlamaForCausalLM(config).float().eval()
-    with torch.no_grad():
-        for name_, p in model.named_parameters():
-            if "norm" in name_:  # non-trivial norm weights, so a swapped norm is caught
-                p.uniform_(0.5, 1.5)
-            else:
-                p.normal_(0.0, 0.1)
+    model = LlamaForCausalLM(config)
     out = os.path.join(tmp_path, f"{name}_{'tied' if tied else 'untied'}")
-    model.save_pretrained(out, safe_serialization=True)
-    torch.manual_seed(0)
-    tokens = torch.randint(0, vocab, (BATCH, SEQ))
-    with torch.no_grad():
-        logits = model(tokens).logits  # [b, s, V]
-    return out, tokens, logits
+    return _randomise_and_save(model, out, vocab, 7 if tied else 8)
+
+
+# Shared by the tiny Qwen3 models: a head width (16) that is not hidden / heads (12), as in
+# Qwen3 itself (Qwen3-0.6B: head_dim 128, hidden 1024, 16 heads).
+_QWEN3_SHAPE = dict(hidden_size=48, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                    num_hidden_layers=2, max_position_embeddings=64, rms_norm_eps=1e-6,
+                    rope_theta=1000000.0, attention_bias=False)
+
+
+def tiny_qwen3(tmp_path, *, vocab: int = 203, tied: bool = True, name: str = "qwen3"):
+    """A randomly initialised tiny Qwen3 (QK norms, head_dim != hidden / heads)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM  # the tests skip without it
+
+    config = Qwen3Config(vocab_size=vocab, intermediate_size=72, tie_word_embeddings=tied,
+                         **_QWEN3_SHAPE)
+    torch.manual_seed(9)
+    return _randomise_and_save(Qwen3ForCausalLM(config), os.path.join(tmp_path, name), vocab, 9)
+
+
+def tiny_qwen3_moe(tmp_path, *, vocab: int = 203, norm_topk_prob: bool = True,
+                   name: str = "qwen3_moe"):
+    """A randomly initialised tiny Qwen3-MoE: 4 experts of width 24, top 2, untied."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM  # the tests skip without it
+
+    config = Qwen3MoeConfig(vocab_size=vocab, intermediate_size=72, moe_intermediate_size=24,
+                            num_experts=4, num_experts_per_tok=2, norm_topk_prob=norm_topk_prob,
+                            tie_word_embeddings=False, **_QWEN3_SHAPE)
+    torch.manual_seed(10)
+    return _randomise_and_save(Qwen3MoeForCausalLM(config), os.path.join(tmp_path, name),
+                               vocab, 10)
 
 
 def bpe_tokenizer(vocab: dict[str, int], merges: list[tuple[str, str]]):

@@ -21,6 +21,10 @@ def test_arch_roundtrip():
     ({"hidden_size": 30}, "divisible by num_attention_heads"),
     ({"normalization": "BatchNorm"}, "normalization"),
     ({"position_embedding_type": "alibi"}, "position_embedding_type"),
+    ({"moe_ffn_hidden_size": 16}, "needs num_experts"),
+    ({"num_experts": 4, "moe_router_topk": 5}, "exceeds num_experts"),
+    ({"num_experts": 0}, "num_experts"),
+    ({"num_experts": 4, "add_bias_linear": True}, "add_bias_linear"),
 ])
 def test_arch_validation(bad, match):
     with pytest.raises(ValueError, match=match):
@@ -39,6 +43,18 @@ def test_tp_check():
         tiny_arch().check_tensor_parallel(3)
     assert pad_vocab_size(500, 2) == 512
     assert pad_vocab_size(49152, 2) == 49152
+
+
+def test_expert_parallel_check():
+    moe = tiny_arch(num_experts=4, moe_ffn_hidden_size=12)
+    moe.check_expert_parallel(2)
+    with pytest.raises(ValueError, match="does not divide num_experts=4"):
+        moe.check_expert_parallel(3)
+    with pytest.raises(ValueError, match="needs a mixture-of-experts model"):
+        tiny_arch().check_expert_parallel(2)
+    with pytest.raises(ValueError, match="moe_ffn_hidden_size=12"):
+        moe.check_tensor_parallel(8)
+    assert moe.expert_ffn_hidden_size == 12 and tiny_arch().num_experts is None
 
 
 def test_not_a_checkpoint(tmp_path):
@@ -67,8 +83,15 @@ def test_cpu_shim_idempotent_and_reversible():
         mcore_random._set_cuda_rng_state(torch.cuda.get_rng_state())
         torch.manual_seed(3)
         assert torch.equal(a, torch.rand(2))
+        # the MoE dispatcher's host stand-ins, and the name 0.16.1 leaves unbound without TE
+        from megatron.core.transformer.moe import moe_utils, token_dispatcher
+        assert token_dispatcher.MoEAlltoAllTokenDispatcher.cuda_dtoh_stream is not None
+        splits = token_dispatcher.maybe_move_tensor_to_cpu(torch.tensor([3, 1]), as_numpy=True)
+        assert splits.tolist() == [3, 1] and not torch.is_tensor(splits)
+        assert moe_utils.te_general_gemm is None or callable(moe_utils.te_general_gemm)
         megatron_cpu.uninstall_cpu_shim()
         assert torch.cuda.current_device is original
+        assert token_dispatcher.MoEAlltoAllTokenDispatcher.cuda_dtoh_stream is None
     finally:
         if was_installed:
             megatron_cpu.install_cpu_shim()

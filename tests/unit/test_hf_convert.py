@@ -75,6 +75,55 @@ def test_unsupported_configs_are_refused(change, match):
         hf_import.arch_from_hf_config(config)
 
 
+_QWEN3_MOE = {"model_type": "qwen3_moe", "hidden_size": 8, "num_attention_heads": 2,
+              "num_key_value_heads": 1, "intermediate_size": 8, "num_hidden_layers": 1,
+              "vocab_size": 16, "max_position_embeddings": 8, "head_dim": 8,
+              "moe_intermediate_size": 4, "num_experts": 4, "num_experts_per_tok": 2}
+
+
+@pytest.mark.parametrize("change, match", [
+    ({"mlp_only_layers": [0]}, "mlp_only_layers"),
+    ({"decoder_sparse_step": 2}, "decoder_sparse_step"),
+    ({"use_sliding_window": True, "sliding_window": 4}, "sliding-window"),
+    ({"layer_types": ["sliding_attention"]}, "sliding-window"),
+    ({"num_experts": None}, "needs num_experts"),
+    ({"num_experts_per_tok": 5}, "exceeds num_experts"),
+])
+def test_unsupported_qwen3_moe_configs_are_refused(change, match):
+    config = {**_QWEN3_MOE, **change}
+    if config["num_experts"] is None:
+        del config["num_experts"]
+    with pytest.raises(ValueError, match=match):
+        hf_import.arch_from_hf_config(config)
+
+
+def test_qwen3_moe_router_convention():
+    # renormalised top-k probabilities == softmax over the top-k logits (Megatron's default)
+    for norm, pre_softmax in ((True, False), (False, True)):
+        arch = hf_import.arch_from_hf_config({**_QWEN3_MOE, "norm_topk_prob": norm})
+        assert arch.moe_router_pre_softmax is pre_softmax
+        assert (arch.num_experts, arch.moe_ffn_hidden_size, arch.qk_layernorm) == (4, 4, True)
+    # transformers 5 writes num_local_experts in place of num_experts
+    alias = {k: v for k, v in _QWEN3_MOE.items() if k != "num_experts"}
+    assert hf_import.arch_from_hf_config({**alias, "num_local_experts": 4}).num_experts == 4
+
+
+def test_expert_parallel_shard_renumbers_local_experts():
+    arch = hf_import.arch_from_hf_config(_QWEN3_MOE)
+    full = {f"decoder.layers.0.mlp.experts.local_experts.{e}.linear_fc2.weight":
+            torch.full((8, 4), float(e)) for e in range(4)}
+    full["decoder.layers.0.mlp.router.weight"] = torch.zeros(4, 8)
+    shard = hf_import.shard_megatron_state_dict(full, arch, 0, 1, ep_rank=1, ep_size=2)
+    assert sorted(shard) == ["decoder.layers.0.mlp.experts.local_experts.0.linear_fc2.weight",
+                             "decoder.layers.0.mlp.experts.local_experts.1.linear_fc2.weight",
+                             "decoder.layers.0.mlp.router.weight"]
+    assert shard["decoder.layers.0.mlp.experts.local_experts.1.linear_fc2.weight"][0, 0] == 3
+    # expert TP 2 splits an expert's fc2 columns while the attention stays whole at TP 1
+    split = hf_import.shard_megatron_state_dict(full, arch, 0, 1, ep_rank=0, ep_size=2,
+                                                etp_rank=1, etp_size=2)
+    assert split["decoder.layers.0.mlp.experts.local_experts.0.linear_fc2.weight"].shape == (8, 2)
+
+
 def test_missing_tensor_is_refused(tmp_path):
     path, _, _ = tiny_llama(tmp_path, tied=False)
     ckpt = hf_import.load_hf_checkpoint(path)

@@ -1,0 +1,129 @@
+"""Mixture-of-experts teachers and students in every mode, on gloo.
+
+The teacher is a tiny random Qwen3-MoE from transformers (4 experts, top 2, QK norms), imported
+with ``megatron-kd import-hf``; the student is Qwen3-shaped (``--qk-layernorm``, a head width
+that is not hidden / heads), dense or with experts of its own. Per-step losses:
+
+* colocated, teacher experts over 2 expert-parallel ranks: equal to the dense reference loss at
+  EP 1 (so expert parallelism changes nothing but the summation order);
+* a mixture-of-experts student at EP 2 (with Megatron-Core's load-balancing loss) learns and
+  resumes from its checkpoint exactly (a resume at another EP size is refused by name);
+* offline, a K = V cache built by the MoE teacher at TP 2 with its experts over the TP ranks
+  (EP 2, expert TP 1): equal to colocated;
+* disaggregated, a replica of TP 2 / EP 2 / expert TP 1: equal to colocated.
+"""
+
+import pytest
+from support.hf_models import tiny_qwen3_moe
+from support.train_cases import STUDENT, case_train, step_losses
+
+pytestmark = pytest.mark.filterwarnings("ignore")
+pytest.importorskip("transformers")
+
+VOCAB, SEQ, ITERS, GBS = 500, 32, 4, 4
+BASE = STUDENT + ["--train-iters", str(ITERS), "--eval-interval", "100", "--eval-iters", "0",
+                  "--kd-ce-weight", "0.2", "--qk-layernorm", "--kv-channels", "16"]
+MOE_STUDENT = ["--num-experts", "4", "--moe-ffn-hidden-size", "16", "--moe-router-topk", "2",
+               "--moe-aux-loss-coeff", "0.01"]
+TEACHER_EXPERTS_IN_TP = ["--tensor-model-parallel-size", "2", "--expert-model-parallel-size", "2",
+                         "--expert-tensor-parallel-size", "1"]
+
+
+def case_import(ctx, hf_path, save_dir):
+    from megatron.core import parallel_state
+
+    from megatron_kd.integration.hf_import import import_hf
+
+    parallel_state.initialize_model_parallel(1, 1)
+    try:
+        return import_hf(hf_path, save_dir).to_dict()
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+def case_build_cache(ctx, out, teacher_dir):
+    from megatron_kd.cli import main
+
+    argv = ["cache", "build", "--out", out, "--kd-teacher-load", teacher_dir,
+            "--kd-topk", str(VOCAB), "--logprob-encoding", "fp32", "--samples-per-shard", "4",
+            "--seq-length", str(SEQ), "--micro-batch-size", "2", "--train-iters", str(ITERS),
+            "--global-batch-size", str(GBS), "--mock-data", *TEACHER_EXPERTS_IN_TP]
+    assert main(argv) == 0
+
+
+@pytest.fixture(scope="module")
+def teacher(pool, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("moe")
+    hf_path, _, _ = tiny_qwen3_moe(tmp, vocab=VOCAB)
+    save_dir = str(tmp / "teacher")
+    arch = pool.run(case_import, hf_path, save_dir)[0]
+    assert (arch["num_experts"], arch["moe_router_topk"], arch["qk_layernorm"]) == (4, 2, True)
+    return save_dir
+
+
+@pytest.fixture(scope="module")
+def colocated(pool, teacher):
+    """The reference: colocated, experts at EP 1, the dense (unfused) KD loss."""
+    return step_losses(pool.run(case_train, BASE + ["--kd-teacher-load", teacher], True)[0])
+
+
+def test_colocated_teacher_experts_over_two_ranks(pool, teacher, colocated):
+    run = pool.run(case_train, BASE + ["--kd-teacher-load", teacher,
+                                       "--expert-model-parallel-size", "2"])
+    assert step_losses(run[0]) == step_losses(run[1])
+    # fp32; the fused loss against the dense one and the experts' all-to-all: summation order
+    # only. A wrong expert on a rank moves the step-1 KD term by > 1e-2.
+    assert step_losses(run[0]) == pytest.approx(colocated, rel=5e-6)
+    assert all(r["kd_loss"] > 0.1 for r in run[0]["steps"])
+
+
+def test_moe_student_at_ep2_trains_and_resumes(pool, teacher, tmp_path):
+    argv = BASE + MOE_STUDENT + ["--kd-teacher-load", teacher, "--expert-model-parallel-size",
+                                 "2"]
+    straight = pool.run(case_train, argv)
+    assert step_losses(straight[0]) == step_losses(straight[1])
+    losses = step_losses(straight[0])
+    assert losses[-1] < losses[0]
+    ckpt = str(tmp_path / "ckpt")
+    pool.run(case_train, argv + ["--save", ckpt, "--exit-after-iters", "2"])
+    resumed = pool.run(case_train, argv + ["--load", ckpt])[0]
+    assert resumed["start_iteration"] == 2
+    # the experts, their Adam moments and the router come back exactly
+    assert step_losses(resumed) == losses[2:]
+    # Megatron seeds each expert-parallel rank's experts apart, and its optimizer state does
+    # not move between EP 2 and EP 1: refused by name, not a KeyError deep in the loader.
+    with pytest.raises(Exception, match="was saved at --expert-model-parallel-size 2"):
+        pool.run(case_train, argv[:-2] + ["--load", ckpt])
+
+
+def test_offline_cache_built_by_the_moe_teacher(pool, teacher, colocated, tmp_path):
+    cache = str(tmp_path / "cache")
+    pool.run(case_build_cache, cache, teacher)
+    offline = pool.run(case_train, BASE + ["--kd-mode", "offline", "--kd-topk-cache", cache])
+    # K = V, fp32 log-probs, renormalising tail: the cached teacher is the dense one.
+    assert step_losses(offline[0]) == pytest.approx(colocated, rel=5e-6)
+
+
+def test_disaggregated_teacher_with_experts_over_its_tp_ranks(pool, teacher, colocated,
+                                                              replicas, tmp_path):
+    replicas(teacher, tp=2, extra=tuple(TEACHER_EXPERTS_IN_TP[2:]))
+    dis = pool.run(case_train, BASE + ["--kd-mode", "disaggregated", "--kd-teacher-endpoint",
+                                       str(tmp_path / "endpoint"), "--kd-teacher-load", teacher])
+    assert step_losses(dis[0]) == step_losses(dis[1])
+    assert step_losses(dis[0]) == pytest.approx(colocated, rel=1e-5)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (MOE_STUDENT + ["--tensor-model-parallel-size", "2"], "needs sequence parallelism"),
+    (["--expert-model-parallel-size", "2"], "neither the student nor a colocated teacher"),
+    (MOE_STUDENT[:2] + ["--expert-model-parallel-size", "3"], "does not divide"),
+    (["--num-experts", "4", "--moe-router-topk", "5"], "exceeds num_experts"),
+])
+def test_moe_layouts_refused_before_any_step(tmp_path, flags, message):
+    from megatron_kd.training.plan import plan_run
+    from megatron_kd.training.train import parse_args
+
+    with pytest.raises(ValueError, match=message):
+        plan_run(parse_args(STUDENT + ["--train-iters", "1", "--vocab-size", "500",
+                                       "--kd-weight", "0", "--kd-ce-weight", "1"] + flags),
+                 world_size=2)
