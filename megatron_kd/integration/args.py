@@ -33,6 +33,15 @@ _LOSS_FLAGS = {"kind": "--kd-loss", "temperature": "--kd-temperature", "beta": "
                "window_size": "--kd-window-size", "topk_tail": "--kd-topk-tail"}
 
 
+def add_teacher_args_flag(parser) -> None:
+    """``--kd-teacher-args`` on a parser or group (every command that loads a teacher)."""
+    parser.add_argument("--kd-teacher-args", default=None, metavar="FLAGS_OR_FILE",
+                        help="a Megatron-LM teacher checkpoint's architecture as Megatron-LM "
+                             "flags ('--num-layers 32 --hidden-size 4096 ...', Megatron-LM's "
+                             "defaults), or a file holding them; default: the arguments saved "
+                             "in the checkpoint")
+
+
 def add_kd_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the ``--kd-*`` flags to ``parser`` (an argparse parser, e.g. Megatron-LM's)."""
     group = parser.add_argument_group("knowledge distillation")
@@ -40,8 +49,11 @@ def add_kd_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        help="where the teacher runs: 'colocated' (same ranks as the student), "
                             "'disaggregated' (its own ranks) or 'offline' (a top-K cache)")
     group.add_argument("--kd-teacher-load", default=None, metavar="DIR",
-                       help="teacher checkpoint (megatron_kd format: dist_checkpointing + "
-                            "model_config.json); its architecture comes from model_config.json")
+                       help="teacher checkpoint: megatron_kd's (dist_checkpointing + "
+                            "model_config.json, its architecture inside), or a Megatron-LM / "
+                            "Megatron-Bridge torch_dist checkpoint (--save root or iteration "
+                            "directory)")
+    add_teacher_args_flag(group)
     group.add_argument("--kd-loss", choices=KD_LOSSES, default="forward_kl",
                        help="divergence between teacher and student distributions")
     group.add_argument("--kd-temperature", type=float, default=1.0,
@@ -95,6 +107,10 @@ class KDArgs:
     teacher_load: str | None = None
     """Teacher checkpoint directory; required when ``weight > 0`` in colocated and
     disaggregated mode, refused in offline mode (the cache stands in for the teacher)."""
+
+    teacher_args: str | None = None
+    """A Megatron-LM teacher checkpoint's architecture as Megatron-LM flags (or a file of
+    them); None reads the checkpoint's saved arguments."""
 
     loss: KDLossConfig = field(default_factory=KDLossConfig)
     """The loss flags, validated by :class:`~megatron_kd.loss.KDLossConfig` (``vocab_size`` is
@@ -185,6 +201,7 @@ class KDArgs:
     def from_args(cls, args: argparse.Namespace) -> KDArgs:
         """Read the flags added by :func:`add_kd_args`."""
         return cls(mode=args.kd_mode, teacher_load=args.kd_teacher_load,
+                   teacher_args=getattr(args, "kd_teacher_args", None),
                    loss=loss_config_from_flags(args),
                    teacher_dtype=getattr(args, "kd_teacher_dtype", "fp32"),
                    teacher_endpoint=getattr(args, "kd_teacher_endpoint", None),

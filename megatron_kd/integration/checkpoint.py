@@ -22,6 +22,10 @@ from pathlib import Path
 
 import torch
 from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing.mapping import apply_factory_merges
+from megatron.core.dist_checkpointing.state_dict_utils import load_preprocess
+from megatron.core.dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
+from megatron.core.dist_checkpointing.utils import extract_sharded_base
 
 from megatron_kd.integration.arch import GPTArchConfig
 from megatron_kd.integration.cpu_shim import checkpoint_save_strategy
@@ -254,18 +258,20 @@ def check_checkpoint_tensors(directory: str | os.PathLike,
     return arch
 
 
-def load_model_checkpoint(model, directory: str | os.PathLike, *,
+def load_model_checkpoint(model, directory: str | os.PathLike, *, arch: GPTArchConfig | None = None,
                           validate_access_integrity: bool = True) -> GPTArchConfig:
     """Load a checkpoint saved by :func:`save_model_checkpoint` into ``model`` (collective).
 
     The checkpoint's architecture must match the model's (every field except
     ``init_method_std``), else ``ValueError`` names each mismatching field. Returns the
-    checkpoint's architecture. ``validate_access_integrity=False`` lets ranks that Megatron's
+    checkpoint's architecture. ``arch`` stands in for a checkpoint without ``model_config.json``
+    (a Megatron-LM one). ``validate_access_integrity=False`` lets ranks that Megatron's
     groups would call replicas of each other (e.g. a teacher replicated on every pipeline stage)
     all load the same shard.
     """
     directory = os.fspath(directory)
-    ckpt_arch = read_checkpoint_arch(directory)
+    foreign = not os.path.isfile(os.path.join(directory, MODEL_CONFIG_FILE))
+    ckpt_arch = arch if arch is not None and foreign else read_checkpoint_arch(directory)
     mismatches = arch_mismatches(model_arch(model), ckpt_arch)
     if mismatches:
         raise ValueError(f"checkpoint {directory!r} does not fit the model: "
@@ -273,11 +279,25 @@ def load_model_checkpoint(model, directory: str | os.PathLike, *,
     check_checkpoint_tensors(directory, ckpt_arch)
     inner = _unwrap(model)
     request = inner.sharded_state_dict()
-    loaded = dist_checkpointing.load(request, directory,
-                                     validate_access_integrity=validate_access_integrity)
+    if foreign:
+        loaded = load_sharded_weights(request, directory)
+    else:
+        loaded = dist_checkpointing.load(request, directory,
+                                         validate_access_integrity=validate_access_integrity)
     # A training checkpoint also holds optimizer / iteration state: keep the model's entries.
     inner.load_state_dict({k: v for k, v in loaded.items() if k in request}, strict=True)
     return ckpt_arch
+
+
+def load_sharded_weights(sharded_state_dict, directory: str) -> dict:
+    """``dist_checkpointing.load`` of the sharded entries only: a Megatron-LM checkpoint's
+    common state is a pickle of its run's arguments, which megatron-core reads with
+    ``weights_only=True`` and which names classes another Megatron version may not have. The
+    weights do not need it. Collective like ``dist_checkpointing.load``."""
+    sharded, _, factories = load_preprocess(sharded_state_dict)
+    sharded, _ = extract_sharded_base(sharded)
+    loaded = TorchDistLoadShardedStrategy().load(sharded, directory)
+    return apply_factory_merges(loaded, factories)
 
 
 def checkpoint_hash(directory: str) -> str:

@@ -179,7 +179,8 @@ def check_megatron_args(args: argparse.Namespace):
     # the teacher runs over the student's TP group
     teacher_dir, arch = check_teacher(
         kd.teacher_load, seq_length=getattr(args, "seq_length", None) or 1,
-        tp_sizes=(getattr(args, "tensor_model_parallel_size", 1) or 1,))
+        tp_sizes=(getattr(args, "tensor_model_parallel_size", 1) or 1,),
+        teacher_args=kd.teacher_args)
     kd = dataclasses.replace(kd, teacher_load=teacher_dir)
     padded = getattr(args, "padded_vocab_size", None)
     if padded is not None and padded != arch.padded_vocab_size:

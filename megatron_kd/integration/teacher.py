@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import json
 import os
 
 import torch
@@ -33,6 +34,10 @@ from megatron_kd.integration.checkpoint import (
     resolve_model_dir,
 )
 from megatron_kd.integration.gpt import build_gpt_model
+from megatron_kd.integration.megatron_lm_checkpoint import (
+    megatron_lm_teacher_arch,
+    megatron_lm_teacher_dir,
+)
 from megatron_kd.integration.output_layer import bypass_output_layer
 from megatron_kd.teacher.client import TeacherClient
 from megatron_kd.teacher.endpoint import parse_endpoint
@@ -41,16 +46,33 @@ __all__ = ["build_frozen_teacher", "check_teacher", "connect_teacher", "load_out
            "teacher_identity", "unpipelined_groups"]
 
 
+def _teacher_dir_and_arch(teacher_load: str,
+                          teacher_args: str | None) -> tuple[str, GPTArchConfig]:
+    """This project's checkpoint (``model_config.json``), else a Megatron-LM one."""
+    try:
+        directory = resolve_model_dir(teacher_load)
+    except ValueError:
+        directory = megatron_lm_teacher_dir(teacher_load)
+        if directory is None:
+            raise
+        return directory, megatron_lm_teacher_arch(directory, teacher_args)
+    if teacher_args:
+        raise ValueError(f"--kd-teacher-args is for Megatron-LM checkpoints; {directory!r} "
+                         f"has its architecture in {MODEL_CONFIG_FILE}")
+    return directory, read_checkpoint_arch(directory)
+
+
 def check_teacher(teacher_load: str, *, seq_length: int, tp_sizes: tuple[int, ...] = (1,),
-                  pp_size: int = 1) -> tuple[str, GPTArchConfig]:
+                  pp_size: int = 1, teacher_args: str | None = None) -> tuple[str, GPTArchConfig]:
     """``(directory, arch)`` of a teacher checkpoint, checked: its tensors fit its
-    ``model_config.json``, every TP size of ``tp_sizes`` and ``pp_size`` split it, and it is
-    built for ``seq_length``. ``teacher_load`` may be a training checkpoint root (its newest
-    iteration is taken)."""
+    architecture, every TP size of ``tp_sizes`` and ``pp_size`` split it, and it is built for
+    ``seq_length``. ``teacher_load`` may be a training checkpoint root (its newest iteration is
+    taken), or a Megatron-LM ``torch_dist`` checkpoint whose architecture is ``teacher_args``
+    (Megatron-LM flags, or a file of them) or, without them, its saved arguments
+    (:mod:`megatron_kd.integration.megatron_lm_checkpoint`)."""
     if not os.path.isdir(teacher_load):
         raise ValueError(f"--kd-teacher-load {teacher_load!r} is not a directory")
-    directory = resolve_model_dir(teacher_load)
-    arch = read_checkpoint_arch(directory)
+    directory, arch = _teacher_dir_and_arch(teacher_load, teacher_args)
     check_checkpoint_tensors(directory, arch)
     try:
         for tp in tp_sizes:
@@ -100,7 +122,8 @@ def build_frozen_teacher(arch: GPTArchConfig, load_dir: str, *, dtype: torch.dty
     teacher = build_gpt_model(arch, pg_collection=pg_collection, pre_process=pre_process,
                               post_process=post_process, params_dtype=dtype, seed=seed,
                               perform_initialization=False)
-    load_model_checkpoint(teacher, load_dir, validate_access_integrity=not replicated)
+    load_model_checkpoint(teacher, load_dir, arch=arch,
+                          validate_access_integrity=not replicated)
     if not keep:
         return None
     if post_process:
@@ -132,11 +155,11 @@ def teacher_identity(teacher_dir: str, arch: GPTArchConfig, dtype: str) -> dict:
     """What a teacher service serves and a student checks at connect: the checkpoint (a hash of
     its ``model_config.json`` and of every file's name and size: cheap, the weights are not
     read), the true and padded vocabulary, the hidden size, the parameter dtype and the
-    tokenizer (sha256 of the checkpoint's ``tokenizer.json``, if it has one)."""
+    tokenizer (sha256 of the checkpoint's ``tokenizer.json``, if it has one). The architecture
+    is hashed as built (a Megatron-LM checkpoint has no ``model_config.json``)."""
     digest = hashlib.sha256()
     root = os.path.abspath(teacher_dir)
-    with open(os.path.join(root, MODEL_CONFIG_FILE), "rb") as f:
-        digest.update(f.read())
+    digest.update(json.dumps(arch.to_dict(), sort_keys=True).encode())
     for directory, _, files in sorted(os.walk(root)):
         for name in sorted(files):
             path = os.path.join(directory, name)

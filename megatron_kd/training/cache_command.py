@@ -34,7 +34,11 @@ from megatron_kd.cache.identity import dataset_identity, tokenizer_identity
 from megatron_kd.cache.summary import print_info, print_verify
 from megatron_kd.data.datasets import collate
 from megatron_kd.data.tokenizer import MockTokenizer
-from megatron_kd.integration.args import TEACHER_DTYPES, teacher_torch_dtype
+from megatron_kd.integration.args import (
+    TEACHER_DTYPES,
+    add_teacher_args_flag,
+    teacher_torch_dtype,
+)
 from megatron_kd.integration.checkpoint import checkpoint_hash
 from megatron_kd.integration.cpu_shim import device_context, install_cpu_shim, on_cpu
 from megatron_kd.integration.groups import (
@@ -70,6 +74,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="rows projected onto the vocabulary at once")
     b.add_argument("--tensor-model-parallel-size", type=int, default=1)
     add_expert_parallel_args(b)
+    add_teacher_args_flag(b)
     b.add_argument("--kd-teacher-dtype", choices=TEACHER_DTYPES, default="fp32",
                    help="parameter dtype of the teacher (the top-K maths runs in fp32 either "
                         "way)")
@@ -123,7 +128,8 @@ def _build(args: argparse.Namespace) -> int:
 
 def _build_in_model_parallel(args: argparse.Namespace, codec: LogprobCodec):
     teacher_dir, arch = check_teacher(args.kd_teacher_load, seq_length=args.seq_length,
-                                      tp_sizes=(args.tensor_model_parallel_size,))
+                                      tp_sizes=(args.tensor_model_parallel_size,),
+                                      teacher_args=args.kd_teacher_args)
     check_experts_within_tensor_parallel(arch, args.tensor_model_parallel_size,
                                          args.expert_model_parallel_size,
                                          args.expert_tensor_parallel_size)

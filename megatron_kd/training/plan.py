@@ -31,7 +31,7 @@ from megatron_kd.data.datasets import (
 from megatron_kd.data.tokenizer import HFTokenizer, MockTokenizer, tokenizer_difference
 from megatron_kd.integration.arch import GPTArchConfig
 from megatron_kd.integration.args import KDArgs
-from megatron_kd.integration.checkpoint import read_checkpoint_extra
+from megatron_kd.integration.checkpoint import MODEL_CONFIG_FILE, read_checkpoint_extra
 from megatron_kd.integration.cpu_shim import on_cpu
 from megatron_kd.integration.teacher import check_teacher
 from megatron_kd.parallel import check_parallel_sizes, pad_vocab_size
@@ -99,7 +99,10 @@ def resolve_tokenizer(args: argparse.Namespace, teacher_dir: str | None):
         if diff:
             raise ValueError(f"--tokenizer-model {tokenizer.path!r} is not the teacher's "
                              f"tokenizer ({teacher_tok_file}): {diff}")
-    teacher_tok = read_checkpoint_extra(teacher_dir).get("tokenizer_sha256")
+    # a Megatron-LM checkpoint has no model_config.json, so no recorded tokenizer to compare
+    extra = (read_checkpoint_extra(teacher_dir)
+             if os.path.isfile(os.path.join(teacher_dir, MODEL_CONFIG_FILE)) else {})
+    teacher_tok = extra.get("tokenizer_sha256")
     if teacher_tok and teacher_tok != tokenizer.sha256:
         raise ValueError(f"the teacher {teacher_dir!r} was made with another tokenizer "
                          f"(sha256 {teacher_tok[:12]}...) than --tokenizer-model "
@@ -214,6 +217,7 @@ def plan_run(args: argparse.Namespace, world_size: int) -> Plan:
         # the student's ranks hold the teacher's output layer in the student's partition (a
         # disaggregated teacher's own layout is its replicas' business: `teacher serve` checks it)
         teacher_dir, teacher_arch = check_teacher(kd.teacher_load, seq_length=args.seq_length,
+                                                  teacher_args=kd.teacher_args,
                                                   tp_sizes=(tp,))
         kd = dataclasses.replace(kd, teacher_load=teacher_dir)
     cache_spec = None

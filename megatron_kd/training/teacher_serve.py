@@ -33,7 +33,11 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from megatron_kd.integration.args import TEACHER_DTYPES, teacher_torch_dtype
+from megatron_kd.integration.args import (
+    TEACHER_DTYPES,
+    add_teacher_args_flag,
+    teacher_torch_dtype,
+)
 from megatron_kd.integration.cpu_shim import device_context, install_cpu_shim, on_cpu
 from megatron_kd.integration.groups import (
     add_expert_parallel_args,
@@ -62,6 +66,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--tensor-model-parallel-size", type=int, default=1)
     s.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     add_expert_parallel_args(s)
+    add_teacher_args_flag(s)
     s.add_argument("--kd-teacher-dtype", choices=TEACHER_DTYPES, default="fp32",
                    help="parameter dtype of the teacher")
     s.add_argument("--max-batch-size", type=int, default=16,
@@ -122,7 +127,7 @@ def _check(args: argparse.Namespace, world: int):
                          f"is never a data-parallel rank of another: each must be able to fail "
                          f"alone)")
     teacher_dir, arch = check_teacher(args.kd_teacher_load, seq_length=args.max_seq_length or 1,
-                                      tp_sizes=(tp,), pp_size=pp)
+                                      tp_sizes=(tp,), pp_size=pp, teacher_args=args.kd_teacher_args)
     check_experts_within_tensor_parallel(arch, tp, args.expert_model_parallel_size,
                                          args.expert_tensor_parallel_size)
     return teacher_dir, arch

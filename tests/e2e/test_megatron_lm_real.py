@@ -124,6 +124,9 @@ def _torchrun(python, nproc, argv, env):
     proc = subprocess.run([python, "-m", "torch.distributed.run", "--standalone",
                            "--nproc-per-node", str(nproc), *argv], capture_output=True,
                           text=True, env=env, timeout=600, check=False)
+    if proc.returncode and os.environ.get("MEGATRON_LM_FAILED_LOG"):
+        with open(os.environ["MEGATRON_LM_FAILED_LOG"], "w", encoding="utf-8") as f:
+            f.write(proc.stdout + proc.stderr)
     assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-6000:])
     return proc.stdout + proc.stderr
 
@@ -197,3 +200,67 @@ def test_real_pretrain_gpt_matches_megatron_kd_train(inputs, reference, layout, 
                 assert got_steps[it][key] == pytest.approx(want_steps[it][key], rel=1e-5), (
                     root, layout, it, key)
         assert set(got_valid) == set(want_valid) and all(v > 0 for v in got_valid.values())
+
+
+# The tiny teacher (support.train_cases.TEACHER_ARCH) in Megatron-LM's flags.
+TEACHER_FLAGS = ["--num-layers", "2", "--hidden-size", "48", "--num-attention-heads", "4",
+                 "--group-query-attention", "--num-query-groups", "2", "--ffn-hidden-size", "96",
+                 "--max-position-embeddings", "64", "--position-embedding-type", "rope",
+                 "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear",
+                 "--vocab-size", "500"]
+
+
+def test_real_megatron_lm_checkpoint_as_teacher(inputs, tmp_path):
+    """Megatron-LM itself writes the teacher: ``pretrain_gpt.py`` (KD off) loads the tiny
+    teacher's weights (``--finetune``) and saves them after one step at learning rate 0 (Adam
+    then changes nothing). Distilling from that ``torch_dist`` checkpoint, its architecture
+    given as the same flags or read from the arguments Megatron-LM saved in it, gives the
+    losses of the original checkpoint exactly."""
+    python = _megatron_lm_python()
+    release = tmp_path / "release_root"
+    release.mkdir()
+    os.symlink(inputs["teacher"], release / "release")
+    (release / "latest_checkpointed_iteration.txt").write_text("release")
+    base = ["-m", "megatron_kd", "train", *COMMON[:COMMON.index("--train-iters")],
+            "--train-iters", "3", "--eval-iters", "0", "--eval-interval", "100", "--split",
+            "90,5,5", "--data-path", inputs["data"], "--tokenizer-model", inputs["tokenizer"], "--no-progress",
+            "--kd-ce-weight", "0.5"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    want_log = str(tmp_path / "want.jsonl")
+    _torchrun(sys.executable, 1, [*base, "--kd-teacher-load", inputs["teacher"], "--log-json",
+                                  want_log], env)
+    want = _megatron_kd_losses_only(want_log)
+    assert len(want) == 3 and all(v["kd loss"] > 0 for v in want.values())
+    for root in _checkouts():
+        out = tmp_path / f"mlm_{os.path.basename(root)}"
+        mlm_env = dict(env, CUDA_DEVICE_MAX_CONNECTIONS="1",
+                       PYTHONPATH=os.pathsep.join([root, os.path.join(REPO, "tests"), REPO]),
+                       PATH=os.pathsep.join([os.path.dirname(python), os.environ["PATH"]]))
+        only = MEGATRON_LM_ONLY[MEGATRON_LM_ONLY.index("--tokenizer-type"):
+                                MEGATRON_LM_ONLY.index("--save-interval")]
+        # the patched script (as a user's), its KD term off: a plain LM step at learning rate 0
+        _torchrun(python, 1, [LAUNCHER, _patched_script(root, tmp_path), *TEACHER_FLAGS,
+                              "--kd-weight", "0", "--kd-ce-weight", "1",
+                              *only,
+                              "--seq-length", "32", "--micro-batch-size", "2",
+                              "--global-batch-size", "2", "--train-iters", "1", "--lr", "0.0",
+                              "--min-lr", "0.0", "--weight-decay", "0.0", "--clip-grad", "0.0",
+                              "--eval-iters", "0", "--eval-interval", "100", "--split", "90,5,5",
+                              "--data-path",
+                              inputs["data"], "--load", str(release), "--finetune",
+                              "--no-load-optim", "--no-load-rng", "--save", str(out),
+                              "--save-interval", "1"], mlm_env)
+        assert (out / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
+        assert not (out / "iter_0000001" / "model_config.json").exists()
+        for extra in (["--kd-teacher-args", " ".join(TEACHER_FLAGS)], []):
+            got_log = str(tmp_path / f"got_{os.path.basename(root)}_{len(extra)}.jsonl")
+            _torchrun(sys.executable, 1, [*base, "--kd-teacher-load", str(out), *extra,
+                                          "--log-json", got_log], env)
+            assert _megatron_kd_losses_only(got_log) == want, (root, extra)
+
+
+def _megatron_kd_losses_only(log_json):
+    with open(log_json, encoding="utf-8") as f:
+        records = [json.loads(line) for line in f if line.strip()]
+    return {r["step"]: {"total loss": r["loss"], "kd loss": r["kd_loss"]}
+            for r in records if "step_time_s" in r}

@@ -1,0 +1,265 @@
+"""A Megatron-LM (or Megatron-Bridge) ``torch_dist`` checkpoint as a teacher, not converted.
+
+Such a checkpoint has no ``model_config.json``: its architecture is what the run that wrote it
+was launched with. It comes from Megatron-LM flags (``--kd-teacher-args "--num-layers 32
+--hidden-size 4096 ..."``, or ``--kd-teacher-args FILE`` with those flags in the file) or, when
+no flags are given, from the arguments Megatron-LM saved in the checkpoint (``common.pt``'s
+``args``). Flags are read with Megatron-LM's defaults (LayerNorm, learned absolute positions,
+biases on, tied embeddings, no SwiGLU unless ``--swiglu``...), so the teacher's launch flags
+can be pasted as they are. The weights load through ``dist_checkpointing`` with the same keys
+a Megatron-Core ``GPTModel`` of either layer spec (local or Transformer Engine) writes.
+
+:func:`megatron_lm_teacher_dir` finds the iteration directory, :func:`megatron_lm_teacher_arch`
+the architecture; a feature this project does not build (multi-latent attention, partial
+rotary, dense layers between expert layers, ...) is refused naming the flag.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import os
+import pickle
+import shlex
+import types
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from megatron.core import dist_checkpointing
+
+from megatron_kd.integration.arch import GPTArchConfig
+
+__all__ = ["arch_from_megatron_lm_args", "megatron_lm_teacher_arch", "megatron_lm_teacher_dir",
+           "parse_megatron_lm_flags"]
+
+_TRACKER = "latest_checkpointed_iteration.txt"
+_DIST_METADATA = "metadata.json"
+
+# Flags of a launch line that do not change the weights or the function: accepted, ignored.
+_IGNORED_VALUE_FLAGS = ("--seq-length", "--attention-dropout", "--hidden-dropout",
+                        "--transformer-impl", "--tensor-model-parallel-size",
+                        "--pipeline-model-parallel-size", "--expert-model-parallel-size",
+                        "--expert-tensor-parallel-size", "--moe-token-dispatcher-type",
+                        "--moe-aux-loss-coeff", "--moe-router-load-balancing-type",
+                        "--tokenizer-type", "--tokenizer-model", "--attention-backend")
+_IGNORED_SWITCHES = ("--use-mcore-models", "--bf16", "--fp16", "--sequence-parallel",
+                     "--use-flash-attn", "--moe-grouped-gemm", "--no-masked-softmax-fusion",
+                     "--no-bias-swiglu-fusion", "--no-rope-fusion", "--no-persist-layer-norm",
+                     "--no-gradient-accumulation-fusion", "--use-cpu-initialization",
+                     "--use-rotary-position-embeddings", "--group-query-attention-off")
+
+# Saved-args attributes (and the value that means "off") this project cannot build.
+_UNSUPPORTED = {"multi_latent_attention": False, "rotary_interleaved": False,
+                "apply_layernorm_1p": False, "layernorm_zero_centered_gamma": False, "moe_shared_expert_intermediate_size": None,
+                "window_size": None, "qk_l2_norm": False, "num_experts_per_layer": None,
+                "heterogeneous_layers_config_path": None, "hybrid_override_pattern": None}
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="--kd-teacher-args", add_help=False, allow_abbrev=False)
+    for flag in ("--num-layers", "--hidden-size", "--num-attention-heads", "--ffn-hidden-size",
+                 "--kv-channels", "--max-position-embeddings", "--num-query-groups",
+                 "--num-experts", "--moe-ffn-hidden-size", "--vocab-size"):
+        p.add_argument(flag, type=int, default=None)
+    p.add_argument("--moe-router-topk", type=int, default=2)
+    p.add_argument("--moe-layer-freq", default=1)
+    p.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    p.add_argument("--group-query-attention", action="store_true")
+    p.add_argument("--position-embedding-type", default="learned_absolute",
+                   choices=("learned_absolute", "rope", "none"))
+    p.add_argument("--rotary-base", type=float, default=10000.0)
+    p.add_argument("--rotary-percent", type=float, default=1.0)
+    p.add_argument("--normalization", default="LayerNorm")
+    # Megatron-LM's own destination names (its saved args use them)
+    p.add_argument("--norm-epsilon", dest="layernorm_epsilon", type=float, default=1e-5)
+    p.add_argument("--init-method-std", type=float, default=0.02)
+    for flag in ("--swiglu", "--untie-embeddings-and-output-weights", "--add-qkv-bias",
+                 "--qk-layernorm", "--moe-router-pre-softmax", "--apply-layernorm-1p",
+                 "--multi-latent-attention", "--rotary-interleaved"):
+        p.add_argument(flag, action="store_true")
+    p.add_argument("--disable-bias-linear", dest="add_bias_linear", action="store_false")
+    for flag in _IGNORED_VALUE_FLAGS:
+        p.add_argument(flag, dest="_ignored_" + flag[2:].replace("-", "_"))
+    for flag in _IGNORED_SWITCHES:
+        p.add_argument(flag, dest="_ignored_" + flag[2:].replace("-", "_"), action="store_true")
+    return p
+
+
+def parse_megatron_lm_flags(value: str) -> argparse.Namespace:
+    """The architecture in Megatron-LM flags (a string, or the path of a file holding them),
+    with Megatron-LM's defaults and derived values (``ffn_hidden_size`` 4h, or with SwiGLU
+    ``int(8h/3 / 64) * 64``; ``kv_channels`` h / heads; one query group per head without
+    ``--group-query-attention``). Unknown flags raise ``ValueError`` naming them."""
+    text = value
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            text = " ".join(line.split("#", 1)[0] for line in f)
+    args, unknown = _parser().parse_known_args(shlex.split(text.replace("\\\n", " ")))
+    if unknown:
+        raise ValueError(f"--kd-teacher-args: flags not known as teacher architecture: "
+                         f"{unknown} (give the teacher's model flags only)")
+    for name in ("num_layers", "hidden_size", "num_attention_heads"):
+        if getattr(args, name) is None:
+            raise ValueError(f"--kd-teacher-args needs --{name.replace('_', '-')}")
+    h = args.hidden_size
+    if args.ffn_hidden_size is None:
+        args.ffn_hidden_size = int(4 * h * 2 / 3 / 64) * 64 if args.swiglu else 4 * h
+    if args.kv_channels is None:
+        args.kv_channels = h // args.num_attention_heads
+    if not args.group_query_attention:
+        args.num_query_groups = args.num_attention_heads
+    elif args.num_query_groups is None:
+        args.num_query_groups = 1
+    return args
+
+
+def _refuse_unsupported(args: Any) -> None:
+    found = [f"{name}={getattr(args, name)!r}" for name, off in _UNSUPPORTED.items()
+             if getattr(args, name, off) not in (off, False, None)]
+    if getattr(args, "rotary_percent", 1.0) != 1.0:
+        found.append(f"rotary_percent={args.rotary_percent}")
+    if str(getattr(args, "moe_layer_freq", 1)) != "1":
+        found.append(f"moe_layer_freq={args.moe_layer_freq!r}")
+    if getattr(args, "add_qkv_bias", False) and not getattr(args, "add_bias_linear", True):
+        found.append("add_qkv_bias without add_bias_linear")
+    if found:
+        raise ValueError(f"teacher architecture not supported: {', '.join(found)}")
+
+
+def arch_from_megatron_lm_args(args: Any, *, embedding_rows: int,
+                               vocab_size: int | None = None) -> GPTArchConfig:
+    """:class:`GPTArchConfig` of Megatron-LM arguments (parsed flags or the saved ``args``).
+
+    ``embedding_rows``: the checkpoint's embedding rows (its padded vocabulary). The true
+    vocabulary is ``vocab_size``, else the arguments' ``--vocab-size``, else every row.
+    """
+    _refuse_unsupported(args)
+    vocab = vocab_size or getattr(args, "vocab_size", None) or embedding_rows
+    heads = args.num_attention_heads
+    groups = args.num_query_groups if getattr(args, "group_query_attention", False) else heads
+    kv = args.kv_channels
+    return GPTArchConfig(
+        num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=heads,
+        num_query_groups=groups, ffn_hidden_size=args.ffn_hidden_size,
+        kv_channels=None if kv is None or kv * heads == args.hidden_size else kv,
+        vocab_size=int(vocab), padded_vocab_size=int(embedding_rows),
+        max_position_embeddings=args.max_position_embeddings or getattr(args, "seq_length", 0),
+        rotary_base=float(args.rotary_base), norm_epsilon=float(args.layernorm_epsilon),
+        normalization=args.normalization, swiglu=bool(args.swiglu),
+        tie_embeddings=not args.untie_embeddings_and_output_weights,
+        add_bias_linear=bool(args.add_bias_linear),
+        position_embedding_type=args.position_embedding_type,
+        init_method_std=float(args.init_method_std),
+        qk_layernorm=bool(getattr(args, "qk_layernorm", False)),
+        num_experts=getattr(args, "num_experts", None),
+        moe_ffn_hidden_size=(getattr(args, "moe_ffn_hidden_size", None)
+                             if getattr(args, "num_experts", None) else None),
+        moe_router_topk=int(getattr(args, "moe_router_topk", 2) or 2),
+        moe_router_pre_softmax=bool(getattr(args, "moe_router_pre_softmax", False)))
+
+
+def megatron_lm_teacher_dir(path: str) -> str | None:
+    """The ``torch_dist`` directory of a Megatron-LM checkpoint at ``path`` (a ``--save`` root
+    whose tracker file names an iteration or ``release``, or an iteration directory), else
+    None."""
+    if os.path.isfile(os.path.join(path, _DIST_METADATA)):
+        return path
+    tracker = os.path.join(path, _TRACKER)
+    if not os.path.isfile(tracker):
+        return None
+    with open(tracker, encoding="utf-8") as f:
+        text = f.read().strip()
+    name = "release" if text == "release" else f"iter_{int(text):07d}" if text.isdigit() else None
+    if name is None:
+        raise ValueError(f"{tracker}: expected an iteration number or 'release', got {text!r}")
+    directory = os.path.join(path, name)
+    if not os.path.isfile(os.path.join(directory, _DIST_METADATA)):
+        raise ValueError(f"{tracker} names {name}, but {directory!r} is not a torch_dist "
+                         f"checkpoint (no {_DIST_METADATA}; legacy per-rank .pt checkpoints "
+                         f"are not read: convert with Megatron-LM's --ckpt-convert-format "
+                         f"torch_dist)")
+    return directory
+
+
+class _Unknown:
+    """Stands in for a class of another Megatron version that a saved ``args`` names (an enum
+    this megatron-core lacks, say): the architecture fields are plain values either way."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.args = args
+
+    def __setstate__(self, state: Any) -> None:
+        self.state = state
+
+
+class _LenientUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        try:
+            return super().find_class(module, name)
+        except (ImportError, AttributeError):
+            return type(name, (_Unknown,), {"__module__": module})
+
+
+_LENIENT_PICKLE = types.SimpleNamespace(Unpickler=_LenientUnpickler, load=pickle.load,
+                                        __name__="pickle")
+class _RawBytesPlanner(dcp.DefaultLoadPlanner):
+    """Keeps a stored object's bytes (DCP's default planner unpickles them with the stock
+    unpickler, which fails on a class this megatron-core lacks)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.raw: dict[str, bytes] = {}
+
+    def load_bytes(self, read_item, value) -> None:
+        self.raw[read_item.dest_index.fqn] = value.read()
+
+
+_COMMON_PT = "common.pt"
+_COMMON_KEY = "common_state/shard_0_1"  # newer Megatron-Core: the common state inside DCP
+
+
+def _load_common(directory: str) -> dict:
+    """The checkpoint's common (non-tensor) state, ``common.pt`` or (newer Megatron-Core) the
+    ``common_state`` object inside the DCP files, read whichever megatron-core wrote it.
+
+    It is a pickle that names Megatron-LM classes, so it is read as Megatron-LM reads it
+    (not ``weights_only``): only point ``--kd-teacher-load`` at checkpoints you trust."""
+    path = os.path.join(directory, _COMMON_PT)
+    if os.path.isfile(path):
+        return torch.load(path, map_location="cpu", weights_only=False,
+                          pickle_module=_LENIENT_PICKLE)
+    planner = _RawBytesPlanner()
+    dcp.load({_COMMON_KEY: io.BytesIO()}, storage_reader=dcp.FileSystemReader(directory),
+             planner=planner, no_dist=True)
+    loaded = torch.load(io.BytesIO(planner.raw[_COMMON_KEY]), map_location="cpu",
+                        weights_only=False, pickle_module=_LENIENT_PICKLE)
+    return loaded[0] if isinstance(loaded, (list, tuple)) else loaded
+
+
+def _saved_args(directory: str):
+    try:
+        common = _load_common(directory)
+    except Exception as e:  # noqa: BLE001 - the cause is named in the message
+        raise ValueError(f"Megatron-LM checkpoint {directory!r}: its saved arguments cannot be "
+                         f"read ({type(e).__name__}: {e}); give the teacher's flags with "
+                         f"--kd-teacher-args") from e
+    args = common.get("args") if isinstance(common, dict) else None
+    if args is None:
+        raise ValueError(f"Megatron-LM checkpoint {directory!r} holds no saved arguments: give "
+                         f"the teacher's flags with --kd-teacher-args")
+    return args
+
+
+def megatron_lm_teacher_arch(directory: str, teacher_args: str | None) -> GPTArchConfig:
+    """The architecture of the Megatron-LM checkpoint in ``directory`` (a ``torch_dist``
+    iteration directory): from ``teacher_args`` (flags or a file of them) when given, else from
+    the checkpoint's saved arguments. The padded vocabulary is the stored embedding's rows."""
+    stored = dist_checkpointing.load_tensors_metadata(directory)
+    key = "embedding.word_embeddings.weight"
+    if key not in stored:
+        raise ValueError(f"Megatron-LM checkpoint {directory!r} has no {key} (not a GPT model "
+                         f"checkpoint?)")
+    rows = int(stored[key].global_shape[0])
+    args = parse_megatron_lm_flags(teacher_args) if teacher_args else _saved_args(directory)
+    return arch_from_megatron_lm_args(args, embedding_rows=rows)
