@@ -14,7 +14,8 @@ from dataclasses import dataclass
 __all__ = ["GPTArchConfig"]
 
 _NORMALIZATIONS = ("RMSNorm", "LayerNorm")
-_POSITION_EMBEDDINGS = ("rope", "learned_absolute", "none")
+_POSITION_EMBEDDINGS = ("rope", "yarn", "learned_absolute", "none")
+_GATED_ACTIVATIONS = ("silu", "quick_gelu")
 
 
 @dataclass(kw_only=True)
@@ -94,6 +95,46 @@ class GPTArchConfig:
     is top k of the router logits, then a softmax over those k, which equals renormalising
     the top-k probabilities (``--moe-router-pre-softmax``)."""
 
+    add_qkv_bias: bool = False
+    """Biases on the query, key and value projections only (Megatron's ``add_qkv_bias``)."""
+
+    attention_sinks: bool = False
+    """A learned per-head logit in every attention softmax's denominator (gpt-oss; Megatron's
+    ``softmax_type="learnable"``)."""
+
+    window_size: int | None = None
+    """Sliding-window attention: a query attends to itself and the ``window_size - 1`` tokens
+    before it (Hugging Face's ``sliding_window``); None is full attention."""
+
+    window_layers: list[int] | None = None
+    """The layers (0-based) with the sliding window; None is every layer."""
+
+    gated_activation: str = "silu"
+    """The gate's activation of the gated MLP: ``"silu"`` (SwiGLU) or ``"quick_gelu"``
+    (``x * sigmoid(1.702 x)``, gpt-oss)."""
+
+    glu_linear_offset: float = 0.0
+    """Added to the linear half of the gated MLP (gpt-oss: ``(up + 1)``)."""
+
+    activation_clamp: float | None = None
+    """Clamp of the gated MLP's inputs: gate to ``<= c``, linear half to ``[-c, c]`` (gpt-oss:
+    7)."""
+
+    yarn_factor: float | None = None
+    """YaRN RoPE scaling (``position_embedding_type="yarn"``): the context extension factor."""
+
+    yarn_original_max_position_embeddings: int | None = None
+    """YaRN: the context length RoPE was trained at."""
+
+    yarn_beta_fast: float = 32.0
+    """YaRN: the high-frequency boundary (rotations)."""
+
+    yarn_beta_slow: float = 1.0
+    """YaRN: the low-frequency boundary (rotations)."""
+
+    yarn_truncate: bool = True
+    """YaRN: round the correction range to whole dimensions (Hugging Face's ``truncate``)."""
+
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
                      "vocab_size", "padded_vocab_size", "max_position_embeddings"):
@@ -122,6 +163,7 @@ class GPTArchConfig:
             raise ValueError(f"GPTArchConfig.kv_channels must be a positive int or None, "
                              f"got {self.kv_channels!r}")
         self._check_moe()
+        self._check_attention_variants()
         if self.normalization not in _NORMALIZATIONS:
             raise ValueError(f"GPTArchConfig.normalization must be one of {_NORMALIZATIONS}, "
                              f"got {self.normalization!r}")
@@ -155,10 +197,28 @@ class GPTArchConfig:
                                   or width < 1):
             raise ValueError(f"GPTArchConfig.moe_ffn_hidden_size must be a positive int or "
                              f"None, got {width!r}")
-        if self.add_bias_linear:
-            raise ValueError("GPTArchConfig: add_bias_linear with num_experts is not supported "
-                             "(Megatron-Core's expert MLP with biases fails in backward in "
-                             "megatron-core 0.16)")
+
+    def _check_attention_variants(self) -> None:
+        if self.window_size is not None and (not isinstance(self.window_size, int)
+                                             or self.window_size < 1):
+            raise ValueError(f"GPTArchConfig.window_size must be a positive int or None, "
+                             f"got {self.window_size!r}")
+        if self.window_layers is not None:
+            if self.window_size is None:
+                raise ValueError("GPTArchConfig.window_layers needs window_size")
+            bad = [i for i in self.window_layers if not 0 <= i < self.num_layers]
+            if bad:
+                raise ValueError(f"GPTArchConfig.window_layers {bad} outside the "
+                                 f"{self.num_layers} layers")
+        if self.gated_activation not in _GATED_ACTIVATIONS:
+            raise ValueError(f"GPTArchConfig.gated_activation must be one of "
+                             f"{_GATED_ACTIVATIONS}, got {self.gated_activation!r}")
+        if (self.position_embedding_type == "yarn") != (self.yarn_factor is not None):
+            raise ValueError(f"GPTArchConfig: position_embedding_type="
+                             f"{self.position_embedding_type!r} with yarn_factor="
+                             f"{self.yarn_factor!r} (YaRN needs both, and only YaRN has a factor)")
+        if self.yarn_factor is not None and self.yarn_original_max_position_embeddings is None:
+            raise ValueError("GPTArchConfig: YaRN needs yarn_original_max_position_embeddings")
 
     @property
     def expert_ffn_hidden_size(self) -> int:

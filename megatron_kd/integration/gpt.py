@@ -14,6 +14,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state
+from megatron.core.fusions.fused_bias_geglu import quick_gelu
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_layer_local_spec,
@@ -28,7 +29,8 @@ from megatron_kd.integration.cpu_shim import install_cpu_shim, on_cpu
 __all__ = ["build_gpt_model", "model_arch"]
 
 
-def _transformer_config(arch: GPTArchConfig, *, tp_size: int, pp_size: int, ep_size: int,
+def _transformer_config(arch: GPTArchConfig, *, tp_size: int, pp_size: int,
+                        ep_size: tuple[int, int],
                         params_dtype: torch.dtype, **overrides: Any):
     kwargs = {
         "num_layers": arch.num_layers,
@@ -40,10 +42,12 @@ def _transformer_config(arch: GPTArchConfig, *, tp_size: int, pp_size: int, ep_s
         "layernorm_epsilon": arch.norm_epsilon,
         "normalization": arch.normalization,
         "gated_linear_unit": arch.swiglu,
-        "activation_func": F.silu if arch.swiglu else F.gelu,
+        "activation_func": (_GATED_ACTIVATIONS[arch.gated_activation] if arch.swiglu
+                            else F.gelu),
         "add_bias_linear": arch.add_bias_linear,
         "init_method_std": arch.init_method_std,
         "qk_layernorm": arch.qk_layernorm,
+        "bias_activation_fusion": False,
         "tensor_model_parallel_size": tp_size,
         "pipeline_model_parallel_size": pp_size,
         "params_dtype": params_dtype,
@@ -62,13 +66,49 @@ def _transformer_config(arch: GPTArchConfig, *, tp_size: int, pp_size: int, ep_s
     }
     if arch.num_experts is not None:
         kwargs.update(_moe_config(arch, ep_size))
+    kwargs.update(_attention_variant_config(arch))
     kwargs.update(overrides)
-    return TransformerConfig(**kwargs)
+    config = TransformerConfig(**kwargs)
+    if arch.yarn_factor is not None:
+        # GPTModel reads these with getattr; only MLATransformerConfig declares them
+        # (megatron-core 0.16.1 and 0.19.2)
+        config.yarn_rotary_scaling_factor = arch.yarn_factor
+        config.yarn_original_max_position_embeddings = arch.yarn_original_max_position_embeddings
+        config.yarn_beta_fast = arch.yarn_beta_fast
+        config.yarn_beta_slow = arch.yarn_beta_slow
+        config.yarn_mscale = None  # 0.1 ln(factor) + 1, as Hugging Face's default
+        config.yarn_mscale_all_dim = None
+        config.yarn_correction_range_round_to_int = arch.yarn_truncate
+    return config
 
 
-def _moe_config(arch: GPTArchConfig, ep_size: int) -> dict[str, Any]:
+_GATED_ACTIVATIONS = {"silu": F.silu, "quick_gelu": quick_gelu}
+
+
+def _attention_variant_config(arch: GPTArchConfig) -> dict[str, Any]:
+    """QKV biases, attention sinks, sliding windows and the clamped gated MLP (gpt-oss)."""
+    out: dict[str, Any] = {}
+    if arch.add_qkv_bias:
+        out["add_qkv_bias"] = True
+    if arch.attention_sinks:
+        out["softmax_type"] = "learnable"
+    if arch.window_size is not None:
+        # Megatron's window (left, right) keeps keys j >= i - left: left = window - 1
+        out["window_size"] = (arch.window_size - 1, 0)
+        if arch.window_layers is not None:
+            out["window_attn_skip_freq"] = [int(i in arch.window_layers)
+                                            for i in range(arch.num_layers)]
+    if arch.glu_linear_offset:
+        out["glu_linear_offset"] = arch.glu_linear_offset
+    if arch.activation_clamp is not None:
+        out["activation_func_clamp_value"] = arch.activation_clamp
+    return out
+
+
+def _moe_config(arch: GPTArchConfig, ep_size: tuple[int, int]) -> dict[str, Any]:
     """Dropless top-k routing (no capacity factor, no auxiliary loss unless overridden), the
-    all-to-all dispatcher, one ``SequentialMLP`` per rank (grouped GEMM needs a GPU)."""
+    all-to-all dispatcher, one ``SequentialMLP`` per rank (grouped GEMM needs a GPU).
+    ``ep_size``: (expert-parallel, expert tensor-parallel) sizes."""
     return {
         "num_moe_experts": arch.num_experts,
         "moe_ffn_hidden_size": arch.expert_ffn_hidden_size,
@@ -78,7 +118,8 @@ def _moe_config(arch: GPTArchConfig, ep_size: int) -> dict[str, Any]:
         "moe_aux_loss_coeff": 0.0,
         "moe_token_dispatcher_type": "alltoall",
         "moe_grouped_gemm": False,
-        "expert_model_parallel_size": ep_size,
+        "expert_model_parallel_size": ep_size[0],
+        "expert_tensor_parallel_size": ep_size[1],
     }
 
 
@@ -123,7 +164,7 @@ def build_gpt_model(
         tp_rank = pg_collection.tp.rank()
         ep, etp = getattr(pg_collection, "ep", None), getattr(pg_collection, "expt_tp", None)
         ep_size, ep_rank = (ep.size(), ep.rank()) if ep is not None else (1, 0)
-        etp_rank = etp.rank() if etp is not None else tp_rank
+        etp_rank, etp_size = (etp.rank(), etp.size()) if etp is not None else (tp_rank, tp_size)
     else:
         if not parallel_state.model_parallel_is_initialized():
             raise RuntimeError("build_gpt_model needs megatron.core.parallel_state initialised "
@@ -134,6 +175,7 @@ def build_gpt_model(
         ep_size = parallel_state.get_expert_model_parallel_world_size()
         ep_rank = parallel_state.get_expert_model_parallel_rank()
         etp_rank = parallel_state.get_expert_tensor_parallel_rank()
+        etp_size = parallel_state.get_expert_tensor_parallel_world_size()
     arch.check_tensor_parallel(tp_size)
     arch.check_pipeline_parallel(pp_size)
     if arch.num_experts is not None:  # a dense model ignores the expert groups
@@ -141,7 +183,8 @@ def build_gpt_model(
     if seed is not None:
         model_parallel_cuda_manual_seed(seed, tp_rank=tp_rank, ep_rank=ep_rank,
                                         etp_rank=etp_rank)
-    config = _transformer_config(arch, tp_size=tp_size, pp_size=pp_size, ep_size=ep_size,
+    config = _transformer_config(arch, tp_size=tp_size, pp_size=pp_size,
+                                 ep_size=(ep_size, etp_size),
                                  params_dtype=params_dtype, **config_overrides)
     kwargs = {}
     if pg_collection is not None:

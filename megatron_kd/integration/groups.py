@@ -94,10 +94,21 @@ def add_expert_parallel_args(parser) -> None:
                              "size)")
 
 
+def check_expert_biases(arch, tp: int, etp: int | None) -> None:
+    """Experts with biases (gpt-oss) need expert tensor-parallel size 1 (a Megatron-Core
+    assertion, 0.16.1 and 0.19.2): refused before any model is built, naming the flag."""
+    etp = tp if etp is None else etp
+    if arch.num_experts and arch.add_bias_linear and etp != 1:
+        raise ValueError(f"experts with biases (gpt-oss) need --expert-tensor-parallel-size 1 "
+                         f"(Megatron-Core supports MoE biases only then), got {etp}"
+                         f"{' (the default: the tensor-parallel size)' if etp == tp else ''}")
+
+
 def check_experts_within_tensor_parallel(arch, tp: int, ep: int, etp: int | None) -> None:
     """A teacher whose ranks each work alone on their own samples (a replica, a cache build's
     data-parallel ranks) keeps its experts inside one tensor-parallel group: ``ep x etp`` must
     divide ``tp``, so no all-to-all spans ranks that run different numbers of forwards."""
+    check_expert_biases(arch, tp, etp)
     etp = tp if etp is None else etp
     if ep > 1 or etp != tp:
         if not arch.num_experts:

@@ -1,7 +1,9 @@
-"""Hugging Face Llama weights -> Megatron-Core ``GPTModel`` weights (local spec), pure tensors.
+"""Hugging Face weights (Llama, Qwen3, Qwen3-MoE, gpt-oss) -> Megatron-Core ``GPTModel``
+weights (local spec), pure tensors.
 
 See :mod:`megatron_kd.integration.hf_import` for the layout mapping; this module is the maths
-of it: the architecture from a config (:func:`arch_from_hf_config`), the full state dict
+of it: the architecture from a config (:func:`arch_from_hf_config`, in
+:mod:`megatron_kd.integration.hf_arch`), the full state dict
 (:func:`convert_hf_state_dict`), a TP shard of it (:func:`shard_megatron_state_dict`),
 exactly-neutral padding for a TP size that does not divide the heads
 (:func:`pad_for_tensor_parallel`) and the copy into a built model
@@ -13,21 +15,15 @@ from __future__ import annotations
 import dataclasses
 import re
 from collections.abc import Mapping
-from typing import Any
 
 import torch
 
-from megatron_kd.integration.arch import GPTArchConfig
+from megatron_kd.integration.hf_arch import SUPPORTED_MODEL_TYPES, arch_from_hf_config
 from megatron_kd.parallel import pad_vocab_size
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "arch_from_hf_config", "convert_hf_state_dict",
            "load_converted_into_model", "pad_for_tensor_parallel", "shard_megatron_state_dict",
            "strip_prefix"]
-
-# Hugging Face model types this converter maps: Llama, and Llama plus QK norms (Qwen3) and
-# top-k experts (Qwen3-MoE).
-SUPPORTED_MODEL_TYPES = ("llama", "qwen3", "qwen3_moe")
-
 
 def strip_prefix(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     out = {}
@@ -35,120 +31,6 @@ def strip_prefix(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tens
         name = name.removeprefix("model.")
         out[name] = tensor
     return out
-
-
-def _rope_theta(config: Mapping[str, Any]) -> float:
-    """RoPE base from a config; refuses RoPE scaling this converter does not map."""
-    params = config.get("rope_parameters") or {}
-    scaling = config.get("rope_scaling") or {}
-    rope_type = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type")
-    if rope_type not in (None, "default"):
-        raise ValueError(f"RoPE type {rope_type!r} (rope scaling) is not supported; "
-                         f"only the default RoPE is")
-    theta = params.get("rope_theta", config.get("rope_theta", 10000.0))
-    return float(theta)
-
-
-def _check_full_attention(config: Mapping[str, Any]) -> None:
-    """Refuse sliding-window layers (Qwen3's ``use_sliding_window``, ``layer_types``)."""
-    types = set(config.get("layer_types") or ["full_attention"])
-    if config.get("use_sliding_window") or types != {"full_attention"}:
-        raise ValueError(f"sliding-window attention (use_sliding_window="
-                         f"{config.get('use_sliding_window')}, layer_types {sorted(types)}) is "
-                         f"not supported: every layer must be full attention")
-
-
-def _moe_fields(config: Mapping[str, Any]) -> dict[str, Any]:
-    """The mixture-of-experts fields of a Qwen3-MoE config (every layer sparse)."""
-    experts = config.get("num_experts", config.get("num_local_experts"))
-    if experts is None:
-        raise ValueError("a qwen3_moe config needs num_experts")
-    dense_layers = list(config.get("mlp_only_layers") or [])
-    step = int(config.get("decoder_sparse_step", 1))
-    if dense_layers or step != 1:
-        raise ValueError(f"dense layers between the expert layers (mlp_only_layers="
-                         f"{dense_layers}, decoder_sparse_step={step}) are not supported: "
-                         f"every layer must be a mixture of experts")
-    if config.get("shared_expert_intermediate_size"):
-        raise ValueError("a shared expert (shared_expert_intermediate_size) is not supported "
-                         "for qwen3_moe")
-    return {
-        "num_experts": int(experts),
-        "moe_ffn_hidden_size": int(config["moe_intermediate_size"]),
-        "moe_router_topk": int(config["num_experts_per_tok"]),
-        # HF: softmax over all experts, top k, renormalised when norm_topk_prob; Megatron's
-        # default (top k of the logits, softmax over those k) is the renormalised form.
-        "moe_router_pre_softmax": not bool(config.get("norm_topk_prob", False)),
-    }
-
-
-def _model_type_fields(config: Mapping[str, Any]) -> dict[str, Any]:
-    """What a model type adds to the Llama layout."""
-    model_type = config.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"model_type {model_type!r} is not supported; this converter maps "
-                         f"{SUPPORTED_MODEL_TYPES}")
-    if model_type == "llama":
-        return {}
-    _check_full_attention(config)
-    fields: dict[str, Any] = {"qk_layernorm": True}
-    if model_type == "qwen3_moe":
-        fields.update(_moe_fields(config))
-    return fields
-
-
-def arch_from_hf_config(config: Mapping[str, Any], *, make_vocab_size_divisible_by: int = 128,
-                        vocab_size: int | None = None):
-    """The :class:`~megatron_kd.integration.arch.GPTArchConfig` of a Hugging Face config dict
-    (Llama, Qwen3 or Qwen3-MoE).
-
-    ``vocab_size`` is the true vocabulary (the tokenizer's size); it defaults to the config's
-    embedding rows. The embedding is padded to a multiple of ``make_vocab_size_divisible_by``
-    (independent of the tensor-parallel size, so the checkpoint loads at any TP that divides
-    that multiple).
-    """
-    fields = _model_type_fields(config)
-    act = config.get("hidden_act", "silu")
-    if act != "silu":
-        raise ValueError(f"hidden_act {act!r} is not supported (these models use silu / SwiGLU)")
-    for flag in ("attention_bias", "mlp_bias"):
-        if config.get(flag):
-            raise ValueError(f"{flag}=True is not supported (no biases in the Llama layout)")
-    hidden = int(config["hidden_size"])
-    heads = int(config["num_attention_heads"])
-    groups = int(config.get("num_key_value_heads") or heads)
-    head_dim = config.get("head_dim")
-    kv_channels = None
-    if head_dim is not None and int(head_dim) * heads != hidden:
-        kv_channels = int(head_dim)
-    embedding_rows = int(config["vocab_size"])
-    true_vocab = embedding_rows if vocab_size is None else int(vocab_size)
-    if true_vocab > embedding_rows:
-        raise ValueError(f"vocab_size {true_vocab} exceeds the checkpoint's {embedding_rows} "
-                         f"embedding rows")
-    if make_vocab_size_divisible_by < 1:
-        raise ValueError(f"make_vocab_size_divisible_by must be >= 1, "
-                         f"got {make_vocab_size_divisible_by}")
-    return GPTArchConfig(
-        num_layers=int(config["num_hidden_layers"]),
-        hidden_size=hidden,
-        num_attention_heads=heads,
-        num_query_groups=groups,
-        ffn_hidden_size=int(config["intermediate_size"]),
-        vocab_size=true_vocab,
-        padded_vocab_size=pad_vocab_size(embedding_rows, 1, make_vocab_size_divisible_by),
-        max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
-        rotary_base=_rope_theta(config),
-        norm_epsilon=float(config.get("rms_norm_eps", 1e-6)),
-        normalization="RMSNorm",
-        swiglu=True,
-        tie_embeddings=bool(config.get("tie_word_embeddings", False)),
-        add_bias_linear=False,
-        position_embedding_type="rope",
-        init_method_std=float(config.get("initializer_range", 0.02)),
-        kv_channels=kv_channels,
-        **fields,
-    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -191,6 +73,18 @@ def _convert_attention(sd: dict[str, torch.Tensor], out: dict[str, torch.Tensor]
     out[dst + "self_attention.linear_qkv.weight"] = qkv.reshape(ng * (nh // ng + 2) * d, h)
     out[dst + "self_attention.linear_proj.weight"] = _take(
         sd, src + "self_attn.o_proj.weight", (h, nh * d))
+    if arch.add_qkv_bias:  # packed per query group like the weight
+        qb = _take(sd, src + "self_attn.q_proj.bias", (nh * d,))
+        kb = _take(sd, src + "self_attn.k_proj.bias", (ng * d,))
+        vb = _take(sd, src + "self_attn.v_proj.bias", (ng * d,))
+        out[dst + "self_attention.linear_qkv.bias"] = torch.cat(
+            [qb.reshape(ng, -1), kb.reshape(ng, d), vb.reshape(ng, d)], dim=1).reshape(-1)
+    if arch.add_bias_linear:
+        out[dst + "self_attention.linear_proj.bias"] = _take(sd, src + "self_attn.o_proj.bias",
+                                                             (h,))
+    if arch.attention_sinks:
+        out[dst + "self_attention.core_attention.softmax_offset"] = _take(
+            sd, src + "self_attn.sinks", (nh,))
     if arch.qk_layernorm:
         # One norm of width d shared by every head (Qwen3's q_norm / k_norm).
         out[dst + "self_attention.q_layernorm.weight"] = _take(sd, src + "self_attn.q_norm.weight",
@@ -205,6 +99,31 @@ def _convert_swiglu(sd: dict[str, torch.Tensor], out: dict[str, torch.Tensor], s
     up = _take(sd, src + "up_proj.weight", (width, h))
     out[dst + "linear_fc1.weight"] = torch.cat([gate, up], dim=0)
     out[dst + "linear_fc2.weight"] = _take(sd, src + "down_proj.weight", (h, width))
+
+
+def _convert_gpt_oss_experts(sd: dict[str, torch.Tensor], out: dict[str, torch.Tensor], arch,
+                             src: str, dst: str) -> None:
+    """gpt-oss's fused experts: ``gate_up_proj [E, h, 2f]`` with gate and up interleaved
+    (gate ``[..., ::2]``, up ``[..., 1::2]``), ``down_proj [E, f, h]``, and their biases."""
+    e_n, h, f = arch.num_experts, arch.hidden_size, arch.expert_ffn_hidden_size
+    if src + "experts.gate_up_proj_blocks" in sd:
+        raise ValueError(f"{src}experts are MXFP4-quantised (*_blocks / *_scales), as the "
+                         f"released gpt-oss checkpoints are: dequantise them first "
+                         f"(transformers: from_pretrained(..., quantization_config="
+                         f"Mxfp4Config(dequantize=True)), then save_pretrained)")
+    out[dst + "router.weight"] = _take(sd, src + "router.weight", (e_n, h))
+    out[dst + "router.bias"] = _take(sd, src + "router.bias", (e_n,))
+    gate_up = _take(sd, src + "experts.gate_up_proj", (e_n, h, 2 * f))
+    gate_up_bias = _take(sd, src + "experts.gate_up_proj_bias", (e_n, 2 * f))
+    down = _take(sd, src + "experts.down_proj", (e_n, f, h))
+    down_bias = _take(sd, src + "experts.down_proj_bias", (e_n, h))
+    for e in range(e_n):
+        x = f"{dst}experts.local_experts.{e}."
+        out[x + "linear_fc1.weight"] = torch.cat([gate_up[e][:, ::2].t(),
+                                                  gate_up[e][:, 1::2].t()], dim=0)
+        out[x + "linear_fc1.bias"] = torch.cat([gate_up_bias[e][::2], gate_up_bias[e][1::2]])
+        out[x + "linear_fc2.weight"] = down[e].t()
+        out[x + "linear_fc2.bias"] = down_bias[e]
 
 
 def convert_hf_state_dict(hf_state_dict: Mapping[str, torch.Tensor], arch,
@@ -233,6 +152,8 @@ def convert_hf_state_dict(hf_state_dict: Mapping[str, torch.Tensor], arch,
         _convert_attention(sd, out, arch, src, dst)
         if arch.num_experts is None:
             _convert_swiglu(sd, out, src + "mlp.", dst + "mlp.", f, h)
+        elif arch.attention_sinks:  # gpt-oss
+            _convert_gpt_oss_experts(sd, out, arch, src + "mlp.", dst + "mlp.")
         else:
             out[dst + "mlp.router.weight"] = _take(sd, src + "mlp.gate.weight",
                                                    (arch.num_experts, h))
@@ -313,7 +234,12 @@ def shard_megatron_state_dict(full: Mapping[str, torch.Tensor], arch, tp_rank: i
     out = {}
     for name, t in _local_experts(full, arch, ep_rank, ep_size).items():
         expert = ".experts." in name
-        if name.endswith(("linear_qkv.weight", "word_embeddings.weight", "output_layer.weight")):
+        if expert and name.endswith(".bias") and etp_size > 1:
+            raise ValueError(f"experts with biases ({name}) need expert tensor-parallel size "
+                             f"1, got {etp_size} (Megatron-Core supports MoE biases only at "
+                             f"expert TP 1)")
+        if name.endswith(("linear_qkv.weight", "linear_qkv.bias", "word_embeddings.weight",
+                          "output_layer.weight", "softmax_offset")):
             out[name] = chunk(t, 0)
         elif name.endswith("linear_fc1.weight"):
             gate, up = t.chunk(2, dim=0)
@@ -340,6 +266,9 @@ def pad_for_tensor_parallel(full: Mapping[str, torch.Tensor], arch, tp_size: int
     """
     if tp_size < 1:
         raise ValueError(f"tp_size must be >= 1, got {tp_size}")
+    if arch.add_qkv_bias or arch.attention_sinks:
+        raise ValueError("padding for tensor parallelism is not supported for models with QKV "
+                         "biases or attention sinks")
     if arch.num_experts is not None and arch.expert_ffn_hidden_size % tp_size:
         raise ValueError(f"padding an expert's width ({arch.expert_ffn_hidden_size}) for "
                          f"tensor-parallel size {tp_size} is not supported")

@@ -33,6 +33,7 @@ from megatron_kd.integration.arch import GPTArchConfig
 from megatron_kd.integration.args import KDArgs
 from megatron_kd.integration.checkpoint import MODEL_CONFIG_FILE, read_checkpoint_extra
 from megatron_kd.integration.cpu_shim import on_cpu
+from megatron_kd.integration.groups import check_expert_biases
 from megatron_kd.integration.teacher import check_teacher
 from megatron_kd.parallel import check_parallel_sizes, pad_vocab_size
 
@@ -188,7 +189,7 @@ def _student_arch(args: argparse.Namespace, vocab: int, padded: int, tp: int,
 
 
 def _check_experts(student: GPTArchConfig, teacher: GPTArchConfig | None, tp: int,
-                   ep: int) -> None:
+                   ep: int, etp: int | None) -> None:
     """Mixture-of-experts layouts this trainer can run; ValueError naming the values if not.
     ``teacher``: a teacher built in the student's groups (colocated), else None."""
     moe = [arch for arch in (student, teacher) if arch is not None and arch.num_experts]
@@ -197,6 +198,12 @@ def _check_experts(student: GPTArchConfig, teacher: GPTArchConfig | None, tp: in
                          f"colocated teacher has experts (--num-experts)")
     for arch in moe:
         arch.check_expert_parallel(ep)
+        check_expert_biases(arch, tp, etp)
+    if student.num_experts and student.add_bias_linear:
+        raise ValueError("a mixture-of-experts student with --add-bias-linear (gpt-oss-like) "
+                         "cannot train: Megatron-Core's expert MLP adds its bias in place on "
+                         "a view and fails in backward (megatron-core 0.16.1 and 0.19.2, "
+                         "mlp.py); such a model works as a teacher")
     if student.num_experts and tp > 1:
         raise ValueError(f"a mixture-of-experts student (--num-experts {student.num_experts}) at "
                          f"--tensor-model-parallel-size {tp} needs sequence parallelism "
@@ -232,7 +239,7 @@ def plan_run(args: argparse.Namespace, world_size: int) -> Plan:
         tokenizer = MockTokenizer(vocab)
     student_arch = _student_arch(args, vocab, padded, tp, pp)
     ep, etp = args.expert_model_parallel_size, args.expert_tensor_parallel_size
-    _check_experts(student_arch, teacher_arch if kd.mode == "colocated" else None, tp, ep)
+    _check_experts(student_arch, teacher_arch if kd.mode == "colocated" else None, tp, ep, etp)
     plan = Plan(kd=kd, student_arch=student_arch, teacher_arch=teacher_arch, tokenizer=tokenizer,
                 tp=tp, pp=pp, dp=dp, ep=ep, etp=etp, global_batch_size=gbs,
                 params_dtype=torch.bfloat16 if args.bf16 else torch.float32)

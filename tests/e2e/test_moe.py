@@ -118,6 +118,7 @@ def test_disaggregated_teacher_with_experts_over_its_tp_ranks(pool, teacher, col
     (["--expert-model-parallel-size", "2"], "neither the student nor a colocated teacher"),
     (MOE_STUDENT[:2] + ["--expert-model-parallel-size", "3"], "does not divide"),
     (["--num-experts", "4", "--moe-router-topk", "5"], "exceeds num_experts"),
+    (MOE_STUDENT + ["--add-bias-linear"], "fails in backward"),
 ])
 def test_moe_layouts_refused_before_any_step(tmp_path, flags, message):
     from megatron_kd.training.plan import plan_run

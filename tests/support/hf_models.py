@@ -85,6 +85,36 @@ def tiny_qwen3_moe(tmp_path, *, vocab: int = 203, norm_topk_prob: bool = True,
                                vocab, 10)
 
 
+def tiny_gpt_oss(tmp_path, *, vocab: int = 203, name: str = "gpt_oss"):
+    """A randomly initialised tiny gpt-oss: sinks, sliding (window 4 < SEQ) and full layers,
+    biased attention and experts (4, top 2), the clamped MLP (expert biases large enough that
+    the clamp at 7 acts), YaRN RoPE as in the released models."""
+    from transformers import GptOssConfig, GptOssForCausalLM  # the tests skip without it
+
+    config = GptOssConfig(
+        vocab_size=vocab, hidden_size=48, intermediate_size=32, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+        num_experts_per_tok=2, sliding_window=4,
+        layer_types=["sliding_attention", "full_attention"] * 2, max_position_embeddings=4096,
+        rms_norm_eps=1e-5, attention_bias=True, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0,
+                         "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                         "original_max_position_embeddings": 128})
+    torch.manual_seed(11)
+    model = GptOssForCausalLM(config).float().eval()
+    out = os.path.join(tmp_path, name)
+    path, tokens, _ = _randomise_and_save(model, out, vocab, 11)
+    with torch.no_grad():  # sinks and expert biases on the released models' scale
+        for p_name, p in model.named_parameters():
+            if p_name.endswith("sinks"):
+                p.normal_(0.0, 1.0)
+            elif p_name.endswith("gate_up_proj_bias"):
+                p.normal_(0.0, 4.0)
+        model.save_pretrained(out, safe_serialization=True)
+        logits = model(tokens).logits
+    return path, tokens, logits
+
+
 def bpe_tokenizer(vocab: dict[str, int], merges: list[tuple[str, str]]):
     """A ``tokenizers`` BPE tokenizer from a vocabulary and merges."""
     from tokenizers import Tokenizer, models  # the tests skip without it

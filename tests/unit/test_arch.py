@@ -24,7 +24,11 @@ def test_arch_roundtrip():
     ({"moe_ffn_hidden_size": 16}, "needs num_experts"),
     ({"num_experts": 4, "moe_router_topk": 5}, "exceeds num_experts"),
     ({"num_experts": 0}, "num_experts"),
-    ({"num_experts": 4, "add_bias_linear": True}, "add_bias_linear"),
+    ({"window_layers": [0]}, "needs window_size"),
+    ({"window_size": 4, "window_layers": [7]}, "outside"),
+    ({"gated_activation": "relu"}, "gated_activation"),
+    ({"position_embedding_type": "yarn"}, "YaRN needs both"),
+    ({"yarn_factor": 4.0}, "YaRN needs both"),
 ])
 def test_arch_validation(bad, match):
     with pytest.raises(ValueError, match=match):
