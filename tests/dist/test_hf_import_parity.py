@@ -190,3 +190,44 @@ def test_gpt_oss_logits_parity_tp_ep(tmp_path, dist_pool_factory):
         # logits of size ~3; measured 3e-7 relative (fp32, another summation order)
         torch.testing.assert_close(full, expected, atol=ATOL, rtol=0,
                                    msg=lambda m, tp=tp, ep=ep: f"TP{tp} EP{ep}: {m}")
+
+
+def case_param_count(ctx, save_dir):
+    """Parameters of the imported model at TP 1 (vocabulary padding rows left out)."""
+    from megatron.core import parallel_state
+
+    from megatron_kd.integration import checkpoint, gpt
+
+    parallel_state.initialize_model_parallel(1, 1)
+    try:
+        arch = checkpoint.read_checkpoint_arch(save_dir)
+        model = gpt.build_gpt_model(arch, seed=1)
+        total = sum(p.numel() for p in model.parameters())
+        padding = (arch.padded_vocab_size - arch.vocab_size) * arch.hidden_size
+        return total - padding * (1 if arch.tie_embeddings else 2)
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3_moe", "gpt_oss"])
+def test_planner_counts_the_imported_parameters(tmp_path, dist_pool_factory, family):
+    # One config, three counts: the planner's model of it (what `megatron-kd plan` sizes its
+    # presets with), the tensors transformers saved, and the Megatron-Core model imported.
+    import json
+
+    from safetensors.torch import load_file
+
+    from megatron_kd.planner.models import from_hf_config
+
+    make = {"llama": lambda t: tiny_llama(t, tied=False), "qwen3": tiny_qwen3,
+            "qwen3_moe": tiny_qwen3_moe, "gpt_oss": tiny_gpt_oss}[family]
+    hf_path, _, _ = make(tmp_path)
+    with open(os.path.join(hf_path, "config.json"), encoding="utf-8") as f:
+        config = json.load(f)
+    saved = sum(t.numel() for t in load_file(os.path.join(hf_path, "model.safetensors")).values())
+    save_dir = str(tmp_path / "megatron")
+    pool = dist_pool_factory(2)
+    pool.run(case_import, hf_path, save_dir)
+    imported = pool.run(case_param_count, save_dir)[0]
+    assert imported == saved
+    assert from_hf_config(config).total_params() == saved

@@ -14,7 +14,7 @@ that is not hidden / heads), dense or with experts of its own. Per-step losses:
 """
 
 import pytest
-from support.hf_models import tiny_qwen3_moe
+from support.hf_models import tiny_gpt_oss, tiny_qwen3_moe
 from support.train_cases import STUDENT, case_train, step_losses
 
 pytestmark = pytest.mark.filterwarnings("ignore")
@@ -111,6 +111,23 @@ def test_disaggregated_teacher_with_experts_over_its_tp_ranks(pool, teacher, col
                                        str(tmp_path / "endpoint"), "--kd-teacher-load", teacher])
     assert step_losses(dis[0]) == step_losses(dis[1])
     assert step_losses(dis[0]) == pytest.approx(colocated, rel=1e-5)
+
+
+def test_gpt_oss_teacher_colocated_at_student_tp2(pool, tmp_path):
+    # sinks, sliding windows, YaRN and biased experts inside the trainer (device context,
+    # Megatron's TP mappings), the experts folded over the TP ranks (expert TP 1)
+    hf_path, _, _ = tiny_gpt_oss(tmp_path, vocab=VOCAB)
+    save_dir = str(tmp_path / "gpt_oss_megatron")
+    arch = pool.run(case_import, hf_path, save_dir)[0]
+    assert arch["attention_sinks"] and arch["window_size"] == 4  # window < SEQ: it matters
+    argv = BASE + ["--kd-teacher-load", save_dir, "--tensor-model-parallel-size", "2",
+                   "--expert-tensor-parallel-size", "1"]
+    fused = step_losses(pool.run(case_train, argv)[0])
+    dense = step_losses(pool.run(case_train, argv, True)[0])
+    assert fused == pytest.approx(dense, rel=5e-6)
+    assert all(r > 0.1 for r in fused)
+    with pytest.raises(Exception, match="need --expert-tensor-parallel-size 1"):
+        pool.run(case_train, argv[:-2])
 
 
 @pytest.mark.parametrize("flags, message", [
