@@ -178,7 +178,8 @@ def convert_hf_state_dict(hf_state_dict: Mapping[str, torch.Tensor], arch,
                              f"expected {(vocab_rows, h)}")
         out["output_layer.weight"] = _pad_rows(lm_head, arch.padded_vocab_size)
     if sd:
-        raise ValueError(f"Hugging Face tensors not mapped (not the architecture its config names?): "
+        raise ValueError(f"Hugging Face tensors not mapped (not the architecture its config "
+                         f"names?): "
                          f"{sorted(sd)[:8]}{' ...' if len(sd) > 8 else ''}")
     return {k: v.to(dtype).contiguous() for k, v in out.items()}
 

@@ -1,4 +1,5 @@
-"""``megatron-kd import-hf``: a Hugging Face Llama-architecture checkpoint -> Megatron-Core.
+"""``megatron-kd import-hf``: a Hugging Face checkpoint -> Megatron-Core (Llama, Qwen3,
+Qwen3-MoE, gpt-oss; :mod:`megatron_kd.integration.hf_arch` says what each adds and refuses).
 
 Sources: a directory with ``config.json`` and ``*.safetensors`` (read without instantiating a
 ``transformers`` model), or a GGUF file read through ``transformers``
@@ -9,7 +10,10 @@ undoes llama.cpp's q/k row permutation). The result is written with
 groups, MLP width and padded vocabulary; the tokenizer, when the source has one, is written
 next to it as ``tokenizer.json``.
 
-Weight layout, Hugging Face ``LlamaForCausalLM`` -> Megatron-Core ``GPTModel`` (local spec):
+Weight layout, Hugging Face ``LlamaForCausalLM`` -> Megatron-Core ``GPTModel`` (local spec;
+the other families' extra tensors are mapped in :mod:`megatron_kd.integration.hf_convert`:
+QK norms, experts numbered globally and split per expert-parallel rank, gpt-oss's interleaved
+fused experts, biases and sinks):
 
 * ``q_proj [nh*d, h]``, ``k_proj [ng*d, h]``, ``v_proj [ng*d, h]`` -> ``linear_qkv
   [ng*(nh/ng + 2)*d, h]``, interleaved per query group: ``q_1 .. q_{nh/ng}, k, v`` for group 0,

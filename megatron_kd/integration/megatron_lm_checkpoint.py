@@ -51,7 +51,8 @@ _IGNORED_SWITCHES = ("--use-mcore-models", "--bf16", "--fp16", "--sequence-paral
 
 # Saved-args attributes (and the value that means "off") this project cannot build.
 _UNSUPPORTED = {"multi_latent_attention": False, "rotary_interleaved": False,
-                "apply_layernorm_1p": False, "layernorm_zero_centered_gamma": False, "moe_shared_expert_intermediate_size": None,
+                "apply_layernorm_1p": False, "layernorm_zero_centered_gamma": False,
+                "moe_shared_expert_intermediate_size": None,
                 "window_size": None, "qk_l2_norm": False, "num_experts_per_layer": None,
                 "heterogeneous_layers_config_path": None, "hybrid_override_pattern": None}
 

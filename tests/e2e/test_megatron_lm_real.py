@@ -264,3 +264,42 @@ def _megatron_kd_losses_only(log_json):
         records = [json.loads(line) for line in f if line.strip()]
     return {r["step"]: {"total loss": r["loss"], "kd loss": r["kd_loss"]}
             for r in records if "step_time_s" in r}
+
+
+MOE_STUDENT = ["--num-experts", "4", "--moe-ffn-hidden-size", "16", "--moe-router-topk", "2"]
+
+
+@pytest.mark.parametrize("student", [[], MOE_STUDENT], ids=["dense_student", "moe_student"])
+def test_real_pretrain_gpt_with_a_moe_teacher(inputs, tmp_path, dist_pool_factory, student):
+    """A mixture-of-experts teacher (4 experts, top 2, QK norms) inside the real
+    ``pretrain_gpt.py``, distilling into a dense student or one with experts of its own
+    (Megatron-LM's flags, the same in ``megatron-kd train``): Megatron-LM's own megatron-core
+    routes the tokens (the CPU shim's all-to-all stand-ins on that version), and its
+    per-iteration losses are ``megatron-kd train``'s, 1e-5 relative."""
+    from support.train_cases import TEACHER_ARCH, case_make_teacher
+
+    python = _megatron_lm_python()
+    teacher = str(tmp_path / "moe_teacher")
+    arch = dict(TEACHER_ARCH, init_method_std=0.25, num_experts=4, moe_ffn_hidden_size=24,
+                moe_router_topk=2, qk_layernorm=True)
+    dist_pool_factory(2).run(case_make_teacher, teacher, arch)
+    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    log = str(tmp_path / "kd.jsonl")
+    _torchrun(sys.executable, 1, ["-m", "megatron_kd", "train", *COMMON, *student, "--data-path",
+                                  inputs["data"], "--tokenizer-model", inputs["tokenizer"],
+                                  "--kd-teacher-load", teacher, "--log-json", log,
+                                  "--no-progress"], env)
+    want, _ = _megatron_kd_losses(log)
+    assert all(v["kd loss"] > 0 for v in want.values())
+    for root in _checkouts():
+        mlm_env = dict(env, CUDA_DEVICE_MAX_CONNECTIONS="1",
+                       PYTHONPATH=os.pathsep.join([root, os.path.join(REPO, "tests"), REPO]),
+                       PATH=os.pathsep.join([os.path.dirname(python), os.environ["PATH"]]))
+        out = _torchrun(python, 1, [LAUNCHER, _patched_script(root, tmp_path), *COMMON, *student,
+                                    *MEGATRON_LM_ONLY, "--data-path", inputs["data"],
+                                    "--kd-teacher-load", teacher], mlm_env)
+        got, _ = megatron_lm_losses(out)
+        assert sorted(got) == list(range(1, ITERS + 1)), (root, out[-3000:])
+        for it in range(1, ITERS + 1):
+            for key in KEYS:
+                assert got[it][key] == pytest.approx(want[it][key], rel=1e-5), (root, it, key)
