@@ -51,6 +51,7 @@ from megatron.core import parallel_state
 from megatron_kd.data.tokenizer import tokenizer_difference
 from megatron_kd.integration.checkpoint import save_model_checkpoint
 from megatron_kd.integration.gpt import build_gpt_model
+from megatron_kd.integration.hf_arch import text_config
 from megatron_kd.integration.hf_convert import (
     arch_from_hf_config,
     convert_hf_state_dict,
@@ -278,7 +279,7 @@ def import_hf(path: str | os.PathLike, save_dir: str | os.PathLike, *,
         extra = {"hf_source": os.path.abspath(ckpt.source) if os.path.exists(ckpt.source)
                  else ckpt.source,
                  "hf_model_type": ckpt.config.get("model_type"),
-                 "hf_vocab_rows": int(ckpt.config["vocab_size"]),
+                 "hf_vocab_rows": int(text_config(ckpt.config)["vocab_size"]),
                  "make_vocab_size_divisible_by": make_vocab_size_divisible_by,
                  "padded_for_tp": pad_for_tp,
                  "hf_arch": hf_arch.to_dict(),
