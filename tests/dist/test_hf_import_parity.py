@@ -249,7 +249,8 @@ def case_param_count(ctx, save_dir):
         parallel_state.destroy_model_parallel()
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3_moe", "gpt_oss"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3_moe", "gpt_oss", "qwen35",
+                                    "qwen35_moe"])
 def test_planner_counts_the_imported_parameters(tmp_path, dist_pool_factory, family):
     # One config, three counts: the planner's model of it (what `megatron-kd plan` sizes its
     # presets with), the tensors transformers saved, and the Megatron-Core model imported.
@@ -260,7 +261,8 @@ def test_planner_counts_the_imported_parameters(tmp_path, dist_pool_factory, fam
     from megatron_kd.planner.models import from_hf_config
 
     make = {"llama": lambda t: tiny_llama(t, tied=False), "qwen3": tiny_qwen3,
-            "qwen3_moe": tiny_qwen3_moe, "gpt_oss": tiny_gpt_oss}[family]
+            "qwen3_moe": tiny_qwen3_moe, "gpt_oss": tiny_gpt_oss, "qwen35": tiny_qwen35,
+            "qwen35_moe": tiny_qwen35_moe}[family]
     hf_path, _, _ = make(tmp_path)
     with open(os.path.join(hf_path, "config.json"), encoding="utf-8") as f:
         config = json.load(f)
