@@ -29,6 +29,11 @@ Heads, groups or an MLP width that do not divide by a tensor-parallel size (Smol
 heads in 3 groups) are padded with exactly-neutral zeros on request
 (``--pad-for-tensor-parallel N``, :func:`pad_for_tensor_parallel`).
 
+Qwen3.5 (:mod:`megatron_kd.integration.hf_convert`): ``linear_attn`` (``in_proj_qkv``,
+``in_proj_z``, ``in_proj_b``, ``in_proj_a``) -> one ``GatedDeltaNet.in_proj = [q; k; v; z; b;
+a]``; ``q_proj`` (per head ``[q, gate]``) -> ``linear_qkv`` per query group ``[q heads, gate
+heads, k, v]``; the ``x * (1 + w)`` RMSNorm weights get 1 added (not the DeltaNet's gated norm).
+
 Tokenizers: a teacher and a student must share one tokenizer (same token -> id map); their
 embedding matrices may be padded differently. :func:`check_tokenizer_compatible` refuses
 tokenizers that truly differ.
