@@ -343,3 +343,8 @@ class GPTArchConfig:
         if self.num_layers % pp_size:
             raise ValueError(f"pipeline-parallel size {pp_size} does not divide "
                              f"num_layers={self.num_layers}")
+        if pp_size > 1 and self.linear_attention_layers is not None:
+            # build_gpt_model's per-layer block spec lists every layer: one stage only
+            raise ValueError(f"pipeline-parallel size {pp_size} is not supported for a Gated "
+                             f"DeltaNet hybrid (linear_attention_layers="
+                             f"{self.linear_attention_layers}): use pipeline size 1")
