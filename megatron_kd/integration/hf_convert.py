@@ -129,6 +129,31 @@ def _convert_deltanet(sd: dict[str, torch.Tensor], out: dict[str, torch.Tensor],
     out[m + "out_proj.weight"] = _take(sd, a + "out_proj.weight", (h, vd))
 
 
+def _convert_experts(sd: dict[str, torch.Tensor], out: dict[str, torch.Tensor], arch,
+                     src: str, dst: str) -> None:
+    """Router, routed experts and (Qwen3.5-MoE) the gated shared expert. Experts come one by one
+    (``experts.{e}.gate_proj``: what transformers saves) or fused as a model holds them in
+    memory (``experts.gate_up_proj [E, 2f, h] = [gate; up]``, ``experts.down_proj [E, h, f]``)."""
+    e_n, h, f = arch.num_experts, arch.hidden_size, arch.expert_ffn_hidden_size
+    out[dst + "router.weight"] = _take(sd, src + "gate.weight", (e_n, h))
+    if src + "experts.gate_up_proj" in sd:
+        gate_up = _take(sd, src + "experts.gate_up_proj", (e_n, 2 * f, h))
+        down = _take(sd, src + "experts.down_proj", (e_n, h, f))
+        for e in range(e_n):
+            out[f"{dst}experts.local_experts.{e}.linear_fc1.weight"] = gate_up[e]
+            out[f"{dst}experts.local_experts.{e}.linear_fc2.weight"] = down[e]
+    else:
+        for e in range(e_n):
+            _convert_swiglu(sd, out, f"{src}experts.{e}.", f"{dst}experts.local_experts.{e}.",
+                            f, h)
+    if arch.moe_shared_expert_size is not None:
+        _convert_swiglu(sd, out, src + "shared_expert.", dst + "shared_experts.",
+                        arch.moe_shared_expert_size, h)
+    if arch.moe_shared_expert_gate:
+        out[dst + "shared_experts.gate_weight"] = _take(sd, src + "shared_expert_gate.weight",
+                                                        (1, h))
+
+
 def _qwen35_names(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Qwen3.5 names as the text model's: the multimodal checkpoint's ``language_model.``
     prefix dropped; its vision tower (``visual.*``) and the multi-token-prediction layers
@@ -215,18 +240,7 @@ def convert_hf_state_dict(hf_state_dict: Mapping[str, torch.Tensor], arch,
         elif arch.attention_sinks:  # gpt-oss
             _convert_gpt_oss_experts(sd, out, arch, src + "mlp.", dst + "mlp.")
         else:
-            out[dst + "mlp.router.weight"] = _take(sd, src + "mlp.gate.weight",
-                                                   (arch.num_experts, h))
-            for e in range(arch.num_experts):
-                _convert_swiglu(sd, out, f"{src}mlp.experts.{e}.",
-                                f"{dst}mlp.experts.local_experts.{e}.",
-                                arch.expert_ffn_hidden_size, h)
-            if arch.moe_shared_expert_size is not None:
-                _convert_swiglu(sd, out, src + "mlp.shared_expert.",
-                                dst + "mlp.shared_experts.", arch.moe_shared_expert_size, h)
-            if arch.moe_shared_expert_gate:
-                out[dst + "mlp.shared_experts.gate_weight"] = _take(
-                    sd, src + "mlp.shared_expert_gate.weight", (1, h))
+            _convert_experts(sd, out, arch, src + "mlp.", dst + "mlp.")
         out[dst + "input_layernorm.weight"] = _take(sd, src + "input_layernorm.weight", (h,))
         out[dst + "pre_mlp_layernorm.weight"] = _take(
             sd, src + "post_attention_layernorm.weight", (h,))

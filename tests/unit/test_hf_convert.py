@@ -238,3 +238,30 @@ def test_qwen35_deltanet_shard_splits_each_part_by_heads():
     with pytest.raises(ValueError, match="pipeline-parallel size 2 is not supported"):
         arch.check_pipeline_parallel(2)
     arch.check_pipeline_parallel(1)
+
+
+def test_qwen35_moe_multimodal_names_and_fused_experts(tmp_path):
+    # The released checkpoints are multimodal (model.language_model.*, model.visual.*, mtp.*);
+    # a model in memory holds its experts fused. Both convert to what the saved text model does.
+    pytest.importorskip("transformers")
+    # after the skip: both need transformers
+    from support.hf_models import tiny_qwen35_moe
+    from transformers import AutoModelForCausalLM
+
+    path, _, _ = tiny_qwen35_moe(tmp_path)
+    ckpt = hf_import.load_hf_checkpoint(path)
+    arch = hf_import.arch_from_hf_config(ckpt.config)
+    reference = hf_import.convert_hf_state_dict(ckpt.state_dict, arch)
+
+    fused = AutoModelForCausalLM.from_pretrained(path).state_dict()
+    assert "model.layers.0.mlp.experts.gate_up_proj" in fused
+    multimodal = {k.replace("model.", "model.language_model.", 1): v for k, v in fused.items()}
+    multimodal["model.visual.patch_embed.proj.weight"] = torch.zeros(2, 2)
+    multimodal["mtp.fc.weight"] = torch.zeros(2, 2)
+    nested = hf_import.arch_from_hf_config({"model_type": "qwen3_5_moe",
+                                            "text_config": ckpt.config})
+    assert nested == arch
+    converted = hf_import.convert_hf_state_dict(multimodal, arch)
+    assert sorted(converted) == sorted(reference)
+    for name, t in reference.items():
+        assert torch.equal(converted[name], t), name
