@@ -151,9 +151,11 @@ def _hybrid_block_spec(arch: GPTArchConfig):
     """One layer spec per layer: Gated DeltaNet for ``arch.linear_attention_layers``, the
     (gated) softmax attention layer elsewhere, both with the same MLP and norms.
 
-    Local modules even on a GPU: Megatron-Core's Transformer Engine spec has no per-layer
-    hybrid of these two in 0.16.1, and the DeltaNet's own projections are plain parallel
-    linears there. The DeltaNet's gated output norm is a plain RMSNorm of one value head.
+    Local modules even on a GPU: Megatron-Core's own Transformer Engine hybrid
+    (``get_transformer_block_with_experimental_attention_variant_spec``) fuses the
+    pre-DeltaNet norm into ``in_proj``, names that ``_TE_NORM_NAMES`` (hf_convert) does not
+    map, and only this local spec has been checked against Hugging Face (on CPU). The
+    DeltaNet's gated output norm is a plain RMSNorm of one value head.
     """
     attention = get_gpt_layer_local_spec(num_experts=arch.num_experts, moe_grouped_gemm=False,
                                          qk_layernorm=arch.qk_layernorm,
