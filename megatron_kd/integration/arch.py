@@ -135,6 +135,40 @@ class GPTArchConfig:
     yarn_truncate: bool = True
     """YaRN: round the correction range to whole dimensions (Hugging Face's ``truncate``)."""
 
+    rotary_percent: float = 1.0
+    """Fraction of each head's width that RoPE rotates (Qwen3.5: 0.25, Hugging Face's
+    ``partial_rotary_factor``); the rest passes through unrotated."""
+
+    attention_output_gate: bool = False
+    """The attention output is multiplied by ``sigmoid(gate)``, a second per-head query
+    projection (Qwen3.5's gated attention; Megatron's ``attention_output_gate``)."""
+
+    linear_attention_layers: list[int] | None = None
+    """The layers (0-based) that are Gated DeltaNet linear attention instead of softmax
+    attention (Qwen3.5's ``layer_types == "linear_attention"``); None is none."""
+
+    linear_conv_kernel_dim: int = 4
+    """Gated DeltaNet: width of the causal depthwise convolution over q, k, v."""
+
+    linear_key_head_dim: int | None = None
+    """Gated DeltaNet: width of a key (and query) head."""
+
+    linear_value_head_dim: int | None = None
+    """Gated DeltaNet: width of a value head."""
+
+    linear_num_key_heads: int | None = None
+    """Gated DeltaNet: number of key (and query) heads."""
+
+    linear_num_value_heads: int | None = None
+    """Gated DeltaNet: number of value heads (a multiple of the key heads)."""
+
+    moe_shared_expert_size: int | None = None
+    """Width of a shared expert every token passes through beside the routed ones (Qwen3.5-MoE:
+    ``shared_expert_intermediate_size``); None is no shared expert."""
+
+    moe_shared_expert_gate: bool = False
+    """The shared expert's output is scaled by ``sigmoid(w . x)`` per token (Qwen3.5-MoE)."""
+
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
                      "vocab_size", "padded_vocab_size", "max_position_embeddings"):
@@ -164,6 +198,7 @@ class GPTArchConfig:
                              f"got {self.kv_channels!r}")
         self._check_moe()
         self._check_attention_variants()
+        self._check_linear_attention()
         if self.normalization not in _NORMALIZATIONS:
             raise ValueError(f"GPTArchConfig.normalization must be one of {_NORMALIZATIONS}, "
                              f"got {self.normalization!r}")
@@ -220,6 +255,34 @@ class GPTArchConfig:
         if self.yarn_factor is not None and self.yarn_original_max_position_embeddings is None:
             raise ValueError("GPTArchConfig: YaRN needs yarn_original_max_position_embeddings")
 
+    def _check_linear_attention(self) -> None:
+        if not 0 < self.rotary_percent <= 1:
+            raise ValueError(f"GPTArchConfig.rotary_percent must be in (0, 1], "
+                             f"got {self.rotary_percent}")
+        if self.moe_shared_expert_size is not None and self.num_experts is None:
+            raise ValueError("GPTArchConfig.moe_shared_expert_size needs num_experts")
+        if self.moe_shared_expert_gate and self.moe_shared_expert_size is None:
+            raise ValueError("GPTArchConfig.moe_shared_expert_gate needs moe_shared_expert_size")
+        if self.linear_attention_layers is None:
+            return
+        bad = [i for i in self.linear_attention_layers if not 0 <= i < self.num_layers]
+        if bad:
+            raise ValueError(f"GPTArchConfig.linear_attention_layers {bad} outside the "
+                             f"{self.num_layers} layers")
+        for name in ("linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim",
+                     "linear_num_key_heads", "linear_num_value_heads"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"GPTArchConfig.{name} must be a positive int with "
+                                 f"linear_attention_layers, got {value!r}")
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            raise ValueError(f"GPTArchConfig.linear_num_value_heads "
+                             f"({self.linear_num_value_heads}) must be a multiple of "
+                             f"linear_num_key_heads ({self.linear_num_key_heads})")
+        if self.window_size is not None or self.attention_sinks:
+            raise ValueError("GPTArchConfig: linear_attention_layers with sliding windows or "
+                             "attention sinks is not supported")
+
     @property
     def expert_ffn_hidden_size(self) -> int:
         """One expert's hidden width, resolved (``ffn_hidden_size`` for a dense model)."""
@@ -256,6 +319,10 @@ class GPTArchConfig:
             problems.append(f"moe_ffn_hidden_size={self.expert_ffn_hidden_size}")
         if self.padded_vocab_size % tp_size:
             problems.append(f"padded_vocab_size={self.padded_vocab_size}")
+        if self.linear_attention_layers and self.linear_num_key_heads % tp_size:
+            problems.append(f"linear_num_key_heads={self.linear_num_key_heads}")
+        if self.moe_shared_expert_size is not None and self.moe_shared_expert_size % tp_size:
+            problems.append(f"moe_shared_expert_size={self.moe_shared_expert_size}")
         if problems:
             raise ValueError(f"tensor-parallel size {tp_size} does not divide "
                              f"{', '.join(problems)}")
@@ -276,3 +343,8 @@ class GPTArchConfig:
         if self.num_layers % pp_size:
             raise ValueError(f"pipeline-parallel size {pp_size} does not divide "
                              f"num_layers={self.num_layers}")
+        if pp_size > 1 and self.linear_attention_layers is not None:
+            # build_gpt_model's per-layer block spec lists every layer: one stage only
+            raise ValueError(f"pipeline-parallel size {pp_size} is not supported for a Gated "
+                             f"DeltaNet hybrid (linear_attention_layers="
+                             f"{self.linear_attention_layers}): use pipeline size 1")

@@ -13,6 +13,9 @@ Megatron-Core assumes CUDA in a handful of places that have nothing to do with t
 * the mixture-of-experts all-to-all dispatcher (:func:`_install_moe_shim`): a CUDA side
   stream for its device-to-host copies, split sizes that only become host numbers when they
   were on a GPU, and a Transformer Engine GEMM the router names without importing it;
+* Gated DeltaNet (Qwen3.5's linear attention, :func:`_install_gated_delta_net_shim`), whose
+  kernels come from flash-linear-attention (Triton, GPU only): Megatron's own pure-torch
+  chunked rule and a torch causal convolution stand in;
 * the pipeline schedules (``get_forward_backward_func``), the optimizer and the default causal
   attention mask, which create small tensors with ``device="cuda"``.
 
@@ -32,10 +35,13 @@ generator draws, never about what is computed.
 from __future__ import annotations
 
 import contextlib
+import importlib
 from typing import Any
 
+import megatron.core.ssm.gated_delta_net as mcore_gdn
 import torch
 import torch.cuda.random as cuda_random
+import torch.nn.functional as F
 from megatron.core.dist_checkpointing.strategies import torch as mcore_torch
 from megatron.core.optimizer import clip_grads as mcore_clip_grads
 from megatron.core.optimizer import optimizer as mcore_optimizer
@@ -156,6 +162,76 @@ def _install_moe_shim() -> None:
         mcore_moe_utils.te_general_gemm = None
 
 
+def _torch_l2norm(x, dim=-1, eps=1e-6, output_dtype=None, **_):
+    # fla.modules.l2norm.l2norm: x / sqrt(sum(x^2) + eps) (Hugging Face's l2norm is the same)
+    y = x * torch.rsqrt((x * x).sum(dim=dim, keepdim=True) + eps)
+    return y if output_dtype is None else y.to(output_dtype)
+
+
+def _torch_causal_conv1d(x, weight, bias=None, activation=None, initial_state=None,
+                         output_final_state=False, cu_seqlens=None, **_):
+    # fla.modules.convolution.causal_conv1d as megatron-core 0.19 calls it:
+    # x [b, s, d], weight [d, w] -> (y [b, s, d], final state)
+    if initial_state is not None or output_final_state or cu_seqlens is not None:
+        raise ValueError("the CPU Gated DeltaNet convolution has no recurrent state or packed "
+                         "sequences (cu_seqlens); those need flash-linear-attention on a GPU")
+    s, d, w = x.shape[1], x.shape[2], weight.shape[-1]
+    y = F.conv1d(x.transpose(1, 2), weight.unsqueeze(1), bias, padding=w - 1, groups=d)[..., :s]
+    if activation in ("silu", "swish"):
+        y = F.silu(y)
+    elif activation is not None:
+        raise ValueError(f"causal_conv1d activation {activation!r} is not supported on CPU")
+    return y.transpose(1, 2), None
+
+
+def _install_gated_delta_net_shim() -> None:
+    """Gated DeltaNet without flash-linear-attention, with Megatron's own maths.
+
+    * 0.16.1, ``megatron/core/ssm/gated_delta_net.py``: ``try: from fla... import`` leaves
+      ``HAVE_FLA = False``, ``chunk_gated_delta_rule = None`` and ``l2norm`` unbound;
+      ``GatedDeltaNet.__init__`` raises ``ImportError`` when ``not HAVE_FLA``; ``forward``
+      calls ``l2norm(...)`` and ``chunk_gated_delta_rule(...)`` (the convolution falls back
+      to ``nn.Conv1d`` because ``causal_conv1d_fn is None``).
+    * 0.19.2, the ``megatron/core/ssm/gated_delta_net/`` package: ``common.py`` binds
+      ``HAVE_FLA`` and ``l2norm`` (``_GDNBase.__init__`` checks ``common.HAVE_FLA``,
+      ``_prepare_input_for_gated_delta_rule`` calls ``common.l2norm``); ``gdn.py`` imports
+      ``causal_conv1d`` and ``chunk_gated_delta_rule`` by name, so they are patched there.
+
+    The rule becomes Megatron's ``torch_chunk_gated_delta_rule`` (what ``deterministic_mode``
+    uses), the l2norm and the convolution their torch equivalents.
+    """
+    if hasattr(mcore_gdn, "__path__"):  # 0.19: a package
+        # submodules of the 0.19 package only (0.16 has one module): imported by version
+        common = importlib.import_module("megatron.core.ssm.gated_delta_net.common")
+        gdn = importlib.import_module("megatron.core.ssm.gated_delta_net.gdn")
+        _patch(common, "HAVE_FLA", True)
+        _patch_or_add(common, "l2norm", _torch_l2norm)
+        _patch(gdn, "chunk_gated_delta_rule", common.torch_chunk_gated_delta_rule)
+        _patch(gdn, "causal_conv1d", _torch_causal_conv1d)
+        return
+    torch_rule = mcore_gdn.torch_chunk_gated_delta_rule
+
+    def _rule(q, k, v, g, beta, initial_state=None, output_final_state=False,
+              use_qk_l2norm_in_kernel=False, **_):
+        # fla's keyword arguments (cu_seqlens, ...) that the torch rule does not take
+        return torch_rule(q, k, v, g, beta, initial_state=initial_state,
+                          output_final_state=output_final_state,
+                          use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+
+    _patch(mcore_gdn, "HAVE_FLA", True)
+    _patch_or_add(mcore_gdn, "l2norm", _torch_l2norm)
+    _patch(mcore_gdn, "chunk_gated_delta_rule", _rule)
+
+
+def _patch_or_add(obj: Any, name: str, value: Any) -> None:
+    """:func:`_patch` for an attribute that may be unbound (uninstall then deletes it)."""
+    if not hasattr(obj, name):
+        _ORIGINALS[(obj, name)] = _UNBOUND
+        setattr(obj, name, value)
+    else:
+        _patch(obj, name, value)
+
+
 _UNBOUND = object()  # marks an attribute the shim added (uninstall deletes it)
 
 
@@ -198,6 +274,7 @@ def install_cpu_shim() -> bool:
         if hasattr(mod, "clip_grad_by_total_norm_fp32"):
             _patch(mod, "clip_grad_by_total_norm_fp32", _cpu_clip_grad_by_total_norm_fp32)
     _install_moe_shim()
+    _install_gated_delta_net_shim()
     return True
 
 

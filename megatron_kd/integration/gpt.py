@@ -9,6 +9,7 @@ Megatron-Core model class is one change.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -20,7 +21,12 @@ from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_layer_local_spec,
     get_gpt_layer_with_transformer_engine_spec,
 )
+from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.torch_norm import WrappedTorchNorm
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_kd.integration.arch import GPTArchConfig
@@ -102,6 +108,19 @@ def _attention_variant_config(arch: GPTArchConfig) -> dict[str, Any]:
         out["glu_linear_offset"] = arch.glu_linear_offset
     if arch.activation_clamp is not None:
         out["activation_func_clamp_value"] = arch.activation_clamp
+    if arch.attention_output_gate:
+        out["attention_output_gate"] = True
+    if arch.linear_attention_layers is not None:
+        out.update({
+            "experimental_attention_variant": "gated_delta_net",
+            "linear_attention_freq": [int(i in arch.linear_attention_layers)
+                                      for i in range(arch.num_layers)],
+            "linear_conv_kernel_dim": arch.linear_conv_kernel_dim,
+            "linear_key_head_dim": arch.linear_key_head_dim,
+            "linear_value_head_dim": arch.linear_value_head_dim,
+            "linear_num_key_heads": arch.linear_num_key_heads,
+            "linear_num_value_heads": arch.linear_num_value_heads,
+        })
     return out
 
 
@@ -120,10 +139,42 @@ def _moe_config(arch: GPTArchConfig, ep_size: tuple[int, int]) -> dict[str, Any]
         "moe_grouped_gemm": False,
         "expert_model_parallel_size": ep_size[0],
         "expert_tensor_parallel_size": ep_size[1],
+        **({} if arch.moe_shared_expert_size is None else {
+            "moe_shared_expert_intermediate_size": arch.moe_shared_expert_size,
+            "moe_shared_expert_gate": arch.moe_shared_expert_gate,
+            "moe_shared_expert_overlap": False,
+        }),
     }
 
 
+def _hybrid_block_spec(arch: GPTArchConfig):
+    """One layer spec per layer: Gated DeltaNet for ``arch.linear_attention_layers``, the
+    (gated) softmax attention layer elsewhere, both with the same MLP and norms.
+
+    Local modules even on a GPU: Megatron-Core's own Transformer Engine hybrid
+    (``get_transformer_block_with_experimental_attention_variant_spec``) fuses the
+    pre-DeltaNet norm into ``in_proj``, names that ``_TE_NORM_NAMES`` (hf_convert) does not
+    map, and only this local spec has been checked against Hugging Face (on CPU). The
+    DeltaNet's gated output norm is a plain RMSNorm of one value head.
+    """
+    attention = get_gpt_layer_local_spec(num_experts=arch.num_experts, moe_grouped_gemm=False,
+                                         qk_layernorm=arch.qk_layernorm,
+                                         normalization=arch.normalization)
+    deltanet = ModuleSpec(module=attention.module, submodules=dataclasses.replace(
+        attention.submodules, self_attention=ModuleSpec(
+            module=GatedDeltaNet,
+            submodules=GatedDeltaNetSubmodules(in_proj=ColumnParallelLinear,
+                                               out_norm=WrappedTorchNorm,
+                                               out_proj=RowParallelLinear))))
+    linear = set(arch.linear_attention_layers)
+    return TransformerBlockSubmodules(
+        layer_specs=[deltanet if i in linear else attention for i in range(arch.num_layers)],
+        layer_norm=WrappedTorchNorm)
+
+
 def _layer_spec(arch: GPTArchConfig):
+    if arch.linear_attention_layers is not None:
+        return _hybrid_block_spec(arch)
     if not on_cpu():
         try:
             # optional GPU extra: imported only to learn whether it is there
@@ -200,6 +251,7 @@ def build_gpt_model(
         share_embeddings_and_output_weights=arch.tie_embeddings,
         position_embedding_type=arch.position_embedding_type,
         rotary_base=arch.rotary_base,
+        rotary_percent=arch.rotary_percent,
         **kwargs,
     )
     model.kd_arch = arch

@@ -1,5 +1,5 @@
 """Hugging Face configs -> :class:`~megatron_kd.integration.arch.GPTArchConfig`: Llama, Qwen3,
-Qwen3-MoE and gpt-oss (the weights' side is :mod:`megatron_kd.integration.hf_convert`).
+Qwen3-MoE, gpt-oss and Qwen3.5 (dense and MoE) (the weights' side is :mod:`megatron_kd.integration.hf_convert`).
 
 Pure Python: what a model type adds to the Llama layout (QK norms, experts and their router
 convention, biases, attention sinks, sliding windows, the clamped gated MLP, YaRN RoPE), and a
@@ -19,7 +19,24 @@ __all__ = ["SUPPORTED_MODEL_TYPES", "arch_from_hf_config"]
 
 # Hugging Face model types this converter maps: Llama, and Llama plus QK norms (Qwen3) and
 # top-k experts (Qwen3-MoE).
-SUPPORTED_MODEL_TYPES = ("llama", "qwen3", "qwen3_moe", "gpt_oss")
+# Qwen3.5 (Gated DeltaNet + gated attention), dense and MoE: the text model's config
+# ("*_text", Qwen3_5[Moe]ForCausalLM) or the multimodal one whose text_config is read.
+SUPPORTED_MODEL_TYPES = ("llama", "qwen3", "qwen3_moe", "gpt_oss", "qwen3_5", "qwen3_5_text",
+                         "qwen3_5_moe", "qwen3_5_moe_text")
+_QWEN35_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
+
+
+def text_config(config: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The language model's config: a multimodal Qwen3.5 config nests it in ``text_config``
+    (its ``tie_word_embeddings`` stays at the top level); others are returned as they are."""
+    if config.get("model_type") not in ("qwen3_5", "qwen3_5_moe"):
+        return config
+    inner = dict(config.get("text_config") or {})
+    if not inner:
+        raise ValueError(f"a {config['model_type']} config needs its text_config")
+    inner.setdefault("tie_word_embeddings", config.get("tie_word_embeddings", False))
+    inner["model_type"] = config["model_type"]
+    return inner
 
 
 def _rope_fields(config: Mapping[str, Any]) -> dict[str, Any]:
@@ -100,6 +117,50 @@ def _gpt_oss_fields(config: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
+def _qwen35_fields(config: Mapping[str, Any]) -> dict[str, Any]:
+    """Qwen3.5: Gated DeltaNet layers (``layer_types == "linear_attention"``) between gated,
+    QK-normed softmax attention layers with partial RoPE; MoE: every layer's MLP is top-k
+    experts (renormalised) plus a sigmoid-gated shared expert.
+
+    The multimodal RoPE (``mrope_section``) rotates text positions like plain RoPE (the three
+    position streams are equal for text), so it maps to Megatron's 1-D RoPE. Multi-token
+    prediction layers (``mtp_num_hidden_layers``, the ``mtp.*`` tensors) are not imported: the
+    teacher's logits come from the main head alone.
+    """
+    n = int(config["num_hidden_layers"])
+    types = config.get("layer_types")
+    if types is None:  # as Qwen3_5TextConfig derives them
+        interval = int(config.get("full_attention_interval", 4))
+        types = ["linear_attention" if (i + 1) % interval else "full_attention"
+                 for i in range(n)]
+    unknown = sorted(set(types) - {"linear_attention", "full_attention"})
+    if unknown or len(types) != n:
+        raise ValueError(f"{config['model_type']} layer_types {sorted(set(types))} "
+                         f"({len(types)} for {n} layers) are not supported")
+    params = config.get("rope_parameters") or {}
+    fields: dict[str, Any] = {
+        "qk_layernorm": True, "attention_output_gate": True,
+        "rotary_percent": float(params.get("partial_rotary_factor",
+                                           config.get("partial_rotary_factor", 0.25))),
+        "linear_attention_layers": [i for i, t in enumerate(types) if t == "linear_attention"],
+        "linear_conv_kernel_dim": int(config["linear_conv_kernel_dim"]),
+        "linear_key_head_dim": int(config["linear_key_head_dim"]),
+        "linear_value_head_dim": int(config["linear_value_head_dim"]),
+        "linear_num_key_heads": int(config["linear_num_key_heads"]),
+        "linear_num_value_heads": int(config["linear_num_value_heads"]),
+    }
+    if config["model_type"].startswith("qwen3_5_moe"):
+        fields.update({
+            "num_experts": int(config["num_experts"]),
+            "moe_ffn_hidden_size": int(config["moe_intermediate_size"]),
+            "moe_router_topk": int(config["num_experts_per_tok"]),
+            "moe_router_pre_softmax": False,  # HF always renormalises the top k
+            "moe_shared_expert_size": int(config["shared_expert_intermediate_size"]),
+            "moe_shared_expert_gate": True,
+        })
+    return fields
+
+
 def _model_type_fields(config: Mapping[str, Any]) -> dict[str, Any]:
     """What a model type adds to the Llama layout."""
     model_type = config.get("model_type")
@@ -110,6 +171,8 @@ def _model_type_fields(config: Mapping[str, Any]) -> dict[str, Any]:
         return {}
     if model_type == "gpt_oss":
         return _gpt_oss_fields(config)
+    if model_type in _QWEN35_TYPES:
+        return _qwen35_fields(config)
     _check_full_attention(config)
     fields: dict[str, Any] = {"qk_layernorm": True}
     if model_type == "qwen3_moe":
@@ -127,6 +190,7 @@ def arch_from_hf_config(config: Mapping[str, Any], *, make_vocab_size_divisible_
     (independent of the tensor-parallel size, so the checkpoint loads at any TP that divides
     that multiple).
     """
+    config = text_config(config)
     fields = {**_rope_fields(config), **_model_type_fields(config)}
     if config.get("model_type") != "gpt_oss":  # gpt-oss: its own activation and biases
         act = config.get("hidden_act", "silu")
@@ -157,7 +221,8 @@ def arch_from_hf_config(config: Mapping[str, Any], *, make_vocab_size_divisible_
         hidden_size=hidden,
         num_attention_heads=heads,
         num_query_groups=groups,
-        ffn_hidden_size=int(config["intermediate_size"]),
+        # Qwen3.5-MoE has no dense MLP width: the expert width stands in
+        ffn_hidden_size=int(config.get("intermediate_size") or config["moe_intermediate_size"]),
         vocab_size=true_vocab,
         padded_vocab_size=pad_vocab_size(embedding_rows, 1, make_vocab_size_divisible_by),
         max_position_embeddings=int(config.get("max_position_embeddings", 2048)),

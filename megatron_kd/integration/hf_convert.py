@@ -1,4 +1,4 @@
-"""Hugging Face weights (Llama, Qwen3, Qwen3-MoE, gpt-oss) -> Megatron-Core ``GPTModel``
+"""Hugging Face weights (Llama, Qwen3, Qwen3-MoE, gpt-oss, Qwen3.5) -> Megatron-Core ``GPTModel``
 weights (local spec), pure tensors.
 
 See :mod:`megatron_kd.integration.hf_import` for the layout mapping; this module is the maths
@@ -64,13 +64,19 @@ def _take(state_dict: dict[str, torch.Tensor], name: str, shape: tuple[int, ...]
 def _convert_attention(sd: dict[str, torch.Tensor], out: dict[str, torch.Tensor], arch,
                        src: str, dst: str) -> None:
     h, nh, ng, d = arch.hidden_size, arch.num_attention_heads, arch.query_groups, _head_dim(arch)
-    q = _take(sd, src + "self_attn.q_proj.weight", (nh * d, h))
+    if arch.attention_output_gate:
+        # HF (Qwen3.5): q_proj is per head [q (d rows), gate (d rows)]; Megatron: per query
+        # group [its query heads, their gate heads, k, v].
+        qg = _take(sd, src + "self_attn.q_proj.weight", (nh * 2 * d, h)).reshape(nh, 2, d, h)
+        q = torch.cat([qg[:, 0].reshape(ng, nh // ng * d, h),
+                       qg[:, 1].reshape(ng, nh // ng * d, h)], dim=1)
+    else:
+        q = _take(sd, src + "self_attn.q_proj.weight", (nh * d, h)).reshape(ng, nh // ng * d, h)
     k = _take(sd, src + "self_attn.k_proj.weight", (ng * d, h))
     v = _take(sd, src + "self_attn.v_proj.weight", (ng * d, h))
-    # Per query group: its nh/ng query heads, then its key head, then its value head.
-    qkv = torch.cat([q.reshape(ng, nh // ng * d, h), k.reshape(ng, d, h),
-                     v.reshape(ng, d, h)], dim=1)
-    out[dst + "self_attention.linear_qkv.weight"] = qkv.reshape(ng * (nh // ng + 2) * d, h)
+    # Per query group: its nh/ng query heads (and gates), then its key head, then its value head.
+    qkv = torch.cat([q, k.reshape(ng, d, h), v.reshape(ng, d, h)], dim=1)
+    out[dst + "self_attention.linear_qkv.weight"] = qkv.reshape(-1, h)
     out[dst + "self_attention.linear_proj.weight"] = _take(
         sd, src + "self_attn.o_proj.weight", (h, nh * d))
     if arch.add_qkv_bias:  # packed per query group like the weight
@@ -91,6 +97,79 @@ def _convert_attention(sd: dict[str, torch.Tensor], out: dict[str, torch.Tensor]
                                                                (d,))
         out[dst + "self_attention.k_layernorm.weight"] = _take(sd, src + "self_attn.k_norm.weight",
                                                                (d,))
+
+
+def _deltanet_widths(arch) -> tuple[int, int, int]:
+    """(key width, value width, value heads) of one Gated DeltaNet layer."""
+    return (arch.linear_num_key_heads * arch.linear_key_head_dim,
+            arch.linear_num_value_heads * arch.linear_value_head_dim,
+            arch.linear_num_value_heads)
+
+
+def _convert_deltanet(sd: dict[str, torch.Tensor], out: dict[str, torch.Tensor], arch,
+                      src: str, dst: str) -> None:
+    """Qwen3.5's ``linear_attn`` -> Megatron's ``GatedDeltaNet``: ``in_proj = [q; k; v; z; b;
+    a]`` (HF keeps qkv, z, b, a as four projections), the convolution over ``[q; k; v]``
+    channels, and the gated output norm (a plain RMSNorm: no ``1 +``)."""
+    h, a, m = arch.hidden_size, src + "linear_attn.", dst + "self_attention."
+    kd, vd, nv = _deltanet_widths(arch)
+    conv = arch.linear_conv_kernel_dim
+    out[m + "in_proj.weight"] = torch.cat([
+        _take(sd, a + "in_proj_qkv.weight", (2 * kd + vd, h)),
+        _take(sd, a + "in_proj_z.weight", (vd, h)),
+        _take(sd, a + "in_proj_b.weight", (nv, h)),
+        _take(sd, a + "in_proj_a.weight", (nv, h))], dim=0)
+    out[m + "conv1d.weight"] = _take(sd, a + "conv1d.weight", (2 * kd + vd, 1, conv))
+    if a + "conv1d.bias" in sd:
+        raise ValueError(f"{a}conv1d.bias: a biased DeltaNet convolution is not supported "
+                         f"(Megatron's GatedDeltaNet has none)")
+    out[m + "A_log"] = _take(sd, a + "A_log", (nv,))
+    out[m + "dt_bias"] = _take(sd, a + "dt_bias", (nv,))
+    out[m + "out_norm.weight"] = _take(sd, a + "norm.weight", (arch.linear_value_head_dim,))
+    out[m + "out_proj.weight"] = _take(sd, a + "out_proj.weight", (h, vd))
+
+
+def _convert_experts(sd: dict[str, torch.Tensor], out: dict[str, torch.Tensor], arch,
+                     src: str, dst: str) -> None:
+    """Router, routed experts and (Qwen3.5-MoE) the gated shared expert. Experts come one by one
+    (``experts.{e}.gate_proj``: what transformers saves) or fused as a model holds them in
+    memory (``experts.gate_up_proj [E, 2f, h] = [gate; up]``, ``experts.down_proj [E, h, f]``)."""
+    e_n, h, f = arch.num_experts, arch.hidden_size, arch.expert_ffn_hidden_size
+    out[dst + "router.weight"] = _take(sd, src + "gate.weight", (e_n, h))
+    if src + "experts.gate_up_proj" in sd:
+        gate_up = _take(sd, src + "experts.gate_up_proj", (e_n, 2 * f, h))
+        down = _take(sd, src + "experts.down_proj", (e_n, h, f))
+        for e in range(e_n):
+            out[f"{dst}experts.local_experts.{e}.linear_fc1.weight"] = gate_up[e]
+            out[f"{dst}experts.local_experts.{e}.linear_fc2.weight"] = down[e]
+    else:
+        for e in range(e_n):
+            _convert_swiglu(sd, out, f"{src}experts.{e}.", f"{dst}experts.local_experts.{e}.",
+                            f, h)
+    if arch.moe_shared_expert_size is not None:
+        _convert_swiglu(sd, out, src + "shared_expert.", dst + "shared_experts.",
+                        arch.moe_shared_expert_size, h)
+    if arch.moe_shared_expert_gate:
+        out[dst + "shared_experts.gate_weight"] = _take(sd, src + "shared_expert_gate.weight",
+                                                        (1, h))
+
+
+def _qwen35_names(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Qwen3.5 names as the text model's: the multimodal checkpoint's ``language_model.``
+    prefix dropped; its vision tower (``visual.*``) and the multi-token-prediction layers
+    (``mtp.*``) left out on purpose (a text teacher's logits use neither)."""
+    out = {}
+    for name, t in sd.items():
+        if name.startswith(("visual.", "mtp.")):
+            continue
+        out[name.removeprefix("language_model.")] = t
+    return out
+
+
+# Qwen3.5's RMSNorms compute x * (1 + w) (their weights are stored zero-centred), Megatron's
+# x * w: these get 1 added at import. The DeltaNet's gated out_norm is a plain x * w.
+_ZERO_CENTRED_NORMS = ("input_layernorm.weight", "pre_mlp_layernorm.weight",
+                       "final_layernorm.weight", "q_layernorm.weight", "k_layernorm.weight")
 
 
 def _convert_swiglu(sd: dict[str, torch.Tensor], out: dict[str, torch.Tensor], src: str,
@@ -138,6 +217,9 @@ def convert_hf_state_dict(hf_state_dict: Mapping[str, torch.Tensor], arch,
     """
     sd = strip_prefix(hf_state_dict)
     sd = {k: v for k, v in sd.items() if not k.endswith("rotary_emb.inv_freq")}
+    hybrid = arch.linear_attention_layers is not None  # Qwen3.5, the one hybrid mapped
+    if hybrid:
+        sd = _qwen35_names(sd)
     h, f = arch.hidden_size, arch.ffn_hidden_size
     vocab_rows = None
     out: dict[str, torch.Tensor] = {}
@@ -149,18 +231,16 @@ def convert_hf_state_dict(hf_state_dict: Mapping[str, torch.Tensor], arch,
     out["embedding.word_embeddings.weight"] = _pad_rows(emb, arch.padded_vocab_size)
     for i in range(arch.num_layers):
         src, dst = f"layers.{i}.", f"decoder.layers.{i}."
-        _convert_attention(sd, out, arch, src, dst)
+        if hybrid and i in arch.linear_attention_layers:
+            _convert_deltanet(sd, out, arch, src, dst)
+        else:
+            _convert_attention(sd, out, arch, src, dst)
         if arch.num_experts is None:
             _convert_swiglu(sd, out, src + "mlp.", dst + "mlp.", f, h)
         elif arch.attention_sinks:  # gpt-oss
             _convert_gpt_oss_experts(sd, out, arch, src + "mlp.", dst + "mlp.")
         else:
-            out[dst + "mlp.router.weight"] = _take(sd, src + "mlp.gate.weight",
-                                                   (arch.num_experts, h))
-            for e in range(arch.num_experts):
-                _convert_swiglu(sd, out, f"{src}mlp.experts.{e}.",
-                                f"{dst}mlp.experts.local_experts.{e}.",
-                                arch.expert_ffn_hidden_size, h)
+            _convert_experts(sd, out, arch, src + "mlp.", dst + "mlp.")
         out[dst + "input_layernorm.weight"] = _take(sd, src + "input_layernorm.weight", (h,))
         out[dst + "pre_mlp_layernorm.weight"] = _take(
             sd, src + "post_attention_layernorm.weight", (h,))
@@ -177,6 +257,10 @@ def convert_hf_state_dict(hf_state_dict: Mapping[str, torch.Tensor], arch,
             raise ValueError(f"lm_head.weight has shape {tuple(lm_head.shape)}, "
                              f"expected {(vocab_rows, h)}")
         out["output_layer.weight"] = _pad_rows(lm_head, arch.padded_vocab_size)
+    if hybrid:
+        for name in out:
+            if name.endswith(_ZERO_CENTRED_NORMS):
+                out[name] = out[name] + 1.0
     if sd:
         raise ValueError(f"Hugging Face tensors not mapped (not the architecture its config "
                          f"names?): "
@@ -207,6 +291,22 @@ def _local_experts(full: Mapping[str, torch.Tensor], arch, ep_rank: int,
     return out
 
 
+_DELTANET_PARTS = ("in_proj.weight", "conv1d.weight", "A_log", "dt_bias")
+
+
+def _shard_deltanet(name: str, t: torch.Tensor, arch, tp_rank: int,
+                    tp_size: int) -> torch.Tensor:
+    """A Gated DeltaNet tensor's TP shard: ``in_proj`` is column-parallel over its six parts
+    ``[q; k; v; z; b; a]``, each split by heads (a rank holds ``[q_r; k_r; v_r; z_r; b_r;
+    a_r]``), the convolution likewise over ``[q; k; v]`` channels, ``A_log`` and ``dt_bias``
+    per value head; ``out_proj`` is row-parallel and ``out_norm`` (one head) replicated."""
+    kd, vd, nv = _deltanet_widths(arch)
+    parts = {"in_proj.weight": [kd, kd, vd, vd, nv, nv],
+             "conv1d.weight": [kd, kd, vd]}.get(name.rsplit(".self_attention.", 1)[1], [nv])
+    return torch.cat([p.chunk(tp_size, dim=0)[tp_rank] for p in t.split(parts, dim=0)],
+                     dim=0).contiguous()
+
+
 def shard_megatron_state_dict(full: Mapping[str, torch.Tensor], arch, tp_rank: int,
                               tp_size: int, ep_rank: int = 0, ep_size: int = 1,
                               etp_rank: int | None = None,
@@ -234,6 +334,9 @@ def shard_megatron_state_dict(full: Mapping[str, torch.Tensor], arch, tp_rank: i
 
     out = {}
     for name, t in _local_experts(full, arch, ep_rank, ep_size).items():
+        if ".self_attention." in name and name.endswith(_DELTANET_PARTS):
+            out[name] = _shard_deltanet(name, t, arch, tp_rank, tp_size)
+            continue
         expert = ".experts." in name
         if expert and name.endswith(".bias") and etp_size > 1:
             raise ValueError(f"experts with biases ({name}) need expert tensor-parallel size "
@@ -245,7 +348,7 @@ def shard_megatron_state_dict(full: Mapping[str, torch.Tensor], arch, tp_rank: i
         elif name.endswith("linear_fc1.weight"):
             gate, up = t.chunk(2, dim=0)
             out[name] = torch.cat([chunk(gate, 0, expert), chunk(up, 0, expert)], dim=0)
-        elif name.endswith(("linear_proj.weight", "linear_fc2.weight")):
+        elif name.endswith(("linear_proj.weight", "linear_fc2.weight", "out_proj.weight")):
             out[name] = chunk(t, 1, expert)
         else:
             out[name] = t
@@ -270,6 +373,9 @@ def pad_for_tensor_parallel(full: Mapping[str, torch.Tensor], arch, tp_size: int
     if arch.add_qkv_bias or arch.attention_sinks:
         raise ValueError("padding for tensor parallelism is not supported for models with QKV "
                          "biases or attention sinks")
+    if arch.attention_output_gate or arch.linear_attention_layers is not None:
+        raise ValueError("padding for tensor parallelism is not supported for gated attention "
+                         "or Gated DeltaNet layers (Qwen3.5)")
     if arch.num_experts is not None and arch.expert_ffn_hidden_size % tp_size:
         raise ValueError(f"padding an expert's width ({arch.expert_ffn_hidden_size}) for "
                          f"tensor-parallel size {tp_size} is not supported")

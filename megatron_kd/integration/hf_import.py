@@ -33,6 +33,11 @@ Heads, groups or an MLP width that do not divide by a tensor-parallel size (Smol
 heads in 3 groups) are padded with exactly-neutral zeros on request
 (``--pad-for-tensor-parallel N``, :func:`pad_for_tensor_parallel`).
 
+Qwen3.5 (:mod:`megatron_kd.integration.hf_convert`): ``linear_attn`` (``in_proj_qkv``,
+``in_proj_z``, ``in_proj_b``, ``in_proj_a``) -> one ``GatedDeltaNet.in_proj = [q; k; v; z; b;
+a]``; ``q_proj`` (per head ``[q, gate]``) -> ``linear_qkv`` per query group ``[q heads, gate
+heads, k, v]``; the ``x * (1 + w)`` RMSNorm weights get 1 added (not the DeltaNet's gated norm).
+
 Tokenizers: a teacher and a student must share one tokenizer (same token -> id map); their
 embedding matrices may be padded differently. :func:`check_tokenizer_compatible` refuses
 tokenizers that truly differ.
@@ -55,6 +60,7 @@ from megatron.core import parallel_state
 from megatron_kd.data.tokenizer import tokenizer_difference
 from megatron_kd.integration.checkpoint import save_model_checkpoint
 from megatron_kd.integration.gpt import build_gpt_model
+from megatron_kd.integration.hf_arch import text_config
 from megatron_kd.integration.hf_convert import (
     arch_from_hf_config,
     convert_hf_state_dict,
@@ -282,7 +288,7 @@ def import_hf(path: str | os.PathLike, save_dir: str | os.PathLike, *,
         extra = {"hf_source": os.path.abspath(ckpt.source) if os.path.exists(ckpt.source)
                  else ckpt.source,
                  "hf_model_type": ckpt.config.get("model_type"),
-                 "hf_vocab_rows": int(ckpt.config["vocab_size"]),
+                 "hf_vocab_rows": int(text_config(ckpt.config)["vocab_size"]),
                  "make_vocab_size_divisible_by": make_vocab_size_divisible_by,
                  "padded_for_tp": pad_for_tp,
                  "hf_arch": hf_arch.to_dict(),

@@ -381,7 +381,9 @@ def from_hf_config(config: dict, name: str = "config.json") -> ModelConfig:
         vocab_size=int(config["vocab_size"]),
         tie_embeddings=bool(config.get("tie_word_embeddings", False)),
         qk_layernorm=model_type.startswith(("qwen3", "qwen3_5")),
-        attention_output_gate=bool(config.get("attn_output_gate", False)),
+        # Qwen3-Next and Qwen3.5 always gate (their configs may not say so)
+        attention_output_gate=bool(config.get("attn_output_gate", model_type.startswith(
+            ("qwen3_next", "qwen3_5")))),
         attention_bias=bool(config.get("attention_bias", False)),
         attention_sinks=gpt_oss,
         num_experts=num_experts,
@@ -414,11 +416,11 @@ def _hf_linear_attention_freq(config: dict, name: str) -> int:
     linear_freq = int(config.get("full_attention_interval", 0) or 0)
     if layer_types and "linear_attention" in layer_types and not linear_freq:
         full = [i for i, t in enumerate(layer_types) if t == "full_attention"]
-        if len(full) < 2:
+        linear_freq = full[0] + 1 if full else 0  # layer i is full when (i + 1) % freq == 0
+        if not full or full != list(range(linear_freq - 1, len(layer_types), linear_freq)):
             raise ValueError(
                 f"{name}: cannot infer full_attention_interval from layer_types {layer_types}"
             )
-        linear_freq = full[1] - full[0]
     return linear_freq
 
 

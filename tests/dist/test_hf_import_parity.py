@@ -2,8 +2,9 @@
 
 The import is saved at TP=1 and loaded through ``dist_checkpointing`` at TP=1 and TP=2 (the
 vocabulary shards of the logits concatenated) and, for mixture-of-experts models, at expert
-parallel 2, compared with transformers' ``LlamaForCausalLM``, ``Qwen3ForCausalLM`` and
-``Qwen3MoeForCausalLM`` on the same tokens in fp32.
+parallel 2, compared with transformers' ``LlamaForCausalLM``, ``Qwen3ForCausalLM``,
+``Qwen3MoeForCausalLM``, ``GptOssForCausalLM``, ``Qwen3_5ForCausalLM`` and
+``Qwen3_5MoeForCausalLM`` on the same tokens in fp32.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from support.hf_models import (
     tiny_llama,
     tiny_qwen3,
     tiny_qwen3_moe,
+    tiny_qwen35,
+    tiny_qwen35_moe,
 )
 
 from megatron_kd.integration import hf_import
@@ -33,6 +36,12 @@ from megatron_kd.integration import hf_import
 # margin for other BLAS builds while any layout error (a swapped head, gate/up, rotary half)
 # gives O(0.1..1) differences.
 ATOL = 1e-5
+# Qwen3.5: both sides run the Gated DeltaNet as an fp32 chunked rule (exp of cumulative decays,
+# a triangular solve), whose rounding dominates: logits of size ~6 agree to 1.1e-5 .. 2.2e-5
+# (measured, dense and MoE, TP1/TP2/EP2, megatron-core 0.16.1 and 0.19.2), against ~1e-6 for
+# Qwen3. 5e-5 keeps ~2x margin; a layout error (a norm without its +1, swapped z/b/a parts,
+# a misplaced gate head) gives O(0.1..1).
+ATOL_DELTANET = 5e-5
 
 
 
@@ -192,6 +201,37 @@ def test_gpt_oss_logits_parity_tp_ep(tmp_path, dist_pool_factory):
                                    msg=lambda m, tp=tp, ep=ep: f"TP{tp} EP{ep}: {m}")
 
 
+@pytest.mark.parametrize("family", ["qwen35", "qwen35_moe"])
+def test_qwen35_logits_parity_tp(tmp_path, dist_pool_factory, family):
+    # Gated DeltaNet layers (Megatron's torch chunked rule on CPU, cpu_shim) between gated
+    # attention layers with partial RoPE; the x * (1 + w) norms imported as x * w'.
+    pool = dist_pool_factory(2)
+    moe = family == "qwen35_moe"
+    hf_path, tokens, expected = (tiny_qwen35_moe if moe else tiny_qwen35)(tmp_path)
+    save_dir = str(tmp_path / "megatron")
+    arch = pool.run(case_import, hf_path, save_dir)[0]
+    assert (arch["attention_output_gate"], arch["qk_layernorm"], arch["rotary_percent"]) == (
+        True, True, 0.25)
+    assert arch["linear_attention_layers"] == ([0, 1, 2] if moe else [0, 2])
+    assert (arch["linear_num_key_heads"], arch["linear_num_value_heads"]) == (2, 4)
+    if moe:
+        assert (arch["num_experts"], arch["moe_router_topk"], arch["moe_shared_expert_size"],
+                arch["moe_shared_expert_gate"]) == (4, 2, 40, True)
+    vocab = expected.shape[-1]
+    layouts = [(1, 1, None), (2, 1, None)] + ([(1, 2, None), (2, 2, 1)] if moe else [])
+    for tp, ep, etp in layouts:
+        shards = pool.run(case_logits, save_dir, tokens, tp, ep_size=ep, etp_size=etp)
+        full = torch.cat(shards[:tp], dim=-1)[..., :vocab]
+        torch.testing.assert_close(full, expected, atol=ATOL_DELTANET, rtol=0,
+                                   msg=lambda m, tp=tp, ep=ep: f"TP{tp} EP{ep}: {m}")
+        if tp == 1:
+            torch.testing.assert_close(shards[1], shards[0], atol=0, rtol=0)
+    # the in-memory TP split of the DeltaNet's fused parts equals the checkpoint's reshard
+    direct = pool.run(case_logits, save_dir, tokens, 2, direct_from=hf_path)
+    torch.testing.assert_close(torch.cat(direct, dim=-1)[..., :vocab], expected,
+                               atol=ATOL_DELTANET, rtol=0)
+
+
 def case_param_count(ctx, save_dir):
     """Parameters of the imported model at TP 1 (vocabulary padding rows left out)."""
     from megatron.core import parallel_state
@@ -209,7 +249,8 @@ def case_param_count(ctx, save_dir):
         parallel_state.destroy_model_parallel()
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3_moe", "gpt_oss"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3_moe", "gpt_oss", "qwen35",
+                                    "qwen35_moe"])
 def test_planner_counts_the_imported_parameters(tmp_path, dist_pool_factory, family):
     # One config, three counts: the planner's model of it (what `megatron-kd plan` sizes its
     # presets with), the tensors transformers saved, and the Megatron-Core model imported.
@@ -220,7 +261,8 @@ def test_planner_counts_the_imported_parameters(tmp_path, dist_pool_factory, fam
     from megatron_kd.planner.models import from_hf_config
 
     make = {"llama": lambda t: tiny_llama(t, tied=False), "qwen3": tiny_qwen3,
-            "qwen3_moe": tiny_qwen3_moe, "gpt_oss": tiny_gpt_oss}[family]
+            "qwen3_moe": tiny_qwen3_moe, "gpt_oss": tiny_gpt_oss, "qwen35": tiny_qwen35,
+            "qwen35_moe": tiny_qwen35_moe}[family]
     hf_path, _, _ = make(tmp_path)
     with open(os.path.join(hf_path, "config.json"), encoding="utf-8") as f:
         config = json.load(f)

@@ -10,11 +10,12 @@ that is not hidden / heads), dense or with experts of its own. Per-step losses:
   resumes from its checkpoint exactly (a resume at another EP size is refused by name);
 * offline, a K = V cache built by the MoE teacher at TP 2 with its experts over the TP ranks
   (EP 2, expert TP 1): equal to colocated;
-* disaggregated, a replica of TP 2 / EP 2 / expert TP 1: equal to colocated.
+* disaggregated, a replica of TP 2 / EP 2 / expert TP 1: equal to colocated;
+* a Qwen3.5-MoE teacher (Gated DeltaNet hybrid) colocated at student TP 2: fused = dense.
 """
 
 import pytest
-from support.hf_models import tiny_gpt_oss, tiny_qwen3_moe
+from support.hf_models import tiny_gpt_oss, tiny_qwen3_moe, tiny_qwen35_moe
 from support.train_cases import STUDENT, case_train, step_losses
 
 pytestmark = pytest.mark.filterwarnings("ignore")
@@ -128,6 +129,21 @@ def test_gpt_oss_teacher_colocated_at_student_tp2(pool, tmp_path):
     assert all(r > 0.1 for r in fused)
     with pytest.raises(Exception, match="need --expert-tensor-parallel-size 1"):
         pool.run(case_train, argv[:-2])
+
+
+def test_qwen35_moe_teacher_colocated_at_student_tp2(pool, tmp_path):
+    # Gated DeltaNet layers (their fused in_proj split per TP rank), gated attention with
+    # partial RoPE and a gated shared expert inside the trainer (device context, TP mappings)
+    hf_path, _, _ = tiny_qwen35_moe(tmp_path, vocab=VOCAB)
+    save_dir = str(tmp_path / "qwen35_megatron")
+    arch = pool.run(case_import, hf_path, save_dir)[0]
+    assert arch["linear_attention_layers"] == [0, 1, 2] and arch["moe_shared_expert_gate"]
+    argv = BASE + ["--kd-teacher-load", save_dir, "--tensor-model-parallel-size", "2",
+                   "--expert-tensor-parallel-size", "1"]
+    fused = step_losses(pool.run(case_train, argv)[0])
+    dense = step_losses(pool.run(case_train, argv, True)[0])
+    assert fused == pytest.approx(dense, rel=5e-6)
+    assert all(r > 0.1 for r in fused)
 
 
 @pytest.mark.parametrize("flags, message", [

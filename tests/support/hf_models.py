@@ -1,4 +1,4 @@
-"""Tiny random Llama / Qwen3 / Qwen3-MoE models saved as safetensors, with transformers' own
+"""Tiny random Llama / Qwen3 / Qwen3-MoE / gpt-oss / Qwen3.5 models saved as safetensors, with transformers' own
 logits on fixed tokens: the independent reference of the import tests."""
 
 from __future__ import annotations
@@ -113,6 +113,49 @@ def tiny_gpt_oss(tmp_path, *, vocab: int = 203, name: str = "gpt_oss"):
         model.save_pretrained(out, safe_serialization=True)
         logits = model(tokens).logits
     return path, tokens, logits
+
+
+# Shared by the tiny Qwen3.5 models: Gated DeltaNet layers (2 key heads of 16, 4 value heads of
+# 12, conv width 4) and gated full-attention layers (head_dim 16 != 48 / 4, RoPE on a quarter
+# of each head), as in Qwen3.5 itself.
+def _qwen35_shape(layer_types):
+    return dict(hidden_size=48, num_hidden_layers=len(layer_types), layer_types=layer_types,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                linear_value_head_dim=12, linear_conv_kernel_dim=4, max_position_embeddings=64,
+                rms_norm_eps=1e-6, attention_bias=False, tie_word_embeddings=False,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                 "partial_rotary_factor": 0.25, "mrope_section": [1, 1, 0],
+                                 "mrope_interleaved": True})
+
+
+def tiny_qwen35(tmp_path, *, vocab: int = 203, name: str = "qwen3_5"):
+    """A randomly initialised tiny Qwen3.5 text model: DeltaNet, attention, DeltaNet, attention."""
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig  # the tests skip without it
+
+    config = Qwen3_5TextConfig(vocab_size=vocab, intermediate_size=72, **_qwen35_shape(
+        ["linear_attention", "full_attention"] * 2))
+    torch.manual_seed(12)
+    return _randomise_and_save(Qwen3_5ForCausalLM(config), os.path.join(tmp_path, name), vocab,
+                               12)
+
+
+def tiny_qwen35_moe(tmp_path, *, vocab: int = 203, name: str = "qwen3_5_moe"):
+    """A randomly initialised tiny Qwen3.5-MoE: 4 experts of width 24, top 2, a gated shared
+    expert of width 40; three DeltaNet layers, then attention."""
+    from transformers import (  # the tests skip without it
+        Qwen3_5MoeForCausalLM,
+        Qwen3_5MoeTextConfig,
+    )
+
+    config = Qwen3_5MoeTextConfig(
+        vocab_size=vocab, moe_intermediate_size=24, num_experts=4, num_experts_per_tok=2,
+        shared_expert_intermediate_size=40,
+        **_qwen35_shape(["linear_attention"] * 3 + ["full_attention"]))
+    config._experts_implementation = "eager"  # an fp32 loop like Megatron's SequentialMLP
+    torch.manual_seed(13)
+    return _randomise_and_save(Qwen3_5MoeForCausalLM(config), os.path.join(tmp_path, name),
+                               vocab, 13)
 
 
 def bpe_tokenizer(vocab: dict[str, int], merges: list[tuple[str, str]]):

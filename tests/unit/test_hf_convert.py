@@ -174,3 +174,94 @@ def test_cli_refuses_non_empty_save_dir(tmp_path):
     args = parser.parse_args(["--hf-path", str(tmp_path), "--save", str(tmp_path / "out")])
     with pytest.raises(ValueError, match="not empty"):
         hf_import.run(args)
+
+
+_QWEN35 = {"model_type": "qwen3_5_text", "hidden_size": 8, "num_attention_heads": 2,
+           "num_key_value_heads": 2, "intermediate_size": 8, "num_hidden_layers": 4,
+           "vocab_size": 16, "max_position_embeddings": 8, "head_dim": 4,
+           "linear_conv_kernel_dim": 4, "linear_key_head_dim": 2, "linear_value_head_dim": 3,
+           "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+           "rope_parameters": {"rope_type": "default", "rope_theta": 1e4,
+                               "partial_rotary_factor": 0.25, "mrope_section": [1, 1, 0]}}
+
+
+def test_qwen35_config_mapping():
+    arch = hf_import.arch_from_hf_config(_QWEN35)
+    # no layer_types: derived as transformers does (every 4th layer full attention)
+    assert arch.linear_attention_layers == [0, 1, 2]
+    assert (arch.attention_output_gate, arch.qk_layernorm, arch.rotary_percent) == (
+        True, True, 0.25)
+    # the multimodal config: the text model is read from text_config, the outer tie kept
+    nested = {"model_type": "qwen3_5", "tie_word_embeddings": True,
+              "text_config": {**_QWEN35, "model_type": "qwen3_5_text",
+                              "layer_types": ["linear_attention", "full_attention"] * 2}}
+    arch = hf_import.arch_from_hf_config(nested)
+    assert (arch.linear_attention_layers, arch.tie_embeddings) == ([0, 2], True)
+    moe = hf_import.arch_from_hf_config({
+        **_QWEN35, "model_type": "qwen3_5_moe_text", "intermediate_size": None,
+        "moe_intermediate_size": 4, "num_experts": 4, "num_experts_per_tok": 2,
+        "shared_expert_intermediate_size": 6})
+    assert (moe.ffn_hidden_size, moe.moe_shared_expert_size, moe.moe_shared_expert_gate,
+            moe.moe_router_pre_softmax) == (4, 6, True, False)
+
+
+@pytest.mark.parametrize("change, match", [
+    ({"layer_types": ["linear_attention", "sliding_attention"] * 2}, "layer_types"),
+    ({"layer_types": ["linear_attention"] * 3}, "3 for 4 layers"),
+    ({"linear_num_value_heads": 3}, "multiple of linear_num_key_heads"),
+    ({"hidden_act": "gelu"}, "hidden_act"),
+])
+def test_unsupported_qwen35_configs_are_refused(change, match):
+    with pytest.raises(ValueError, match=match):
+        hf_import.arch_from_hf_config({**_QWEN35, **change})
+
+
+def test_qwen35_deltanet_shard_splits_each_part_by_heads():
+    arch = hf_import.arch_from_hf_config(_QWEN35)
+    kd, vd, nv = 4, 12, 4  # 2 key heads of 2, 4 value heads of 3
+    sizes = [kd, kd, vd, vd, nv, nv]  # in_proj = [q; k; v; z; b; a]
+    in_proj = torch.cat([torch.full((n, 8), float(p)) for p, n in enumerate(sizes)])
+    m = "decoder.layers.0.self_attention."
+    full = {m + "in_proj.weight": in_proj, m + "A_log": torch.arange(4.0),
+            m + "conv1d.weight": torch.arange(2 * kd + vd, dtype=torch.float).view(-1, 1, 1),
+            m + "out_proj.weight": torch.zeros(8, vd), m + "out_norm.weight": torch.ones(3)}
+    shard = hf_import.shard_megatron_state_dict(full, arch, 1, 2)
+    expected = torch.cat([torch.full((n // 2, 8), float(p)) for p, n in enumerate(sizes)])
+    assert torch.equal(shard[m + "in_proj.weight"], expected)
+    assert shard[m + "A_log"].tolist() == [2.0, 3.0]
+    # conv channels [q; k; v]: rank 1 holds q[2:4], k[6:8], v[14:20]
+    assert shard[m + "conv1d.weight"].flatten().tolist() == [2, 3, 6, 7, 14, 15, 16, 17, 18, 19]
+    assert shard[m + "out_proj.weight"].shape == (8, 6)
+    assert shard[m + "out_norm.weight"].shape == (3,)
+    with pytest.raises(ValueError, match="Gated DeltaNet"):
+        hf_import.pad_for_tensor_parallel(full, arch, 2)
+    with pytest.raises(ValueError, match="pipeline-parallel size 2 is not supported"):
+        arch.check_pipeline_parallel(2)
+    arch.check_pipeline_parallel(1)
+
+
+def test_qwen35_moe_multimodal_names_and_fused_experts(tmp_path):
+    # The released checkpoints are multimodal (model.language_model.*, model.visual.*, mtp.*);
+    # a model in memory holds its experts fused. Both convert to what the saved text model does.
+    pytest.importorskip("transformers")
+    # after the skip: both need transformers
+    from support.hf_models import tiny_qwen35_moe
+    from transformers import AutoModelForCausalLM
+
+    path, _, _ = tiny_qwen35_moe(tmp_path)
+    ckpt = hf_import.load_hf_checkpoint(path)
+    arch = hf_import.arch_from_hf_config(ckpt.config)
+    reference = hf_import.convert_hf_state_dict(ckpt.state_dict, arch)
+
+    fused = AutoModelForCausalLM.from_pretrained(path).state_dict()
+    assert "model.layers.0.mlp.experts.gate_up_proj" in fused
+    multimodal = {k.replace("model.", "model.language_model.", 1): v for k, v in fused.items()}
+    multimodal["model.visual.patch_embed.proj.weight"] = torch.zeros(2, 2)
+    multimodal["mtp.fc.weight"] = torch.zeros(2, 2)
+    nested = hf_import.arch_from_hf_config({"model_type": "qwen3_5_moe",
+                                            "text_config": ckpt.config})
+    assert nested == arch
+    converted = hf_import.convert_hf_state_dict(multimodal, arch)
+    assert sorted(converted) == sorted(reference)
+    for name, t in reference.items():
+        assert torch.equal(converted[name], t), name
