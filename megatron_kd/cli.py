@@ -19,7 +19,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "train": ("megatron_kd.training.train", "distill a student with Megatron-Core"),
     "preprocess": ("megatron_kd.data.preprocess", "text files -> Megatron indexed dataset"),
     "import-hf": ("megatron_kd.integration.hf_import",
-                  "Hugging Face checkpoint (Llama, Qwen3, Qwen3-MoE, gpt-oss) -> Megatron-Core"),
+                  "Hugging Face checkpoint (Llama, Qwen3(-MoE), gpt-oss, Qwen3.5(-MoE)) -> "
+                  "Megatron-Core"),
     "teacher": ("megatron_kd.training.teacher_serve",
                 "a teacher replica as a service (serve) and its registry"),
     "cache": ("megatron_kd.training.cache_command", "offline top-K teacher cache: build / verify / info"),

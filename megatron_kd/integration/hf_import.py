@@ -1,5 +1,6 @@
 """``megatron-kd import-hf``: a Hugging Face checkpoint -> Megatron-Core (Llama, Qwen3,
-Qwen3-MoE, gpt-oss; :mod:`megatron_kd.integration.hf_arch` says what each adds and refuses).
+Qwen3-MoE, gpt-oss, Qwen3.5, Qwen3.5-MoE; :mod:`megatron_kd.integration.hf_arch` says what
+each adds and refuses).
 
 Sources: a directory with ``config.json`` and ``*.safetensors`` (read without instantiating a
 ``transformers`` model), or a GGUF file read through ``transformers``
