@@ -114,6 +114,18 @@ def test_disaggregated_teacher_with_experts_over_its_tp_ranks(pool, teacher, col
     assert step_losses(dis[0]) == pytest.approx(colocated, rel=1e-5)
 
 
+def _fused_equals_dense_at_student_tp2(pool, teacher_dir):
+    """Colocated at student TP 2, the teacher's experts folded over the TP ranks (expert TP
+    1): the fused loss equals the dense reference. Returns the run's flags."""
+    argv = BASE + ["--kd-teacher-load", teacher_dir, "--tensor-model-parallel-size", "2",
+                   "--expert-tensor-parallel-size", "1"]
+    fused = step_losses(pool.run(case_train, argv)[0])
+    dense = step_losses(pool.run(case_train, argv, True)[0])
+    assert fused == pytest.approx(dense, rel=5e-6)
+    assert all(r > 0.1 for r in fused)
+    return argv
+
+
 def test_gpt_oss_teacher_colocated_at_student_tp2(pool, tmp_path):
     # sinks, sliding windows, YaRN and biased experts inside the trainer (device context,
     # Megatron's TP mappings), the experts folded over the TP ranks (expert TP 1)
@@ -121,12 +133,7 @@ def test_gpt_oss_teacher_colocated_at_student_tp2(pool, tmp_path):
     save_dir = str(tmp_path / "gpt_oss_megatron")
     arch = pool.run(case_import, hf_path, save_dir)[0]
     assert arch["attention_sinks"] and arch["window_size"] == 4  # window < SEQ: it matters
-    argv = BASE + ["--kd-teacher-load", save_dir, "--tensor-model-parallel-size", "2",
-                   "--expert-tensor-parallel-size", "1"]
-    fused = step_losses(pool.run(case_train, argv)[0])
-    dense = step_losses(pool.run(case_train, argv, True)[0])
-    assert fused == pytest.approx(dense, rel=5e-6)
-    assert all(r > 0.1 for r in fused)
+    argv = _fused_equals_dense_at_student_tp2(pool, save_dir)
     with pytest.raises(Exception, match="need --expert-tensor-parallel-size 1"):
         pool.run(case_train, argv[:-2])
 
@@ -138,12 +145,7 @@ def test_qwen35_moe_teacher_colocated_at_student_tp2(pool, tmp_path):
     save_dir = str(tmp_path / "qwen35_megatron")
     arch = pool.run(case_import, hf_path, save_dir)[0]
     assert arch["linear_attention_layers"] == [0, 1, 2] and arch["moe_shared_expert_gate"]
-    argv = BASE + ["--kd-teacher-load", save_dir, "--tensor-model-parallel-size", "2",
-                   "--expert-tensor-parallel-size", "1"]
-    fused = step_losses(pool.run(case_train, argv)[0])
-    dense = step_losses(pool.run(case_train, argv, True)[0])
-    assert fused == pytest.approx(dense, rel=5e-6)
-    assert all(r > 0.1 for r in fused)
+    _fused_equals_dense_at_student_tp2(pool, save_dir)
 
 
 @pytest.mark.parametrize("flags, message", [
