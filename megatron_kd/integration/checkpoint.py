@@ -38,6 +38,7 @@ __all__ = [
     "PARTIAL_SUFFIX",
     "arch_mismatches",
     "complete_iterations",
+    "has_model_config",
     "is_complete",
     "iteration_dir",
     "latest_iteration",
@@ -78,11 +79,17 @@ def recorded_iteration(root: str) -> int | None:
         raise ValueError(f"{path}: expected an iteration number, got {text!r}") from e
 
 
+def has_model_config(directory: str | os.PathLike) -> bool:
+    """Whether ``directory`` holds this project's ``model_config.json`` (a Megatron-LM
+    checkpoint has none)."""
+    return os.path.isfile(os.path.join(os.fspath(directory), MODEL_CONFIG_FILE))
+
+
 def is_complete(directory: str) -> bool:
     """A checkpoint directory whose writing finished: ``model_config.json`` is written last,
     after every rank's shards, and the directory has its final name."""
     return (not directory.rstrip("/").endswith(PARTIAL_SUFFIX)
-            and os.path.isfile(os.path.join(directory, MODEL_CONFIG_FILE)))
+            and has_model_config(directory))
 
 
 def complete_iterations(root: str) -> list[int]:
@@ -132,7 +139,7 @@ def resume_note(root: str) -> str | None:
 def resolve_model_dir(path: str) -> str:
     """``path`` when it is a model checkpoint (has ``model_config.json``); the newest iteration
     when it is a training checkpoint root (``--save`` directory); else ValueError."""
-    if os.path.isfile(os.path.join(path, MODEL_CONFIG_FILE)):
+    if has_model_config(path):
         return path
     iteration = latest_iteration(path) if os.path.isdir(path) else None
     if iteration is not None:
@@ -270,7 +277,7 @@ def load_model_checkpoint(model, directory: str | os.PathLike, *, arch: GPTArchC
     all load the same shard.
     """
     directory = os.fspath(directory)
-    foreign = not os.path.isfile(os.path.join(directory, MODEL_CONFIG_FILE))
+    foreign = not has_model_config(directory)
     ckpt_arch = arch if arch is not None and foreign else read_checkpoint_arch(directory)
     mismatches = arch_mismatches(model_arch(model), ckpt_arch)
     if mismatches:

@@ -36,7 +36,7 @@ __all__ = ["build_gpt_model", "model_arch"]
 
 
 def _transformer_config(arch: GPTArchConfig, *, tp_size: int, pp_size: int,
-                        ep_size: tuple[int, int],
+                        expert_sizes: tuple[int, int],
                         params_dtype: torch.dtype, **overrides: Any):
     kwargs = {
         "num_layers": arch.num_layers,
@@ -71,7 +71,7 @@ def _transformer_config(arch: GPTArchConfig, *, tp_size: int, pp_size: int,
         "persist_layer_norm": False,
     }
     if arch.num_experts is not None:
-        kwargs.update(_moe_config(arch, ep_size))
+        kwargs.update(_moe_config(arch, expert_sizes))
     kwargs.update(_attention_variant_config(arch))
     kwargs.update(overrides)
     config = TransformerConfig(**kwargs)
@@ -124,10 +124,10 @@ def _attention_variant_config(arch: GPTArchConfig) -> dict[str, Any]:
     return out
 
 
-def _moe_config(arch: GPTArchConfig, ep_size: tuple[int, int]) -> dict[str, Any]:
+def _moe_config(arch: GPTArchConfig, expert_sizes: tuple[int, int]) -> dict[str, Any]:
     """Dropless top-k routing (no capacity factor, no auxiliary loss unless overridden), the
     all-to-all dispatcher, one ``SequentialMLP`` per rank (grouped GEMM needs a GPU).
-    ``ep_size``: (expert-parallel, expert tensor-parallel) sizes."""
+    ``expert_sizes``: (expert-parallel, expert tensor-parallel) sizes."""
     return {
         "num_moe_experts": arch.num_experts,
         "moe_ffn_hidden_size": arch.expert_ffn_hidden_size,
@@ -137,8 +137,8 @@ def _moe_config(arch: GPTArchConfig, ep_size: tuple[int, int]) -> dict[str, Any]
         "moe_aux_loss_coeff": 0.0,
         "moe_token_dispatcher_type": "alltoall",
         "moe_grouped_gemm": False,
-        "expert_model_parallel_size": ep_size[0],
-        "expert_tensor_parallel_size": ep_size[1],
+        "expert_model_parallel_size": expert_sizes[0],
+        "expert_tensor_parallel_size": expert_sizes[1],
         **({} if arch.moe_shared_expert_size is None else {
             "moe_shared_expert_intermediate_size": arch.moe_shared_expert_size,
             "moe_shared_expert_gate": arch.moe_shared_expert_gate,
@@ -235,7 +235,7 @@ def build_gpt_model(
         model_parallel_cuda_manual_seed(seed, tp_rank=tp_rank, ep_rank=ep_rank,
                                         etp_rank=etp_rank)
     config = _transformer_config(arch, tp_size=tp_size, pp_size=pp_size,
-                                 ep_size=(ep_size, etp_size),
+                                 expert_sizes=(ep_size, etp_size),
                                  params_dtype=params_dtype, **config_overrides)
     kwargs = {}
     if pg_collection is not None:

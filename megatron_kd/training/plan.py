@@ -31,7 +31,7 @@ from megatron_kd.data.datasets import (
 from megatron_kd.data.tokenizer import HFTokenizer, MockTokenizer, tokenizer_difference
 from megatron_kd.integration.arch import GPTArchConfig
 from megatron_kd.integration.args import KDArgs
-from megatron_kd.integration.checkpoint import MODEL_CONFIG_FILE, read_checkpoint_extra
+from megatron_kd.integration.checkpoint import has_model_config, read_checkpoint_extra
 from megatron_kd.integration.cpu_shim import on_cpu
 from megatron_kd.integration.groups import check_expert_biases
 from megatron_kd.integration.teacher import check_teacher
@@ -101,8 +101,7 @@ def resolve_tokenizer(args: argparse.Namespace, teacher_dir: str | None):
             raise ValueError(f"--tokenizer-model {tokenizer.path!r} is not the teacher's "
                              f"tokenizer ({teacher_tok_file}): {diff}")
     # a Megatron-LM checkpoint has no model_config.json, so no recorded tokenizer to compare
-    extra = (read_checkpoint_extra(teacher_dir)
-             if os.path.isfile(os.path.join(teacher_dir, MODEL_CONFIG_FILE)) else {})
+    extra = read_checkpoint_extra(teacher_dir) if has_model_config(teacher_dir) else {}
     teacher_tok = extra.get("tokenizer_sha256")
     if teacher_tok and teacher_tok != tokenizer.sha256:
         raise ValueError(f"the teacher {teacher_dir!r} was made with another tokenizer "
