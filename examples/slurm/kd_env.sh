@@ -25,7 +25,9 @@
 #   KD_USE_CPU=1         CPU only: hides GPUs (CUDA_VISIBLE_DEVICES=""), so the program uses gloo;
 #                        one thread per rank unless OMP_NUM_THREADS is set. For tests and trials.
 #   KD_PYTHON            the Python interpreter (default: python)
-#   KD_MASTER_PORT       a fixed rendezvous port instead of the one derived from the job id
+#   KD_MASTER_PORT       a fixed rendezvous port instead of the one derived from the job id; set it
+#                        if a daemon on your nodes listens in 15000-30000 (disaggregated.sbatch
+#                        also uses the port after it, for the teacher step)
 #   KD_LOG_DIR           default: $SLURM_SUBMIT_DIR/logs/$SLURM_JOB_NAME-$SLURM_JOB_ID
 #   KD_NETWORK_ENV       a site file of network settings, sourced by every task (see below)
 

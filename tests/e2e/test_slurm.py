@@ -421,6 +421,10 @@ def test_scancel_term_saves_and_the_resubmitted_job_continues(slurm, teacher, tm
     deadline = time.monotonic() + JOB_TIMEOUT_S
     log = log_dir / "train.jsonl"
     while time.monotonic() < deadline and not (log.exists() and len(_losses_by_step(log)) >= 3):
+        info = slurm.show_job(job_id)
+        if info.get("JobState") not in ("PENDING", "CONFIGURING", "RUNNING"):
+            _assert_completed(info, log_dir, out.read_text(errors="replace"))
+            pytest.fail(f"job {job_id} ended before 3 steps were logged")
         time.sleep(0.5)
     slurm.run("scancel", "--signal=TERM", job_id)
     info = slurm.wait(job_id, timeout_s=JOB_TIMEOUT_S)

@@ -139,9 +139,11 @@ class LocalSlurm:
         self._start_munge()
         errors = []
         # Ports are drawn at random (no bind-then-close probe); a clash shows up as a daemon
-        # that dies at start, and we retry with fresh ports.
+        # that dies at start, and we retry with fresh ports. They stay below 15000: kd_env.sh
+        # derives the jobs' rendezvous ports from the job id in 15000-30000, and a daemon there
+        # made a job's rank 0 fail with EADDRINUSE (seen in CI: slurmd on the port of job 145138).
         for _ in range(attempts):
-            ctld_port = random.randint(20000, 30000)
+            ctld_port = random.randint(10000, 14900)
             self._write_config(ctld_port=ctld_port, slurmd_port=ctld_port + 1)
             try:
                 self._start_slurm()
