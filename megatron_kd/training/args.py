@@ -7,6 +7,7 @@ import argparse
 
 from megatron_kd.integration.args import add_kd_args
 from megatron_kd.integration.groups import add_expert_parallel_args
+from megatron_kd.training.hybrid_args import add_hybrid_args
 from megatron_kd.training.metrics import add_metric_args
 
 __all__ = ["add_arguments", "parse_args"]
@@ -68,6 +69,7 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
                    help="softmax over all experts before the top k (not renormalised)")
     e.add_argument("--moe-aux-loss-coeff", type=float, default=0.0,
                    help="weight of Megatron-Core's load-balancing auxiliary loss (0: none)")
+    add_hybrid_args(parser)
 
 
 

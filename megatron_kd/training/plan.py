@@ -36,6 +36,7 @@ from megatron_kd.integration.cpu_shim import on_cpu
 from megatron_kd.integration.groups import check_expert_biases
 from megatron_kd.integration.teacher import check_teacher
 from megatron_kd.parallel import check_parallel_sizes, pad_vocab_size
+from megatron_kd.training.hybrid_args import hybrid_arch_fields
 
 __all__ = ["Plan", "build_datasets", "plan_run", "resolve_tokenizer"]
 
@@ -178,7 +179,8 @@ def _student_arch(args: argparse.Namespace, vocab: int, padded: int, tp: int,
         position_embedding_type=args.position_embedding_type,
         init_method_std=args.init_method_std, qk_layernorm=args.qk_layernorm,
         num_experts=args.num_experts, moe_ffn_hidden_size=args.moe_ffn_hidden_size,
-        moe_router_topk=args.moe_router_topk, moe_router_pre_softmax=args.moe_router_pre_softmax)
+        moe_router_topk=args.moe_router_topk, moe_router_pre_softmax=args.moe_router_pre_softmax,
+        **hybrid_arch_fields(args))
     if arch.max_position_embeddings < args.seq_length:
         raise ValueError(f"--max-position-embeddings {arch.max_position_embeddings} < "
                          f"--seq-length {args.seq_length}")
@@ -203,6 +205,14 @@ def _check_experts(student: GPTArchConfig, teacher: GPTArchConfig | None, tp: in
                          "cannot train: Megatron-Core's expert MLP adds its bias in place on "
                          "a view and fails in backward (megatron-core 0.16.1 and 0.19.2, "
                          "mlp.py); such a model works as a teacher")
+    if student.linear_attention_layers and tp > 1:
+        raise ValueError(f"a Gated DeltaNet student (--experimental-attention-variant, layers "
+                         f"{student.linear_attention_layers}) at --tensor-model-parallel-size "
+                         f"{tp}: Megatron-Core's DeltaNet output norm is one weight shared by "
+                         f"the heads of every TP rank, and without sequence parallelism its "
+                         f"gradient is left a per-rank partial sum (megatron-core 0.16.1 and "
+                         f"0.19.2), so the ranks' copies drift apart: use "
+                         f"--tensor-model-parallel-size 1")
     if student.num_experts and tp > 1:
         raise ValueError(f"a mixture-of-experts student (--num-experts {student.num_experts}) at "
                          f"--tensor-model-parallel-size {tp} needs sequence parallelism "

@@ -5,8 +5,10 @@ Megatron-LM's ``save_checkpoint`` lays a run out (``iter_0000007/`` of ``dist_ch
 files with ``args``, ``checkpoint_version`` and ``iteration`` in the common state, and the
 tracker file), without ``model_config.json``. Training against it with its architecture as
 Megatron-LM flags (``--kd-teacher-args``, inline or a file), or read from its saved arguments,
-gives exactly the losses of the imported checkpoint. The real Megatron-LM writer is exercised
-in ``test_megatron_lm_real.py`` (needs a Megatron-LM checkout).
+gives exactly the losses of the imported checkpoint. A K = V cache built from it
+(``cache build --kd-teacher-args``) and a replica serving it (``teacher serve
+--kd-teacher-args``) give the colocated losses. The real Megatron-LM writer is exercised in
+``test_megatron_lm_real.py`` (needs a Megatron-LM checkout).
 """
 
 import os
@@ -91,6 +93,32 @@ def test_megatron_lm_checkpoint_teacher_equals_the_import(pool, checkpoints, tmp
         # same weights, same model: bit-identical
         assert step_losses(got) == reference, extra
     assert all(v > 0.1 for v in reference)
+
+
+def case_build_cache(ctx, out, teacher_root):
+    from megatron_kd.cli import main
+
+    argv = ["cache", "build", "--out", out, "--kd-teacher-load", teacher_root,
+            "--kd-teacher-args", FLAGS, "--kd-topk", "500", "--logprob-encoding", "fp32",
+            "--samples-per-shard", "4", "--seq-length", "32", "--micro-batch-size", "2",
+            "--train-iters", "3", "--global-batch-size", "4", "--mock-data",
+            "--tensor-model-parallel-size", "2"]
+    assert main(argv) == 0
+
+
+def test_megatron_lm_checkpoint_teacher_offline_and_disaggregated(pool, checkpoints, replicas,
+                                                                  tmp_path):
+    ours, root = checkpoints
+    reference = step_losses(pool.run(case_train, BASE + ["--kd-teacher-load", ours])[0])
+    cache = str(tmp_path / "cache")
+    pool.run(case_build_cache, cache, root)
+    offline = pool.run(case_train, BASE + ["--kd-mode", "offline", "--kd-topk-cache", cache])
+    assert step_losses(offline[0]) == pytest.approx(reference, rel=5e-6)  # K = V, fp32
+    replicas(root, tp=2, extra=("--kd-teacher-args", FLAGS))
+    dis = pool.run(case_train, BASE + ["--kd-mode", "disaggregated", "--kd-teacher-endpoint",
+                                       str(tmp_path / "endpoint"), "--kd-teacher-load", root,
+                                       "--kd-teacher-args", FLAGS])
+    assert step_losses(dis[0]) == pytest.approx(reference, rel=1e-5)
 
 
 @pytest.mark.parametrize("change, message", [

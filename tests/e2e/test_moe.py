@@ -11,7 +11,11 @@ that is not hidden / heads), dense or with experts of its own. Per-step losses:
 * offline, a K = V cache built by the MoE teacher at TP 2 with its experts over the TP ranks
   (EP 2, expert TP 1): equal to colocated;
 * disaggregated, a replica of TP 2 / EP 2 / expert TP 1: equal to colocated;
-* a Qwen3.5-MoE teacher (Gated DeltaNet hybrid) colocated at student TP 2: fused = dense.
+* a Qwen3.5-MoE teacher (Gated DeltaNet hybrid) colocated at student TP 2: fused = dense;
+* the same teacher distils into a Qwen3.5-dense-shaped student (Gated DeltaNet and gated
+  attention layers from Megatron-LM's flags) in all three modes: colocated with the teacher's
+  experts over 2 EP ranks equal to the dense reference; offline (a K = V cache built by the
+  teacher at TP 2 / EP 2) and disaggregated (a replica of TP 2 / EP 2) equal to colocated.
 """
 
 import pytest
@@ -28,6 +32,12 @@ MOE_STUDENT = ["--num-experts", "4", "--moe-ffn-hidden-size", "16", "--moe-route
                "--moe-aux-loss-coeff", "0.01"]
 TEACHER_EXPERTS_IN_TP = ["--tensor-model-parallel-size", "2", "--expert-model-parallel-size", "2",
                          "--expert-tensor-parallel-size", "1"]
+# Qwen3.5-dense-shaped: layer 0 Gated DeltaNet, layer 1 gated attention with partial RoPE
+QWEN35_STUDENT = ["--experimental-attention-variant", "gated_delta_net",
+                  "--linear-attention-freq", "2", "--linear-num-key-heads", "2",
+                  "--linear-num-value-heads", "4", "--linear-key-head-dim", "8",
+                  "--linear-value-head-dim", "8", "--attention-output-gate",
+                  "--rotary-percent", "0.25"]
 
 
 def case_import(ctx, hf_path, save_dir):
@@ -43,6 +53,7 @@ def case_import(ctx, hf_path, save_dir):
 
 
 def case_build_cache(ctx, out, teacher_dir):
+    """A K = V fp32 cache built by the teacher at TP 2, its experts over the TP ranks."""
     from megatron_kd.cli import main
 
     argv = ["cache", "build", "--out", out, "--kd-teacher-load", teacher_dir,
@@ -52,13 +63,25 @@ def case_build_cache(ctx, out, teacher_dir):
     assert main(argv) == 0
 
 
+def _import(pool, tmp, make):
+    hf_path, _, _ = make(tmp, vocab=VOCAB)
+    save_dir = str(tmp / "megatron")
+    return save_dir, pool.run(case_import, hf_path, save_dir)[0]
+
+
 @pytest.fixture(scope="module")
 def teacher(pool, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("moe")
-    hf_path, _, _ = tiny_qwen3_moe(tmp, vocab=VOCAB)
-    save_dir = str(tmp / "teacher")
-    arch = pool.run(case_import, hf_path, save_dir)[0]
+    save_dir, arch = _import(pool, tmp_path_factory.mktemp("moe"), tiny_qwen3_moe)
     assert (arch["num_experts"], arch["moe_router_topk"], arch["qk_layernorm"]) == (4, 2, True)
+    return save_dir
+
+
+@pytest.fixture(scope="module")
+def qwen35_teacher(pool, tmp_path_factory):
+    """A tiny Qwen3.5-MoE: three Gated DeltaNet layers, then gated attention; 4 experts and a
+    gated shared expert."""
+    save_dir, arch = _import(pool, tmp_path_factory.mktemp("qwen35_moe"), tiny_qwen35_moe)
+    assert arch["linear_attention_layers"] == [0, 1, 2] and arch["moe_shared_expert_gate"]
     return save_dir
 
 
@@ -138,14 +161,55 @@ def test_gpt_oss_teacher_colocated_at_student_tp2(pool, tmp_path):
         pool.run(case_train, argv[:-2])
 
 
-def test_qwen35_moe_teacher_colocated_at_student_tp2(pool, tmp_path):
+def test_qwen35_moe_teacher_colocated_at_student_tp2(pool, qwen35_teacher):
     # Gated DeltaNet layers (their fused in_proj split per TP rank), gated attention with
     # partial RoPE and a gated shared expert inside the trainer (device context, TP mappings)
-    hf_path, _, _ = tiny_qwen35_moe(tmp_path, vocab=VOCAB)
-    save_dir = str(tmp_path / "qwen35_megatron")
-    arch = pool.run(case_import, hf_path, save_dir)[0]
-    assert arch["linear_attention_layers"] == [0, 1, 2] and arch["moe_shared_expert_gate"]
-    _fused_equals_dense_at_student_tp2(pool, save_dir)
+    _fused_equals_dense_at_student_tp2(pool, qwen35_teacher)
+
+
+def test_qwen35_moe_teacher_into_a_qwen35_dense_student_in_every_mode(pool, qwen35_teacher,
+                                                                      replicas, tmp_path):
+    argv = BASE + QWEN35_STUDENT + ["--kd-teacher-load", qwen35_teacher]
+    dense = step_losses(pool.run(case_train, argv, True)[0])  # teacher EP 1, dense KD loss
+    assert all(r > 0.1 for r in dense)
+    colocated = pool.run(case_train, argv + ["--expert-model-parallel-size", "2"])
+    assert step_losses(colocated[0]) == step_losses(colocated[1])
+    assert step_losses(colocated[0]) == pytest.approx(dense, rel=5e-6)
+    cache = str(tmp_path / "cache")
+    pool.run(case_build_cache, cache, qwen35_teacher)
+    offline = pool.run(case_train, BASE + QWEN35_STUDENT + ["--kd-mode", "offline",
+                                                            "--kd-topk-cache", cache])
+    assert step_losses(offline[0]) == pytest.approx(dense, rel=5e-6)
+    replicas(qwen35_teacher, tp=2, extra=tuple(TEACHER_EXPERTS_IN_TP[2:]))
+    dis = pool.run(case_train, argv + ["--kd-mode", "disaggregated", "--kd-teacher-endpoint",
+                                       str(tmp_path / "endpoint")])
+    assert step_losses(dis[0]) == step_losses(dis[1])
+    assert step_losses(dis[0]) == pytest.approx(step_losses(colocated[0]), rel=1e-5)
+
+
+def _plan(flags):
+    from megatron_kd.training.plan import plan_run
+    from megatron_kd.training.train import parse_args
+
+    return plan_run(parse_args(STUDENT + ["--train-iters", "1", "--vocab-size", "500",
+                                          "--kd-weight", "0", "--kd-ce-weight", "1"] + flags),
+                    world_size=2)
+
+
+@pytest.mark.parametrize("freq, num_layers, linear", [
+    ("2", 2, [0]), ("4", 8, [0, 1, 2, 4, 5, 6]), ("([1]*3+[0])*2", 8, [0, 1, 2, 4, 5, 6]),
+    ("[0,1]", 2, [1]),
+])
+def test_qwen35_student_flags_give_the_architecture(freq, num_layers, linear):
+    flags = QWEN35_STUDENT + ["--linear-attention-freq", freq, "--num-layers", str(num_layers)]
+    arch = _plan(flags).student_arch
+    assert arch.linear_attention_layers == linear  # Megatron-LM's 1 = linear attention
+    assert (arch.linear_num_key_heads, arch.linear_num_value_heads, arch.linear_key_head_dim,
+            arch.linear_value_head_dim, arch.linear_conv_kernel_dim) == (2, 4, 8, 8, 4)
+    assert arch.attention_output_gate and arch.rotary_percent == 0.25
+    default = _plan(QWEN35_STUDENT[:4]).student_arch  # Megatron-Core's default widths
+    assert (default.linear_num_key_heads, default.linear_num_value_heads,
+            default.linear_key_head_dim) == (16, 32, 128)
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -154,12 +218,13 @@ def test_qwen35_moe_teacher_colocated_at_student_tp2(pool, tmp_path):
     (MOE_STUDENT[:2] + ["--expert-model-parallel-size", "3"], "does not divide"),
     (["--num-experts", "4", "--moe-router-topk", "5"], "exceeds num_experts"),
     (MOE_STUDENT + ["--add-bias-linear"], "fails in backward"),
+    (QWEN35_STUDENT + ["--tensor-model-parallel-size", "2"], "its gradient is left a per-rank"),
+    (QWEN35_STUDENT[:2], "needs --linear-attention-freq"),
+    (QWEN35_STUDENT[2:4], "without --experimental-attention-variant"),
+    (QWEN35_STUDENT[:4] + ["--linear-num-key-heads", "3"], "must be a multiple of"),
+    (QWEN35_STUDENT[:2] + ["--linear-attention-freq", "[1,1,0]"], "gives 3 layers"),
+    (["--moe-shared-expert-intermediate-size", "8"], "needs --num-experts"),
 ])
-def test_moe_layouts_refused_before_any_step(tmp_path, flags, message):
-    from megatron_kd.training.plan import plan_run
-    from megatron_kd.training.train import parse_args
-
+def test_moe_layouts_refused_before_any_step(flags, message):
     with pytest.raises(ValueError, match=message):
-        plan_run(parse_args(STUDENT + ["--train-iters", "1", "--vocab-size", "500",
-                                       "--kd-weight", "0", "--kd-ce-weight", "1"] + flags),
-                 world_size=2)
+        _plan(flags)
