@@ -192,10 +192,14 @@ def _install_gated_delta_net_shim() -> None:
       ``GatedDeltaNet.__init__`` raises ``ImportError`` when ``not HAVE_FLA``; ``forward``
       calls ``l2norm(...)`` and ``chunk_gated_delta_rule(...)`` (the convolution falls back
       to ``nn.Conv1d`` because ``causal_conv1d_fn is None``).
+    * Megatron-LM f88b85f (a newer single module): as 0.16.1, but ``forward`` calls fla's
+      ``causal_conv1d(...)`` by name (bound to None without fla) unless ``deterministic_mode``.
     * 0.19.2, the ``megatron/core/ssm/gated_delta_net/`` package: ``common.py`` binds
       ``HAVE_FLA`` and ``l2norm`` (``_GDNBase.__init__`` checks ``common.HAVE_FLA``,
       ``_prepare_input_for_gated_delta_rule`` calls ``common.l2norm``); ``gdn.py`` imports
       ``causal_conv1d`` and ``chunk_gated_delta_rule`` by name, so they are patched there.
+      Megatron-LM main (d98e8a6, 2026-08) moved ``torch_chunk_gated_delta_rule`` to
+      ``gdn.py``, which also imports ``l2norm`` by name.
 
     The rule becomes Megatron's ``torch_chunk_gated_delta_rule`` (what ``deterministic_mode``
     uses), the l2norm and the convolution their torch equivalents.
@@ -204,9 +208,14 @@ def _install_gated_delta_net_shim() -> None:
         # submodules of the 0.19 package only (0.16 has one module): imported by version
         common = importlib.import_module("megatron.core.ssm.gated_delta_net.common")
         gdn = importlib.import_module("megatron.core.ssm.gated_delta_net.gdn")
+        # the torch rule: in common.py (0.19.2) or gdn.py (Megatron-LM main d98e8a6)
+        rule = getattr(common, "torch_chunk_gated_delta_rule", None) or \
+            gdn.torch_chunk_gated_delta_rule
         _patch(common, "HAVE_FLA", True)
         _patch_or_add(common, "l2norm", _torch_l2norm)
-        _patch(gdn, "chunk_gated_delta_rule", common.torch_chunk_gated_delta_rule)
+        if hasattr(gdn, "l2norm"):  # main imports it into gdn.py by name
+            _patch(gdn, "l2norm", _torch_l2norm)
+        _patch(gdn, "chunk_gated_delta_rule", rule)
         _patch(gdn, "causal_conv1d", _torch_causal_conv1d)
         return
     torch_rule = mcore_gdn.torch_chunk_gated_delta_rule
@@ -221,6 +230,8 @@ def _install_gated_delta_net_shim() -> None:
     _patch(mcore_gdn, "HAVE_FLA", True)
     _patch_or_add(mcore_gdn, "l2norm", _torch_l2norm)
     _patch(mcore_gdn, "chunk_gated_delta_rule", _rule)
+    if hasattr(mcore_gdn, "causal_conv1d"):  # f88b85f: fla's convolution, called by name
+        _patch(mcore_gdn, "causal_conv1d", _torch_causal_conv1d)
 
 
 def _patch_or_add(obj: Any, name: str, value: Any) -> None:

@@ -14,6 +14,7 @@ the teacher's hidden states projects them itself).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import json
@@ -23,6 +24,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state
 from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.tensor_parallel import get_cuda_rng_tracker
 from megatron.core.utils import make_tp_sharded_tensor_for_checkpoint
 
 from megatron_kd.integration.arch import GPTArchConfig
@@ -119,9 +121,10 @@ def build_frozen_teacher(arch: GPTArchConfig, load_dir: str, *, dtype: torch.dty
 
     Returns the model (output layer bypassed on the last stage, eval mode, frozen) or None.
     """
-    teacher = build_gpt_model(arch, pg_collection=pg_collection, pre_process=pre_process,
-                              post_process=post_process, params_dtype=dtype, seed=seed,
-                              perform_initialization=False)
+    with _random_state_kept():
+        teacher = build_gpt_model(arch, pg_collection=pg_collection, pre_process=pre_process,
+                                  post_process=post_process, params_dtype=dtype, seed=seed,
+                                  perform_initialization=False)
     load_model_checkpoint(teacher, load_dir, arch=arch,
                           validate_access_integrity=not replicated)
     if not keep:
@@ -132,6 +135,23 @@ def build_frozen_teacher(arch: GPTArchConfig, load_dir: str, *, dtype: torch.dty
     for p in teacher.parameters():
         p.requires_grad_(False)
     return teacher
+
+
+@contextlib.contextmanager
+def _random_state_kept():
+    """The process's random streams as they were before: building a teacher draws nothing the
+    student will see. ``perform_initialization=False`` is not enough: Megatron-Core's Gated
+    DeltaNet initialises its decay and convolution parameters regardless (0.16.1, 0.19.2), and
+    in Megatron-LM's ``pretrain_gpt.py`` the teacher is built before the student, whose
+    initial weights then moved. Keeps the CPU and current GPU generators and Megatron's
+    model-parallel tracker."""
+    tracker = get_cuda_rng_tracker()
+    states = tracker.get_states() if tracker.is_initialized() else None
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=devices):
+        yield
+    if states is not None:
+        tracker.set_states(states)
 
 
 def load_output_layer_shard(teacher_dir: str, arch: GPTArchConfig, dtype: torch.dtype,

@@ -117,3 +117,38 @@ def case_bypass(ctx, tie):
 def test_bypass_gives_output_layer_input(dist_pool_factory, tie):
     for diff, restored, same in dist_pool_factory(2).run(case_bypass, tie):
         assert diff < 1e-5 and restored and same
+
+
+def case_teacher_build_keeps_random_state(ctx, ckpt_dir):
+    import dataclasses
+
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    from megatron_kd.integration.checkpoint import save_model_checkpoint
+    from megatron_kd.integration.gpt import build_gpt_model
+    from megatron_kd.integration.groups import model_parallel
+    from megatron_kd.integration.teacher import build_frozen_teacher
+
+    # a Gated DeltaNet layer: Megatron-Core initialises its decay and convolution parameters
+    # even with perform_initialization=False
+    arch = dataclasses.replace(tiny_arch(), kv_channels=16, linear_attention_layers=[0],
+                               linear_num_key_heads=2, linear_num_value_heads=4,
+                               linear_key_head_dim=8, linear_value_head_dim=8)
+    with model_parallel(tp=1):
+        save_model_checkpoint(build_gpt_model(arch, seed=3), arch, ckpt_dir)
+        before = (torch.get_rng_state(), get_cuda_rng_tracker().get_states())
+        build_frozen_teacher(arch, ckpt_dir, dtype=torch.float32)
+        after = (torch.get_rng_state(), get_cuda_rng_tracker().get_states())
+    return (torch.equal(before[0], after[0]),
+            sorted(before[1]) == sorted(after[1]) and
+            all(torch.equal(before[1][k], after[1][k]) for k in before[1]))
+
+
+def test_building_a_teacher_draws_nothing_from_the_student_streams(dist_pool_factory,
+                                                                   tmp_path):
+    # In Megatron-LM's pretrain_gpt.py the teacher is built before the student: a draw here
+    # moved the student's initial weights (seen only with the real script).
+    pool = dist_pool_factory(2)
+    for cpu_same, tracker_same in pool.run(case_teacher_build_keeps_random_state,
+                                           str(tmp_path / "ckpt")):
+        assert cpu_same and tracker_same

@@ -269,19 +269,29 @@ def _megatron_kd_losses_only(log_json):
 MOE_STUDENT = ["--num-experts", "4", "--moe-ffn-hidden-size", "16", "--moe-router-topk", "2"]
 
 
-@pytest.mark.parametrize("student", [[], MOE_STUDENT], ids=["dense_student", "moe_student"])
-def test_real_pretrain_gpt_with_a_moe_teacher(inputs, tmp_path, dist_pool_factory, student):
-    """A mixture-of-experts teacher (4 experts, top 2, QK norms) inside the real
-    ``pretrain_gpt.py``, distilling into a dense student or one with experts of its own
-    (Megatron-LM's flags, the same in ``megatron-kd train``): Megatron-LM's own megatron-core
-    routes the tokens (the CPU shim's all-to-all stand-ins on that version), and its
-    per-iteration losses are ``megatron-kd train``'s, 1e-5 relative."""
+# Qwen3.5-MoE-shaped: layer 0 Gated DeltaNet, layer 1 gated attention with partial RoPE, a
+# gated shared expert beside the routed ones
+QWEN35_TEACHER = dict(linear_attention_layers=[0], linear_num_key_heads=2,
+                      linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+                      attention_output_gate=True, rotary_percent=0.25, kv_channels=16,
+                      moe_shared_expert_size=16, moe_shared_expert_gate=True)
+
+
+@pytest.mark.parametrize("student, hybrid", [([], {}), (MOE_STUDENT, {}), ([], QWEN35_TEACHER)],
+                         ids=["dense_student", "moe_student", "qwen35_moe_teacher"])
+def test_real_pretrain_gpt_with_a_moe_teacher(inputs, tmp_path, dist_pool_factory, student,
+                                              hybrid):
+    """A mixture-of-experts teacher (4 experts, top 2, QK norms; or Qwen3.5-MoE-shaped, with
+    a Gated DeltaNet layer) inside the real ``pretrain_gpt.py``, distilling into a dense
+    student or one with experts of its own (Megatron-LM's flags, the same in ``megatron-kd
+    train``): Megatron-LM's own megatron-core routes the tokens (the CPU shim's stand-ins on
+    that version), and its per-iteration losses are ``megatron-kd train``'s, 1e-5 relative."""
     from support.train_cases import TEACHER_ARCH, case_make_teacher
 
     python = _megatron_lm_python()
     teacher = str(tmp_path / "moe_teacher")
     arch = dict(TEACHER_ARCH, init_method_std=0.25, num_experts=4, moe_ffn_hidden_size=24,
-                moe_router_topk=2, qk_layernorm=True)
+                moe_router_topk=2, qk_layernorm=True, **hybrid)
     dist_pool_factory(2).run(case_make_teacher, teacher, arch)
     env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
     log = str(tmp_path / "kd.jsonl")
