@@ -11,6 +11,8 @@ that is not hidden / heads), dense or with experts of its own. Per-step losses:
 * offline, a K = V cache built by the MoE teacher at TP 2 with its experts over the TP ranks
   (EP 2, expert TP 1): equal to colocated;
 * disaggregated, a replica of TP 2 / EP 2 / expert TP 1: equal to colocated;
+* a gpt-oss teacher colocated at student TP 2 (fused = dense), offline and disaggregated at
+  TP 2 / EP 2 (equal to colocated);
 * a Qwen3.5-MoE teacher (Gated DeltaNet hybrid) colocated at student TP 2: fused = dense;
 * the same teacher distils into a Qwen3.5-dense-shaped student (Gated DeltaNet and gated
   attention layers from Megatron-LM's flags) in all three modes: colocated with the teacher's
@@ -139,26 +141,34 @@ def test_disaggregated_teacher_with_experts_over_its_tp_ranks(pool, teacher, col
 
 def _fused_equals_dense_at_student_tp2(pool, teacher_dir):
     """Colocated at student TP 2, the teacher's experts folded over the TP ranks (expert TP
-    1): the fused loss equals the dense reference. Returns the run's flags."""
+    1): the fused loss equals the dense reference. Returns the run's flags and losses."""
     argv = BASE + ["--kd-teacher-load", teacher_dir, "--tensor-model-parallel-size", "2",
                    "--expert-tensor-parallel-size", "1"]
     fused = step_losses(pool.run(case_train, argv)[0])
     dense = step_losses(pool.run(case_train, argv, True)[0])
     assert fused == pytest.approx(dense, rel=5e-6)
     assert all(r > 0.1 for r in fused)
-    return argv
+    return argv, fused
 
 
-def test_gpt_oss_teacher_colocated_at_student_tp2(pool, tmp_path):
+def test_gpt_oss_teacher_in_every_mode(pool, replicas, tmp_path):
     # sinks, sliding windows, YaRN and biased experts inside the trainer (device context,
-    # Megatron's TP mappings), the experts folded over the TP ranks (expert TP 1)
-    hf_path, _, _ = tiny_gpt_oss(tmp_path, vocab=VOCAB)
-    save_dir = str(tmp_path / "gpt_oss_megatron")
-    arch = pool.run(case_import, hf_path, save_dir)[0]
+    # Megatron's TP mappings), the experts folded over the TP ranks (expert TP 1); then a cache
+    # built and a replica serving at TP 2 x EP 2
+    save_dir, arch = _import(pool, tmp_path, tiny_gpt_oss)
     assert arch["attention_sinks"] and arch["window_size"] == 4  # window < SEQ: it matters
-    argv = _fused_equals_dense_at_student_tp2(pool, save_dir)
+    argv, colocated = _fused_equals_dense_at_student_tp2(pool, save_dir)
     with pytest.raises(Exception, match="need --expert-tensor-parallel-size 1"):
         pool.run(case_train, argv[:-2])
+    cache = str(tmp_path / "cache")
+    pool.run(case_build_cache, cache, save_dir)
+    offline = pool.run(case_train, BASE + ["--kd-mode", "offline", "--kd-topk-cache", cache,
+                                           "--tensor-model-parallel-size", "2"])
+    assert step_losses(offline[0]) == pytest.approx(colocated, rel=5e-6)
+    replicas(save_dir, tp=2, extra=tuple(TEACHER_EXPERTS_IN_TP[2:]))
+    dis = pool.run(case_train, argv + ["--kd-mode", "disaggregated", "--kd-teacher-endpoint",
+                                       str(tmp_path / "endpoint")])
+    assert step_losses(dis[0]) == pytest.approx(colocated, rel=1e-5)
 
 
 def test_qwen35_moe_teacher_colocated_at_student_tp2(pool, qwen35_teacher):
