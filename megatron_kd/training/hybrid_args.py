@@ -103,13 +103,15 @@ def hybrid_arch_fields(args: argparse.Namespace) -> dict[str, Any]:
                          f"{args.moe_shared_expert_intermediate_size} needs --num-experts")
     if args.moe_shared_expert_gate and args.moe_shared_expert_intermediate_size is None:
         raise ValueError("--moe-shared-expert-gate needs --moe-shared-expert-intermediate-size")
+    freq = args.linear_attention_freq
     given = [f"--{name.replace('_', '-')}" for name in _LINEAR_DEFAULTS
              if getattr(args, name) is not None]
-    freq = args.linear_attention_freq
+    if freq is not None:
+        given.append("--linear-attention-freq")
     if args.experimental_attention_variant is None:
-        if given or freq is not None:
-            raise ValueError(f"{' '.join(given + (['--linear-attention-freq'] if freq else []))}"
-                             f" without --experimental-attention-variant gated_delta_net")
+        if given:
+            raise ValueError(f"{' '.join(given)} without --experimental-attention-variant "
+                             f"gated_delta_net")
         return fields
     if freq is None:
         raise ValueError("--experimental-attention-variant gated_delta_net needs "
