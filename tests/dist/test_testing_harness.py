@@ -46,7 +46,8 @@ def test_pool_reraises_with_rank_and_recovers(dist_pool_factory):
 _ORPHAN_PARENT = """
 import sys, time
 sys.path[:0] = {path!r}
-from megatron_kd.testing import DistPool
+from megatron_kd.testing import DistPool, pool as pool_module
+pool_module.PRELOAD = ("torch",)  # the fork server as by default, less to import
 pool = DistPool(2, {tmp!r})
 print(" ".join(str(p) for p in pool.pids), flush=True)
 time.sleep(600)  # killed by the test long before
@@ -80,3 +81,56 @@ def test_workers_end_with_their_parent(tmp_path, how):
     finally:
         parent.kill()
         parent.wait()
+
+
+def _group_count_after_making(ctx, keep):
+    from torch.distributed import distributed_c10d as c10d
+
+    made = [dist.new_group([0, 1]), dist.new_group([0, 1])]
+    if keep:
+        ctx.state["kept"] = made[:1]
+    t = torch.ones(1)
+    dist.all_reduce(t, group=made[-1])
+    return len(c10d._world.pg_map), t.item()
+
+
+def _groups_now(ctx):
+    from torch.distributed import distributed_c10d as c10d
+
+    kept = ctx.state.get("kept", [])
+    if kept:  # a group kept in ctx.state still works
+        t = torch.ones(1)
+        dist.all_reduce(t, group=kept[0])
+        assert t.item() == 2.0
+    return len(c10d._world.pg_map)
+
+
+def test_groups_a_case_leaves_are_destroyed_unless_kept_in_state(dist_pool_factory):
+    # Megatron-Core's destroy_model_parallel leaves its gloo groups (threads, sockets) alive;
+    # a long-lived worker once piled up 3,900 threads that way.
+    pool = dist_pool_factory(2)
+    base = pool.run(_groups_now)  # per rank (a rank outside a prefix group holds none)
+    counts = pool.run(_group_count_after_making, False)
+    assert counts == [(b + 2, 2.0) for b in base]  # both existed inside the case
+    assert pool.run(_groups_now) == base
+    pool.run(_group_count_after_making, True)
+    assert pool.run(_groups_now) == [b + 1 for b in base]
+
+
+def _env_var(ctx, name):
+    import os
+
+    return os.environ.get(name)
+
+
+@pytest.mark.parametrize("start_method", ["forkserver", "spawn"])
+def test_workers_get_the_runners_environment_at_pool_start(tmp_path, monkeypatch, start_method):
+    # A forked worker starts from the fork server's environment: the runner's is handed over.
+    from megatron_kd.testing import DistPool
+
+    monkeypatch.setenv("KD_POOL_PROBE", "before")
+    with DistPool(2, tmp_path, start_method=start_method, env={"KD_POOL_EXTRA": "x"}) as pool:
+        monkeypatch.setenv("KD_POOL_PROBE", "after")
+        assert pool.run(_env_var, "KD_POOL_PROBE") == ["before", "before"]
+        assert pool.run(_env_var, "KD_POOL_EXTRA") == ["x", "x"]
+        assert pool.run(_env_var, "OMP_NUM_THREADS") == ["1", "1"]
