@@ -21,15 +21,20 @@ def teacher(pool, tmp_path_factory):
 
 @pytest.fixture
 def replicas(tmp_path):
-    """``start(teacher, tp=1, pp=1)``: a teacher replica (``megatron-kd teacher serve``) at the
-    directory endpoint ``tmp_path/endpoint``; every one started is stopped after the test."""
+    """``start(teacher, tp=1, pp=1, count=None, wait=True)``: a teacher replica (``megatron-kd
+    teacher serve``) at the directory endpoint ``tmp_path/endpoint``, or a list of ``count`` of
+    them started together (their start-ups overlap); with ``wait=False`` it returns at once
+    (call ``wait_ready()`` before use). Every one started is stopped after the test."""
     started = []
 
-    def start(teacher, **kw):
-        replica = Replica(tmp_path / "endpoint", teacher,
-                          log=tmp_path / f"replica{len(started)}.jsonl", **kw)
-        started.append(replica)
-        return replica
+    def start(teacher, count=None, wait=True, **kw):
+        new = [Replica(tmp_path / "endpoint", teacher, wait=False,
+                       log=tmp_path / f"replica{len(started) + i}.jsonl", **kw)
+               for i in range(count or 1)]
+        started.extend(new)
+        for replica in new if wait else ():
+            replica.wait_ready()
+        return new if count is not None else new[0]
 
     yield start
     for replica in started:

@@ -86,7 +86,7 @@ def _argv(teacher, tmp_path, timeout_s):
 
 def test_killed_replica_fails_over_and_a_restarted_one_takes_work(pool, teacher, colocated,
                                                                    replicas, tmp_path):
-    first, second = replicas(teacher), replicas(teacher)
+    first, second = replicas(teacher, count=2)
     log, hold = tmp_path / "run.jsonl", tmp_path / "hold"
     run = Background(pool, case_train_slowly, _argv(teacher, tmp_path, 10), 0.3, str(hold))
     _wait_for(lambda: _steps_done(log) >= 3)
@@ -129,7 +129,7 @@ def test_only_replica_killed_and_replaced_within_the_timeout(pool, teacher, colo
 
 def test_stalled_replica_is_dropped_and_cannot_deliver_stale_data(pool, teacher, colocated,
                                                                   replicas, tmp_path):
-    first, _second = replicas(teacher), replicas(teacher)
+    first, _second = replicas(teacher, count=2)
     log = tmp_path / "run.jsonl"
     run = Background(pool, case_train_slowly, _argv(teacher, tmp_path, 3), 0.3)
     _wait_for(lambda: _steps_done(log) >= 3)

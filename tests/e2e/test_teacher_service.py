@@ -79,8 +79,9 @@ def _assert_same_losses(dis, colocated):
 def test_disaggregated_equals_colocated(pool, teacher, replicas, tmp_path, student,
                                         teacher_layout):
     argv = BASE + ["--kd-teacher-load", teacher] + student
+    replica = replicas(teacher, wait=False, **teacher_layout)  # starts while colocated runs
     colocated = pool.run(case_train, argv)[0]
-    replica = replicas(teacher, **teacher_layout)
+    replica.wait_ready()
     log = tmp_path / "log.jsonl"
     dis = pool.run(case_train, _disaggregated(argv, tmp_path / "endpoint", "--log-json",
                                               str(log)))
@@ -98,8 +99,10 @@ def test_two_replicas_serve_four_student_dp_ranks(dist_pool_factory, teacher, re
     pool4 = dist_pool_factory(4)
     argv = BASE[:BASE.index("--global-batch-size")] + ["--global-batch-size", "8"] + \
         BASE[BASE.index("--global-batch-size") + 2:] + ["--kd-teacher-load", teacher]
+    first, second = replicas(teacher, count=2, wait=False)  # start while colocated runs
     colocated = pool4.run(case_train, argv)[0]
-    first, second = replicas(teacher), replicas(teacher)
+    first.wait_ready()
+    second.wait_ready()
     dis = pool4.run(case_train, _disaggregated(argv, tmp_path / "endpoint"))
     _assert_same_losses(dis[0], colocated)
     first.stop()
@@ -110,15 +113,19 @@ def test_two_replicas_serve_four_student_dp_ranks(dist_pool_factory, teacher, re
 
 def test_two_runs_with_different_seeds_share_one_replica(pool, teacher, replicas, tmp_path):
     endpoint = tmp_path / "endpoint"
-    replicas(teacher)
+    replica = replicas(teacher, wait=False)
     one = BASE + ["--kd-teacher-load", teacher, "--tensor-model-parallel-size", "2"]
     other = BASE + ["--kd-teacher-load", teacher, "--seed", "77", "--train-iters", "8",
                     "--no-progress"]
-    other_colocated = subprocess.run([sys.executable, "-m", "megatron_kd", "train", *other,
-                                      "--log-json", str(tmp_path / "other_co.jsonl")],
-                                     capture_output=True, text=True, timeout=600)
-    assert other_colocated.returncode == 0, other_colocated.stderr[-2000:]
-    colocated = pool.run(case_train, one)[0]
+    # the references, while the replica starts: the other run colocated (a world of one) ...
+    other_colocated = subprocess.Popen([sys.executable, "-m", "megatron_kd", "train", *other,
+                                        "--log-json", str(tmp_path / "other_co.jsonl")],
+                                       stderr=subprocess.PIPE, text=True,
+                                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    colocated = pool.run(case_train, one)[0]  # ... and the pool's run colocated
+    _, err = other_colocated.communicate(timeout=600)
+    assert other_colocated.returncode == 0, err[-2000:]
+    replica.wait_ready()
     # the other run (a world of one) trains through the replica while the pool's run does
     background = subprocess.Popen([sys.executable, "-m", "megatron_kd", "train",
                                    *_disaggregated(other, endpoint), "--log-json",

@@ -19,9 +19,11 @@ class Replica:
     """One running replica (a process, or a torchrun of several)."""
 
     def __init__(self, endpoint: Path, teacher: str, *, tp: int = 1, pp: int = 1,
-                 log: Path, extra: tuple[str, ...] = (), sleep_per_token: float = 0.0) -> None:
+                 log: Path, extra: tuple[str, ...] = (), sleep_per_token: float = 0.0,
+                 wait: bool = True) -> None:
+        """Start the replica; with ``wait`` (else call :meth:`wait_ready`) wait until it has
+        registered at ``endpoint``."""
         self.endpoint, self.log = endpoint, log
-        before = set(_records(endpoint))
         world = tp * pp
         module = (["megatron_kd.testing.slow_replica", str(sleep_per_token), "--"]
                   if sleep_per_token else ["megatron_kd"])
@@ -39,19 +41,26 @@ class Replica:
         self.proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL,
                                      stderr=open(str(log) + ".stderr", "w"),
                                      start_new_session=True)
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> None:
+        """Wait until the replica has published its record (its log's ``ready`` event names
+        it, so replicas started together at one endpoint are told apart)."""
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:
-            new = set(_records(endpoint)) - before
-            if new:
-                self.record_file = new.pop()
-                self.replica = json.loads(Path(endpoint, self.record_file).read_text())["replica"]
+            ready = self.events("ready")
+            if ready:
+                self.replica = ready[0]["replica"]
+                self.record_file = f"replica-{self.replica}.json"
+                assert Path(self.endpoint, self.record_file).is_file(), self.record_file
                 return
             if self.proc.poll() is not None:
                 break
             time.sleep(0.2)
         self.stop()
-        raise RuntimeError(f"teacher replica did not register at {endpoint}:\n"
-                           + Path(str(log) + ".stderr").read_text()[-3000:])
+        raise RuntimeError(f"teacher replica did not register at {self.endpoint}:\n"
+                           + Path(str(self.log) + ".stderr").read_text()[-3000:])
 
     @property
     def pids(self) -> list[int]:
@@ -70,7 +79,9 @@ class Replica:
     def events(self, event: str | None = None) -> list[dict]:
         if not self.log.exists():
             return []
-        lines = [json.loads(line) for line in self.log.read_text().splitlines() if line.strip()]
+        text = self.log.read_text()
+        complete = text[:text.rfind("\n") + 1]  # not a line still being written
+        lines = [json.loads(line) for line in complete.splitlines() if line.strip()]
         return [e for e in lines if event is None or e.get("event") == event]
 
     def requests_served(self) -> int:
@@ -86,9 +97,3 @@ class Replica:
                 self.kill(signal.SIGKILL)
                 self.proc.wait(timeout=30)
         self.kill(signal.SIGKILL)  # any worker left behind
-
-
-def _records(endpoint: Path) -> list[str]:
-    if not endpoint.is_dir():
-        return []
-    return [n for n in os.listdir(endpoint) if n.startswith("replica-") and n.endswith(".json")]
