@@ -131,13 +131,15 @@ class _FusedKDLoss(torch.autograd.Function):
             grad_x, grad_w = ctx.grads
             ctx.grads = None
             # Scaled by a device tensor: reading the scale on the host would stall a GPU.
-            grad_x = None if grad_x is None else grad_x * grad_loss.to(grad_x.dtype)
+            # Scaled in place: both are this Function's own buffers (a copy of the weight
+            # gradient would double its [V/tp, h] memory at the end of backward).
+            grad_x = None if grad_x is None else grad_x.mul_(grad_loss.to(grad_x.dtype))
             if grad_w is not None and ctx.fuse_wgrad:
                 weight, ctx.weight = ctx.weight, None
                 weight.main_grad.addcmul_(grad_w, grad_loss.to(grad_w.dtype))
                 grad_w = _main_grad_placeholder(weight)
             elif grad_w is not None:
-                grad_w = grad_w * grad_loss.to(grad_w.dtype)
+                grad_w = grad_w.mul_(grad_loss.to(grad_w.dtype))
         else:
             grad_x, grad_w = _recompute_backward(ctx, grad_loss)
         return (
@@ -244,11 +246,11 @@ def _recompute_backward(ctx, grad_loss: torch.Tensor
     if grad_x is not None:
         grad_x = reduce_hidden_grad(grad_x, shard.tp_group, shard.tp_world_size, sp, ctx.lead,
                                     h_s)
-        grad_x = (grad_x * scale).to(ctx.hidden_dtype).view(ctx.hidden_shape)
+        grad_x = grad_x.mul_(scale).to(ctx.hidden_dtype).view(ctx.hidden_shape)
     if fused:
         grad_w = _main_grad_placeholder(student_weight)
     elif grad_w is not None:
-        grad_w = (grad_w * scale).to(ctx.weight_dtype)
+        grad_w = grad_w.mul_(scale).to(ctx.weight_dtype)  # in place: this Function's buffer
     return grad_x, grad_w
 
 
