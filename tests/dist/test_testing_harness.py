@@ -115,6 +115,14 @@ def test_groups_a_case_leaves_are_destroyed_unless_kept_in_state(dist_pool_facto
     assert pool.run(_groups_now) == base
     pool.run(_group_count_after_making, True)
     assert pool.run(_groups_now) == [b + 1 for b in base]
+    # a group of rank 0 alone: rank 1 holds no handle to it, and both go on to the next case
+    pool.run(_make_group_of_rank_zero)
+    assert pool.run(_sum_of_ranks, 1.0, timeout=60) == [1.0, 1.0]
+    assert pool.run(_groups_now) == [b + 1 for b in base]
+
+
+def _make_group_of_rank_zero(ctx):
+    dist.new_group([0])
 
 
 def _env_var(ctx, name):
