@@ -75,6 +75,27 @@ def test_window_sizes_give_the_same_result(window_size):
     _single(spec(window_size=window_size, ce_weight=0.5, mask=True))
 
 
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("chunk,max_rows", [(7, 384), (1024, 384), (7, 0)])
+def test_cpu_projection_in_vocab_slabs(monkeypatch, kind, chunk, max_rows):
+    # 7-row slabs of a 1009-row shard (the last one 1 row), one slab of the whole shard, and
+    # the one-GEMM path (max_rows 0): the same loss and gradients, in fp32 and fp64
+    slabs = []
+    real = window.WindowWalker._chunked_projection
+
+    def spy(self, x, w, out):
+        slabs.append(min(chunk, w.shape[0]))
+        return real(self, x, w, out)
+
+    monkeypatch.setattr(window, "CPU_PROJECTION_CHUNK", chunk)
+    monkeypatch.setattr(window, "CPU_CHUNKED_PROJECTION_ROWS", max_rows)
+    monkeypatch.setattr(window.WindowWalker, "_chunked_projection", spy)
+    for dtype in (torch.float64, torch.float32):
+        _single(spec(kind=kind, dtype=dtype, ce_weight=0.3, mask=True, window_size=6))
+    assert slabs == ([] if max_rows == 0 else [min(chunk, 1009)] * len(slabs))
+    assert max_rows == 0 or len(slabs) > 0
+
+
 BLOCK_CASES = {
     "fwd_kl_T2_ce": dict(kind="forward_kl", temperature=2.0, ce_weight=0.5),
     "rev_kl_T07_ce": dict(kind="reverse_kl", temperature=0.7, ce_weight=0.3),
