@@ -80,20 +80,26 @@ def test_window_sizes_give_the_same_result(window_size):
 def test_cpu_projection_in_vocab_slabs(monkeypatch, kind, chunk, max_rows):
     # 7-row slabs of a 1009-row shard (the last one 1 row), one slab of the whole shard, and
     # the one-GEMM path (max_rows 0): the same loss and gradients, in fp32 and fp64
-    slabs = []
-    real = window.WindowWalker._chunked_projection
+    slab_calls, projections = [], []
+    real, real_logits = window.WindowWalker._chunked_projection, window.WindowWalker.logits
 
     def spy(self, x, w, out):
-        slabs.append(min(chunk, w.shape[0]))
+        slab_calls.append((x.shape[0], w.shape[0]))
         return real(self, x, w, out)
+
+    def logits_spy(self, x, w, name):
+        projections.append((x.shape[0], w.shape[0]))
+        return real_logits(self, x, w, name)
 
     monkeypatch.setattr(window, "CPU_PROJECTION_CHUNK", chunk)
     monkeypatch.setattr(window, "CPU_CHUNKED_PROJECTION_ROWS", max_rows)
     monkeypatch.setattr(window.WindowWalker, "_chunked_projection", spy)
+    monkeypatch.setattr(window.WindowWalker, "logits", logits_spy)
     for dtype in (torch.float64, torch.float32):
         _single(spec(kind=kind, dtype=dtype, ce_weight=0.3, mask=True, window_size=6))
-    assert slabs == ([] if max_rows == 0 else [min(chunk, 1009)] * len(slabs))
-    assert max_rows == 0 or len(slabs) > 0
+    assert projections and all(v == 1009 for _, v in projections)
+    # every projection of the walk in slabs, or none of them
+    assert slab_calls == ([] if max_rows == 0 else projections)
 
 
 BLOCK_CASES = {
