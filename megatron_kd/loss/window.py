@@ -39,10 +39,26 @@ CPU_BLOCK_ELEMENTS = 1 << 21
 #: per-block all-reduces over gloo cost more than the cache saves (README, loss benchmark).
 CPU_BLOCKS_WITH_TP = False
 
+
+def _cpu_vendor() -> str:
+    """The CPU's ``vendor_id`` from ``/proc/cpuinfo`` ("" where there is none)."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
 #: On CPU a projection of at most this many rows runs in vocabulary slabs
-#: (:meth:`WindowWalker._chunked_projection`); larger ones are one GEMM, already near the
-#: GEMM's best rate here (README, loss benchmark).
-CPU_CHUNKED_PROJECTION_ROWS = 384
+#: (:meth:`WindowWalker._chunked_projection`); larger ones are one GEMM. Slabs only on AMD
+#: CPUs: for 110 rows at V = 151,936 they ran 1.2-1.5x the one GEMM's rate on an AMD EPYC
+#: (AVX2), but 0.55-0.65x on an Intel Xeon (AVX-512, where the one GEMM runs at 80% of the
+#: rate of 2048 rows); README, loss benchmark. A fact of the machine, never of a timing, so
+#: every process of a run projects alike (bit-identical losses on resume).
+CPU_CHUNKED_PROJECTION_ROWS = 384 if _cpu_vendor() == "AuthenticAMD" else 0
 
 #: Vocabulary rows per slab of a chunked CPU projection: a ``[chunk, rows]`` fp32 slab of a
 #: 110-row window is 440 KiB, inside a core's L2 cache.

@@ -28,6 +28,7 @@ from support.hf_models import (
     tiny_qwen35,
     tiny_qwen35_moe,
 )
+from support.train_cases import case_import
 
 from megatron_kd.integration import hf_import
 
@@ -43,18 +44,6 @@ ATOL = 1e-5
 # a misplaced gate head) gives O(0.1..1).
 ATOL_DELTANET = 5e-5
 
-
-
-def case_import(ctx, hf_path, save_dir, pad_for_tp=1):
-    """Every rank takes part in the (collective) dist_checkpointing save at TP=1."""
-    from megatron.core import parallel_state
-
-    parallel_state.initialize_model_parallel(1, 1)
-    try:
-        arch = hf_import.import_hf(hf_path, save_dir, pad_for_tp=pad_for_tp)
-    finally:
-        parallel_state.destroy_model_parallel()
-    return arch.to_dict()
 
 
 def case_logits(ctx, save_dir, tokens, tp_size, direct_from=None, ep_size=1, etp_size=None):

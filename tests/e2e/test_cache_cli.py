@@ -10,6 +10,7 @@ import json
 import numpy as np
 import pytest
 import torch
+from support.train_cases import cache_build_argv
 
 from megatron_kd.cache.format import load_manifest
 from megatron_kd.cache.reader import TopKCacheReader
@@ -27,11 +28,8 @@ def _arch():
 
 def _build_argv(out, ckpt, tp):
     # 3 iterations x 2 samples: the cache holds samples [0, 6) of the mock dataset.
-    return ["cache", "build", "--out", out, "--kd-teacher-load", ckpt, "--kd-topk", str(K),
-            "--logprob-encoding", "fp32", "--samples-per-shard", "2", "--window-size", "7",
-            "--tensor-model-parallel-size", str(tp), "--seq-length", str(SEQ),
-            "--micro-batch-size", "2", "--train-iters", "3", "--global-batch-size", "2",
-            "--mock-data", "--seed", "5"]
+    return cache_build_argv(out, ckpt, topk=K, seq=SEQ, iters=3, global_batch=2,
+                            samples_per_shard=2, tp=tp, extra=("--window-size", "7", "--seed", "5"))
 
 
 def case_build(ctx, tmp):

@@ -14,6 +14,7 @@ import json
 import tarfile
 
 import pytest
+from support.train_cases import case_import
 
 from megatron_kd.demo import assets as demo_assets
 from megatron_kd.demo import run as demo
@@ -220,7 +221,7 @@ def test_kd_run_reports_the_teacher_loss_transformers_computes(tmp_path, dist_po
     LlamaForCausalLM(config).save_pretrained(hf_path)
     teacher_dir = str(tmp_path / "teacher")
     pool = dist_pool_factory(2)
-    pool.run(case_import_teacher, hf_path, teacher_dir)
+    pool.run(case_import, hf_path, teacher_dir)
     argv = demo.student_train_argv(
         argparse.Namespace(num_layers=1, hidden_size=16, num_attention_heads=2, seq_length=16,
                            micro_batch_size=2, tensor_model_parallel_size=2, train_iters=2,
@@ -237,15 +238,3 @@ def test_kd_run_reports_the_teacher_loss_transformers_computes(tmp_path, dist_po
     assert abs(teacher - reference) < 1e-5, (teacher, reference)
     table, _ = demo.format_table(summary, summary)
     assert f"| teacher | {reference:.3f} |" in table
-
-
-def case_import_teacher(ctx, hf_path, teacher_dir):
-    from megatron.core import parallel_state
-
-    from megatron_kd.integration import hf_import
-
-    parallel_state.initialize_model_parallel(1, 1)
-    try:
-        hf_import.import_hf(hf_path, teacher_dir)
-    finally:
-        parallel_state.destroy_model_parallel()

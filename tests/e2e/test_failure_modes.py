@@ -21,7 +21,7 @@ import sys
 
 import numpy as np
 import pytest
-from support.train_cases import STUDENT, case_train, step_losses
+from support.train_cases import STUDENT, cache_build_argv, case_cache_build, case_train, step_losses
 
 from megatron_kd.cache.format import load_manifest
 
@@ -32,15 +32,9 @@ COMMON = STUDENT + ["--train-iters", str(ITERS), "--eval-interval", "100", "--ev
 
 # --- cases (run on every rank) --------------------------------------------------------------
 
-def case_build_cache(ctx, out, teacher_dir, encoding):
-    from megatron_kd.cli import main
-
-    argv = ["cache", "build", "--out", out, "--kd-teacher-load", teacher_dir, "--kd-topk", "16",
-            "--logprob-encoding", encoding, "--samples-per-shard", "4",
-            "--tensor-model-parallel-size", "2", "--seq-length", str(SEQ),
-            "--micro-batch-size", "2", "--train-iters", str(ITERS),
-            "--global-batch-size", str(GLOBAL_BATCH), "--mock-data"]
-    assert main(argv) == 0
+def _cache_argv(out, teacher_dir, encoding):
+    return cache_build_argv(out, teacher_dir, topk=16, seq=SEQ, iters=ITERS,
+                            global_batch=GLOBAL_BATCH, encoding=encoding, tp=2)
 
 
 def case_train_failing(ctx, argv):
@@ -149,7 +143,7 @@ def _flip_middle_byte(path):
 @pytest.mark.parametrize("encoding", ["log1p-u11", "fp32"])
 def test_flipped_byte_stops_offline_training_before_any_step(pool, teacher, tmp_path, encoding):
     cache = str(tmp_path / "cache")
-    pool.run(case_build_cache, cache, teacher, encoding)
+    pool.run(case_cache_build, _cache_argv(cache, teacher, encoding))
     entry = load_manifest(cache)["shards"][0]  # samples [0, 4): the first step's
     _flip_middle_byte(os.path.join(cache, entry["file"]))
     argv = COMMON + ["--tensor-model-parallel-size", "2", "--kd-mode", "offline",
@@ -169,7 +163,7 @@ def test_nan_in_cached_logprobs_names_step_microbatch_and_source(pool, teacher, 
     from megatron_kd.cache.writer import CacheWriter
 
     cache = str(tmp_path / "cache")
-    pool.run(case_build_cache, cache, teacher, "fp32")
+    pool.run(case_cache_build, _cache_argv(cache, teacher, "fp32"))
     # A teacher that produced an inf: sample 6 (step 2, microbatch 1) rewritten with one.
     spec = CacheSpec.from_json(load_manifest(cache))
     reader = TopKCacheReader(cache)

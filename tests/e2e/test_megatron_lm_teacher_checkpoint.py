@@ -15,7 +15,14 @@ import os
 
 import pytest
 from support.hf_models import tiny_llama
-from support.train_cases import STUDENT, case_train, step_losses
+from support.train_cases import (
+    STUDENT,
+    cache_build_argv,
+    case_cache_build,
+    case_import,
+    case_train,
+    step_losses,
+)
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 pytest.importorskip("transformers")
@@ -29,18 +36,6 @@ FLAGS = ("--num-layers 2 --hidden-size 48 --num-attention-heads 6 --group-query-
          "--use-mcore-models --transformer-impl transformer_engine --seq-length 32 --bf16")
 BASE = STUDENT + ["--train-iters", "3", "--eval-interval", "100", "--eval-iters", "0",
                   "--kd-ce-weight", "0.2"]
-
-
-def case_import(ctx, hf_path, save_dir):
-    from megatron.core import parallel_state
-
-    from megatron_kd.integration.hf_import import import_hf
-
-    parallel_state.initialize_model_parallel(1, 1)
-    try:
-        import_hf(hf_path, save_dir)
-    finally:
-        parallel_state.destroy_model_parallel()
 
 
 def case_write_megatron_lm_layout(ctx, ours, root, flags):
@@ -95,15 +90,9 @@ def test_megatron_lm_checkpoint_teacher_equals_the_import(pool, checkpoints, tmp
     assert all(v > 0.1 for v in reference)
 
 
-def case_build_cache(ctx, out, teacher_root):
-    from megatron_kd.cli import main
-
-    argv = ["cache", "build", "--out", out, "--kd-teacher-load", teacher_root,
-            "--kd-teacher-args", FLAGS, "--kd-topk", "500", "--logprob-encoding", "fp32",
-            "--samples-per-shard", "4", "--seq-length", "32", "--micro-batch-size", "2",
-            "--train-iters", "3", "--global-batch-size", "4", "--mock-data",
-            "--tensor-model-parallel-size", "2"]
-    assert main(argv) == 0
+def _cache_argv(out, teacher_root):
+    return cache_build_argv(out, teacher_root, topk=500, seq=32, iters=3, global_batch=4, tp=2,
+                            extra=("--kd-teacher-args", FLAGS))
 
 
 def test_megatron_lm_checkpoint_teacher_offline_and_disaggregated(pool, checkpoints, replicas,
@@ -111,7 +100,7 @@ def test_megatron_lm_checkpoint_teacher_offline_and_disaggregated(pool, checkpoi
     ours, root = checkpoints
     reference = step_losses(pool.run(case_train, BASE + ["--kd-teacher-load", ours])[0])
     cache = str(tmp_path / "cache")
-    pool.run(case_build_cache, cache, root)
+    pool.run(case_cache_build, _cache_argv(cache, root))
     offline = pool.run(case_train, BASE + ["--kd-mode", "offline", "--kd-topk-cache", cache])
     assert step_losses(offline[0]) == pytest.approx(reference, rel=5e-6)  # K = V, fp32
     replicas(root, tp=2, extra=("--kd-teacher-args", FLAGS))

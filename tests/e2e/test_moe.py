@@ -22,7 +22,14 @@ that is not hidden / heads), dense or with experts of its own. Per-step losses:
 
 import pytest
 from support.hf_models import tiny_gpt_oss, tiny_qwen3_moe, tiny_qwen35_moe
-from support.train_cases import STUDENT, case_train, step_losses
+from support.train_cases import (
+    STUDENT,
+    cache_build_argv,
+    case_cache_build,
+    case_import,
+    case_train,
+    step_losses,
+)
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 pytest.importorskip("transformers")
@@ -42,27 +49,10 @@ QWEN35_STUDENT = ["--experimental-attention-variant", "gated_delta_net",
                   "--rotary-percent", "0.25"]
 
 
-def case_import(ctx, hf_path, save_dir):
-    from megatron.core import parallel_state
-
-    from megatron_kd.integration.hf_import import import_hf
-
-    parallel_state.initialize_model_parallel(1, 1)
-    try:
-        return import_hf(hf_path, save_dir).to_dict()
-    finally:
-        parallel_state.destroy_model_parallel()
-
-
-def case_build_cache(ctx, out, teacher_dir):
+def _cache_argv(out, teacher_dir):
     """A K = V fp32 cache built by the teacher at TP 2, its experts over the TP ranks."""
-    from megatron_kd.cli import main
-
-    argv = ["cache", "build", "--out", out, "--kd-teacher-load", teacher_dir,
-            "--kd-topk", str(VOCAB), "--logprob-encoding", "fp32", "--samples-per-shard", "4",
-            "--seq-length", str(SEQ), "--micro-batch-size", "2", "--train-iters", str(ITERS),
-            "--global-batch-size", str(GBS), "--mock-data", *TEACHER_EXPERTS_IN_TP]
-    assert main(argv) == 0
+    return cache_build_argv(out, teacher_dir, topk=VOCAB, seq=SEQ, iters=ITERS, global_batch=GBS,
+                            tp=2, extra=TEACHER_EXPERTS_IN_TP[2:])
 
 
 def _import(pool, tmp, make):
@@ -124,7 +114,7 @@ def test_moe_student_at_ep2_trains_and_resumes(pool, teacher, tmp_path):
 
 def test_offline_cache_built_by_the_moe_teacher(pool, teacher, colocated, tmp_path):
     cache = str(tmp_path / "cache")
-    pool.run(case_build_cache, cache, teacher)
+    pool.run(case_cache_build, _cache_argv(cache, teacher))
     offline = pool.run(case_train, BASE + ["--kd-mode", "offline", "--kd-topk-cache", cache])
     # K = V, fp32 log-probs, renormalising tail: the cached teacher is the dense one.
     assert step_losses(offline[0]) == pytest.approx(colocated, rel=5e-6)
@@ -161,7 +151,7 @@ def test_gpt_oss_teacher_in_every_mode(pool, replicas, tmp_path):
     with pytest.raises(Exception, match="need --expert-tensor-parallel-size 1"):
         pool.run(case_train, argv[:-2])
     cache = str(tmp_path / "cache")
-    pool.run(case_build_cache, cache, save_dir)
+    pool.run(case_cache_build, _cache_argv(cache, save_dir))
     offline = pool.run(case_train, BASE + ["--kd-mode", "offline", "--kd-topk-cache", cache,
                                            "--tensor-model-parallel-size", "2"])
     assert step_losses(offline[0]) == pytest.approx(colocated, rel=5e-6)
@@ -186,7 +176,7 @@ def test_qwen35_moe_teacher_into_a_qwen35_dense_student_in_every_mode(pool, qwen
     assert step_losses(colocated[0]) == step_losses(colocated[1])
     assert step_losses(colocated[0]) == pytest.approx(dense, rel=5e-6)
     cache = str(tmp_path / "cache")
-    pool.run(case_build_cache, cache, qwen35_teacher)
+    pool.run(case_cache_build, _cache_argv(cache, qwen35_teacher))
     offline = pool.run(case_train, BASE + QWEN35_STUDENT + ["--kd-mode", "offline",
                                                             "--kd-topk-cache", cache])
     assert step_losses(offline[0]) == pytest.approx(dense, rel=5e-6)

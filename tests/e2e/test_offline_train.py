@@ -20,6 +20,8 @@ import torch
 from support.train_cases import (
     STUDENT,
     TEACHER_ARCH,
+    cache_build_argv,
+    case_cache_build,
     case_make_teacher,
     case_plan_error,
     case_train,
@@ -40,18 +42,13 @@ COMMON = STUDENT + ["--train-iters", str(TRAIN_ITERS), "--eval-interval", "100",
 
 # --- cases (run on every rank) --------------------------------------------------------------
 
-def case_build_cache(ctx, out, teacher_dir, k, data=("--mock-data",)):
-    """``megatron-kd cache build`` in-process: one teacher replica of TP 2, the run's samples."""
-    from megatron_kd.cli import main
-
-    # fp32 log-probs: lossless, so the comparisons below measure the training path only (the
-    # compact encoding's own deviation is bounded in test_cache_offline.py).
-    argv = ["cache", "build", "--out", out, "--kd-teacher-load", teacher_dir,
-            "--kd-topk", str(k), "--logprob-encoding", "fp32", "--samples-per-shard", "6",
-            "--tensor-model-parallel-size", "2", "--seq-length", str(SEQ),
-            "--micro-batch-size", "2", "--train-iters", str(TRAIN_ITERS),
-            "--global-batch-size", str(GLOBAL_BATCH), *data]
-    assert main(argv) == 0
+def _cache_argv(out, teacher_dir, k, data=("--mock-data",)):
+    """``megatron-kd cache build`` (run in-process by ``case_cache_build``): one teacher replica
+    of TP 2, the run's samples. fp32 log-probs: lossless, so the comparisons below measure the
+    training path only (the compact encoding's own deviation is bounded in
+    test_cache_offline.py)."""
+    return cache_build_argv(out, teacher_dir, topk=k, seq=SEQ, iters=TRAIN_ITERS,
+                            global_batch=GLOBAL_BATCH, samples_per_shard=6, tp=2, data=data)
 
 
 def topk_truncated_kd_loss(student_hidden, student_weight, teacher_hidden=None,
@@ -127,7 +124,7 @@ def setup(pool, tmp_path_factory):
     caches = {}
     for k in (VOCAB, SMALL_K):
         caches[k] = str(tmp / f"cache_k{k}")
-        pool.run(case_build_cache, caches[k], teacher, k)
+        pool.run(case_cache_build, _cache_argv(caches[k], teacher, k))
     return teacher, caches
 
 
@@ -196,7 +193,7 @@ def test_preprocessed_text(pool, tmp_path):
     pool.run(case_make_teacher, teacher,
              dict(TEACHER_ARCH, vocab_size=tok.vocab_size, padded_vocab_size=512))
     cache = str(tmp_path / "cache")
-    pool.run(case_build_cache, cache, teacher, SMALL_K, data)
+    pool.run(case_cache_build, _cache_argv(cache, teacher, SMALL_K, data))
 
     argv = student_argv(mock_data=None) + [
         "--train-iters", str(TRAIN_ITERS), "--eval-interval", str(TRAIN_ITERS),

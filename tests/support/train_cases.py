@@ -53,6 +53,40 @@ def case_make_teacher(ctx, directory, arch_kw, seed=5):
         save_model_checkpoint(build_gpt_model(arch, seed=seed), arch, directory)
 
 
+def case_import(ctx, hf_path, save_dir, pad_for_tp=1):
+    """A Hugging Face checkpoint imported to a Megatron-Core one at TP 1 (every rank takes part
+    in the collective ``dist_checkpointing`` save); returns the imported architecture as a
+    dict."""
+    from megatron.core import parallel_state
+
+    from megatron_kd.integration.hf_import import import_hf
+
+    parallel_state.initialize_model_parallel(1, 1)
+    try:
+        return import_hf(hf_path, save_dir, pad_for_tp=pad_for_tp).to_dict()
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+def cache_build_argv(out, teacher, *, topk, seq, iters, global_batch, encoding="fp32",
+                     samples_per_shard=4, tp=1, data=("--mock-data",), extra=()):
+    """``megatron-kd cache build`` flags for a tiny run at micro-batch 2: the cache of ``iters``
+    steps of ``global_batch`` samples of ``seq`` tokens (``extra``: the teacher's own flags)."""
+    return ["cache", "build", "--out", str(out), "--kd-teacher-load", str(teacher),
+            "--kd-topk", str(topk), "--logprob-encoding", encoding,
+            "--samples-per-shard", str(samples_per_shard), "--tensor-model-parallel-size",
+            str(tp), "--seq-length", str(seq), "--micro-batch-size", "2",
+            "--train-iters", str(iters), "--global-batch-size", str(global_batch), *data,
+            *extra]
+
+
+def case_cache_build(ctx, argv):
+    """``megatron-kd cache build`` with ``argv`` on every rank; fails unless it exits 0."""
+    from megatron_kd.cli import main
+
+    assert main(argv) == 0
+
+
 def case_train(ctx, argv, dense=False):
     from megatron_kd.training.train import parse_args, train
 
