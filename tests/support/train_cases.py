@@ -71,7 +71,8 @@ def case_import(ctx, hf_path, save_dir, pad_for_tp=1):
 def cache_build_argv(out, teacher, *, topk, seq, iters, global_batch, encoding="fp32",
                      samples_per_shard=4, tp=1, data=("--mock-data",), extra=()):
     """``megatron-kd cache build`` flags for a tiny run at micro-batch 2: the cache of ``iters``
-    steps of ``global_batch`` samples of ``seq`` tokens (``extra``: the teacher's own flags)."""
+    steps of ``global_batch`` samples of ``seq`` tokens; ``extra``: further flags (the
+    teacher's own, the loss window, a seed)."""
     return ["cache", "build", "--out", str(out), "--kd-teacher-load", str(teacher),
             "--kd-topk", str(topk), "--logprob-encoding", encoding,
             "--samples-per-shard", str(samples_per_shard), "--tensor-model-parallel-size",
