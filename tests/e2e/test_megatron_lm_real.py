@@ -8,9 +8,10 @@ Runs only with Megatron-LM checkouts (read-only; nothing of them is copied here)
 ``MEGATRON_LM_PYTHON`` (default: this interpreter) must be Python >= 3.12 (Megatron-LM's own
 requirement since mid 2026) with torch, pybind11 and psutil (Megatron-LM's checkpoint save
 wants it), and each checkout's dataset helpers built (``make`` in its ``megatron/core/datasets``
-with that interpreter first on ``PATH``); each checkout goes first on its ``PYTHONPATH``, so its own ``megatron.core`` runs it. Each checkout's patch (``patches/README.md``)
-is applied to a copy of its ``pretrain_gpt.py`` in a temporary directory, unless the checkout has
-it applied already. ``tests/support/megatron_lm_cpu.py`` (test-only) replaces Megatron-LM's
+with that interpreter first on ``PATH``); each checkout goes first on its ``PYTHONPATH``, so
+its own ``megatron.core`` runs it. Each checkout's patch (``patches/README.md``) is applied
+to a copy of its ``pretrain_gpt.py`` in a temporary directory, unless the checkout has it
+applied already. ``tests/support/megatron_lm_cpu.py`` (test-only) replaces Megatron-LM's
 CUDA-only start-up. The same tiny configuration then runs through Megatron-LM and through
 ``megatron-kd train`` (this interpreter, its installed megatron-core) at TP1, TP2 and PP2, for 5
 iterations on the same indexed text and the same teacher: fp32, the per-iteration total, KD and
