@@ -14,16 +14,20 @@ each loss kind (``fkl`` forward KL, ``rkl`` reverse KL, ``jsd`` Jensen-Shannon a
 * ``modelopt_fkl``: Megatron-LM's KD loss, ModelOpt's ``LogitsKLLoss``, on Megatron-style
   logit shards with its own TP all-reduces (``peers`` extra).
 * ``floor``: the same four GEMMs (student and teacher projections, the hidden and weight
-  gradients) with nothing else, timed for row blocks of 128, 512, 1024 and 2048 rows and as one full GEMM
-  where it fits, into preallocated outputs: the best of those times is the floor every variant
-  is divided by (the fastest way to do the FLOPs, not the loss's own blocking).
+  gradients) with nothing else, timed for row blocks of 128, 512, 1024 and 2048 rows, of the
+  fused loss's own window size, and as one full GEMM where it fits, into preallocated outputs:
+  the best of those times is the floor every variant is divided by (the fastest way to do the
+  FLOPs, not the loss's own blocking). The time at the window size is reported beside it: no
+  loss that holds one window of full-vocabulary logit rows at a time runs faster than that.
 
 Reported per variant: extra peak memory above the inputs (CPU: the process's peak resident set
 size, ``VmHWM`` after resetting it through ``/proc/self/clear_refs``, minus the resident size
 once the inputs exist, max over TP ranks; CUDA: ``torch.cuda.max_memory_allocated`` minus the
-allocation after the inputs) and the median forward+backward time of ``--repeats`` runs after
-one untimed warm-up run (Liger's compilation happens there). A variant that runs out of memory
-is reported as OOM; a peer that is not installed as n/a.
+allocation after the inputs); the same less the gradients every variant returns (the hidden
+states' and this rank's weight shard's: the loss's working memory); and the median
+forward+backward time of ``--repeats`` runs after one untimed warm-up run (Liger's compilation
+happens there). A variant that runs out of memory is reported as OOM; a peer that is not
+installed as n/a.
 
     python tools/bench_loss.py --tokens 2048 4096 --tp 1 2   # the README table (about 40 min)
     python tools/bench_loss.py --tokens 1024 --tp 1 --variants floor fused_fkl liger_fkl
@@ -157,7 +161,9 @@ def _measure(a, run, x_s, w_s, group) -> dict:
         if "memory" not in str(e).lower() and not isinstance(e, MemoryError):
             raise
         status, peak = "OOM", None
-    return {"status": status, "times": times, "extra_peak_bytes": peak}
+    # the gradients every variant returns (the peak less them: the loss's working memory)
+    grads = x_s.numel() * x_s.element_size() + w_s.numel() * w_s.element_size()
+    return {"status": status, "times": times, "extra_peak_bytes": peak, "grad_bytes": grads}
 
 
 def _floor(a, x_s, w_s, x_t, w_t, group) -> dict:
@@ -166,10 +172,15 @@ def _floor(a, x_s, w_s, x_t, w_t, group) -> dict:
     import torch
     import torch.distributed as dist
 
+    from megatron_kd.loss import KDLossConfig
+
     xs2, xt2 = x_s.detach().view(-1, x_s.shape[-1]), x_t.view(-1, x_t.shape[-1])
     ws, n = w_s.detach(), xs2.shape[0]
     gx, gw = torch.empty_like(xs2), torch.zeros_like(ws)
-    blocks = sorted({b for b in FLOOR_BLOCKS if b < n} | {n})  # n: one full GEMM
+    # The fused loss's own window (its memory bound): the same GEMMs at that size are the
+    # fastest any loss holding one window of full-vocabulary logit rows can be.
+    window = min(n, KDLossConfig(window_size=a.window_size).rows_per_window(ws.shape[0]))
+    blocks = sorted({b for b in FLOOR_BLOCKS if b < n} | {n, window})  # n: one full GEMM
     by_block: dict[int, list[float]] = {}
     for rows in blocks:
         try:
@@ -196,7 +207,8 @@ def _floor(a, x_s, w_s, x_t, w_t, group) -> dict:
     best = min(by_block, key=lambda r: statistics.median(by_block[r]))
     return {"status": "ok", "times": by_block[best], "extra_peak_bytes": None,
             "floor_block": best, "floor_by_block": {str(r): statistics.median(t)
-                                                    for r, t in by_block.items()}}
+                                                    for r, t in by_block.items()},
+            "window_rows": window}
 
 
 def _make_variant(a, x_s, w_s, x_t, w_t, group):
@@ -300,13 +312,16 @@ def _run_point(a, variant: str, tokens: int, tp: int) -> dict:
         statuses = {r["status"] for r in results}
         times = results[0]["times"]
         peaks = [r["extra_peak_bytes"] for r in results if r["extra_peak_bytes"] is not None]
+        working = [r["extra_peak_bytes"] - r["grad_bytes"] for r in results
+                   if r["extra_peak_bytes"] is not None and "grad_bytes" in r]
         point.update(
             status="OOM" if "OOM" in statuses else "ok",
             time_s=statistics.median(times) if times else None,
             times_s=times,
             extra_peak_bytes=max(peaks) if peaks else None,
+            working_bytes=max(working) if working else None,
         )
-        for key in ("floor_block", "floor_by_block"):
+        for key in ("floor_block", "floor_by_block", "window_rows"):
             if key in results[0]:
                 point[key] = results[0][key]
         return point
@@ -336,25 +351,44 @@ def _ratio(a, b) -> str:
     return f"{a / b:.2f}" if a is not None and b else "-"
 
 
+def _floor_name(p: dict) -> str:
+    """The floor row's name: its best blocking, and the same GEMMs at the fused loss's own
+    window size against it (no windowed loss at that memory can be faster)."""
+    name = f"floor (best: {p.get('floor_block')} rows"
+    by_block, window = p.get("floor_by_block") or {}, p.get("window_rows")
+    at_window = by_block.get(str(window))
+    if at_window is not None:
+        name += f"; at the loss's {window}-row windows {at_window:.2f} s = " \
+                f"{_ratio(at_window, p['time_s'])}x"
+    return name + ")"
+
+
 def _table(points: list[dict]) -> str:
-    """One row per point: time against the floor and against Liger's loss of the same kind,
-    extra memory against Liger's."""
-    rows = ["| TP | T | variant | fwd+bwd s (median) | x floor | x Liger (same kind) | "
-            "extra peak memory | memory x Liger |",
-            "|---|---|---|---|---|---|---|---|"]
+    """One row per point: time against the floor, against Liger's loss of the same kind and
+    against Liger's JSD; extra memory against Liger's of the same kind and Liger's JSD, and
+    the working memory beyond the returned gradients against Liger's of the same kind."""
+    rows = ["| TP | T | variant | fwd+bwd s (median) | x floor | x Liger (same kind) | x Liger "
+            "JSD | extra peak memory | memory x Liger | memory x Liger JSD | beyond the "
+            "gradients | x Liger |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     by = {(p["tp"], p["tokens"], p["variant"]): p for p in points}
     for p in points:
         tp, t, v = p["tp"], p["tokens"], p["variant"]
         if p["status"] != "ok":
-            rows.append(f"| {tp} | {t} | {v} | {p['status']} | | | | |")
+            rows.append(f"| {tp} | {t} | {v} | {p['status']} | | | | | | | | |")
             continue
         floor = by.get((tp, t, "floor"), {}).get("time_s")
         liger = by.get((1, t, "liger_" + v.split("_")[-1]), {}) if v != "floor" else {}
-        name = v if v != "floor" else f"floor (best: {p.get('floor_block')} rows)"
+        jsd = by.get((1, t, "liger_jsd"), {}) if v != "floor" else {}
+        name = v if v != "floor" else _floor_name(p)
         rows.append(f"| {tp} | {t} | {name} | {p['time_s']:.2f} | {_ratio(p['time_s'], floor)}"
-                    f" | {_ratio(p['time_s'], liger.get('time_s'))} | "
+                    f" | {_ratio(p['time_s'], liger.get('time_s'))}"
+                    f" | {_ratio(p['time_s'], jsd.get('time_s'))} | "
                     f"{_fmt_bytes(p['extra_peak_bytes'])} | "
-                    f"{_ratio(p['extra_peak_bytes'], liger.get('extra_peak_bytes'))} |")
+                    f"{_ratio(p['extra_peak_bytes'], liger.get('extra_peak_bytes'))} | "
+                    f"{_ratio(p['extra_peak_bytes'], jsd.get('extra_peak_bytes'))} | "
+                    f"{_fmt_bytes(p.get('working_bytes'))} | "
+                    f"{_ratio(p.get('working_bytes'), liger.get('working_bytes'))} |")
     return "\n".join(rows)
 
 
@@ -421,8 +455,9 @@ def _merge_rounds(pts: list[dict]) -> dict:
     times = [t for p in pts for t in p["times_s"]]
     out.update(time_s=statistics.median(times), times_s=times,
                round_medians_s=[p["time_s"] for p in pts])
-    peaks = [p["extra_peak_bytes"] for p in pts if p["extra_peak_bytes"] is not None]
-    out["extra_peak_bytes"] = max(peaks) if peaks else None
+    for key in ("extra_peak_bytes", "working_bytes"):
+        vals = [p[key] for p in pts if p.get(key) is not None]
+        out[key] = max(vals) if vals else None
     return out
 
 

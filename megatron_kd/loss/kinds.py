@@ -359,16 +359,16 @@ class JSD(KindMath):
         return packed[0], {"lse_t": lse_t, "dot": packed[1]}
 
     def _log_ratios(self, a_s, a_t, lse_s, lse_t, win):
-        """``(log p_s - log m, log p_t - log m)``: in a scratch buffer and in ``a_t`` (``a_s``
-        and ``a_t`` overwritten; one more scratch buffer on the way)."""
+        """``(log p_s - log m, log p_t - log m)`` in ``a_s`` and ``a_t`` (overwritten), with
+        one scratch buffer for ``log m = log(1 - beta) + logaddexp(log p_t + log(beta / (1 -
+        beta)), log p_s)`` (the constant moved off ``log p_s``: no second buffer for it)."""
         beta = self.cfg.beta
+        c = math.log(1.0 - beta)
         logp_s = a_s.sub_(lse_s[:, None])
         logp_t = a_t.sub_(lse_t[:, None])
-        log_m = torch.add(logp_t, math.log(beta), out=win.scratch.take("log_m", logp_t))
-        d_s = torch.add(logp_s, math.log(1.0 - beta), out=win.scratch.take("d_s", logp_s))
-        torch.logaddexp(log_m, d_s, out=log_m)  # log m, m = beta p_t + (1 - beta) p_s
-        torch.sub(logp_s, log_m, out=d_s)
-        return d_s, logp_t.sub_(log_m)
+        log_m = torch.add(logp_t, math.log(beta) - c, out=win.scratch.take("log_m", logp_t))
+        torch.logaddexp(log_m, logp_s, out=log_m).add_(c)  # log m, m = beta p_t + (1-beta) p_s
+        return logp_s.sub_(log_m), logp_t.sub_(log_m)
 
     def logit_grad(self, bufs, saved, win, w_kd, w_ce_shared, norm):
         p_s, gg = bufs["p_s"], bufs["g"]

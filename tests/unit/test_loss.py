@@ -179,6 +179,26 @@ def test_recompute_saves_no_window_tensors(monkeypatch):
     assert all(t.dim() == 1 and t.numel() <= 4 for s in stats for t in s.values())
 
 
+@pytest.mark.parametrize("backward", ["precompute", "recompute"])
+@pytest.mark.parametrize("kind,temporaries", [("forward_kl", {"e_t"}),
+                                              ("reverse_kl", {"e_s", "dot"}),
+                                              ("jsd", {"e_s", "e_t", "log_m"})])
+def test_block_temporaries_per_kind(monkeypatch, kind, temporaries, backward):
+    """Each kind's ``[rows, V]`` temporaries beside the two logit buffers: each one costs a
+    block (CPU) or a window (TP > 1) of memory, so a new one must be a decision (JSD's log
+    ratios reuse the logits' buffers)."""
+    names = set()
+    take = window.Scratch.take
+
+    def spy(self, name, like, shape=None):
+        names.add(name)
+        return take(self, name, like, shape)
+
+    monkeypatch.setattr(window.Scratch, "take", spy)
+    _single(spec(kind=kind, backward=backward, block_rows=3, mask=True))
+    assert names == {"z_s", "z_t"} | temporaries
+
+
 def test_all_masked_gives_zero_and_zero_grads():
     sp = spec(ce_weight=0.5)
     inp = make_inputs(sp)
