@@ -416,6 +416,11 @@ def _plot(points: list[dict], path: str) -> bool:
                           marker=marker, color=colors[v], label=f"{v} TP{tp}")
             ax_t.plot(xs, [p["time_s"] for p in pts], style, marker=marker, color=colors[v],
                       label=f"{v} TP{tp}")
+            bound = [(p["tokens"], p["floor_by_block"][str(p["window_rows"])]) for p in pts
+                     if str(p.get("window_rows")) in (p.get("floor_by_block") or {})]
+            if bound:  # the same GEMMs at the loss's window size: a windowed loss's bound
+                ax_t.plot(*zip(*bound), style, marker="x", color="black",
+                          label=f"GEMMs at the loss's window TP{tp}")
     ax_m.set(xlabel="tokens T", ylabel="extra peak memory (GB)", xscale="log", yscale="log",
              title="memory above the inputs")
     ax_t.set(xlabel="tokens T", ylabel="forward+backward (s)", xscale="log", yscale="log",
