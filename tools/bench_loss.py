@@ -5,7 +5,8 @@ Variants, each in a fresh process group of its own processes (so memory figures 
 each loss kind (``fkl`` forward KL, ``rkl`` reverse KL, ``jsd`` Jensen-Shannon at ``--beta``):
 
 * ``fused_<kind>``: ``megatron_kd.loss.vocab_parallel_kd_loss`` (precomputed gradients);
-  ``fusedrc_<kind>``: the same with the recomputing backward.
+  ``fusedrc_<kind>``: the same with the recomputing backward; ``fusedc_fkl``: forward KL with
+  ``elementwise="compiled"`` (its compilation happens in the warm-up run).
 * ``liger_<kind>``: Liger-Kernel's ``LigerFusedLinearJSDLoss`` (its chunked fused-linear loss,
   ``torch.compile``d, chunk 1024; beta 0 is its forward KL, 1 its reverse KL; hard-loss weight
   0), TP 1 only (``peers`` extra). On CUDA also ``ligertriton_jsd``: its Triton
@@ -48,8 +49,9 @@ import time
 KINDS = {"fkl": "forward_kl", "rkl": "reverse_kl", "jsd": "jsd"}
 LIGER_BETA = {"fkl": 0.0, "rkl": 1.0}  # Liger's generalised JSD: 0 forward KL, 1 reverse KL
 VARIANTS = (["floor"] + [f"fused_{k}" for k in KINDS] + [f"liger_{k}" for k in KINDS]
-            + ["fusedrc_fkl", "dense_fkl", "modelopt_fkl", "ligertriton_jsd"])
-DEFAULT_VARIANTS = [v for v in VARIANTS if v not in ("modelopt_fkl", "ligertriton_jsd")]
+            + ["fusedc_fkl", "fusedrc_fkl", "dense_fkl", "modelopt_fkl", "ligertriton_jsd"])
+DEFAULT_VARIANTS = [v for v in VARIANTS
+                    if v not in ("modelopt_fkl", "ligertriton_jsd", "fusedc_fkl")]
 TP1_ONLY = ("liger_", "ligertriton_", "dense_")
 FLOOR_BLOCKS = (128, 512, 1024, 2048)
 
@@ -220,9 +222,10 @@ def _make_variant(a, x_s, w_s, x_t, w_t, group):
     impl, kind = a.variant.split("_")
     if a.tp != 1 and a.variant.startswith(TP1_ONLY):
         raise SystemExit(f"{a.variant} has no TP form")
-    if impl in ("fused", "fusedrc"):
+    if impl in ("fused", "fusedrc", "fusedc"):
         cfg = KDLossConfig(kind=KINDS[kind], beta=a.beta, window_size=a.window_size,
-                           backward="precompute" if impl == "fused" else "recompute")
+                           backward="recompute" if impl == "fusedrc" else "precompute",
+                           elementwise="compiled" if impl == "fusedc" else "eager")
 
         def run():
             loss, _ = vocab_parallel_kd_loss(x_s, w_s, x_t, w_t, config=cfg, tp_group=group)

@@ -53,8 +53,8 @@ PARITY_SIZES = {
     "tiny": dict(s=8, b=2, h_s=16, h_t=24, padded_vocab=1009, k=7, window_size=4),
     "moderate": dict(s=256, b=2, h_s=512, h_t=768, padded_vocab=32000, k=32, window_size=128),
 }
-BENCH_GPU_VARIANTS = ("floor", "fused_fkl", "fused_rkl", "fused_jsd", "fusedrc_fkl", "dense_fkl",
-                      "liger_fkl", "liger_jsd", "ligertriton_jsd", "modelopt_fkl")
+BENCH_GPU_VARIANTS = ("floor", "fused_fkl", "fusedc_fkl", "fused_rkl", "fused_jsd", "fusedrc_fkl",
+                      "dense_fkl", "liger_fkl", "liger_jsd", "ligertriton_jsd", "modelopt_fkl")
 BENCH_SHAPES = {
     "cuda": (("multiverse_128k", ["--tokens", "8192", "--vocab", "128256", "--h-s", "3072",
                                   "--h-t", "4096", "--tp", "1", "--repeats", "3"],
@@ -62,7 +62,8 @@ BENCH_SHAPES = {
              ("qwen3_152k", ["--tokens", "8192", "--vocab", "151936", "--h-s", "3072",
                              "--h-t", "4096", "--tp", "1"], BENCH_GPU_VARIANTS)),
     "cpu": (("cpu_tiny", ["--tokens", "256", "--vocab", "8192", "--h-s", "64", "--h-t", "128",
-                          "--tp", "1", "--repeats", "1"], ("floor", "fused_fkl", "liger_fkl")),),
+                          "--tp", "1", "--repeats", "1"], ("floor", "fused_fkl", "fusedc_fkl",
+                                                          "liger_fkl")),),
 }
 # Megatron-Core's bf16 mixed precision and its distributed optimizer (both CUDA only)
 TRAIN_PRECISION = ("--bf16", "--use-distributed-optimizer")
@@ -205,6 +206,12 @@ def _parity_cases(size: str) -> list[tuple[str, dict]]:
     for backward, dt in (("precompute", "fp32"), ("recompute", "fp32"), ("precompute", "bf16")):
         cases.append((f"forward_kl main_grad {backward} {dt}",
                       dict(base, dtype=dt, backward=backward, gaf=True)))
+    # the compiled elementwise kernels (Triton on a GPU)
+    for backward, dt, t in (("precompute", "fp32", 2.0), ("recompute", "fp32", 1.0),
+                            ("precompute", "bf16", 1.0)):
+        cases.append((f"forward_kl compiled {backward} T={t:g} {dt}",
+                      dict(base, dtype=dt, backward=backward, temperature=t,
+                           elementwise="compiled")))
     return cases
 
 

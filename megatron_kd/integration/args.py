@@ -19,8 +19,8 @@ from typing import Any
 import torch
 
 from megatron_kd.loss import KDLossConfig
+from megatron_kd.loss.config import ELEMENTWISE, TOPK_TAILS
 from megatron_kd.loss.config import KINDS as KD_LOSSES
-from megatron_kd.loss.config import TOPK_TAILS
 
 KD_MODES = ("colocated", "disaggregated", "offline")
 TEACHER_DTYPES = ("fp32", "bf16")
@@ -30,7 +30,8 @@ _TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # KDLossConfig field -> the flag that sets it (so the loss's own errors name the flag).
 _LOSS_FLAGS = {"kind": "--kd-loss", "temperature": "--kd-temperature", "beta": "--kd-beta",
                "kd_weight": "--kd-weight", "ce_weight": "--kd-ce-weight",
-               "window_size": "--kd-window-size", "topk_tail": "--kd-topk-tail"}
+               "window_size": "--kd-window-size", "topk_tail": "--kd-topk-tail",
+               "elementwise": "--kd-loss-elementwise"}
 
 
 def add_teacher_args_flag(parser) -> None:
@@ -67,6 +68,10 @@ def add_kd_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--kd-window-size", type=int, default=None,
                        help="hard upper bound on tokens projected onto the vocabulary at once "
                             "(default: a 64 MiB fp32 window)")
+    group.add_argument("--kd-loss-elementwise", choices=ELEMENTWISE, default="eager",
+                       help="the fused loss's per-block elementwise work: 'eager' PyTorch ops, "
+                            "or 'compiled' torch.compile kernels (forward KL with a dense "
+                            "teacher only; compiled on the first step)")
     group.add_argument("--kd-teacher-dtype", choices=TEACHER_DTYPES, default="fp32",
                        help="parameter dtype of the frozen teacher (the loss computes in fp32 "
                             "either way)")
@@ -154,6 +159,10 @@ class KDArgs:
                 raise ValueError(f"--kd-loss {self.loss.kind} is not possible with --kd-mode "
                                  f"offline: a top-K cache holds only the teacher's K largest "
                                  f"probabilities, which determine forward_kl only")
+            if self.loss.elementwise == "compiled":
+                raise ValueError("--kd-loss-elementwise compiled needs a dense teacher "
+                                 "(--kd-mode colocated or disaggregated); --kd-mode offline's "
+                                 "teacher is the cache's top-K")
             if self.loss.topk_tail == "ghost" and self.loss.temperature != 1.0:
                 raise ValueError(f"--kd-topk-tail ghost needs --kd-temperature 1 (the cached "
                                  f"log-probs are at temperature 1), got "
@@ -230,7 +239,8 @@ def loss_config_from_flags(args: argparse.Namespace) -> KDLossConfig:
         return KDLossConfig(kind=args.kd_loss, temperature=args.kd_temperature,
                             beta=args.kd_beta, kd_weight=args.kd_weight,
                             ce_weight=args.kd_ce_weight, window_size=args.kd_window_size,
-                            topk_tail=getattr(args, "kd_topk_tail", "renormalize"))
+                            topk_tail=getattr(args, "kd_topk_tail", "renormalize"),
+                            elementwise=getattr(args, "kd_loss_elementwise", "eager"))
     except ValueError as e:
         message = re.sub(r"\b(" + "|".join(_LOSS_FLAGS) + r")\b",
                          lambda m: _LOSS_FLAGS[m.group(1)], str(e))

@@ -79,6 +79,9 @@ def _check_local_raise(student_hidden, student_weight, teacher_hidden, teacher_w
                          "one (teacher_topk_ids, teacher_topk_logprobs), not both")
     if config.kd_weight > 0 and not dense and not sparse:
         raise ValueError(f"kd_weight={config.kd_weight} > 0 but no teacher was given")
+    if config.elementwise == "compiled" and not dense:
+        raise ValueError("elementwise='compiled' needs a dense teacher (teacher_hidden, "
+                         "teacher_weight); got " + ("a top-K teacher" if sparse else "none"))
     if dense:
         if teacher_hidden is None or teacher_weight is None:
             raise ValueError("a dense teacher needs both teacher_hidden and teacher_weight")

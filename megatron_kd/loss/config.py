@@ -8,6 +8,7 @@ from dataclasses import dataclass
 KINDS = ("forward_kl", "reverse_kl", "jsd")
 TOPK_TAILS = ("renormalize", "ghost")
 BACKWARDS = ("precompute", "recompute")
+ELEMENTWISE = ("eager", "compiled")
 
 #: Default bound on the elements of one ``[rows, local_vocab]`` fp32 window buffer (64 MiB).
 DEFAULT_WINDOW_ELEMENTS = 1 << 24
@@ -73,6 +74,15 @@ class KDLossConfig:
     they are all-gathered in forward and their gradient is reduce-scattered. Labels, masks and a
     sparse teacher stay full ``[s, b]``."""
 
+    elementwise: str = "eager"
+    """How a block's elementwise work runs. ``eager``: a dozen PyTorch ops per block, each a
+    pass over the ``[rows, local_vocab_size]`` logits. ``compiled`` (dense-teacher forward KL
+    only): two ``torch.compile``d kernels per block (Inductor: C++/OpenMP on CPU, Triton on a
+    GPU), one for the per-row sums and one for the logit gradient, which exponentiates the
+    logits again against the combined log-sum-exp instead of keeping the exponentials. Fewer
+    passes and no block temporaries; the first call of a process compiles (seconds, cached on
+    disk by Inductor), and Inductor needs a C++ compiler on CPU."""
+
     check_finite: bool = True
     """Raise ``FloatingPointError`` naming the term when a token's loss is not finite. The
     forward pass tracks the first such token on the device; the loss reads it once, after its
@@ -95,6 +105,12 @@ class KDLossConfig:
             raise ValueError(f"backward must be one of {BACKWARDS}, got {self.backward!r}")
         if not (math.isfinite(self.temperature) and self.temperature > 0):
             raise ValueError(f"temperature must be finite and > 0, got {self.temperature}")
+        if self.elementwise not in ELEMENTWISE:
+            raise ValueError(f"elementwise must be one of {ELEMENTWISE}, got "
+                             f"{self.elementwise!r}")
+        if self.elementwise == "compiled" and self.kind != "forward_kl":
+            raise ValueError(f"elementwise='compiled' is for kind='forward_kl' only, got "
+                             f"kind={self.kind!r}")
         if self.kind == "jsd" and not 0.0 < self.beta < 1.0:
             raise ValueError(f"jsd needs 0 < beta < 1, got beta={self.beta}")
         for name in ("kd_weight", "ce_weight"):

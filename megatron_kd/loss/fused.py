@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megatron_kd.loss import compiled, kinds
 from megatron_kd.loss.checks import (
     FiniteTracker,
     check_global,
@@ -83,7 +84,8 @@ class _FusedKDLoss(torch.autograd.Function):
                          topk_ids, topk_logprobs, labels, loss_mask, active, config, shard, sp,
                          cdt)
         maths = kind_for(config, shard, topk_ids is not None, teacher_hidden is not None,
-                         labels is not None)
+                         labels is not None, compiled.DENSE_KINDS
+                         if config.elementwise == "compiled" else kinds.DENSE_KINDS)
 
         needs_grad = student_hidden.requires_grad or student_weight.requires_grad
         precompute = config.backward == "precompute" and needs_grad

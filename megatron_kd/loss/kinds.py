@@ -37,8 +37,8 @@ from megatron_kd.loss.combine import ShardMax, ShardSum
 from megatron_kd.loss.config import KDLossConfig
 from megatron_kd.loss.window import Shard, Window
 
-__all__ = ["BlockStats", "CEOnly", "CETerm", "ForwardKL", "JSD", "KindMath", "ReverseKL",
-           "SparseGhostTail", "SparseRenormalized", "kind_for"]
+__all__ = ["DENSE_KINDS", "JSD", "BlockStats", "CEOnly", "CETerm", "ForwardKL", "KindMath",
+           "ReverseKL", "SparseGhostTail", "SparseRenormalized", "kind_for"]
 
 # Per-row ``[rows]`` tensors by name: the partial / combined sums, and the statistics kept
 # between forward and a recomputing backward.
@@ -488,13 +488,13 @@ SPARSE_KINDS: dict[str, type[KindMath]] = {
     "renormalize": SparseRenormalized, "ghost": SparseGhostTail}
 
 
-def kind_for(config: KDLossConfig, shard: Shard, sparse: bool, dense: bool,
-             labels_given: bool) -> KindMath:
-    """The maths of the configured kind for a sparse, a dense or no teacher."""
+def kind_for(config: KDLossConfig, shard: Shard, sparse: bool, dense: bool, labels_given: bool,
+             dense_kinds: dict[str, type[KindMath]] = DENSE_KINDS) -> KindMath:
+    """The configured kind's maths: a sparse, a dense (from ``dense_kinds``) or no teacher."""
     if sparse:
         cls = SPARSE_KINDS[config.topk_tail]
     elif dense:
-        cls = DENSE_KINDS[config.kind]
+        cls = dense_kinds[config.kind]
     else:
         cls = CEOnly
     return cls(config, shard, CETerm(config, labels_given))

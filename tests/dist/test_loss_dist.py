@@ -41,6 +41,14 @@ CASES = {
                                  window_size=None, block_rows=2),
     "blocks_topk_ghost": spec(teacher="ghost", topk_tail="ghost", k=9, mask=True,
                               window_size=8, block_rows=3),
+    # forward KL with elementwise="compiled" (its kernels see [rows, 0] logits on the padding
+    # shard, and per-block collectives between its two kernels)
+    "compiled_fwd_kl_T2_ce_mask": spec(elementwise="compiled", temperature=2.0, ce_weight=0.5,
+                                       mask=True),
+    "compiled_recompute_padding_only_shard": spec(elementwise="compiled", backward="recompute",
+                                                  vocab_size=600, ce_weight=0.5),
+    "compiled_blocks_fp32": spec(elementwise="compiled", dtype=torch.float32, window_size=8,
+                                 block_rows=3, ce_weight=0.3, mask=True),
 }
 
 

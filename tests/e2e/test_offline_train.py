@@ -335,6 +335,11 @@ def test_mismatching_cache_is_refused(pool, setup, tmp_path):
     ("--kd-mode offline --kd-topk-cache {cache} --kd-topk-tail ghost --kd-temperature 2",
      "--kd-topk-tail ghost needs --kd-temperature 1"),
     ("--kd-topk-tail ghost", "--kd-topk-tail ghost is only for --kd-mode offline"),
+    ("--kd-mode offline --kd-topk-cache {cache} --kd-loss-elementwise compiled",
+     "--kd-loss-elementwise compiled needs a dense teacher"),
+    ("--kd-loss jsd --kd-loss-elementwise compiled",
+     ("--kd-loss-elementwise='compiled' is for --kd-loss='forward_kl' only, got "
+      "--kd-loss='jsd'")),
     ("--kd-mode offline --kd-topk-cache {cache} --kd-teacher-load {cache}",
      "--kd-teacher-load '{cache}' is not used with --kd-mode offline"),
     ("--kd-mode offline --kd-topk-cache {missing}",

@@ -60,7 +60,9 @@ def test_trains_and_logs(pool, teacher_dir, tmp_path, layout):
 
 @pytest.mark.parametrize("kd", ["--kd-loss forward_kl --kd-temperature 2 --kd-ce-weight 0.5",
                                 "--kd-loss reverse_kl",
-                                "--kd-loss jsd --kd-beta 0.3 --kd-weight 0.7"])
+                                "--kd-loss jsd --kd-beta 0.3 --kd-weight 0.7",
+                                ("--kd-temperature 2 --kd-ce-weight 0.5 "
+                                 "--kd-loss-elementwise compiled")])
 def test_fused_equals_dense(pool, teacher_dir, kd):
     argv = STUDENT + ["--train-iters", "4", "--eval-interval", "100", "--eval-iters", "0",
                       "--tensor-model-parallel-size", "2", "--kd-teacher-load",

@@ -25,7 +25,7 @@ def spec(**kw) -> dict:
                 teacher="dense", topk_tail="renormalize", k=7, s=5, b=3, h_s=16, h_t=24,
                 padded_vocab=1009, vocab_size=None, mask=False, dtype=torch.float64,
                 backward="precompute", window_size=4, scale=1.0, sequence_parallel=False,
-                seed=0, labels=False, block_rows=None)
+                seed=0, labels=False, block_rows=None, elementwise="eager")
     base.update(kw)
     return base
 
@@ -76,7 +76,8 @@ def config_of(sp: dict) -> KDLossConfig:
                         kd_weight=sp["kd_weight"], ce_weight=sp["ce_weight"],
                         topk_tail=sp["topk_tail"], window_size=sp["window_size"],
                         vocab_size=sp["vocab_size"], ignore_index=IGNORE,
-                        backward=sp["backward"], sequence_parallel=sp["sequence_parallel"])
+                        backward=sp["backward"], sequence_parallel=sp["sequence_parallel"],
+                        elementwise=sp["elementwise"])
 
 
 def shard_sizes(padded_vocab: int, world: int, seed: int = 0) -> list[int]:

@@ -401,7 +401,57 @@ def test_nan_in_ce_only_names_ce():
 @pytest.mark.parametrize("bad", [dict(kind="kl"), dict(beta=1.0, kind="jsd"),
                                  dict(temperature=0.0), dict(kd_weight=-1.0),
                                  dict(window_size=0), dict(kd_weight=0.0, ce_weight=0.0),
-                                 dict(topk_tail="drop"), dict(backward="lazy")])
+                                 dict(topk_tail="drop"), dict(backward="lazy"),
+                                 dict(elementwise="triton"),
+                                 dict(elementwise="compiled", kind="jsd")])
 def test_config_validation(bad):
     with pytest.raises(ValueError):
         KDLossConfig(**bad)
+
+
+# The compiled elementwise path (torch.compile: Inductor's C++ kernels here, Triton on a GPU)
+# against the independent reference, as the eager kinds are: both backward strategies, CE
+# shared with the KD softmax (T = 1) and on its own shift (T != 1), masks, padding columns,
+# windows of 1 and of several blocks, fp64 and fp32 (the fp32 bound is the eager one's).
+COMPILED_CASES = {
+    "T1": dict(),
+    "T1_ce_mask_padding": dict(ce_weight=0.7, mask=True, vocab_size=1000),
+    "T2_ce_own_shift": dict(temperature=2.0, ce_weight=0.4, mask=True),
+    "window1": dict(window_size=1, ce_weight=0.3),
+    "blocks": dict(window_size=7, block_rows=3, ce_weight=0.5),
+}
+
+
+@pytest.mark.parametrize("backward", ["precompute", "recompute"])
+@pytest.mark.parametrize("case", sorted(COMPILED_CASES))
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_compiled_forward_kl(case, backward, dtype):
+    _single(spec(elementwise="compiled", backward=backward, dtype=dtype,
+                 **COMPILED_CASES[case]))
+
+
+def test_compiled_forward_kl_runs_its_kernels_and_keeps_no_block_temporaries(monkeypatch):
+    """The compiled kind does run (its two kernels, every block) and asks for no ``[rows, V]``
+    scratch beyond the two logit buffers (the eager forward KL takes ``e_t``)."""
+    from megatron_kd.loss import compiled
+
+    calls, names = [], set()
+    for name in ("forward_kl_sums", "forward_kl_grad_"):
+        real = getattr(compiled, name)
+        monkeypatch.setattr(compiled, name,
+                            lambda *a, _r=real, _n=name: calls.append(_n) or _r(*a))
+    take = window.Scratch.take
+    monkeypatch.setattr(window.Scratch, "take",
+                        lambda self, n, like, shape=None: names.add(n) or take(self, n, like, shape))
+    _single(spec(elementwise="compiled", window_size=4, s=5, b=3))  # 15 rows: 4 windows
+    assert calls.count("forward_kl_sums") == 4 and calls.count("forward_kl_grad_") == 4
+    assert names == {"z_s", "z_t"}
+
+
+@pytest.mark.parametrize("teacher", ["renormalize", None])
+def test_compiled_needs_a_dense_teacher(teacher):
+    sp = spec(elementwise="compiled", teacher=teacher or "none", ce_weight=0.5,
+              kd_weight=1.0 if teacher else 0.0)
+    inp = make_inputs(sp)
+    with pytest.raises(ValueError, match="elementwise='compiled' needs a dense teacher"):
+        run_ours(sp, inp, [sp["padded_vocab"]], 0, None)

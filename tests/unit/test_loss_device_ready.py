@@ -53,6 +53,9 @@ CASES = {
                            ce_weight=0.5),
     "topk_ghost": dict(teacher="ghost", topk_tail="ghost", ce_weight=0.2, vocab_size=1001),
     "ce_only": dict(teacher=None, kd_weight=0.0, ce_weight=1.0),
+    # the compiled kernels: Inductor's size guards are host ints, never a tensor read
+    "fwd_kl_compiled_T2_ce": dict(kind="forward_kl", temperature=2.0, ce_weight=0.5,
+                                  elementwise="compiled"),
 }
 
 
