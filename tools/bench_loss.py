@@ -316,7 +316,7 @@ def _run_point(a, variant: str, tokens: int, tp: int) -> dict:
         times = results[0]["times"]
         peaks = [r["extra_peak_bytes"] for r in results if r["extra_peak_bytes"] is not None]
         working = [r["extra_peak_bytes"] - r["grad_bytes"] for r in results
-                   if r["extra_peak_bytes"] is not None and "grad_bytes" in r]
+                   if r["extra_peak_bytes"] is not None]
         point.update(
             status="OOM" if "OOM" in statuses else "ok",
             time_s=statistics.median(times) if times else None,

@@ -179,14 +179,8 @@ def test_recompute_saves_no_window_tensors(monkeypatch):
     assert all(t.dim() == 1 and t.numel() <= 4 for s in stats for t in s.values())
 
 
-@pytest.mark.parametrize("backward", ["precompute", "recompute"])
-@pytest.mark.parametrize("kind,temporaries", [("forward_kl", {"e_t"}),
-                                              ("reverse_kl", {"e_s", "dot"}),
-                                              ("jsd", {"e_s", "e_t", "log_m"})])
-def test_block_temporaries_per_kind(monkeypatch, kind, temporaries, backward):
-    """Each kind's ``[rows, V]`` temporaries beside the two logit buffers: each one costs a
-    block (CPU) or a window (TP > 1) of memory, so a new one must be a decision (JSD's log
-    ratios reuse the logits' buffers)."""
+def _scratch_names(monkeypatch) -> set[str]:
+    """The names the walk asks :class:`window.Scratch` for, from now on."""
     names = set()
     take = window.Scratch.take
 
@@ -195,6 +189,18 @@ def test_block_temporaries_per_kind(monkeypatch, kind, temporaries, backward):
         return take(self, name, like, shape)
 
     monkeypatch.setattr(window.Scratch, "take", spy)
+    return names
+
+
+@pytest.mark.parametrize("backward", ["precompute", "recompute"])
+@pytest.mark.parametrize("kind,temporaries", [("forward_kl", {"e_t"}),
+                                              ("reverse_kl", {"e_s", "dot"}),
+                                              ("jsd", {"e_s", "e_t", "log_m"})])
+def test_block_temporaries_per_kind(monkeypatch, kind, temporaries, backward):
+    """Each kind's ``[rows, V]`` temporaries beside the two logit buffers: each one costs a
+    block (CPU) or a window (TP > 1) of memory, so a new one must be a decision (JSD's log
+    ratios reuse the logits' buffers)."""
+    names = _scratch_names(monkeypatch)
     _single(spec(kind=kind, backward=backward, block_rows=3, mask=True))
     assert names == {"z_s", "z_t"} | temporaries
 
@@ -435,14 +441,12 @@ def test_compiled_forward_kl_runs_its_kernels_and_keeps_no_block_temporaries(mon
     scratch beyond the two logit buffers (the eager forward KL takes ``e_t``)."""
     from megatron_kd.loss import compiled
 
-    calls, names = [], set()
+    calls = []
     for name in ("forward_kl_sums", "forward_kl_grad_"):
         real = getattr(compiled, name)
         monkeypatch.setattr(compiled, name,
                             lambda *a, _r=real, _n=name: calls.append(_n) or _r(*a))
-    take = window.Scratch.take
-    monkeypatch.setattr(window.Scratch, "take",
-                        lambda self, n, like, shape=None: names.add(n) or take(self, n, like, shape))
+    names = _scratch_names(monkeypatch)
     _single(spec(elementwise="compiled", window_size=4, s=5, b=3))  # 15 rows: 4 windows
     assert calls.count("forward_kl_sums") == 4 and calls.count("forward_kl_grad_") == 4
     assert names == {"z_s", "z_t"}
