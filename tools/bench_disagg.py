@@ -1,6 +1,7 @@
 #!/usr/bin/env python
 """Benchmark the disaggregated teacher (a ``megatron-kd teacher serve`` replica) against
-colocated distillation, its wire and its failover (not a test).
+colocated distillation, its wire and its failover (not a test). One piece: its three
+measurements share the runs' launch, their logs and one table.
 
 Every run is ``megatron-kd train`` itself (``megatron_kd.training.train.train``) on mock data
 in fresh processes, one CPU thread each, the student's world on gloo; each teacher replica is a
@@ -62,12 +63,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
+
+from megatron_kd.testing.replicas import Replica
 
 SECTIONS = ("step", "wire", "failover", "replicas")
 EXTRA_SECTIONS = ("wait",)
@@ -229,70 +230,6 @@ def contention_probe(iters: int) -> dict:
 # ---------------------------------------------------------------------------------------------
 # driver side
 # ---------------------------------------------------------------------------------------------
-class Replica:
-    """One ``teacher serve`` process at ``endpoint`` (started, registered)."""
-
-    def __init__(self, endpoint: str, teacher_dir: str, log: str, *, sleep_per_token=0.0,
-                 timeout_s: float = 300.0, serve_args: tuple = ()) -> None:
-        os.makedirs(endpoint, exist_ok=True)
-        before = set(os.listdir(endpoint))
-        self.log = log
-        argv = ["--kd-teacher-load", teacher_dir, "--kd-teacher-endpoint", endpoint,
-                "--host", "127.0.0.1", "--log-json", log, "--stats-interval", "1",
-                "--kd-teacher-timeout", str(timeout_s), *serve_args]
-        env = {k: v for k, v in os.environ.items()
-               if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-        env["OMP_NUM_THREADS"] = "1"
-        self.stderr = log + ".stderr"
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "megatron_kd.testing.slow_replica", str(sleep_per_token),
-             "--", *argv], env=env, stdout=subprocess.DEVNULL, stderr=open(self.stderr, "w"),
-            start_new_session=True)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            new = [n for n in set(os.listdir(endpoint)) - before
-                   if n.startswith("replica-") and n.endswith(".json")]
-            if new:
-                with open(os.path.join(endpoint, new[0])) as f:
-                    self.replica = json.load(f)["replica"]
-                return
-            if self.proc.poll() is not None:
-                break
-            time.sleep(0.2)
-        self.stop()
-        with open(self.stderr) as f:
-            raise RuntimeError(f"replica did not register at {endpoint}:\n{f.read()[-3000:]}")
-
-    def events(self, name: str) -> list[dict]:
-        if not os.path.exists(self.log):
-            return []
-        with open(self.log) as f:
-            lines = [json.loads(line) for line in f if line.strip()]
-        return [e for e in lines if e.get("event") == name]
-
-    def requests_served(self) -> int:
-        return max((e["requests"] for e in self.events("stats") + self.events("stopped")),
-                   default=0)
-
-    def kill(self, sig=signal.SIGKILL) -> None:
-        try:
-            os.killpg(self.proc.pid, sig)
-        except ProcessLookupError:
-            pass
-
-    def stop(self) -> dict:
-        """SIGTERM, wait; the replica's final stats (its ``stopped`` event), if it wrote one."""
-        if self.proc.poll() is None:
-            self.kill(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.kill(signal.SIGKILL)
-                self.proc.wait(timeout=30)
-        stopped = self.events("stopped")
-        return stopped[-1] if stopped else {}
-
-
 def _spawn(kind: str, world: int, payload: dict) -> list[dict]:
     """Run ``kind`` on ``world`` fresh processes; returns their results."""
     import torch.multiprocessing as mp
@@ -402,8 +339,10 @@ class Bench:
                       steps: int | None = None) -> dict:
         d = self._dir(name + "_replicas")
         endpoint = os.path.join(d, "endpoint")
-        started = [Replica(endpoint, teacher_dir, os.path.join(d, f"replica{i}.jsonl"),
-                           sleep_per_token=sleep_per_token, timeout_s=self.a.teacher_timeout)
+        timeout = self.a.teacher_timeout
+        started = [Replica(endpoint, teacher_dir, log=os.path.join(d, f"replica{i}.jsonl"),
+                           sleep_per_token=sleep_per_token, start_timeout_s=timeout,
+                           extra=("--kd-teacher-timeout", str(timeout)))
                    for i in range(replicas)]
         killed: dict = {}
 
@@ -425,8 +364,9 @@ class Bench:
                        "--kd-prefetch-depth", str(depth), "--kd-wire-dtype", wire],
                 during=kill_serving if kill_at_step else None)
         finally:
-            finals = [r.stop() for r in started]
-        served = [f for f in finals if f]
+            for replica in started:
+                replica.stop()
+        served = [f for f in (r.final_stats() for r in started) if f]
         point.update(depth=depth, wire=wire, replicas=replicas, killed=killed or None,
                      replica_stats=served)
         tokens = sum(f.get("tokens", 0) for f in served)

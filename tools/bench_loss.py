@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""Benchmark the fused KD loss against its peers and the GEMM floor (not a test).
+"""Benchmark the fused KD loss against its peers and the GEMM floor (not a test). One piece: every
+variant runs in the same harness (its processes, timer and memory reading), so they compare.
 
 Variants, each in a fresh process group of its own processes (so memory figures are clean), for
 each loss kind (``fkl`` forward KL, ``rkl`` reverse KL, ``jsd`` Jensen-Shannon at ``--beta``):
@@ -469,6 +470,16 @@ def _merge_rounds(pts: list[dict]) -> dict:
     return out
 
 
+def _cpu_tuning() -> dict:
+    """The fused loss's CPU tuning on this machine (the workers' too: they run here and pass
+    no ``cpu_tuning``), recorded beside the CPU timings that depend on it."""
+    import dataclasses
+
+    from megatron_kd.loss import CpuTuning
+
+    return dataclasses.asdict(CpuTuning.for_this_machine())
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tokens", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
@@ -519,6 +530,7 @@ def main(argv=None) -> int:
     print(table)
     os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
     meta = {k: v for k, v in vars(a).items() if not k.startswith("_")}
+    meta["cpu_tuning"] = _cpu_tuning()
     with open(a.out, "w") as f:
         json.dump({"config": meta, "points": points, "table_markdown": table}, f, indent=1)
     print(f"wrote {a.out}")

@@ -27,8 +27,7 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_disagg import Replica  # noqa: E402 - the same replica launcher
+from megatron_kd.testing.replicas import Replica
 
 
 def _demo_argv(demo_dir: str, steps: int, log: str, cache: str) -> list[str]:
@@ -50,8 +49,9 @@ def run_one(demo_dir: str, wire: str, steps: int, work: str, teacher_dtype: str)
     d = os.path.join(work, wire)
     os.makedirs(d)
     teacher = os.path.join(demo_dir, "teacher")
-    replica = Replica(os.path.join(d, "endpoint"), teacher, os.path.join(d, "replica.jsonl"),
-                      serve_args=("--kd-teacher-dtype", teacher_dtype))
+    replica = Replica(os.path.join(d, "endpoint"), teacher, log=os.path.join(d, "replica.jsonl"),
+                      extra=("--kd-teacher-timeout", "300", "--kd-teacher-dtype", teacher_dtype),
+                      start_timeout_s=300)
     log = os.path.join(d, "student.jsonl")
     argv = _demo_argv(demo_dir, steps, log, os.path.join(d, "cache"))
     argv[argv.index("--kd-teacher-dtype") + 1] = teacher_dtype

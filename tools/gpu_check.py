@@ -1,6 +1,7 @@
 #!/usr/bin/env python
 """One hardware check of megatron_kd: the fused loss, its benchmark, a training step and a cache
-build on the chosen device, written up as a JSON and a Markdown report.
+build on the chosen device, written up as a JSON and a Markdown report. One piece: the one script
+a lent GPU runs, its steps and its report together.
 
 Steps (each in processes of its own, so one that fails or crashes does not stop the others):
 

@@ -19,11 +19,14 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from megatron_kd.planner.cli import format_report
-from megatron_kd.planner.plan import GIB, PlanOptions, plan_all
+from megatron_kd.planner.memory import GIB
+from megatron_kd.planner.plan import Mode, ModePlan, PlanOptions, PlanResult
 from megatron_kd.planner.presets import MODEL_PRESETS, get_gpu, get_link
+from megatron_kd.planner.search import plan_all
 
 
 @dataclass(frozen=True)
@@ -75,20 +78,20 @@ SCENARIOS = [
 ]
 
 
-def _cell(plan) -> str:
+def _cell(plan: ModePlan) -> str:
     if not plan.fits:
         return f"OOM ({plan.total_bytes / GIB:.0f} GiB)"
     text = f"{plan.total_bytes / GIB:.0f} GiB, {plan.student_tokens_per_s / 1e3:.1f}k tok/s"
-    if plan.mode == "disaggregated":
+    if plan.mode is Mode.DISAGGREGATED:
         text += f", +{plan.teacher_gpus} teacher GPU"
         if not plan.wire_ok:
             text += " (wire-bound)"
     return text
 
 
-def claim_verdict(scenario: Scenario, plans: dict) -> tuple[bool, str]:
+def claim_verdict(scenario: Scenario, plans: Mapping[Mode, ModePlan]) -> tuple[bool, str]:
     """(reproduced, one sentence) for the claim the scenario tests."""
-    fused, disagg = plans["colocated-fused"], plans["disaggregated"]
+    fused, disagg = plans[Mode.COLOCATED_FUSED], plans[Mode.DISAGGREGATED]
     if scenario.claim == 1:
         faster = (
             disagg.fits
@@ -102,7 +105,7 @@ def claim_verdict(scenario: Scenario, plans: dict) -> tuple[bool, str]:
             f"{'is' if faster else 'is not'} faster ({gain:+.0%} student tokens/s, "
             f"+{disagg.teacher_gpus} teacher GPU)"
         )
-    dense = plans["colocated-dense"]
+    dense = plans[Mode.COLOCATED_DENSE]
     ok = not dense.fits and not fused.fits and disagg.fits and disagg.wire_ok
     return ok, (
         f"colocated dense {'fits' if dense.fits else 'OOMs'}, colocated fused "
@@ -110,7 +113,7 @@ def claim_verdict(scenario: Scenario, plans: dict) -> tuple[bool, str]:
     )
 
 
-def markdown(results: list[tuple[Scenario, dict]]) -> str:
+def markdown(results: list[tuple[Scenario, PlanResult]]) -> str:
     lines = [
         "### What the planner says about the published claims",
         "",
@@ -125,15 +128,12 @@ def markdown(results: list[tuple[Scenario, dict]]) -> str:
     ]
     verdicts = []
     for sc, result in results:
-        plans = result["plans"]
+        plans = result.plans
         ok, sentence = claim_verdict(sc, plans)
         verdicts.append((sc, ok, sentence))
         lines.append(
             f"| {sc.teacher} -> {sc.student} | {sc.nodes} x 8 {sc.gpu} | "
-            + " | ".join(
-                _cell(plans[m])
-                for m in ("colocated-dense", "colocated-fused", "offline-cache", "disaggregated")
-            )
+            + " | ".join(_cell(plans[m]) for m in Mode)
             + f" | {sc.claim}: {'yes' if ok else 'no'} |"
         )
     lines += [

@@ -11,7 +11,7 @@ For each run (its ``megatron-kd train`` arguments and the JSON log it wrote with
   ``teacher_args``: the serve flags of its layout, ``teacher_nproc`` ranks), waits for its
   registration, runs the student against it and stops it (SIGTERM). A CPU run then adds a row for
   the replica's rank 0 (its pipeline stage 0, TP rank 0): the planner's teacher GPU
-  (``plan.teacher_inference_terms`` with the replica's TP and PP from its serve flags, DP 1)
+  (``search.teacher_inference_terms`` with the replica's TP and PP from its serve flags, DP 1)
   against that process's peak RSS.
 * wire (disaggregated runs), both directions, each per step, each target: equal, exactly.
   Teacher -> student hidden states (``hidden_bytes_per_step_per_dp_rank`` at the run's wire
@@ -36,33 +36,27 @@ RSS follows the peak of live tensors, as ``max_memory_allocated`` does on a GPU.
 glibc's heap keeps freed activations and gradient temporaries (the offline tp1 run's RSS grows
 by about 0.4 GiB from the end of step 1 to the end of step 2 with no more live tensors, and its
 ratio reads 0.83), the CPU's counterpart of the caching allocator's reserved-but-free memory:
-not a term of the planner. Runs made elsewhere should set it too. The replica's peak comes from
-a wrapper of the ``megatron-kd`` entry point (the student's ranks and the replica's both run it)
-that writes each rank's ``ru_maxrss`` at exit (``rank<R>.json``, the replica's in a directory of
-its own: it writes no training log). The replica gets the same environment (``MALLOC_...``, and
-``OMP_NUM_THREADS`` as the student has it).
+not a term of the planner. Runs made elsewhere should set it too. The peaks come from a
+wrapper of the ``megatron-kd`` entry point (``megatron_kd.testing.replicas``; the student's ranks
+and the replica's both run it) that writes each rank's ``ru_maxrss`` at exit (``rank<R>.json``,
+the replica's in a directory of its own: it writes no training log). The replica gets the same
+environment (``MALLOC_...``, and ``OMP_NUM_THREADS`` as the student has it).
 
-How the planner is configured for a run: the architectures are the ones ``megatron-kd train`` itself
-resolves (``plan_run``: the student from the flags, the teacher from its checkpoint's
-``model_config.json``, an offline run's K from its cache's manifest); precision follows ``--bf16``
-(fp32 otherwise: 4-byte weights and activations, Adam moments without a master copy) and must
-match ``--kd-teacher-dtype`` (the planner has one precision; a mismatch is refused, and so is a
-replica whose ``--kd-teacher-dtype`` is not the student's); the streamed hidden states take the
-run's wire dtype on the wire (``--kd-wire-dtype``, default the teacher's) and the teacher's
-element size once decoded; one teacher replica; ``--kd-prefetch-depth`` sets the ring slots; on
-CPU the local layer spec runs unfused attention, norms and SwiGLU (``flash_attention``,
-``fused_norm``, ``fused_swiglu`` off) and the top-K prefetcher's host queue is device memory
-(``cache_resident_microbatches = D + 2``). Known gaps: MLP biases (``--add-bias-linear``) and
-learned position embeddings are not counted; ``ru_maxrss`` is a high-water mark over the whole
-process, so a transient at start-up (e.g. a checkpoint load holding two copies of the teacher) can
-exceed the training peak; pipeline ranks other than the last build the teacher and free it, which
-the high-water mark still sees. Validate with ``--pipeline-model-parallel-size 1`` runs. The
-planner sums its terms, though the teacher's forward working set is freed before the loss's
-window buffers are allocated (an overestimate of the smaller of the two), and the loss holds one
-``[w, V/t]`` buffer less than counted when a micro-batch fits in one window (the tp2 cases:
-the previous window's gradient is what the fourth buffer counts); both stay inside the tolerance
-at these sizes. The replica's send slots are counted as ``D`` micro-batches of the student's. A
-replica's peak is compared on CPU only (its RSS is host memory on a GPU machine).
+How the planner is configured for a run, and what it predicts, is the package's
+(:mod:`megatron_kd.training.plan_adapter`: the run resolved as ``megatron-kd train`` resolves it,
+the planner's inputs, its terms); this tool runs the runs and compares. A replica whose
+``--kd-teacher-dtype`` is not the student's is refused. Known gaps: MLP biases
+(``--add-bias-linear``) and learned position embeddings are not counted; ``ru_maxrss`` is a
+high-water mark over the whole process, so a transient at start-up (e.g. a checkpoint load holding
+two copies of the teacher) can exceed the training peak; pipeline ranks other than the last build
+the teacher and free it, which the high-water mark still sees. Validate with
+``--pipeline-model-parallel-size 1`` runs. The planner sums its terms, though the teacher's
+forward working set is freed before the loss's window buffers are allocated (an overestimate of
+the smaller of the two), and the loss holds one ``[w, V/t]`` buffer less than counted when a
+micro-batch fits in one window (the tp2 cases: the previous window's gradient is what the fourth
+buffer counts); both stay inside the tolerance at these sizes. The replica's send slots are
+counted as ``D`` micro-batches of the student's. A replica's peak is compared on CPU only (its RSS
+is host memory on a GPU machine).
 
 Usage::
 
@@ -84,32 +78,34 @@ Usage::
     python tools/validate_planner.py --builtin --run [--terms]
 
 Needs torch and megatron-core (it uses the training code's own argument parsing); the planner itself
-does not.
+does not. The script is one piece: its built-in cases, running them and comparing them are the
+steps of one command.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import shlex
-import signal
 import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import dataclass
 
-from megatron_kd.planner import memory as mem
-from megatron_kd.planner import traffic as tr
-from megatron_kd.planner.memory import ActivationOptions, Precision
-from megatron_kd.planner.models import ModelConfig, from_megatron_kd_arch
-from megatron_kd.planner.plan import PlanOptions, student_stage_terms, teacher_inference_terms
-from megatron_kd.planner.presets import GpuSpec, LinkSpec
+from megatron_kd.planner.plan import Mode
+from megatron_kd.teacher.endpoint import DirectoryEndpoint, parse_endpoint
+from megatron_kd.testing.replicas import Replica, command, read_rank_peak
+from megatron_kd.training.plan_adapter import (
+    parse_train_args,
+    predict,
+    predict_teacher,
+    resolve_run,
+)
+from megatron_kd.training.teacher_serve import add_arguments as add_serve_arguments
 
 TOLERANCE = 0.15  # the issue's target: predicted peak memory within 15% of the measured one
-RESERVE_TERM = "reserve (context, NCCL, frag.)"
 #: Seconds a --run waits for a teacher replica's registration (Python, torch, Megatron and the
 #: teacher's checkpoint on a busy 2-core machine).
 REPLICA_START_TIMEOUT_S = 300
@@ -217,25 +213,6 @@ _MAKE_TEACHER_CODE = (
     "dist.destroy_process_group()\n"
 )
 
-# Every rank of a --run records its process's peak RSS at exit (rank<R>.json in the directory
-# named by _PEAK_DIR_ENV): the JSON log is rank 0's only, and a disaggregated run's teacher
-# replica writes none. The `megatron-kd` entry point itself, wrapped (`train` for the student,
-# `teacher serve` for the replica, each with a peak directory of its own).
-_PEAK_DIR_ENV = "VALIDATE_PLANNER_PEAK_DIR"
-_RANK_PEAK_CODE = (
-    "import json, os, resource, sys\n"
-    "from megatron_kd.cli import main\n"
-    "try:\n"
-    "    code = main(sys.argv[1:])\n"
-    "finally:\n"
-    "    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024\n"
-    "    name = 'rank%s.json' % os.environ.get('RANK', '0')\n"
-    f"    out = os.path.join(os.environ[{_PEAK_DIR_ENV!r}], name)\n"
-    "    with open(out, 'w') as f:\n"
-    "        json.dump({'peak_rss_bytes': peak}, f)\n"
-    "sys.exit(code)\n"
-)
-
 
 def make_random_teacher(directory: str) -> None:
     """A megatron_kd checkpoint of a randomly initialised teacher (``_TEACHER_ARCH``)."""
@@ -249,7 +226,7 @@ def cache_build_argv(
 ) -> list[str]:
     """``megatron-kd cache build`` flags that make the cache an offline run reads: the run's data
     flags, sequence length, seed and sample count (``train_iters x global batch``), so that
-    ``plan_run`` accepts it (same dataset identity, tokenizer, vocabulary and length)."""
+    ``check_run`` accepts it (same dataset identity, tokenizer, vocabulary and length)."""
     args = parse_train_args(train_args)
     dp = world_size // (args.tensor_model_parallel_size * args.pipeline_model_parallel_size)
     gbs = args.global_batch_size or args.micro_batch_size * max(1, dp)
@@ -313,149 +290,6 @@ class Case:
     ``--run``), or None."""
 
 
-@dataclass
-class Prediction:
-    mode: str
-    terms: dict
-    wire: dict | None
-    """Disaggregated: the teacher -> student bytes per step by scope (``tp-rank``: one
-    last-stage TP rank; ``dp-rank``: one student DP rank; ``all-ranks``: the whole student)."""
-    wire_to_teacher: dict | None = None
-    """Disaggregated: the student -> teacher token-id bytes per step by scope (``dp-rank``,
-    ``all-ranks``: what ``kd_wire_bytes_to_teacher`` counts)."""
-
-
-# --- the run's configuration, as megatron-kd train resolves it -----------------------------------
-
-
-def parse_train_args(train_args: str) -> argparse.Namespace:
-    """``megatron-kd train``'s own parsing of ``train_args``."""
-    from megatron_kd.training.train import add_arguments
-
-    parser = argparse.ArgumentParser(prog="megatron-kd train")
-    add_arguments(parser)
-    return parser.parse_args(shlex.split(train_args))
-
-
-def resolve_run(train_args: str, world_size: int):
-    """``(args, plan)`` exactly as ``megatron-kd train`` resolves them (no model is built; an
-    offline run's cache is opened and checked against the run)."""
-    from megatron_kd.training.plan import plan_run
-
-    args = parse_train_args(train_args)
-    return args, plan_run(args, world_size)
-
-
-def arch_to_model(arch, name: str) -> ModelConfig:
-    """A planner :class:`ModelConfig` from a ``megatron_kd.integration.arch.GPTArchConfig``, with the padded
-    vocabulary as its vocabulary (the runs' layouts then pad by 1, see :func:`predict`)."""
-    model = from_megatron_kd_arch(dict(arch.to_dict(), vocab_size=arch.padded_vocab_size), name)
-    return dataclasses.replace(model, source="megatron-kd train plan_run")
-
-
-def _mode(plan) -> str:
-    if plan.kd.mode == "offline":
-        return "offline-cache"
-    if plan.teacher_arch is None:
-        return "no teacher"  # the fused loss with the student's logits only
-    return {"colocated": "colocated-fused", "disaggregated": "disaggregated"}[plan.kd.mode]
-
-
-def plan_options(
-    args, plan, on_cpu: bool, teacher_tp: int | None = None, teacher_pp: int | None = None
-) -> PlanOptions:
-    """The planner's options for the run (see the module docstring); ``teacher_tp`` /
-    ``teacher_pp``: a disaggregated run's replica layout (None: not known)."""
-    import torch
-
-    student = arch_to_model(plan.student_arch, "student")
-    teacher = arch_to_model(plan.teacher_arch, "teacher") if plan.teacher_arch else student
-    fp32 = plan.params_dtype == torch.float32
-    param_bytes = 4 if fp32 else 2
-    teacher_bytes = 4 if plan.kd.teacher_dtype == "fp32" else 2
-    if plan.teacher_arch is not None and teacher_bytes != param_bytes:
-        raise ValueError(
-            f"--kd-teacher-dtype {plan.kd.teacher_dtype} with {'fp32' if fp32 else 'bf16'} "
-            f"student parameters: the planner gives teacher and student one precision"
-        )
-    precision = Precision(param_bytes=param_bytes, grad_bytes=4, optimizer_bytes=8 if fp32 else 12)
-    activation = ActivationOptions(
-        flash_attention=not on_cpu,
-        fused_norm=not on_cpu,
-        fused_swiglu=not on_cpu,
-        hidden_dropout=args.hidden_dropout > 0,
-        attention_dropout=args.attention_dropout > 0,
-        activation_bytes=4 if fp32 else 2,
-    )
-    extra = {}
-    from megatron_kd.loss import window
-
-    if on_cpu and (plan.tp == 1 or window.CPU_BLOCKS_WITH_TP):
-        # the loss's elementwise work runs in cache-sized row blocks (CPU, no TP collectives)
-        extra["loss_block_elements"] = window.CPU_BLOCK_ELEMENTS
-    if plan.topk_cache is not None:
-        extra["topk"] = plan.topk_cache.spec.topk
-        # On CPU the prefetcher's host queue is the device memory: D queued + 1 being decoded
-        # + 1 in use (see memory.cache_reader_bytes); on a GPU only the one in use.
-        extra["cache_resident_microbatches"] = plan.kd.prefetch_depth + 2 if on_cpu else 1
-    gpu = GpuSpec(name="measured", memory_bytes=1 << 50, bf16_flops=1e12, nvlink_bytes_per_s=1e9)
-    return PlanOptions(
-        student=student,
-        teacher=teacher,
-        gpu=gpu,
-        inter_node_link=LinkSpec(name="measured", bytes_per_s=1e9),
-        gpus_per_node=max(plan.tp * plan.pp * plan.dp, teacher_tp or 1),
-        nodes=1,
-        seq_length=args.seq_length,
-        micro_batch_size=args.micro_batch_size,
-        global_batch_size=plan.global_batch_size,
-        tp=plan.tp,
-        pp=plan.pp,
-        recompute="none",
-        sequence_parallel=False,
-        use_distributed_optimizer=False,
-        teacher_tp=teacher_tp,
-        teacher_pp=teacher_pp,
-        teacher_replicas=1 if plan.kd.mode == "disaggregated" else None,
-        wire_dtype=plan.kd.wire,
-        window_size=plan.kd.loss.window_size,
-        prefetch_depth=plan.kd.prefetch_depth,
-        hidden_elem_bytes=teacher_bytes,
-        precision=precision,
-        activation=activation,
-        reserve_bytes=0,
-        **extra,
-    )
-
-
-def predict(args, plan, on_cpu: bool) -> Prediction:
-    """The planner's terms for the logging rank (student rank 0: stage 0, TP rank 0)."""
-    opts = plan_options(args, plan, on_cpu)
-    mode = _mode(plan)
-    layout = mem.ParallelLayout(tp=plan.tp, pp=plan.pp, dp=plan.dp, make_vocab_size_divisible_by=1)
-    teacher_layout = mem.ParallelLayout(
-        tp=plan.tp, pp=1, dp=plan.dp, make_vocab_size_divisible_by=1
-    )
-    terms = student_stage_terms(
-        opts,
-        "offline-cache" if mode == "no teacher" else mode,
-        layout,
-        teacher_layout if mode.startswith("colocated") else None,
-        0,
-    )
-    terms.pop(RESERVE_TERM, None)
-    if mode == "no teacher":
-        terms.pop("cache reader", None)
-    wire = to_teacher = None
-    if mode == "disaggregated":
-        gbs, dp, s = plan.global_batch_size, plan.dp, args.seq_length
-        per_dp = tr.hidden_bytes_per_step_per_dp_rank(opts.teacher, gbs, dp, s, opts.wire_dtype)
-        wire = {"tp-rank": per_dp / plan.tp, "dp-rank": per_dp, "all-ranks": per_dp * dp}
-        ids = tr.token_bytes_per_step_per_dp_rank(gbs, dp, s)
-        to_teacher = {"dp-rank": ids, "all-ranks": ids * dp}
-    return Prediction(mode=mode, terms=terms, wire=wire, wire_to_teacher=to_teacher)
-
-
 def teacher_serve_argv(train_args: argparse.Namespace, teacher_args: str) -> list[str]:
     """The ``megatron-kd teacher serve`` flags of a disaggregated run's replica: the student's
     teacher checkpoint and endpoint, ``--host 127.0.0.1``, then ``teacher_args``."""
@@ -471,8 +305,6 @@ def teacher_serve_argv(train_args: argparse.Namespace, teacher_args: str) -> lis
 def teacher_serve_args(case: Case) -> argparse.Namespace:
     """The replica's serve flags as ``megatron-kd teacher serve`` parses them, checked against
     the student's (same checkpoint, endpoint and teacher dtype; ``teacher_nproc`` ranks)."""
-    from megatron_kd.training.teacher_serve import add_arguments
-
     if case.teacher_args is None:
         raise ValueError(f"case {case.name!r}: no teacher replica (teacher_args is None)")
     train = parse_train_args(case.train_args)
@@ -482,7 +314,7 @@ def teacher_serve_args(case: Case) -> argparse.Namespace:
             f"this one is {train.kd_mode}"
         )
     parser = argparse.ArgumentParser(prog="megatron-kd teacher")
-    add_arguments(parser)
+    add_serve_arguments(parser)
     serve = parser.parse_args(teacher_serve_argv(train, case.teacher_args))
     for flag, theirs, ours in (
         ("--kd-teacher-load", serve.kd_teacher_load, train.kd_teacher_load),
@@ -500,16 +332,6 @@ def teacher_serve_args(case: Case) -> argparse.Namespace:
             f"its TP x PP = {world}"
         )
     return serve
-
-
-def predict_teacher(args, plan, on_cpu: bool, tp: int, pp: int) -> dict:
-    """The planner's terms for rank 0 of a disaggregated run's teacher replica (its stage 0,
-    TP rank 0) with the replica's layout ``tp`` x ``pp`` (a replica has no data parallelism)."""
-    opts = plan_options(args, plan, on_cpu, teacher_tp=tp, teacher_pp=pp)
-    layout = mem.ParallelLayout(tp=tp, pp=pp, dp=1, make_vocab_size_divisible_by=1)
-    terms = teacher_inference_terms(opts, layout, 0)
-    terms.pop(RESERVE_TERM, None)
-    return terms
 
 
 # --- measurement --------------------------------------------------------------------------------
@@ -540,137 +362,41 @@ def read_log(path: str) -> list[dict]:
     return steps
 
 
-def read_rank_peak(peak_dir: str, rank: int) -> int | None:
-    """The peak RSS rank ``rank`` wrote at exit (None when it wrote none)."""
-    path = os.path.join(peak_dir, f"rank{rank}.json")
-    if not os.path.isfile(path):
-        return None
-    with open(path, encoding="utf-8") as f:
-        return int(json.load(f)["peak_rss_bytes"])
-
-
-def _launch(entry_argv: list[str], nproc: int) -> list[str]:
-    """``_RANK_PEAK_CODE`` running ``entry_argv``: one process, or torchrun of ``nproc``."""
-    entry = [sys.executable, "-c", _RANK_PEAK_CODE]
-    if nproc > 1:
-        return [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc-per-node={nproc}",
-            "--no-python",
-            *entry,
-            *entry_argv,
-        ]
-    return [*entry, *entry_argv]
-
-
 def _omp_threads(nproc: int) -> str | None:
     """``OMP_NUM_THREADS`` of a run of ``nproc`` processes: the caller's, else torchrun's
     default (1) when ``nproc > 1``, else unset (torch's own default)."""
     return os.environ.get("OMP_NUM_THREADS") or ("1" if nproc > 1 else None)
 
 
-def _replica_records(endpoint: str) -> set[str]:
-    if not os.path.isdir(endpoint):
-        return set()
-    return {n for n in os.listdir(endpoint) if n.startswith("replica-") and n.endswith(".json")}
-
-
-def _tail(path: str, chars: int = 3000) -> str:
-    try:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            return f.read()[-chars:]
-    except OSError:
-        return "(no stderr)"
-
-
-class TeacherReplica:
-    """A disaggregated case's teacher replica (``megatron-kd teacher serve`` under
-    ``_RANK_PEAK_CODE``), started in a session of its own and registered at the student's
-    directory endpoint; :meth:`stop` sends its process group SIGTERM and waits."""
-
-    def __init__(self, case: Case, peak_dir: str, log_path: str, base_env: dict) -> None:
-        from megatron_kd.teacher.endpoint import DirectoryEndpoint, parse_endpoint
-
-        serve = teacher_serve_args(case)
-        self.endpoint = serve.kd_teacher_endpoint
-        if not isinstance(parse_endpoint(self.endpoint), DirectoryEndpoint):
-            raise ValueError(
-                f"case {case.name!r}: --run waits for the replica's registration in a directory "
-                f"endpoint, got --kd-teacher-endpoint {self.endpoint!r}"
-            )
-        os.makedirs(self.endpoint, exist_ok=True)
-        before = _replica_records(self.endpoint)
-        if before:
-            raise RuntimeError(
-                f"case {case.name!r}: the endpoint {self.endpoint} already has registered "
-                f"replicas {sorted(before)}: the student would use them too (and a stale record "
-                f"a dead one); give the case an endpoint of its own"
-            )
-        os.makedirs(peak_dir, exist_ok=True)
-        argv = [
-            "teacher",
-            *teacher_serve_argv(parse_train_args(case.train_args), case.teacher_args),
-            "--log-json", log_path,
-        ]  # fmt: skip
-        env = dict(base_env, **{_PEAK_DIR_ENV: peak_dir})
-        for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-            env.pop(key, None)  # a replica is a world of its own (torchrun sets its own)
-        self.stderr_path = log_path + ".stderr"
-        with open(self.stderr_path, "w", encoding="utf-8") as stderr:
-            self.proc = subprocess.Popen(
-                _launch(argv, case.teacher_nproc),
-                env=env,
-                stdout=subprocess.DEVNULL,
-                stderr=stderr,
-                start_new_session=True,
-            )
-        deadline = time.monotonic() + REPLICA_START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            new = _replica_records(self.endpoint) - before
-            if new:
-                self.record = new.pop()
-                return
-            if self.proc.poll() is not None:
-                break
-            time.sleep(0.2)
-        exited = self.proc.poll()
-        self.stop()
-        why = (
-            f"exited with {exited}"
-            if exited is not None
-            else f"did not register within {REPLICA_START_TIMEOUT_S} s"
+def start_replica(case: Case, peak_dir: str, log_path: str, env: dict) -> Replica:
+    """A disaggregated case's teacher replica (``megatron-kd teacher serve`` with the case's
+    serve flags, each rank writing its peak RSS into ``peak_dir``), registered at the student's
+    directory endpoint, which must hold no other replica."""
+    serve = teacher_serve_args(case)
+    endpoint = serve.kd_teacher_endpoint
+    if not isinstance(parse_endpoint(endpoint), DirectoryEndpoint):
+        raise ValueError(
+            f"case {case.name!r}: --run waits for the replica's registration in a directory "
+            f"endpoint, got --kd-teacher-endpoint {endpoint!r}"
         )
+    os.makedirs(endpoint, exist_ok=True)
+    before = sorted(n for n in os.listdir(endpoint)
+                    if n.startswith("replica-") and n.endswith(".json"))
+    if before:
         raise RuntimeError(
-            f"case {case.name!r}: the teacher replica {why} at {self.endpoint}; its stderr "
-            f"({self.stderr_path}) ends:\n{_tail(self.stderr_path)}"
+            f"case {case.name!r}: the endpoint {endpoint} already has registered replicas "
+            f"{before}: the student would use them too (and a stale record a dead one); give the "
+            f"case an endpoint of its own"
         )
-
-    def _signal(self, sig: int) -> None:
-        try:
-            os.killpg(self.proc.pid, sig)
-        except ProcessLookupError:
-            pass
-
-    def stop(self, timeout_s: float = 120.0) -> int | None:
-        """SIGTERM to the replica's process group, then wait (SIGKILL after ``timeout_s``: it
-        then writes no peak); returns its exit status."""
-        if self.proc.poll() is None:
-            self._signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                print(
-                    f"teacher replica {self.proc.pid}: no exit {timeout_s:.0f} s after SIGTERM, "
-                    f"killed (stderr: {self.stderr_path})",
-                    file=sys.stderr,
-                )
-                self._signal(signal.SIGKILL)
-                self.proc.wait(timeout=30)
-        self._signal(signal.SIGKILL)  # a torchrun worker left behind
-        return self.proc.returncode
+    os.makedirs(peak_dir, exist_ok=True)
+    try:
+        # the student's checkpoint and endpoint, then the case's serve flags (its layout among them)
+        return Replica(endpoint, serve.kd_teacher_load, log=log_path,
+                       tp=serve.tensor_model_parallel_size, pp=serve.pipeline_model_parallel_size,
+                       extra=shlex.split(case.teacher_args), stats_interval=None, env=env,
+                       peak_dir=peak_dir, start_timeout_s=REPLICA_START_TIMEOUT_S)
+    except RuntimeError as exc:
+        raise RuntimeError(f"case {case.name!r}: {exc}") from None
 
 
 def run_case(
@@ -700,20 +426,19 @@ def run_case(
     if disaggregated:
         teacher_log = os.path.splitext(log_path)[0] + ".teacher.jsonl"
         t0 = time.perf_counter()
-        replica = TeacherReplica(case, teacher_peak_dir, teacher_log, env)
+        replica = start_replica(case, teacher_peak_dir, teacher_log, env)
         print(
             f"{case.name}: teacher replica registered in {time.perf_counter() - t0:.0f} s",
             file=sys.stderr,
         )
     try:
         t0 = time.perf_counter()
-        subprocess.run(
-            _launch(argv, case.nproc), check=True, env=dict(env, **{_PEAK_DIR_ENV: peak_dir})
-        )
+        subprocess.run(command("megatron_kd", argv, case.nproc, peak_dir=peak_dir), check=True,
+                       env=env)
         return time.perf_counter() - t0
     finally:
         if replica is not None:
-            code = replica.stop()
+            code = replica.stop(timeout_s=120.0)
             if code != 0:
                 print(
                     f"{case.name}: the teacher replica exited with {code} (stderr: "
@@ -725,11 +450,20 @@ def run_case(
 # --- comparison ---------------------------------------------------------------------------------
 
 
+def _mode_label(mode: Mode | str | None) -> str:
+    """What a row prints as its mode: a planner mode's name, "no teacher", or ``mode`` itself."""
+    if isinstance(mode, Mode):
+        return mode.value
+    return "no teacher" if mode is None else mode
+
+
 def _memory_row(name, mode, kind, terms, measured, baseline, on_cpu) -> dict:
+    """One row: ``terms`` (by :class:`~megatron_kd.planner.memory.Term`) against the measured
+    peak."""
     predicted = sum(terms.values())
     row = {
         "name": name,
-        "mode": mode,
+        "mode": _mode_label(mode),
         "kind": kind,
         "predicted_bytes": predicted,
         "measured_bytes": measured,
@@ -836,8 +570,13 @@ def format_rows(rows: list[dict], with_terms: bool = False) -> str:
         )
         if with_terms:
             for term, value in r["terms"].items():
-                out.append(f"    {term:<40}{value / gib:>10.3f} GiB")
+                out.append(f"    {term.label:<40}{value / gib:>10.3f} GiB")
     return "\n".join(out)
+
+
+def rows_to_json(rows: list[dict]) -> list[dict]:
+    """The rows as JSON-ready data: terms by their labels."""
+    return [dict(r, terms={t.label: v for t, v in r["terms"].items()}) for r in rows]
 
 
 def builtin_cases(teacher_dir: str, cache_dir: str, endpoint_dir: str) -> list[Case]:
@@ -936,7 +675,7 @@ def main(argv: list[str] | None = None) -> int:
         offline = [c for c in cases if "--kd-topk-cache" in c.train_args]
         if args.cache_dir is None and offline:
             # One cache for every offline case: they read the same samples (data, length, seed,
-            # train_iters x global batch); plan_run checks each run against it.
+            # train_iters x global batch); check_run checks each run against it.
             make_topk_cache(cache, teacher, offline[0].train_args, offline[0].nproc, BUILTIN_TOPK)
     elif args.cases:
         with open(args.cases, encoding="utf-8") as f:
@@ -987,7 +726,7 @@ def main(argv: list[str] | None = None) -> int:
             baseline = measure_baseline()
         rows.extend(compare(case, baseline, args.wire_bytes_key, args.wire_bytes_scope))
     if args.json:
-        print(json.dumps(rows, indent=2))
+        print(json.dumps(rows_to_json(rows), indent=2))
     else:
         print(format_rows(rows, with_terms=args.terms))
     return 0 if all(r["memory_ok"] and r.get("wire_ok", True) for r in rows) else 1

@@ -62,7 +62,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
@@ -70,27 +70,22 @@ import torch
 from megatron.core import parallel_state as ps
 
 from megatron_kd.integration.args import KDArgs, add_kd_args
-from megatron_kd.integration.groups import shared_random_id
 from megatron_kd.integration.loss_func import make_kd_loss_func
 from megatron_kd.integration.megatron_lm_teacher import (
     lookahead,
     megatron_lm_args,
     microbatches_per_step,
-    start_client,
+    start_source,
+    teacher_inputs,
     write_teacher_scalars,
 )
-from megatron_kd.integration.megatron_lm_teacher import teacher_hidden as microbatch_teacher
 from megatron_kd.integration.output_layer import (
     bypass_output_layer,
     output_layer_weight,
     unwrap_model,
 )
-from megatron_kd.integration.teacher import (
-    build_frozen_teacher,
-    check_teacher,
-    load_output_layer_shard,
-    unpipelined_groups,
-)
+from megatron_kd.integration.teacher import check_teacher
+from megatron_kd.integration.teacher_sources import NoTeacher, TeacherSource, build_teacher_source
 
 __all__ = [
     "MEGATRON_LM_MAIN_COMMIT",
@@ -161,28 +156,28 @@ def check_megatron_args(args: argparse.Namespace):
         raise ValueError("--kd-mode offline is not supported in Megatron-LM's pretrain_gpt.py "
                          "yet (its data iterator does not give sample indices to read the cache "
                          "by); run `megatron-kd train --kd-mode offline` with the same flags")
-    if getattr(args, "sequence_parallel", False):
+    if args.sequence_parallel:
         raise ValueError("--sequence-parallel is not supported with --kd-* yet: the student's "
                          "final hidden states would stay sharded along the sequence; drop it")
-    cp = getattr(args, "context_parallel_size", 1) or 1
+    cp = args.context_parallel_size or 1
     if cp > 1:
         raise ValueError(f"--context-parallel-size {cp} is not supported with --kd-* yet "
                          f"(the teacher would see a sequence shard); use 1")
-    if getattr(args, "init_model_with_meta_device", False):
+    if args.init_model_with_meta_device:
         raise ValueError("--init-model-with-meta-device is not supported with --kd-*: the "
                          "teacher must be built with real weights to load its checkpoint")
-    if getattr(args, "mtp_num_layers", None):
+    if args.mtp_num_layers:
         raise ValueError(f"--mtp-num-layers {args.mtp_num_layers} is not supported with --kd-*")
     if not kd.teacher_load:
         return kd, None
 
     # the teacher runs over the student's TP group
     teacher_dir, arch = check_teacher(
-        kd.teacher_load, seq_length=getattr(args, "seq_length", None) or 1,
-        tp_sizes=(getattr(args, "tensor_model_parallel_size", 1) or 1,),
+        kd.teacher_load, seq_length=args.seq_length or 1,
+        tp_sizes=(args.tensor_model_parallel_size or 1,),
         teacher_args=kd.teacher_args)
     kd = dataclasses.replace(kd, teacher_load=teacher_dir)
-    padded = getattr(args, "padded_vocab_size", None)
+    padded = args.padded_vocab_size
     if padded is not None and padded != arch.padded_vocab_size:
         raise ValueError(
             f"the student's padded vocabulary {padded} (Megatron-LM: tokenizer vocabulary padded "
@@ -211,21 +206,17 @@ class KDState:
     tp_group: Any
     """The tensor-parallel group the vocabulary is sharded over."""
 
-    teacher: Any = None
-    """The frozen teacher ``GPTModel`` (output layer bypassed); None without a teacher."""
-
-    teacher_weight: torch.Tensor | None = None
-    """``[local_vocab_size, h_t]`` the teacher's output-layer shard."""
+    source: TeacherSource = field(default_factory=NoTeacher)
+    """The run's teacher (:mod:`megatron_kd.integration.teacher_sources`)."""
 
     teacher_arch: Any = None
     """The teacher's architecture (None without a teacher)."""
 
-    run: int = 0
-    """Disaggregated: this run's id (the same on every rank)."""
+    started: bool = False
+    """Whether the source was started (at the first training microbatch)."""
 
-    client: Any = None
-    """Disaggregated: the :class:`~megatron_kd.teacher.client.TeacherClient` (made on the first
-    training microbatch)."""
+    stats_time: float = 0.0
+    """When the source's statistics were last taken (``time.perf_counter``)."""
 
     lookahead: Any = None
     """The training data iterator, read ahead (see :class:`Lookahead`)."""
@@ -233,19 +224,21 @@ class KDState:
     microbatches: int = 0
     """Training microbatches seen on this chunk."""
 
+    @property
+    def teacher(self):
+        """The frozen teacher model this rank holds (colocated), else None."""
+        return self.source.model
 
-# A teacher built at the first model_provider call of this process (virtual stage 0), waiting
-# for the call that builds the chunk holding the output layer (the last virtual stage).
-_pending_teacher: dict[str, Any] = {}
+    @property
+    def client(self):
+        """The teacher client (disaggregated, once started), else None."""
+        return self.source.client
 
 
-def _build_teacher(kd: KDArgs, arch, pg_collection, keep: bool):
-    """Build and load the whole (un-pipelined) teacher over the student's TP group (collective
-    over the world: every rank loads); returns it when ``keep``, else drops it."""
-    pgc, _ = unpipelined_groups(pg_collection)
-    # Replicated on every rank of a TP group's pipeline: several ranks read the same shard.
-    return build_frozen_teacher(arch, kd.teacher_load, dtype=kd.teacher_torch_dtype,
-                                pg_collection=pgc, replicated=True, keep=keep)
+# The teacher source built at the first model_provider call of this process (virtual stage 0)
+# of a last-stage rank, waiting for the call that builds the chunk holding the output layer
+# (the last virtual stage).
+_pending_teacher: dict[str, TeacherSource] = {}
 
 
 def _on_last_pipeline_stage(pg_collection) -> bool:
@@ -279,7 +272,7 @@ def model_provider(base_model_provider: Callable, pre_process: bool = True,
         # Before the student: building a student chunk may be collective too (tied embeddings
         # all-reduce between the first and last stage), and with virtual stages the ranks reach
         # those collectives at different calls; the teacher's load must not sit between them.
-        _prepare_teacher(kd, teacher_arch, pg_collection)
+        _prepare_teacher(args, kd, teacher_arch, pg_collection)
     model = base_model_provider(pre_process=pre_process, post_process=post_process, **kwargs)
     if post_process:
         _attach_kd_state(model, args, kd, teacher_arch, pg_collection)
@@ -295,7 +288,7 @@ def pre_wrap_hook(chunks: list) -> list:
     args = megatron_lm_args()
     kd, teacher_arch = check_megatron_args(args)
     pg_collection = getattr(unwrap_model(chunks[0]), "pg_collection", None)
-    _prepare_teacher(kd, teacher_arch, pg_collection)
+    _prepare_teacher(args, kd, teacher_arch, pg_collection)
     for chunk in chunks:
         if getattr(unwrap_model(chunk), "post_process", False):
             _attach_kd_state(unwrap_model(chunk), args, kd, teacher_arch, pg_collection)
@@ -310,43 +303,34 @@ def add_kd_hooks(model_config):
     return model_config
 
 
-def _prepare_teacher(kd: KDArgs, teacher_arch, pg_collection) -> None:
-    """Colocated: build and load the teacher (kept on the last pipeline stage only);
-    disaggregated: load its output-layer shard and agree on a run id. Collective."""
-    if teacher_arch is None:
-        return
-    if kd.mode == "disaggregated":  # only its output layer (collective) and a run id
-        _pending_teacher["weight"] = load_output_layer_shard(
-            kd.teacher_load, teacher_arch, kd.teacher_torch_dtype,
-            _tp_group(pg_collection).size())
-        _pending_teacher["run"] = shared_random_id()
-    else:
-        teacher = _build_teacher(kd, teacher_arch, pg_collection,
-                                 keep=_on_last_pipeline_stage(pg_collection))
-        if teacher is not None:
-            _pending_teacher["teacher"] = teacher
+def _prepare_teacher(args, kd: KDArgs, teacher_arch, pg_collection) -> None:
+    """The run's teacher source, built on every rank (collective: a colocated teacher's load,
+    a disaggregated one's output layer and run id) and kept on the last pipeline stage."""
+    last = _on_last_pipeline_stage(pg_collection)
+    source = build_teacher_source(
+        kd, teacher_arch, active=last, tp_group=_tp_group(pg_collection),
+        dp_rank=ps.get_data_parallel_rank(), dp_size=ps.get_data_parallel_world_size(),
+        micro_batch_size=args.micro_batch_size, seq_length=args.seq_length,
+        pg_collection=pg_collection, own_groups=False, max_samples=1, log=print)
+    if last:
+        _pending_teacher["source"] = source
 
 
 def _attach_kd_state(model, args, kd: KDArgs, teacher_arch, pg_collection) -> None:
     """The output layer of ``model`` (the chunk that has it) bypassed, its KD state attached."""
     bypass_output_layer(model)
-    teacher = _pending_teacher.pop("teacher", None)
-    weight = _pending_teacher.pop("weight", None)
-    if teacher is not None:
-        weight = output_layer_weight(teacher)
-    if teacher_arch is not None and weight is None:
+    source = _pending_teacher.pop("source", None)
+    if teacher_arch is not None and source is None:
         raise RuntimeError("the chunk with the output layer was built before the teacher "
                            "(expected virtual stage 0 first)")
-    vocab_size = teacher_arch.vocab_size if teacher_arch is not None else \
-        getattr(args, "vocab_size", None)
+    vocab_size = teacher_arch.vocab_size if teacher_arch is not None else args.vocab_size
     # Megatron-LM's --gradient-accumulation-fusion (on by default on a GPU): the output-layer
     # weight gradient goes into its DDP's main_grad, as Megatron's own output layer does.
-    fusion = bool(getattr(args, "gradient_accumulation_fusion", False))
     model.kd_state = KDState(
-        kd=kd, config=kd.loss_config(vocab_size=vocab_size, gradient_accumulation_fusion=fusion),
-        tp_group=_tp_group(pg_collection),
-        teacher=teacher, teacher_weight=weight, teacher_arch=teacher_arch,
-        run=_pending_teacher.pop("run", 0))
+        kd=kd, config=kd.loss_config(vocab_size=vocab_size,
+                                     gradient_accumulation_fusion=args.gradient_accumulation_fusion),
+        tp_group=_tp_group(pg_collection), source=source or NoTeacher(),
+        teacher_arch=teacher_arch)
 
 
 def kd_state(model) -> KDState | None:
@@ -409,22 +393,24 @@ def forward_step(base_forward_step: Callable, data_iterator, model, *args: Any, 
     look = None
     if data_iterator is not None:
         data_iterator = look = lookahead(state, data_iterator, training)
-    if training and state.kd.mode == "disaggregated" and state.client is None:
-        start_client(state)
+    if training and not state.started:
+        start_source(state)
+        state.started = True
     recorder = _RecordingModel(model, state)
     output, _ = base_forward_step(data_iterator, recorder, *args, **kwargs)
     if not recorder.called:
         raise RuntimeError("the wrapped forward step returned without calling the model")
-    teacher_hidden = microbatch_teacher(state, recorder, training, look)
+    teacher = teacher_inputs(state, recorder, training, look)
     if training:
         state.microbatches += 1
-        if state.client is not None and state.microbatches % microbatches_per_step() == 0:
+        if state.microbatches % microbatches_per_step() == 0:
             write_teacher_scalars(state)
     return output, partial(
         loss_func, recorder.loss_mask, labels=recorder.labels,
-        student_weight=output_layer_weight(model), teacher_hidden=teacher_hidden,
-        teacher_weight=state.teacher_weight if teacher_hidden is not None else None,
-        config=state.config if teacher_hidden is not None or training else
+        student_weight=output_layer_weight(model), teacher_hidden=teacher.hidden,
+        teacher_weight=teacher.weight, teacher_topk_ids=teacher.topk_ids,
+        teacher_topk_logprobs=teacher.topk_logprobs,
+        config=state.config if teacher.present or training else
         dataclasses.replace(state.config, kd_weight=0.0, ce_weight=1.0),
         tp_group=state.tp_group, report_teacher_lm_loss=not training)
 
@@ -432,7 +418,9 @@ def forward_step(base_forward_step: Callable, data_iterator, model, *args: Any, 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor, *, labels: torch.Tensor,
               student_weight: torch.Tensor, teacher_hidden: torch.Tensor | None,
               teacher_weight: torch.Tensor | None, config, tp_group=None,
-              report_teacher_lm_loss: bool = False, loss_fn: Callable | None = None):
+              report_teacher_lm_loss: bool = False, loss_fn: Callable | None = None,
+              teacher_topk_ids: torch.Tensor | None = None,
+              teacher_topk_logprobs: torch.Tensor | None = None):
     """Megatron-LM's ``loss_func(loss_mask, output_tensor)`` on the fused KD loss.
 
     Args:
@@ -442,6 +430,7 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor, *, labels: t
         student_weight: ``[local_vocab_size, h_s]`` the student's output-layer shard.
         teacher_hidden: ``[s, b, h_t]`` the teacher's final hidden states (None: no teacher).
         teacher_weight: ``[local_vocab_size, h_t]`` the teacher's output-layer shard.
+        teacher_topk_ids / teacher_topk_logprobs: ``[s, b, K]`` a sparse teacher instead.
         config: the :class:`~megatron_kd.loss.KDLossConfig`.
         tp_group: the tensor-parallel group of the vocabulary shards.
         report_teacher_lm_loss: also report the teacher's cross-entropy (evaluation).
@@ -455,7 +444,9 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor, *, labels: t
     """
     kw = {} if loss_fn is None else {"loss_fn": loss_fn}
     inner = make_kd_loss_func(student_weight=student_weight, teacher_hidden=teacher_hidden,
-                              teacher_weight=teacher_weight, labels=labels, loss_mask=loss_mask,
+                              teacher_weight=teacher_weight, teacher_topk_ids=teacher_topk_ids,
+                              teacher_topk_logprobs=teacher_topk_logprobs, labels=labels,
+                              loss_mask=loss_mask,
                               config=config, tp_group=tp_group,
                               report_teacher_lm_loss=report_teacher_lm_loss, **kw)
     loss_sum, num_tokens, report = inner(output_tensor)

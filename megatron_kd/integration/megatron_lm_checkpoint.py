@@ -100,8 +100,9 @@ def parse_megatron_lm_flags(value: str) -> argparse.Namespace:
     if unknown:
         raise ValueError(f"--kd-teacher-args: flags not known as teacher architecture: "
                          f"{unknown} (give the teacher's model flags only)")
+    given = vars(args)
     for name in ("num_layers", "hidden_size", "num_attention_heads"):
-        if getattr(args, name) is None:
+        if given[name] is None:
             raise ValueError(f"--kd-teacher-args needs --{name.replace('_', '-')}")
     h = args.hidden_size
     if args.ffn_hidden_size is None:
@@ -115,14 +116,14 @@ def parse_megatron_lm_flags(value: str) -> argparse.Namespace:
     return args
 
 
-def _refuse_unsupported(args: Any) -> None:
-    found = [f"{name}={getattr(args, name)!r}" for name, off in _UNSUPPORTED.items()
-             if getattr(args, name, off) not in (off, False, None)]
-    if getattr(args, "rotary_percent", 1.0) != 1.0:
-        found.append(f"rotary_percent={args.rotary_percent}")
-    if str(getattr(args, "moe_layer_freq", 1)) != "1":
-        found.append(f"moe_layer_freq={args.moe_layer_freq!r}")
-    if getattr(args, "add_qkv_bias", False) and not getattr(args, "add_bias_linear", True):
+def _refuse_unsupported(saved: dict) -> None:
+    found = [f"{name}={saved[name]!r}" for name, off in _UNSUPPORTED.items()
+             if saved.get(name, off) not in (off, False, None)]
+    if saved.get("rotary_percent", 1.0) != 1.0:
+        found.append(f"rotary_percent={saved['rotary_percent']}")
+    if str(saved.get("moe_layer_freq", 1)) != "1":
+        found.append(f"moe_layer_freq={saved['moe_layer_freq']!r}")
+    if saved.get("add_qkv_bias", False) and not saved.get("add_bias_linear", True):
         found.append("add_qkv_bias without add_bias_linear")
     if found:
         raise ValueError(f"teacher architecture not supported: {', '.join(found)}")
@@ -133,31 +134,34 @@ def arch_from_megatron_lm_args(args: Any, *, embedding_rows: int,
     """:class:`GPTArchConfig` of Megatron-LM arguments (parsed flags or the saved ``args``).
 
     ``embedding_rows``: the checkpoint's embedding rows (its padded vocabulary). The true
-    vocabulary is ``vocab_size``, else the arguments' ``--vocab-size``, else every row.
+    vocabulary is ``vocab_size``, else the arguments' ``--vocab-size``, else every row. Saved
+    arguments are data from whichever Megatron-LM release wrote the checkpoint: a field that
+    release did not have reads as Megatron-LM's default for it.
     """
-    _refuse_unsupported(args)
-    vocab = vocab_size or getattr(args, "vocab_size", None) or embedding_rows
+    saved = vars(args)
+    _refuse_unsupported(saved)
+    vocab = vocab_size or saved.get("vocab_size") or embedding_rows
     heads = args.num_attention_heads
-    groups = args.num_query_groups if getattr(args, "group_query_attention", False) else heads
+    groups = args.num_query_groups if saved.get("group_query_attention", False) else heads
     kv = args.kv_channels
+    experts = saved.get("num_experts")
     return GPTArchConfig(
         num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=heads,
         num_query_groups=groups, ffn_hidden_size=args.ffn_hidden_size,
         kv_channels=None if kv is None or kv * heads == args.hidden_size else kv,
         vocab_size=int(vocab), padded_vocab_size=int(embedding_rows),
-        max_position_embeddings=args.max_position_embeddings or getattr(args, "seq_length", 0),
+        max_position_embeddings=args.max_position_embeddings or saved.get("seq_length", 0),
         rotary_base=float(args.rotary_base), norm_epsilon=float(args.layernorm_epsilon),
         normalization=args.normalization, swiglu=bool(args.swiglu),
         tie_embeddings=not args.untie_embeddings_and_output_weights,
         add_bias_linear=bool(args.add_bias_linear),
         position_embedding_type=args.position_embedding_type,
         init_method_std=float(args.init_method_std),
-        qk_layernorm=bool(getattr(args, "qk_layernorm", False)),
-        num_experts=getattr(args, "num_experts", None),
-        moe_ffn_hidden_size=(getattr(args, "moe_ffn_hidden_size", None)
-                             if getattr(args, "num_experts", None) else None),
-        moe_router_topk=int(getattr(args, "moe_router_topk", 2) or 2),
-        moe_router_pre_softmax=bool(getattr(args, "moe_router_pre_softmax", False)))
+        qk_layernorm=bool(saved.get("qk_layernorm", False)),
+        num_experts=experts,
+        moe_ffn_hidden_size=saved.get("moe_ffn_hidden_size") if experts else None,
+        moe_router_topk=int(saved.get("moe_router_topk", 2) or 2),
+        moe_router_pre_softmax=bool(saved.get("moe_router_pre_softmax", False)))
 
 
 def megatron_lm_teacher_dir(path: str) -> str | None:
@@ -241,7 +245,7 @@ def _load_common(directory: str) -> dict:
 def _saved_args(directory: str):
     try:
         common = _load_common(directory)
-    except Exception as e:  # noqa: BLE001 - the cause is named in the message
+    except Exception as e:
         raise ValueError(f"Megatron-LM checkpoint {directory!r}: its saved arguments cannot be "
                          f"read ({type(e).__name__}: {e}); give the teacher's flags with "
                          f"--kd-teacher-args") from e

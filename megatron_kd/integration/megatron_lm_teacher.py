@@ -1,24 +1,24 @@
 """The teacher's side of the Megatron-LM entry points (:mod:`megatron_kd.integration.megatron_lm`):
-Megatron-LM's data iterator read ahead, the tokens of a last pipeline stage that Megatron-LM
-calls without them, the colocated teacher's forward, and the disaggregated teacher's client
-and its scalars in Megatron-LM's own writers."""
+Megatron-LM's data iterator read ahead, each microbatch as the run's
+:class:`~megatron_kd.integration.teacher_sources.TeacherSource` takes it (the tokens of a last
+pipeline stage that Megatron-LM calls without them included), and the source's statistics in
+Megatron-LM's own writers.
+"""
 
 from __future__ import annotations
 
 import argparse
+import time
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state as ps
 from megatron.core.num_microbatches_calculator import get_num_microbatches
 
-from megatron_kd.integration.groups import collective_device
-from megatron_kd.integration.output_layer import to_sbh
-from megatron_kd.integration.teacher import connect_teacher
+from megatron_kd.integration.teacher_sources import Microbatch, TeacherInputs, kd_scalars
 from megatron_kd.teacher.lookahead import Lookahead
 
-__all__ = ["lookahead", "megatron_lm_args", "microbatches_per_step", "start_client",
-           "teacher_hidden", "write_teacher_scalars"]
+__all__ = ["lookahead", "megatron_lm_args", "microbatches_per_step", "start_source",
+           "teacher_inputs", "write_teacher_scalars"]
 
 
 def megatron_lm_args() -> argparse.Namespace:
@@ -57,43 +57,60 @@ def _microbatch_tokens(state, recorder, current) -> torch.Tensor:
     return buf
 
 
-def teacher_hidden(state, recorder, training: bool, look: Lookahead | None = None):
-    """``[s, b, h_t]`` teacher hidden states of this microbatch, or None (no teacher, or
-    evaluation of a disaggregated run: the student's CE only). ``look``: the data iterator the
-    forward step read this microbatch from (training or evaluation), where this rank has one."""
-    if state.kd.mode == "disaggregated":
-        if not training:
-            return None
-        n = state.microbatches
-        per_step = microbatches_per_step()
-        return state.client.hidden(n // per_step, n % per_step)
-    if state.teacher is None:
-        return None
+def _model_inputs(state, recorder, look: Lookahead | None):
+    """The teacher's call: the model's own inputs (first stage, or no PP), else the data
+    iterator's tokens (broadcast over TP) with their positions."""
     args, kwargs = recorder.inputs
-    with torch.no_grad():
-        if args and args[0] is not None:  # the model's own inputs (first stage, or no PP)
-            return to_sbh(state.teacher(*args, **kwargs))
-        current = look.current if look is not None else None
-        tokens = _microbatch_tokens(state, recorder, current)
-        position_ids = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
-        return to_sbh(state.teacher(tokens, position_ids, None))
+    if args and args[0] is not None:
+        return args, kwargs
+    current = look.current if look is not None else None
+    tokens = _microbatch_tokens(state, recorder, current)
+    position_ids = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
+    return (tokens, position_ids, None), {}
+
+
+def teacher_inputs(state, recorder, training: bool,
+                   look: Lookahead | None = None) -> TeacherInputs:
+    """The teacher's side of this microbatch from the run's source (none without a teacher, or
+    in a disaggregated or offline evaluation: the student's CE only). ``look``: the data
+    iterator the forward step read this microbatch from (training or evaluation), where this
+    rank has one."""
+    n, per_step = state.microbatches, microbatches_per_step()
+    mb = Microbatch(step=n // per_step, index=n % per_step,
+                    model_inputs=lambda: _model_inputs(state, recorder, look))
+    return state.source.inputs(mb, training=training)
+
+
+def start_source(state) -> None:
+    """Start the run's teacher source at the first training microbatch: a disaggregated
+    teacher's requests come from the look-ahead over the data iterator (TP rank 0 sends)."""
+    per_step = microbatches_per_step()
+    look = state.lookahead
+
+    def schedule():
+        for n, item in enumerate(look.ahead()):
+            yield Microbatch(step=n // per_step, index=n % per_step, tokens=item["tokens"])
+
+    state.source.start(schedule() if look is not None else iter(()))
+    state.stats_time = time.perf_counter()
 
 
 def write_teacher_scalars(state) -> None:
-    """The step's teacher traffic and waits (this rank's client) into Megatron-LM's own
-    TensorBoard and W&B writers, where this rank has them (Megatron-LM's last rank)."""
-    stats = state.client.take_step_stats()
+    """The step's teacher statistics (this rank's source: Megatron-LM writes from its last
+    rank, with that rank's values) into Megatron-LM's own TensorBoard and W&B writers, where
+    this rank has them; the same ``kd/`` scalars as ``megatron-kd train``'s."""
+    now = time.perf_counter()
+    stats = state.source.step_stats(None)
+    scalars = kd_scalars(stats.scalars, now - state.stats_time)
+    state.stats_time = now
+    if not scalars:
+        return
     try:
         # Megatron-LM's training package: present only inside a Megatron-LM run
         from megatron.training.global_vars import get_tensorboard_writer, get_wandb_writer
     except ImportError:  # only megatron-core: nobody to write to
         return
-    scalars = {"kd/wire-bytes": stats["bytes"], "kd/teacher-wait-s": stats["wait_s"],
-               "kd/ring-occupancy": stats["occupancy"],
-               "kd/live-replicas": state.client.live_replicas(),
-               "kd/failovers": len(state.client.failovers)}
-    scalars = {k: float(v) for k, v in scalars.items() if v is not None}
-    iteration = getattr(megatron_lm_args(), "curr_iteration", None)
+    iteration = getattr(megatron_lm_args(), "curr_iteration", None)  # Megatron-LM's own field
     step = (iteration if iteration is not None else
             state.microbatches // microbatches_per_step() - 1) + 1
     writer, wandb_writer = get_tensorboard_writer(), get_wandb_writer()
@@ -109,21 +126,3 @@ def microbatches_per_step() -> int:
         return get_num_microbatches()
     except (AssertionError, AttributeError, TypeError):
         return 1  # not set up (only megatron-core): the step number is then the microbatch's
-
-
-def start_client(state) -> None:
-    """Connect the teacher client (the first training microbatch): TP rank 0 sends requests
-    from the look-ahead over its data iterator."""
-    args = megatron_lm_args()
-    per_step = microbatches_per_step()
-    look = state.lookahead
-
-    def schedule():
-        for n, item in enumerate(look.ahead()):
-            yield n // per_step, n % per_step, (), item["tokens"]
-
-    state.client = connect_teacher(
-        state.kd, state.teacher_arch, run=state.run, dp_rank=ps.get_data_parallel_rank(),
-        tp_group=state.tp_group, micro_batch_size=args.micro_batch_size,
-        seq_length=args.seq_length, schedule=schedule() if look is not None else None,
-        device=collective_device(), max_samples=1, log=print)

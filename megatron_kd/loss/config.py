@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -12,6 +13,77 @@ ELEMENTWISE = ("eager", "compiled")
 
 #: Default bound on the elements of one ``[rows, local_vocab]`` fp32 window buffer (64 MiB).
 DEFAULT_WINDOW_ELEMENTS = 1 << 24
+
+
+@functools.cache
+def _cpu_vendor() -> str:
+    """This machine's CPU ``vendor_id`` from ``/proc/cpuinfo`` ("" where there is none), read
+    on the first call and kept: a fact of the machine, the same for every call of a process."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+@dataclass(frozen=True, kw_only=True)
+class CpuTuning:
+    """How the fused loss works through a window on CPU; no effect on other devices.
+
+    Speed and memory only: every choice computes the same loss up to rounding (the order of
+    sums). The measurements behind the values are in the README's loss benchmark section.
+    :meth:`for_this_machine` gives the values for the CPU it runs on; a field set by hand
+    overrides them (tests, experiments).
+    """
+
+    chunked_projection_rows: int
+    """A CPU projection of at most this many rows runs in vocabulary slabs of
+    ``projection_chunk`` rows (:meth:`~megatron_kd.loss.window.WindowWalker.logits`); larger
+    ones are one GEMM; 0: always one GEMM. It depends on the CPU, so it has no default (see
+    :meth:`for_cpu_vendor`)."""
+
+    projection_chunk: int = 1024
+    """Vocabulary rows per slab of a chunked CPU projection: a ``[chunk, rows]`` fp32 slab of a
+    110-row window is 440 KiB, inside a core's L2 cache."""
+
+    block_elements: int = 1 << 21
+    """Elements of one ``[rows, V_local]`` fp32 block of a window's elementwise work (8 MiB, 13
+    rows at V = 151,936): a block's two or three live buffers fit a 32 MiB last-level cache.
+    The projections stay window-sized (a GEMM of a few rows would re-read the whole weight
+    shard per block)."""
+
+    blocks_with_tp: bool = False
+    """Whether windows are split into blocks when the per-row statistics need all-reduces
+    (TP > 1), which then run per block: not by default, since per-block all-reduces over gloo
+    cost more than the cache saves. Without TP a CPU window always runs in blocks."""
+
+    def __post_init__(self) -> None:
+        for name, least in (("chunked_projection_rows", 0), ("projection_chunk", 1),
+                            ("block_elements", 1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
+        if not isinstance(self.blocks_with_tp, bool):
+            raise ValueError(f"blocks_with_tp must be a bool, got {self.blocks_with_tp!r}")
+
+    @classmethod
+    def for_cpu_vendor(cls, vendor: str) -> CpuTuning:
+        """The tuning for a CPU of ``vendor`` (``/proc/cpuinfo``'s ``vendor_id``). Slabs only on
+        AMD CPUs: for 110 rows at V = 151,936 they ran 1.2-1.5x the one GEMM's rate on an AMD
+        EPYC (AVX2), but 0.55-0.65x on an Intel Xeon (AVX-512, where the one GEMM runs at 80% of
+        the rate of 2048 rows). A fact of the machine, never of a timing, so every process of a
+        run projects alike (bit-identical losses on resume)."""
+        return cls(chunked_projection_rows=384 if vendor == "AuthenticAMD" else 0)
+
+    @classmethod
+    def for_this_machine(cls) -> CpuTuning:
+        """:meth:`for_cpu_vendor` of this machine's CPU (read once per process, so every call
+        of a process agrees): what :func:`~megatron_kd.loss.vocab_parallel_kd_loss` uses when
+        :attr:`KDLossConfig.cpu_tuning` is None."""
+        return cls.for_cpu_vendor(_cpu_vendor())
 
 
 @dataclass(kw_only=True)
@@ -96,6 +168,11 @@ class KDLossConfig:
     forward pass's buffer is added to ``main_grad`` in backward (scaled by the incoming
     gradient). The weight must have a ``main_grad`` attribute."""
 
+    cpu_tuning: CpuTuning | None = None
+    """How a window is worked through on CPU (speed and memory, not the maths; no effect on
+    other devices). ``None``: this machine's (:meth:`CpuTuning.for_this_machine`), resolved by
+    :func:`~megatron_kd.loss.vocab_parallel_kd_loss` once per call."""
+
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"kind must be one of {KINDS}, got {self.kind!r}")
@@ -123,6 +200,8 @@ class KDLossConfig:
             raise ValueError(f"window_size must be >= 1 or None, got {self.window_size}")
         if self.vocab_size is not None and self.vocab_size < 1:
             raise ValueError(f"vocab_size must be >= 1 or None, got {self.vocab_size}")
+        if self.cpu_tuning is not None and not isinstance(self.cpu_tuning, CpuTuning):
+            raise ValueError(f"cpu_tuning must be a CpuTuning or None, got {self.cpu_tuning!r}")
 
     def rows_per_window(self, local_vocab_size: int) -> int:
         """Rows projected at once for a shard of ``local_vocab_size`` columns."""

@@ -31,7 +31,7 @@ from megatron_kd.loss.checks import (
     world,
 )
 from megatron_kd.loss.combine import gather_sequence, reduce_hidden_grad
-from megatron_kd.loss.config import KDLossConfig
+from megatron_kd.loss.config import CpuTuning, KDLossConfig
 from megatron_kd.loss.kinds import KindMath, Stats, kind_for
 from megatron_kd.loss.window import Shard, WindowWalker, active_rows
 
@@ -48,8 +48,8 @@ class _FusedKDLoss(torch.autograd.Function):
 
     * forward: with ``sequence_parallel`` an all-gather of the student (and a dense teacher's)
       hidden states; per block of rows (a block is the whole window unless CPU blocks run with
-      TP, ``window.CPU_BLOCKS_WITH_TP``) one MAX and one SUM all-reduce of ``[k, rows]`` per-row
-      values (:class:`~megatron_kd.loss.combine.ShardMax`,
+      TP, :attr:`CpuTuning.blocks_with_tp`) one MAX and one SUM all-reduce of ``[k, rows]``
+      per-row values (:class:`~megatron_kd.loss.combine.ShardMax`,
       :class:`~megatron_kd.loss.combine.ShardSum`; JSD: one more SUM); with precomputed
       gradients and a gradient for ``student_hidden``, one all-reduce (reduce-scatter with
       ``sequence_parallel``) of the ``[tokens, h_s]`` hidden gradient, which sums the
@@ -74,15 +74,15 @@ class _FusedKDLoss(torch.autograd.Function):
                 teacher_hidden: torch.Tensor | None, teacher_weight: torch.Tensor | None,
                 topk_ids: torch.Tensor | None, topk_logprobs: torch.Tensor | None,
                 labels: torch.Tensor | None, loss_mask: torch.Tensor,
-                config: KDLossConfig, shard: Shard, active: torch.Tensor,
+                config: KDLossConfig, shard: Shard, tuning: CpuTuning, active: torch.Tensor,
                 tracker: FiniteTracker | None, terms_out: dict | None) -> torch.Tensor:
         cdt = compute_dtype(student_hidden)
         h_s = student_hidden.shape[-1]
         lead = loss_mask.shape
         sp = config.sequence_parallel and shard.tp_world_size > 1
         walker = _walker(student_hidden, student_weight, teacher_hidden, teacher_weight,
-                         topk_ids, topk_logprobs, labels, loss_mask, active, config, shard, sp,
-                         cdt)
+                         topk_ids, topk_logprobs, labels, loss_mask, active, config, shard,
+                         tuning, sp, cdt)
         maths = kind_for(config, shard, topk_ids is not None, teacher_hidden is not None,
                          labels is not None, compiled.DENSE_KINDS
                          if config.elementwise == "compiled" else kinds.DENSE_KINDS)
@@ -103,7 +103,7 @@ class _FusedKDLoss(torch.autograd.Function):
             terms_out["kd_sum"] = kd_total.detach()
             terms_out["ce_sum"] = ce_total.detach()
 
-        ctx.shard, ctx.sp, ctx.fuse_wgrad = shard, sp, fuse_wgrad
+        ctx.shard, ctx.tuning, ctx.sp, ctx.fuse_wgrad = shard, tuning, sp, fuse_wgrad
         ctx.hidden_shape = student_hidden.shape
         ctx.hidden_dtype = student_hidden.dtype
         ctx.weight_dtype = student_weight.dtype
@@ -155,6 +155,7 @@ class _FusedKDLoss(torch.autograd.Function):
             None,  # loss_mask
             None,  # config
             None,  # shard
+            None,  # tuning
             None,  # active
             None,  # tracker
             None,  # terms_out
@@ -180,7 +181,7 @@ def _main_grad_placeholder(weight: torch.Tensor) -> torch.Tensor | None:
 
 def _walker(student_hidden, student_weight, teacher_hidden, teacher_weight, topk_ids,
             topk_logprobs, labels, loss_mask, active, config: KDLossConfig, shard: Shard,
-            sp: bool, cdt: torch.dtype) -> WindowWalker:
+            tuning: CpuTuning, sp: bool, cdt: torch.dtype) -> WindowWalker:
     """The window walk over the full sequence (all-gathered first under sequence parallelism)."""
     group, size = shard.tp_group, shard.tp_world_size
     x_s = gather_sequence(student_hidden, group, size) if sp else student_hidden
@@ -188,7 +189,7 @@ def _walker(student_hidden, student_weight, teacher_hidden, teacher_weight, topk
     if teacher_hidden is not None and sp:
         x_t = gather_sequence(teacher_hidden, group, size)
     return WindowWalker(x_s, student_weight, x_t, teacher_weight, topk_ids, topk_logprobs,
-                        labels, loss_mask, active, config, shard, cdt)
+                        labels, loss_mask, active, config, shard, cdt, tuning)
 
 
 def _forward_windows(walker: WindowWalker, maths: KindMath, precompute: bool,
@@ -229,7 +230,8 @@ def _recompute_backward(ctx, grad_loss: torch.Tensor
     shard, maths, cdt, sp = ctx.shard, ctx.maths, ctx.cdt, ctx.sp
     h_s = student_hidden.shape[-1]
     walker = _walker(student_hidden, student_weight, teacher_hidden, teacher_weight, topk_ids,
-                     topk_logprobs, labels, loss_mask, active, ctx.config, shard, sp, cdt)
+                     topk_logprobs, labels, loss_mask, active, ctx.config, shard, ctx.tuning,
+                     sp, cdt)
     scale = grad_loss.to(cdt)
     grad_x = (walker.x_s.new_zeros(loss_mask.numel(), h_s, dtype=cdt)
               if ctx.needs_input_grad[0] else None)
@@ -310,6 +312,8 @@ def vocab_parallel_kd_loss(
     fails hands the message on, and every rank raises after the exchange.
     """
     config = config or KDLossConfig()
+    # Resolved once per call: the walk of forward and a recomputing backward reads this one.
+    tuning = CpuTuning.for_this_machine() if config.cpu_tuning is None else config.cpu_tuning
     tp_rank, tp_world_size = world(tp_group)
     sp = config.sequence_parallel and tp_world_size > 1
     local_error = check_local(student_hidden, student_weight, teacher_hidden, teacher_weight,
@@ -330,7 +334,7 @@ def vocab_parallel_kd_loss(
                if config.check_finite else None)
     loss = _FusedKDLoss.apply(student_hidden, student_weight, teacher_hidden, teacher_weight,
                               teacher_topk_ids, teacher_topk_logprobs, labels, loss_mask, config,
-                              shard, active_rows(loss_mask), tracker, terms_out)
+                              shard, tuning, active_rows(loss_mask), tracker, terms_out)
     if tracker is not None:
         tracker.raise_if_bad(config)  # the one host read of the call, after the Function
     num_tokens = loss_mask.sum().to(loss.dtype)

@@ -3,11 +3,12 @@
 Rows (tokens) are projected in *windows* of at most ``window_size`` rows (a hard bound on the
 rows in flight). On CPU without tensor parallelism a window's elementwise work (the per-row
 statistics and the logit gradient) runs in blocks of rows small enough for the last-level cache
-(``CPU_BLOCK_ELEMENTS`` per ``[rows, V_local]`` buffer), while the projections stay window-sized
-(a GEMM of a few rows would re-read the whole weight shard per block). The dozen elementwise
-passes then read the cache instead of memory. The per-row all-reduces run per block, so with
-TP > 1 (and on other devices) a block is the whole window: on gloo the extra synchronisations
-cost more than the cache saves.
+(:attr:`~megatron_kd.loss.config.CpuTuning.block_elements` per ``[rows, V_local]`` buffer),
+while the projections stay window-sized (a GEMM of a few rows would re-read the whole weight
+shard per block). The dozen elementwise passes then read the cache instead of memory. The
+per-row all-reduces run per block, so with TP > 1 (and on other devices) a block is the whole
+window: on gloo the extra synchronisations cost more than the cache saves. The walk takes the
+CPU choices as a resolved :class:`~megatron_kd.loss.config.CpuTuning`; it reads no global.
 
 Nothing window- or block-sized is allocated per window: the logits (:meth:`WindowWalker.logits`)
 and the kinds' temporaries go into named buffers (:class:`Scratch`) reused for the whole call. A fresh allocation of that size costs a
@@ -23,46 +24,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megatron_kd.loss.config import KDLossConfig
+from megatron_kd.loss.config import CpuTuning, KDLossConfig
 from megatron_kd.parallel.vocab import VocabShard
 
-__all__ = ["CPU_BLOCK_ELEMENTS", "CPU_BLOCKS_WITH_TP", "CPU_CHUNKED_PROJECTION_ROWS",
-           "CPU_PROJECTION_CHUNK", "Ids", "Shard", "Window", "WindowWalker",
-           "Scratch", "active_rows", "make_window"]
-
-#: Elements of one ``[rows, V_local]`` fp32 block on CPU (8 MiB, 13 rows at V = 151,936): a
-#: block's two or three live buffers fit a 32 MiB last-level cache (the measurements behind the
-#: size are in the README's loss benchmark section).
-CPU_BLOCK_ELEMENTS = 1 << 21
-
-#: Whether CPU blocks are used when the per-row statistics need all-reduces (TP > 1): not, since
-#: per-block all-reduces over gloo cost more than the cache saves (README, loss benchmark).
-CPU_BLOCKS_WITH_TP = False
-
-
-def _cpu_vendor() -> str:
-    """The CPU's ``vendor_id`` from ``/proc/cpuinfo`` ("" where there is none)."""
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
-            for line in f:
-                if line.startswith("vendor_id"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
-
-
-#: On CPU a projection of at most this many rows runs in vocabulary slabs
-#: (:meth:`WindowWalker._chunked_projection`); larger ones are one GEMM. Slabs only on AMD
-#: CPUs: for 110 rows at V = 151,936 they ran 1.2-1.5x the one GEMM's rate on an AMD EPYC
-#: (AVX2), but 0.55-0.65x on an Intel Xeon (AVX-512, where the one GEMM runs at 80% of the
-#: rate of 2048 rows); README, loss benchmark. A fact of the machine, never of a timing, so
-#: every process of a run projects alike (bit-identical losses on resume).
-CPU_CHUNKED_PROJECTION_ROWS = 384 if _cpu_vendor() == "AuthenticAMD" else 0
-
-#: Vocabulary rows per slab of a chunked CPU projection: a ``[chunk, rows]`` fp32 slab of a
-#: 110-row window is 440 KiB, inside a core's L2 cache.
-CPU_PROJECTION_CHUNK = 1024
+__all__ = ["Ids", "Shard", "Window", "WindowWalker", "Scratch", "active_rows", "make_window"]
 
 # Rows of a window or block: a slice when every token is active, else the active row indices.
 Rows = slice | torch.Tensor
@@ -244,14 +209,15 @@ class WindowWalker:
     forward pass and the recomputing backward walk the same windows in the same order.
 
     ``x_s`` / ``x_t`` are the full-sequence hidden states (already all-gathered under sequence
-    parallelism, see :func:`megatron_kd.loss.combine.gather_sequence`).
+    parallelism, see :func:`megatron_kd.loss.combine.gather_sequence`); ``tuning`` says how a
+    window is worked through on CPU.
     """
 
     def __init__(self, x_s: torch.Tensor, student_weight: torch.Tensor, x_t: torch.Tensor | None,
                  teacher_weight: torch.Tensor | None, topk_ids: torch.Tensor | None,
                  topk_logprobs: torch.Tensor | None, labels: torch.Tensor | None,
                  loss_mask: torch.Tensor, active: torch.Tensor, config: KDLossConfig,
-                 shard: Shard, cdt: torch.dtype):
+                 shard: Shard, cdt: torch.dtype, tuning: CpuTuning):
         n_rows = loss_mask.numel()
         self.x_s = x_s.reshape(n_rows, x_s.shape[-1])
         self.x_t = None if x_t is None else x_t.reshape(n_rows, x_t.shape[-1])
@@ -264,10 +230,10 @@ class WindowWalker:
         self.labels = None if labels is None else labels.reshape(n_rows)
         self.ids = None if topk_ids is None else topk_ids.reshape(n_rows, -1)
         self.lp = None if topk_logprobs is None else topk_logprobs.reshape(n_rows, -1)
-        self.config, self.shard, self.cdt = config, shard, cdt
+        self.config, self.shard, self.cdt, self.tuning = config, shard, cdt, tuning
         self.rows_per_window = config.rows_per_window(shard.local_vocab_size)
-        if self.x_s.device.type == "cpu" and (shard.tp_world_size == 1 or CPU_BLOCKS_WITH_TP):
-            self.rows_per_block = max(1, CPU_BLOCK_ELEMENTS // max(1, shard.local_valid))
+        if self.x_s.device.type == "cpu" and (shard.tp_world_size == 1 or tuning.blocks_with_tp):
+            self.rows_per_block = max(1, tuning.block_elements // max(1, shard.local_valid))
         else:
             self.rows_per_block = self.rows_per_window
 
@@ -281,18 +247,18 @@ class WindowWalker:
         if x.dtype != self.cdt or w_valid.dtype != self.cdt:
             return (x @ w_valid.t()).to(self.cdt)
         out = self.scratch.take(name, x, (x.shape[0], w_valid.shape[0]))
-        if (x.device.type != "cpu" or x.shape[0] > CPU_CHUNKED_PROJECTION_ROWS
+        if (x.device.type != "cpu" or x.shape[0] > self.tuning.chunked_projection_rows
                 or w_valid.shape[0] == 0):  # a shard of padding only has no slab
             return torch.mm(x, w_valid.t(), out=out)
         return self._chunked_projection(x, w_valid, out)
 
     def _chunked_projection(self, x: torch.Tensor, w_valid: torch.Tensor,
                             out: torch.Tensor) -> torch.Tensor:
-        """``out = x @ w_valid.T`` as ``CPU_PROJECTION_CHUNK``-row slabs of the weight, each
+        """``out = x @ w_valid.T`` as ``tuning.projection_chunk``-row slabs of the weight, each
         ``w_slab @ x.T`` into one cache-sized ``[chunk, rows]`` buffer, then copied transposed
         into ``out``'s columns: for a few rows against a wide shard this runs 1.2-1.6x the one
         GEMM's rate on CPU (the one GEMM's ``[rows, V]`` output streams through memory)."""
-        chunk = min(CPU_PROJECTION_CHUNK, w_valid.shape[0])
+        chunk = min(self.tuning.projection_chunk, w_valid.shape[0])
         slab_out = self.scratch.take("projection_slab", x, (chunk, x.shape[0]))
         xt = x.t()
         for c0 in range(0, w_valid.shape[0], chunk):

@@ -9,39 +9,62 @@ Examples::
 
 Precedence: an option given on this command line wins over the same setting read from
 ``--from-args``, which wins over the defaults. A parallel size left out (or ``search``) is searched.
+
+``--from-args``: a Megatron-LM launch's own arguments, read into planner inputs
+(:func:`parse_launch_args`).
+
+Only what changes memory, time or traffic is read; every other flag is listed back as ignored (so
+nothing is dropped silently). Megatron's own defaults apply to what the launch leaves out, because
+that is what the launch would run with: untied embeddings only with
+``--untie-embeddings-and-output-weights``, SwiGLU only with ``--swiglu``, hidden dropout 0.1 unless
+``--hidden-dropout`` says otherwise, ``--expert-tensor-parallel-size`` defaulting to the
+tensor-parallel size, ``--num-query-groups`` equal to the head count without
+``--group-query-attention``.
+
+Launch settings the planner does not model are refused with a ``ValueError`` (context parallelism,
+interleaved pipelines, recompute other than ``uniform`` x 1 layer or ``selective``), never
+approximated.
+
+The module is one piece: the launch reader fills the command's own options (keyed by their
+``dest``), so the two are read together.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
 
-from megatron_kd.planner.launch_args import parse_launch_args
-from megatron_kd.planner.memory import ActivationOptions, Precision
-from megatron_kd.planner.plan import GIB, MODES, PlanOptions, plan_all
+from megatron_kd.planner.memory import (
+    GIB,
+    RECOMPUTE_CHOICES,
+    ActivationOptions,
+    ParallelLayout,
+    Precision,
+)
+from megatron_kd.planner.models import ModelConfig
+from megatron_kd.planner.plan import Mode, ModePlan, PlanOptions, PlanResult
 from megatron_kd.planner.presets import GPU_PRESETS, LINK_PRESETS, get_gpu, get_link, load_model
+from megatron_kd.planner.search import plan_all
+from megatron_kd.planner.traffic import WIRE_ELEMENT_BYTES
 
-_DEFAULTS = {
-    "gpu": "h100-80g",
-    "gpus_per_node": 8,
-    "nodes": 1,
-    "seq_length": 4096,
-    "micro_batch_size": 1,
-    "global_batch_size": 128,
-    "window_size": None,
-    "prefetch_depth": 2,
-    "topk": 64,
-    "cache_entry_bytes": 6,
-    "wire_dtype": "bf16",
-    "inter_node_link": "ib-400g",
-    "mfu": 0.40,
-    "teacher_mfu": 0.40,
-    "link_efficiency": 0.8,
-    "reserve_gib": 4.0,
-    "etp": 1,
-}
+#: The GPU and the link between nodes when none is given (the other defaults are
+#: :class:`PlanOptions`').
+DEFAULT_GPU = "h100-80g"
+DEFAULT_LINK = "ib-400g"
+#: :class:`PlanOptions` fields taken as given (from the command line or ``--from-args``), else
+#: left to their defaults.
+_AS_GIVEN = ("gpus_per_node", "nodes", "seq_length", "micro_batch_size", "global_batch_size",
+             "sequence_parallel", "use_distributed_optimizer", "window_size", "prefetch_depth",
+             "topk", "cache_entry_bytes", "wire_dtype", "teacher_replicas", "mfu", "teacher_mfu",
+             "link_efficiency")
+
+
+def _default(name: str):
+    """:class:`PlanOptions`' default of ``name``: where every default of a plan is written."""
+    return PlanOptions.__dataclass_fields__[name].default
 
 
 def _size(text: str) -> int | str:
@@ -66,27 +89,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--teacher", help="preset name, a Hugging Face config.json or a megatron_kd checkpoint dir"
     )
     g.add_argument("--student", help="the same kinds as --teacher (or the model of --from-args)")
-    g.add_argument("--gpu", choices=sorted(GPU_PRESETS), help=f"default {_DEFAULTS['gpu']}")
-    g.add_argument("--gpus-per-node", type=int, help="default 8")
-    g.add_argument(
-        "--nodes", type=int, help="student nodes, default 1 (teacher nodes are computed)"
-    )
-    g.add_argument(
-        "--inter-node-link",
-        choices=["nvlink", *sorted(LINK_PRESETS)],
-        help="per-GPU link between nodes (default ib-400g)",
-    )
+    g.add_argument("--gpu", choices=sorted(GPU_PRESETS), help=f"default {DEFAULT_GPU}")
+    g.add_argument("--gpus-per-node", type=int, help=f"default {_default('gpus_per_node')}")
+    g.add_argument("--nodes", type=int, help=f"student nodes, default {_default('nodes')} "
+                   f"(teacher nodes are computed)")
+    g.add_argument("--inter-node-link", choices=["nvlink", *sorted(LINK_PRESETS)],
+                   help=f"per-GPU link between nodes (default {DEFAULT_LINK})")
     g = parser.add_argument_group("batch")
-    g.add_argument("--seq-length", type=int, help="default 4096")
-    g.add_argument("--micro-batch-size", type=int, help="default 1")
-    g.add_argument("--global-batch-size", type=int, help="default 128")
+    for flag in ("seq-length", "micro-batch-size", "global-batch-size"):
+        g.add_argument(f"--{flag}", type=int, help=f"default {_default(flag.replace('-', '_'))}")
     g = parser.add_argument_group("student parallelism (N or 'search')")
     g.add_argument("--tensor-model-parallel-size", dest="tp", type=_size)
     g.add_argument("--pipeline-model-parallel-size", dest="pp", type=_size)
     g.add_argument("--expert-model-parallel-size", dest="ep", type=_size)
     g.add_argument("--expert-tensor-parallel-size", dest="etp", type=int)
     g.add_argument(
-        "--recompute-granularity", dest="recompute", choices=["none", "selective", "full", "search"]
+        "--recompute-granularity", dest="recompute", choices=[*RECOMPUTE_CHOICES, "search"]
     )
     sp = g.add_mutually_exclusive_group()
     sp.add_argument(
@@ -102,14 +120,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--kd-teacher-expert-model-parallel-size", dest="teacher_ep", type=_size)
     _add_distillation_arguments(parser)
     g = parser.add_argument_group("assumptions")
-    g.add_argument("--mfu", type=float, help="student training MFU (default 0.40)")
-    g.add_argument("--teacher-mfu", type=float, help="teacher forward MFU (default 0.40)")
-    g.add_argument("--link-efficiency", type=float, help="achieved / line rate (default 0.8)")
-    g.add_argument(
-        "--reserve-gib",
-        type=float,
-        help="per-GPU reserve: context, NCCL, fragmentation (default 4)",
-    )
+    g.add_argument("--mfu", type=float,
+                   help=f"student training MFU (default {_default('mfu'):.2f})")
+    g.add_argument("--teacher-mfu", type=float,
+                   help=f"teacher forward MFU (default {_default('teacher_mfu'):.2f})")
+    g.add_argument("--link-efficiency", type=float,
+                   help=f"achieved / line rate (default {_default('link_efficiency'):g})")
+    g.add_argument("--reserve-gib", type=float, help=f"per-GPU reserve: context, NCCL, "
+                   f"fragmentation (default {_default('reserve_bytes') / GIB:g})")
     g = parser.add_argument_group("output")
     g.add_argument("--from-args", help="a Megatron-LM launch's own arguments, quoted as one string")
     g.add_argument("--json", action="store_true", help="print JSON instead of tables")
@@ -123,36 +141,28 @@ def _add_distillation_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         help="fused-loss rows per window (default: the loss's 64 MiB fp32 window)",
     )
-    g.add_argument(
-        "--kd-prefetch-depth", dest="prefetch_depth", type=int, help="ring slots D (default 2)"
-    )
-    g.add_argument(
-        "--kd-topk", dest="topk", type=int, help="offline cache entries per token (default 64)"
-    )
-    g.add_argument(
-        "--kd-cache-entry-bytes",
-        dest="cache_entry_bytes",
-        type=int,
-        help="bytes per cached entry on storage (default 6: int32 id + bf16 value)",
-    )
+    g.add_argument("--kd-prefetch-depth", dest="prefetch_depth", type=int,
+                   help=f"ring slots D (default {_default('prefetch_depth')})")
+    g.add_argument("--kd-topk", dest="topk", type=int,
+                   help=f"offline cache entries per token (default {_default('topk')})")
+    g.add_argument("--kd-cache-entry-bytes", dest="cache_entry_bytes", type=int,
+                   help=f"bytes per cached entry on storage (default "
+                   f"{_default('cache_entry_bytes')}: int32 id + bf16 value)")
     g.add_argument(
         "--kd-teacher-replicas",
         dest="teacher_replicas",
         type=int,
         help="disaggregated: plan with this many teacher replicas (default: as many as needed)",
     )
-    g.add_argument(
-        "--kd-wire-dtype",
-        dest="wire_dtype",
-        choices=["fp32", "bf16", "fp8"],
-        help="hidden states on the disaggregated wire (default bf16)",
-    )
-    g.add_argument("--modes", help=f"comma-separated subset of {','.join(MODES)}")
+    g.add_argument("--kd-wire-dtype", dest="wire_dtype", choices=list(WIRE_ELEMENT_BYTES),
+                   help=f"hidden states on the disaggregated wire (default "
+                   f"{_default('wire_dtype')})")
+    g.add_argument("--modes", help=f"comma-separated subset of {','.join(m.value for m in Mode)}")
 
 
 def build_options(args: argparse.Namespace) -> tuple[PlanOptions, list[str]]:
     """:class:`PlanOptions` from parsed options (and ``--from-args``); also the ignored launch
-    flags."""
+    flags. What neither gives is left to :class:`PlanOptions`' defaults."""
     values: dict = {}
     student = None
     ignored: list[str] = []
@@ -168,8 +178,6 @@ def build_options(args: argparse.Namespace) -> tuple[PlanOptions, list[str]]:
     for key, value in vars(args).items():
         if value is not None and key not in ("from_args", "json", "modes"):
             values[key] = value
-    for key, value in _DEFAULTS.items():
-        values.setdefault(key, value)
     if student is None:
         if not values.get("student"):
             raise ValueError(
@@ -179,87 +187,76 @@ def build_options(args: argparse.Namespace) -> tuple[PlanOptions, list[str]]:
     if not values.get("teacher"):
         raise ValueError("no teacher: pass --teacher NAME|config.json")
     teacher = load_model(values["teacher"])
-    gpu = get_gpu(values["gpu"])
+    gpu = get_gpu(values.get("gpu", DEFAULT_GPU))
 
     def size(key: str) -> int | None:
         value = values.get(key)
         return None if value in (None, "search") else value
 
+    given = {key: values[key] for key in _AS_GIVEN if values.get(key) is not None}
+    if "reserve_gib" in values:
+        given["reserve_bytes"] = int(values["reserve_gib"] * GIB)
+    if student.is_moe and "etp" in values:
+        given["etp"] = values["etp"]
+    if "grad_bytes" in values:
+        given["precision"] = Precision(grad_bytes=values["grad_bytes"])
+    if "hidden_dropout" in values:
+        given["activation"] = ActivationOptions(hidden_dropout=bool(values["hidden_dropout"]))
     recompute = values.get("recompute")
     opts = PlanOptions(
         student=student,
         teacher=teacher,
         gpu=gpu,
-        inter_node_link=get_link(values["inter_node_link"], gpu),
-        gpus_per_node=values["gpus_per_node"],
-        nodes=values["nodes"],
-        seq_length=values["seq_length"],
-        micro_batch_size=values["micro_batch_size"],
-        global_batch_size=values["global_batch_size"],
+        inter_node_link=get_link(values.get("inter_node_link", DEFAULT_LINK), gpu),
         tp=size("tp"),
         pp=size("pp"),
         ep=size("ep") if student.is_moe else None,
-        etp=values["etp"] if student.is_moe else 1,
         recompute=None if recompute in (None, "search") else recompute,
-        sequence_parallel=values.get("sequence_parallel"),
-        use_distributed_optimizer=bool(values.get("use_distributed_optimizer", False)),
         teacher_tp=size("teacher_tp"),
         teacher_pp=size("teacher_pp"),
         teacher_ep=size("teacher_ep") if teacher.is_moe else None,
-        window_size=values.get("window_size"),
-        prefetch_depth=values["prefetch_depth"],
-        topk=values["topk"],
-        cache_entry_bytes=values["cache_entry_bytes"],
-        wire_dtype=values["wire_dtype"],
-        teacher_replicas=values.get("teacher_replicas"),
-        mfu=values["mfu"],
-        teacher_mfu=values["teacher_mfu"],
-        link_efficiency=values["link_efficiency"],
-        reserve_bytes=int(values["reserve_gib"] * GIB),
-        precision=Precision(grad_bytes=values.get("grad_bytes", 4)),
-        activation=ActivationOptions(hidden_dropout=bool(values.get("hidden_dropout", False))),
+        **given,
     )
     return opts, ignored
 
 
-def _parse_modes(text: str | None) -> tuple[str, ...]:
+def _parse_modes(text: str | None) -> tuple[Mode, ...]:
+    names = tuple(m.value for m in Mode)
     if not text:
-        return MODES
+        return tuple(Mode)
     modes = [m.strip() for m in text.split(",") if m.strip()]
-    bad = [m for m in modes if m not in MODES]
+    bad = [m for m in modes if m not in names]
     if bad or not modes:
-        raise ValueError(f"--modes: unknown {bad or text!r}; choose from {MODES}")
-    return tuple(m for m in MODES if m in modes)
+        raise ValueError(f"--modes: unknown {bad or text!r}; choose from {names}")
+    return tuple(m for m in Mode if m.value in modes)
 
 
-def _layout_line(layout: dict | None, prefix: str) -> str:
-    if not layout:
-        return f"{prefix}: none on the student GPUs"
+def _layout_line(layout: ParallelLayout, prefix: str) -> str:
     return (
-        f"{prefix}: tp={layout['tp']} pp={layout['pp']} dp={layout['dp']} ep={layout['ep']} "
-        f"sp={'on' if layout['sequence_parallel'] else 'off'} recompute={layout['recompute']} "
-        f"dist-opt={'on' if layout['use_distributed_optimizer'] else 'off'}"
+        f"{prefix}: tp={layout.tp} pp={layout.pp} dp={layout.dp} ep={layout.ep} "
+        f"sp={'on' if layout.sequence_parallel else 'off'} recompute={layout.recompute} "
+        f"dist-opt={'on' if layout.use_distributed_optimizer else 'off'}"
     )
 
 
-def format_plan(plan, opts: PlanOptions) -> str:
+def format_plan(plan: ModePlan, opts: PlanOptions) -> str:
     """One mode's table."""
-    lines = [f"== {plan.mode}: {plan.verdict}"]
+    lines = [f"== {plan.mode.value}: {plan.verdict}"]
     lines.append(
         "   " + _layout_line(plan.layout, "student") + f" (worst pipeline stage {plan.worst_stage})"
     )
     tl = plan.teacher_layout
-    if plan.mode.startswith("colocated") and tl:
-        lines.append(f"   teacher (colocated, same tp/pp): ep={tl['ep']}")
-    elif plan.mode == "disaggregated" and tl:
+    if plan.mode.colocated and tl:
+        lines.append(f"   teacher (colocated, same tp/pp): ep={tl.ep}")
+    elif plan.mode is Mode.DISAGGREGATED and tl:
         lines.append(
-            f"   teacher replica: tp={tl['tp']} pp={tl['pp']} dp={tl['dp']} ep={tl['ep']} "
-            f"({tl['tp'] * tl['pp'] * tl['dp']} GPUs) x {plan.teacher_replicas} replica(s) = "
+            f"   teacher replica: tp={tl.tp} pp={tl.pp} dp={tl.dp} ep={tl.ep} "
+            f"({tl.tp * tl.pp * tl.dp} GPUs) x {plan.teacher_replicas} replica(s) = "
             f"{plan.teacher_gpus} GPUs on {plan.teacher_nodes} node(s)"
         )
     lines.append(f"   {'per-GPU memory term':<40}{'GiB':>9}")
-    for name, value in plan.terms.items():
-        lines.append(f"   {name:<40}{value / GIB:>9.2f}")
+    for term, value in plan.terms.items():
+        lines.append(f"   {term.label:<40}{value / GIB:>9.2f}")
     status = "fits" if plan.fits else "OOM"
     lines.append(
         f"   {'total':<40}{plan.total_bytes / GIB:>9.2f}  of {plan.capacity_bytes / GIB:.1f} "
@@ -267,19 +264,19 @@ def format_plan(plan, opts: PlanOptions) -> str:
     )
     if plan.teacher_terms:
         total = sum(plan.teacher_terms.values())
-        parts = ", ".join(f"{k} {v / GIB:.2f}" for k, v in plan.teacher_terms.items())
+        parts = ", ".join(f"{t.label} {v / GIB:.2f}" for t, v in plan.teacher_terms.items())
         lines.append(f"   teacher GPU: {total / GIB:.2f} GiB ({parts})")
     lines.append(
         f"   step {plan.step_time_s:.2f} s at MFU {opts.mfu:.2f}: "
         f"{plan.student_tokens_per_s:,.0f} student tokens/s on {plan.student_gpus} GPUs; "
         f"teacher nodes needed: {plan.teacher_nodes}"
     )
-    for name, value in plan.wire.items():
+    for figure, value in plan.wire.items():
         text = (
             f"{value:,.0f}" if float(value).is_integer() or abs(value) >= 1000 else f"{value:.3g}"
         )
-        lines.append(f"   {name:<48}{text:>18}")
-    if plan.mode == "disaggregated":
+        lines.append(f"   {figure.label:<48}{text:>18}")
+    if plan.mode is Mode.DISAGGREGATED:
         lines.append(
             f"   wire: {'keeps up' if plan.wire_ok else 'TOO SLOW: the student would stall'} "
             f"({opts.inter_node_link.name} x {opts.link_efficiency})"
@@ -289,7 +286,7 @@ def format_plan(plan, opts: PlanOptions) -> str:
     return "\n".join(lines)
 
 
-def format_report(result: dict, opts: PlanOptions, ignored: list[str]) -> str:
+def format_report(result: PlanResult, opts: PlanOptions, ignored: list[str]) -> str:
     window = opts.window_size or "default (64 MiB fp32)"
     head = (
         f"plan: teacher {opts.teacher.name} ({opts.teacher.total_params() / 1e9:.1f}B) -> student "
@@ -301,12 +298,12 @@ def format_report(result: dict, opts: PlanOptions, ignored: list[str]) -> str:
     parts = [head]
     if ignored:
         parts.append(f"ignored launch flags: {' '.join(ignored)}")
-    parts += [format_plan(p, opts) for p in result["plans"].values()]
-    parts.append(f"recommendation: {result['recommendation']}")
+    parts += [format_plan(p, opts) for p in result.plans.values()]
+    parts.append(f"recommendation: {result.recommendation}")
     return "\n\n".join(parts)
 
 
-def to_json(result: dict, opts: PlanOptions, ignored: list[str]) -> dict:
+def to_json(result: PlanResult, opts: PlanOptions, ignored: list[str]) -> dict:
     return {
         "teacher": opts.teacher.to_dict(),
         "student": opts.student.to_dict(),
@@ -315,25 +312,10 @@ def to_json(result: dict, opts: PlanOptions, ignored: list[str]) -> dict:
         "inputs": {
             k: getattr(opts, k)
             for k in (
-                "gpus_per_node",
-                "nodes",
-                "seq_length",
-                "micro_batch_size",
-                "global_batch_size",
-                "tp",
-                "pp",
-                "ep",
-                "etp",
-                "recompute",
-                "sequence_parallel",
-                "use_distributed_optimizer",
-                "teacher_tp",
-                "teacher_pp",
-                "teacher_ep",
-                "window_size",
-                "prefetch_depth",
-                "topk",
-                "cache_entry_bytes",
+                "gpus_per_node", "nodes", "seq_length", "micro_batch_size",
+                "global_batch_size", "tp", "pp", "ep", "etp", "recompute", "sequence_parallel",
+                "use_distributed_optimizer", "teacher_tp", "teacher_pp", "teacher_ep",
+                "window_size", "prefetch_depth", "topk", "cache_entry_bytes",
             )
         },
         "assumptions": {
@@ -345,8 +327,8 @@ def to_json(result: dict, opts: PlanOptions, ignored: list[str]) -> dict:
             "activation": asdict(opts.activation),
         },
         "ignored_launch_flags": ignored,
-        "plans": {m: p.to_dict() for m, p in result["plans"].items()},
-        "recommendation": result["recommendation"],
+        "plans": {m.value: p.to_dict() for m, p in result.plans.items()},
+        "recommendation": result.recommendation,
     }
 
 
@@ -362,3 +344,188 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(format_report(result, opts, ignored))
     return 0
+
+
+# --- --from-args: a Megatron-LM launch line -----------------------------------------------
+
+_MODEL_FLAGS = ("num_layers", "hidden_size", "num_attention_heads")
+
+#: Launch flags (argparse ``dest``) read into planner inputs of another name.
+_RENAMED = {
+    "tensor_model_parallel_size": "tp",
+    "pipeline_model_parallel_size": "pp",
+    "expert_model_parallel_size": "ep",
+    "expert_tensor_parallel_size": "etp",
+    "kd_teacher_tensor_model_parallel_size": "teacher_tp",
+    "kd_teacher_pipeline_model_parallel_size": "teacher_pp",
+    "kd_teacher_expert_model_parallel_size": "teacher_ep",
+    "kd_window_size": "window_size",
+    "kd_prefetch_depth": "prefetch_depth",
+    "kd_topk": "topk",
+    "kd_wire_dtype": "wire_dtype",
+}
+
+
+@dataclass(kw_only=True)
+class LaunchArgs:
+    """What a Megatron launch line says, as far as the planner is concerned."""
+
+    student: ModelConfig | None = None
+    """The model the launch builds, when its shape flags are present (``--num-layers`` ...)."""
+
+    values: dict = field(default_factory=dict)
+    """Planner inputs read from the launch, keyed like the ``megatron-kd plan`` options'
+    ``dest``."""
+
+    ignored: list[str] = field(default_factory=list)
+    """Flags present in the launch that the planner does not use."""
+
+
+def _parser() -> argparse.ArgumentParser:
+    """The launch flags the planner reads (the others end up in ``LaunchArgs.ignored``)."""
+    p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    for name in (
+        "num-layers", "hidden-size", "ffn-hidden-size", "num-attention-heads", "num-query-groups",
+        "kv-channels", "vocab-size", "num-experts", "moe-router-topk", "moe-ffn-hidden-size",
+        "moe-shared-expert-intermediate-size", "seq-length", "micro-batch-size",
+        "global-batch-size", "tensor-model-parallel-size", "pipeline-model-parallel-size",
+        "expert-model-parallel-size", "expert-tensor-parallel-size", "context-parallel-size",
+        "num-layers-per-virtual-pipeline-stage", "virtual-pipeline-model-parallel-size",
+        "recompute-num-layers", "make-vocab-size-divisible-by",
+        "kd-teacher-tensor-model-parallel-size", "kd-teacher-pipeline-model-parallel-size",
+        "kd-teacher-expert-model-parallel-size", "kd-window-size", "kd-prefetch-depth", "kd-topk",
+    ):
+        p.add_argument(f"--{name}", type=int, default=None)
+    for name in ("hidden-dropout", "attention-dropout"):
+        p.add_argument(f"--{name}", type=float, default=None)
+    p.add_argument("--kd-wire-dtype", choices=list(WIRE_ELEMENT_BYTES), default=None)
+    for name in ("recompute-granularity", "recompute-method", "kd-teacher-load"):
+        p.add_argument(f"--{name}", default=None)
+    for name in (
+        "group-query-attention", "swiglu", "untie-embeddings-and-output-weights", "qk-layernorm",
+        "sequence-parallel", "use-distributed-optimizer", "grad-reduce-in-bf16", "bf16", "fp16",
+    ):
+        p.add_argument(f"--{name}", action="store_true", default=False)
+    return p
+
+
+def parse_launch_args(text: str) -> LaunchArgs:
+    """Parse a Megatron launch's argument string (shell quoting allowed).
+
+    Raises ``ValueError`` for settings the planner does not model and for an incomplete model.
+    """
+    tokens = shlex.split(text)
+    try:
+        ns, rest = _parser().parse_known_args(tokens)
+    except SystemExit as exc:  # argparse's way of saying a value was malformed
+        raise ValueError(f"--from-args: cannot parse {text!r}") from exc
+    out = LaunchArgs(ignored=[tok for tok in rest if tok.startswith("--")])
+    _refuse_unmodelled(ns)
+    out.values.update(_planner_values(ns))
+    out.values["recompute"] = _recompute(ns)
+    out.student = _student_model(ns)
+    return out
+
+
+def _refuse_unmodelled(ns: argparse.Namespace) -> None:
+    """Raise ``ValueError`` for launch settings the planner does not model."""
+    if ns.context_parallel_size not in (None, 1):
+        raise ValueError(
+            f"--context-parallel-size={ns.context_parallel_size}: context parallelism is "
+            f"not modelled by the planner"
+        )
+    if ns.num_layers_per_virtual_pipeline_stage or ns.virtual_pipeline_model_parallel_size not in (
+        None,
+        1,
+    ):
+        raise ValueError(
+            "interleaved pipeline schedules (virtual pipeline stages) are not modelled"
+        )
+    if ns.fp16 and ns.bf16:
+        raise ValueError("--fp16 and --bf16 both given")
+
+
+def _planner_values(ns: argparse.Namespace) -> dict:
+    """The planner inputs the launch sets, with Megatron's defaults for what it leaves out."""
+    v = {}
+    for key in (
+        "seq_length",
+        "micro_batch_size",
+        "global_batch_size",
+        "make_vocab_size_divisible_by",
+    ):
+        if getattr(ns, key) is not None:
+            v[key] = getattr(ns, key)
+    for src, dst in _RENAMED.items():
+        if getattr(ns, src) is not None:
+            v[dst] = getattr(ns, src)
+    # Megatron defaults for what the launch leaves out
+    v.setdefault("tp", 1)
+    v.setdefault("pp", 1)
+    if "etp" not in v:
+        # Megatron: expert_tensor_parallel_size defaults to tensor_model_parallel_size
+        v["etp"] = v["tp"]
+    v["sequence_parallel"] = ns.sequence_parallel
+    v["use_distributed_optimizer"] = ns.use_distributed_optimizer
+    if ns.grad_reduce_in_bf16:
+        v["grad_bytes"] = 2
+    hidden_dropout = 0.1 if ns.hidden_dropout is None else ns.hidden_dropout
+    v["hidden_dropout"] = hidden_dropout > 0
+    if ns.kd_teacher_load is not None:
+        # a megatron_kd checkpoint directory (or a preset / config)
+        v["teacher"] = ns.kd_teacher_load
+    return v
+
+
+def _recompute(ns: argparse.Namespace) -> str:
+    """The planner's recompute setting for the launch's; ``ValueError`` for one not modelled."""
+    if ns.recompute_granularity is None:
+        return "none"
+    if ns.recompute_granularity == "selective":
+        return "selective"
+    if ns.recompute_granularity == "full":
+        method = ns.recompute_method or "uniform"
+        layers = ns.recompute_num_layers if ns.recompute_num_layers is not None else 1
+        if method != "uniform" or layers != 1:
+            raise ValueError(
+                f"--recompute-method={method} --recompute-num-layers={layers}: only full "
+                f"recompute with method uniform and 1 layer is modelled"
+            )
+        return "full"
+    raise ValueError(
+        f"--recompute-granularity={ns.recompute_granularity!r}: expected full or selective"
+    )
+
+
+def _student_model(ns: argparse.Namespace) -> ModelConfig | None:
+    """The model the launch builds, or None without shape flags; ``ValueError`` when incomplete."""
+    given = [k for k in _MODEL_FLAGS if getattr(ns, k) is not None]
+    if not given:
+        return None
+    missing = [k for k in _MODEL_FLAGS + ("vocab_size",) if getattr(ns, k) is None]
+    if missing:
+        flags = ", ".join("--" + m.replace("_", "-") for m in missing)
+        raise ValueError(f"--from-args describes a model but lacks {flags}")
+    heads = ns.num_attention_heads
+    groups = ns.num_query_groups if ns.group_query_attention and ns.num_query_groups else heads
+    dense_ffn = 0 if ns.num_experts else (ns.ffn_hidden_size or 4 * ns.hidden_size)
+    return ModelConfig(
+        name="from-args",
+        num_layers=ns.num_layers,
+        hidden_size=ns.hidden_size,
+        num_attention_heads=heads,
+        num_query_groups=groups,
+        head_dim=ns.kv_channels or ns.hidden_size // heads,
+        ffn_hidden_size=dense_ffn,
+        vocab_size=ns.vocab_size,
+        tie_embeddings=not ns.untie_embeddings_and_output_weights,
+        gated_linear_unit=ns.swiglu,
+        qk_layernorm=ns.qk_layernorm,
+        num_experts=ns.num_experts or 0,
+        moe_router_topk=(ns.moe_router_topk or 2) if ns.num_experts else 0,
+        moe_ffn_hidden_size=(ns.moe_ffn_hidden_size or ns.ffn_hidden_size or 4 * ns.hidden_size)
+        if ns.num_experts
+        else 0,
+        moe_shared_expert_ffn_hidden_size=ns.moe_shared_expert_intermediate_size or 0,
+        source="Megatron launch arguments",
+    )

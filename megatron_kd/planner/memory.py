@@ -1,7 +1,78 @@
-"""Per-GPU memory, term by term (pure Python, no torch): the terms distillation adds to a model's
-own memory, described and computed here, and the model's own state and activations, re-exported
-from :mod:`.model_memory` (its docstring states the notation both use; ``_s`` and ``_t`` mark the
-student's and the teacher's sizes). Every memory term is importable from here.
+"""Per-GPU memory, term by term (pure Python, no torch): how a model is split over GPUs, its
+weights, gradients and optimizer state, the activations its layers save (a trained student's, a
+frozen teacher's forward), and what distillation adds on top (the loss, the cache reader, the
+prefetch ring, the teacher's output layer). :class:`Term` names each term a plan reports.
+
+The module is one piece: every term a plan adds up is counted here, in one notation and with its
+source, so that each term can be read against the others; split in two, the notation and the
+assumptions they share would be written twice.
+
+Notation: ``s`` sequence length, ``b`` micro-batch size, ``n = s*b`` tokens of a micro-batch,
+``h`` hidden size, ``a`` query heads, ``g`` key/value heads, ``d`` head dim, ``f`` MLP width,
+``V`` vocabulary padded as Megatron pads it (a multiple of ``make_vocab_size_divisible_by * tp``),
+``t`` tensor-parallel size, ``p`` pipeline-parallel size, ``dp`` data-parallel size, ``e`` expert-
+parallel size, ``et`` expert-tensor-parallel size, ``m`` micro-batches per step; ``_s`` and ``_t``
+mark the student's and the teacher's sizes.
+
+Model state (Megatron mixed precision; source: Megatron-LM ``theoretical_memory_usage.py`` and the
+distributed-optimizer docs, "6 + 12/d bytes per parameter")
+---------------------------------------------------------------------------------------------------
+* weights: 2 bytes per parameter held by the rank (bf16).
+* gradients: 4 bytes per parameter: Megatron's DDP accumulates and reduces ``main_grad`` in fp32
+  (``accumulate_allreduce_grads_in_fp32``, the default for bf16); 2 with ``grad_reduce_in_bf16``.
+* optimizer: Adam with fp32 master weights, first and second moments = 12 bytes per parameter,
+  divided by the data-parallel size with the distributed optimizer (dense parameters over ``dp``,
+  expert parameters over the expert-data-parallel size ``t*dp/(e*et)``).
+* the parameters a rank holds: each layer's mixer and MLP / shared expert divided by ``t``, norms
+  and router replicated, ``E/e`` experts each divided by ``et``; the input embedding ``V*h/t`` on
+  the first stage; the output layer ``V*h/t`` and the final norm on the last stage (a tied output
+  layer still has its own copy on the last stage when ``p > 1``, as in Megatron).
+* a frozen teacher holds weights only (no gradients, no optimizer state).
+
+Activations (source: Korthikanti et al., "Reducing Activation Recomputation in Large Transformer
+Models", MLSys 2023, section 4; adapted below)
+---------------------------------------------------------------------------------------------------
+The paper's per-layer count for GPT (MHA, GeLU MLP with ``f = 4h``, dropout) is
+``s*b*h*(34 + 5*a*s/h)`` bytes, or ``s*b*h/t*(34 + 5*a*s/h)`` with tensor and sequence parallelism.
+The planner recounts the same saved tensors for the architectures of the presets, bytes per token
+(all activations in 16 bit, masks 1 byte, softmax statistics fp32). Terms marked R are replicated
+across the tensor-parallel group unless sequence parallelism shards them (then divided by ``t``);
+terms marked S are always divided by ``t``:
+
+* attention: norm input ``2h`` (R), QKV-linear input ``2h`` (R); Q ``2ad``, K and V ``2gd`` each,
+  core-attention output = output-projection input ``2ad``, flash-attention log-sum-exp ``4a`` (S);
+  QK-norm inputs ``2(a+g)d`` (S); the Qwen3.5 output gate ``4ad`` (S: its sigmoid and the ungated
+  output); without flash attention the ``a*s`` softmax terms of the paper: ``2as`` (S), ``5as`` with
+  attention dropout; with hidden dropout a ``h`` mask (R).
+* Gated DeltaNet (approximation: the tensors a chunked delta-rule layer saves, with its per-chunk
+  states recomputed in backward as the public kernels do): norm input ``2h``, input-projection input
+  ``2h`` (R); projection output ``2(2kd + 2vd + 2nv)``, convolution output ``2(2kd + vd)``, kernel
+  output ``2vd``, gated-norm output ``2vd`` (S).
+* dense MLP: norm input ``2h``, first-linear input ``2h`` (R); SwiGLU ``2*2f`` (both halves) +
+  ``2f`` (the second-linear input) = ``6f`` (S); GeLU ``4f``; hidden dropout mask ``h`` (R). For the
+  paper's GPT (``f = 4h``, dropout, no flash, MHA, ``d = h/a``) these terms add to exactly ``34h +
+  5as``.
+* MoE MLP (Megatron all-to-all dispatcher; perfectly balanced routing, no dropped tokens): norm
+  input ``2h`` and router input ``2h`` (R), router logits and probabilities in fp32 ``8E`` (R), then
+  for each of the ``k`` routed copies of a token, on the ``et/t`` share of tokens a rank computes:
+  expert input ``2h`` and output ``2h`` (kept for the routing-weight gradient), first-linear output
+  ``4f_e/et`` and second-linear input ``2f_e/et``; a shared expert adds ``6f_s`` (S). Megatron
+  requires sequence parallelism for MoE with ``t > 1``.
+* selective recompute (Megatron ``--recompute-granularity selective``, core attention): drops the
+  ``a*s`` softmax terms and the log-sum-exp.
+* full recompute (``--recompute-granularity full --recompute-method uniform --recompute-num-layers
+  1``): each layer keeps only its input ``2h`` (R); the backward re-materialises one layer at a
+  time, so one layer's full activations are added once per stage.
+* unfused kernels (Megatron's local layer spec without Transformer Engine or Apex, e.g. on CPU;
+  source: what PyTorch autograd saves for the decomposed ops): each norm also keeps its normalised
+  output ``+2h`` (R), SwiGLU keeps ``silu(a)`` ``+2f`` (S), and unfused attention keeps one
+  persistent ``[b, a/t, s, s]`` score buffer per rank (Megatron's global memory buffer).
+* fp32 activations (CPU runs without ``--bf16``): every count above times ``activation_bytes / 2``.
+
+Pipeline (same paper, section 4.2.3): with 1F1B, stage ``i`` (0-based) holds the activations of
+``min(p - i, m)`` micro-batches; the first stage holds ``p`` of them (``p * L/p = L`` layers'
+worth). Interleaved schedules are not modelled (rejected, not approximated). Layers are assigned to
+stages contiguously, the first ``L mod p`` stages taking one extra layer.
 
 The loss (one micro-batch at a time, on the last stage)
 ---------------------------------------------------------
@@ -35,56 +106,462 @@ The loss (one micro-batch at a time, on the last stage)
   its final hidden states ``2*n*h_t`` (fused) or its logits (counted in the dense loss).
 
 A fixed reserve (CUDA context, NCCL buffers, allocator fragmentation) is added to every plan; the
-default is stated where it is set (``options.PlanOptions.reserve_bytes``).
+default is stated where it is set (``plan.PlanOptions.reserve_bytes``).
 """
 
 from __future__ import annotations
 
-from megatron_kd.planner.model_memory import (
-    RECOMPUTE_CHOICES,
-    ActivationOptions,
-    ParallelLayout,
-    Precision,
-    attention_score_buffer_bytes,
-    in_flight_microbatches,
-    layer_activation_bytes,
-    model_state_bytes,
-    rank_params,
-    stage_activation_bytes,
-    stage_layers,
-    teacher_forward_working_bytes,
-    validate_layout,
-)
+from dataclasses import dataclass
+from enum import Enum
+from functools import lru_cache
+
 from megatron_kd.planner.models import ModelConfig
 
-__all__ = [
-    "DECODED_TOPK_ENTRY_BYTES",
-    "DEFAULT_WINDOW_ELEMENTS",
-    "RECOMPUTE_CHOICES",
-    "ActivationOptions",
-    "ParallelLayout",
-    "Precision",
-    "attention_score_buffer_bytes",
-    "cache_reader_bytes",
-    "default_window_rows",
-    "dense_loss_bytes",
-    "fused_loss_bytes",
-    "in_flight_microbatches",
-    "layer_activation_bytes",
-    "model_state_bytes",
-    "output_layer_activation_bytes",
-    "rank_params",
-    "ring_bytes",
-    "stage_activation_bytes",
-    "stage_layers",
-    "teacher_forward_working_bytes",
-    "teacher_output_layer_bytes",
-    "validate_layout",
-    "window_rows",
-]
+#: Bytes in a GiB: the unit of the reports.
+GIB = 1 << 30
+
+
+class Term(Enum):
+    """One memory term of a student or teacher GPU. A plan's terms are keyed by these; the value
+    is the term's label, used only when a plan is printed (tables, JSON)."""
+
+    STUDENT_WEIGHTS = "student weights"
+    STUDENT_GRADS = "student grads (main_grad)"
+    OPTIMIZER = "optimizer (Adam)"
+    ACTIVATIONS = "activations"
+    TEACHER_WEIGHTS = "teacher weights"
+    TEACHER_FORWARD = "teacher forward (no grad)"
+    DENSE_LOGITS = "loss: dense logits"
+    LOSS_WINDOW = "loss: window buffers"
+    LOSS_GRADIENTS = "loss: fp32 grad accumulators"
+    LOSS_GATHERED = "loss: gathered hidden (SP)"
+    LOSS_ROW_STATISTICS = "loss: row statistics"
+    TEACHER_FINAL_HIDDEN = "teacher final hidden"
+    CACHE_READER = "cache reader"
+    TEACHER_OUTPUT_SHARD = "teacher output-layer shard"
+    RING_SLOTS = "ring slots (D x 1/t seq)"
+    GATHERED_HIDDEN = "gathered hidden [s,b,h_t]"
+    REPLICA_WEIGHTS = "teacher weights (no output layer)"
+    REPLICA_OUTPUT_LAYER = "teacher output layer (loaded, not run)"
+    SEND_SLOTS = "send slots (D x 1/t seq)"
+    RESERVE = "reserve (context, NCCL, frag.)"
+
+    @property
+    def label(self) -> str:
+        """What a report prints for the term."""
+        return self.value
+
+
+#: The KD loss's own buffers: the dense loss's logits, or the fused loss's parts.
+LOSS_TERMS = frozenset({Term.DENSE_LOGITS, Term.LOSS_WINDOW, Term.LOSS_GRADIENTS,
+                        Term.LOSS_GATHERED, Term.LOSS_ROW_STATISTICS})
+
+RECOMPUTE_CHOICES = ("none", "selective", "full")
+
+
+@dataclass(kw_only=True, frozen=True)
+class ParallelLayout:
+    """How one model is split over GPUs."""
+
+    tp: int = 1
+    """Tensor-parallel size ``t``."""
+
+    pp: int = 1
+    """Pipeline-parallel size ``p``."""
+
+    dp: int = 1
+    """Data-parallel size (replicas of the model)."""
+
+    ep: int = 1
+    """Expert-parallel size ``e`` (MoE only)."""
+
+    etp: int = 1
+    """Expert-tensor-parallel size ``et`` (MoE only)."""
+
+    sequence_parallel: bool = False
+    """Megatron sequence parallelism (shards the R terms over ``t``)."""
+
+    use_distributed_optimizer: bool = False
+    """Shard the fp32 optimizer state over data-parallel ranks."""
+
+    recompute: str = "none"
+    """Activation recompute: ``none``, ``selective`` (core attention) or ``full`` (every layer)."""
+
+    make_vocab_size_divisible_by: int = 128
+    """Megatron pads the vocabulary to a multiple of this times ``t`` (``megatron-kd train``'s
+    default too: ``tests/unit/test_planner_copies.py`` compares them)."""
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "pp", "dp", "ep", "etp", "make_vocab_size_divisible_by"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"ParallelLayout.{name} must be a positive int, got {value!r}")
+        if self.recompute not in RECOMPUTE_CHOICES:
+            raise ValueError(f"recompute={self.recompute!r}; choose from {RECOMPUTE_CHOICES}")
+        if (self.tp * self.dp) % (self.ep * self.etp):
+            raise ValueError(
+                f"ep*etp={self.ep}*{self.etp} must divide tp*dp={self.tp}*{self.dp} (Megatron's "
+                f"expert grid folds expert parallelism into tensor x data parallelism)"
+            )
+
+    @property
+    def model_parallel_size(self) -> int:
+        return self.tp * self.pp
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    @property
+    def expert_data_parallel_size(self) -> int:
+        return self.tp * self.dp // (self.ep * self.etp)
+
+    def padded_vocab(self, vocab_size: int) -> int:
+        """Megatron's padded vocabulary: a multiple of ``make_vocab_size_divisible_by * tp`` (as
+        ``megatron_kd.parallel.vocab.pad_vocab_size`` pads it)."""
+        multiple = self.make_vocab_size_divisible_by * self.tp
+        return -(-vocab_size // multiple) * multiple
+
+
+@dataclass(kw_only=True, frozen=True)
+class Precision:
+    """Bytes per element of the model state (activations: :class:`ActivationOptions`)."""
+
+    param_bytes: int = 2
+    """Weights (bf16)."""
+
+    grad_bytes: int = 4
+    """Gradient buffer (fp32 ``main_grad``; 2 with ``--grad-reduce-in-bf16``)."""
+
+    optimizer_bytes: int = 12
+    """Adam: fp32 master weights + two fp32 moments (8 when the weights are fp32 themselves: no
+    master copy)."""
+
+    def __post_init__(self) -> None:
+        for name in ("param_bytes", "grad_bytes", "optimizer_bytes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"Precision.{name} must be a positive int, got {value!r}")
+
+
+def validate_layout(model: ModelConfig, layout: ParallelLayout, role: str) -> None:
+    """Raise ``ValueError`` when ``layout`` cannot hold ``model`` the way Megatron would."""
+    if layout.pp > model.num_layers:
+        raise ValueError(f"{role} {model.name}: pp={layout.pp} > num_layers={model.num_layers}")
+    if model.num_query_groups % layout.tp and layout.tp % model.num_query_groups:
+        raise ValueError(
+            f"{role} {model.name}: tp={layout.tp} and num_query_groups={model.num_query_groups} "
+            f"must divide one another"
+        )
+    if model.num_attention_heads % layout.tp:
+        raise ValueError(
+            f"{role} {model.name}: tp={layout.tp} does not divide num_attention_heads="
+            f"{model.num_attention_heads}"
+        )
+    if model.is_moe:
+        if model.num_experts % layout.ep:
+            raise ValueError(
+                f"{role} {model.name}: ep={layout.ep} does not divide num_experts="
+                f"{model.num_experts}"
+            )
+        if model.moe_ffn_hidden_size % layout.etp:
+            raise ValueError(
+                f"{role} {model.name}: etp={layout.etp} does not divide "
+                f"moe_ffn_hidden_size={model.moe_ffn_hidden_size}"
+            )
+        if layout.tp > 1 and not layout.sequence_parallel:
+            raise ValueError(
+                f"{role} {model.name}: MoE with tp={layout.tp} needs sequence_parallel "
+                f"(Megatron refuses it otherwise)"
+            )
+    elif layout.ep != 1 or layout.etp != 1:
+        raise ValueError(
+            f"{role} {model.name} is dense: ep={layout.ep}, etp={layout.etp} must be 1"
+        )
+
+
+# --- stages ------------------------------------------------------------------------------------
+
+
+def stage_layers(num_layers: int, pp: int, stage: int) -> range:
+    """Layers of stage ``stage``: contiguous, the first ``num_layers % pp`` stages take one more."""
+    if not 0 <= stage < pp:
+        raise ValueError(f"stage={stage} out of range for pp={pp}")
+    base, extra = divmod(num_layers, pp)
+    start = stage * base + min(stage, extra)
+    return range(start, start + base + (1 if stage < extra else 0))
+
+
+def in_flight_microbatches(pp: int, stage: int, num_microbatches: int) -> int:
+    """1F1B: stage ``stage`` holds the activations of ``min(pp - stage, m)`` micro-batches."""
+    return min(pp - stage, num_microbatches)
+
+
+# --- parameters per rank ---------------------------------------------------------------------
+
+
+def rank_params(model: ModelConfig, layout: ParallelLayout, stage: int) -> tuple[int, int]:
+    """Parameters one rank of ``stage`` holds: ``(dense, expert)``."""
+    t = layout.tp
+    h = model.hidden_size
+    dense = 0
+    for layer in stage_layers(model.num_layers, layout.pp, stage):
+        sharded = model.mixer_params(layer)
+        if model.is_moe:
+            sharded += model.shared_expert_params()
+            dense += model.router_params()
+        else:
+            sharded += model.mlp_params(model.ffn_hidden_size)
+        dense += sharded // t + 2 * h  # two norms, replicated
+    vocab = layout.padded_vocab(model.vocab_size)
+    if stage == 0:
+        dense += vocab * h // t
+    if stage == layout.pp - 1:
+        dense += h  # final norm
+        if not model.tie_embeddings or layout.pp > 1:
+            dense += vocab * h // t
+    expert = 0
+    if model.is_moe:
+        n_layers = len(stage_layers(model.num_layers, layout.pp, stage))
+        expert = n_layers * (model.num_experts // layout.ep) * model.expert_params() // layout.etp
+    return dense, expert
+
+
+@dataclass(kw_only=True, frozen=True)
+class ModelState:
+    """One rank's model state, bytes (a frozen model holds weights only: the others are 0)."""
+
+    weights: int
+    """Parameters in ``Precision.param_bytes``."""
+
+    grads: int = 0
+    """The gradient buffer (``main_grad``)."""
+
+    optimizer: int = 0
+    """Adam's state, sharded over data parallel with the distributed optimizer."""
+
+
+def model_state_bytes(
+    model: ModelConfig, layout: ParallelLayout, stage: int, precision: Precision, trainable: bool
+) -> ModelState:
+    """Weights, gradients and optimizer state of one rank of ``stage``."""
+    dense, expert = rank_params(model, layout, stage)
+    weights = (dense + expert) * precision.param_bytes
+    if not trainable:
+        return ModelState(weights=weights)
+    if layout.use_distributed_optimizer:
+        opt = (
+            precision.optimizer_bytes * dense / layout.dp
+            + precision.optimizer_bytes * expert / layout.expert_data_parallel_size
+        )
+    else:
+        opt = precision.optimizer_bytes * (dense + expert)
+    return ModelState(weights=weights, grads=(dense + expert) * precision.grad_bytes,
+                      optimizer=int(round(opt)))
+
+
+# --- activations -----------------------------------------------------------------------------
+
+
+@dataclass(kw_only=True, frozen=True)
+class ActivationOptions:
+    """Kernel choices that change what a layer saves."""
+
+    flash_attention: bool = True
+    """Fused attention (flash / cuDNN): no ``s x s`` tensors are saved."""
+
+    hidden_dropout: bool = False
+    """Hidden dropout on (a 1-byte mask per element); off in Llama / Qwen / gpt-oss training."""
+
+    attention_dropout: bool = False
+    """Attention-probability dropout on (only matters without flash attention)."""
+
+    fused_norm: bool = True
+    """Fused RMSNorm / LayerNorm kernels (Transformer Engine, Apex) save only their input; the
+    unfused PyTorch fallback (Megatron's local spec without TE or Apex, e.g. on CPU) also keeps the
+    normalised output: ``+2h`` (R) per norm."""
+
+    fused_swiglu: bool = True
+    """Fused SwiGLU keeps only its input; the unfused ``silu(a) * b`` also keeps ``silu(a)``:
+    ``+2f`` (S) per gated MLP."""
+
+    activation_bytes: int = 2
+    """Bytes of an activation element: 2 (bf16 / fp16); 4 for fp32 runs (CPU). The formulas count
+    16-bit activations and are scaled by ``activation_bytes / 2`` (fp32 statistics included: an
+    upper bound for fp32 runs)."""
+
+    def __post_init__(self) -> None:
+        if self.activation_bytes not in (2, 4):
+            raise ValueError(f"activation_bytes must be 2 or 4, got {self.activation_bytes}")
+
+
+def _mixer_terms(
+    model: ModelConfig, full_attention: bool, keys: int, recompute: str, opts: ActivationOptions
+) -> tuple[float, float]:
+    """(R, S) bytes per token of a token mixer (attention seeing ``keys`` keys, or Gated DeltaNet),
+    before dividing by ``t``."""
+    h = model.hidden_size
+    if not full_attention:
+        kd = model.linear_num_key_heads * model.linear_key_head_dim
+        vd = model.linear_num_value_heads * model.linear_value_head_dim
+        nv = model.linear_num_value_heads
+        r = 2 * h + 2 * h + (0 if opts.fused_norm else 2 * h)
+        s = 2 * (2 * kd + 2 * vd + 2 * nv) + 2 * (2 * kd + vd) + 2 * vd + 2 * vd
+        return r, s
+    a, g, d = model.num_attention_heads, model.num_query_groups, model.head_dim
+    r = 2 * h + 2 * h + (h if opts.hidden_dropout else 0) + (0 if opts.fused_norm else 2 * h)
+    s = 2 * a * d + 2 * g * d + 2 * g * d + 2 * a * d
+    if model.qk_layernorm:
+        s += 2 * (a + g) * d
+    if model.attention_output_gate:
+        s += 4 * a * d
+    if recompute != "selective":
+        if opts.flash_attention:
+            s += 4 * a  # fp32 log-sum-exp per head
+        else:
+            s += (5 if opts.attention_dropout else 2) * a * keys
+    return r, s
+
+
+def _mlp_terms(
+    model: ModelConfig, layout: ParallelLayout, opts: ActivationOptions
+) -> tuple[float, float]:
+    """(R, S) bytes per token of the MLP / MoE block, before dividing by ``t``."""
+    h = model.hidden_size
+    glu = (6 if opts.fused_swiglu else 8) if model.gated_linear_unit else 4
+    norm = 0 if opts.fused_norm else 2 * h
+    if not model.is_moe:
+        r = 2 * h + 2 * h + (h if opts.hidden_dropout else 0) + norm
+        return r, glu * model.ffn_hidden_size
+    e, f = model.num_experts, model.moe_ffn_hidden_size
+    r = 2 * h + 2 * h + 8 * e + norm
+    # routed copies: k per token, a rank computes et/t of the tokens (with SP) at width f/et;
+    # expressed per token before the final division by t: k * et * (4h + glu*f/et)
+    s = model.moe_router_topk * layout.etp * (4 * h + glu * f / layout.etp)
+    s += glu * model.moe_shared_expert_ffn_hidden_size
+    return r, s
+
+
+def layer_activation_bytes(
+    model: ModelConfig,
+    layout: ParallelLayout,
+    layer: int,
+    seq_length: int,
+    micro_batch_size: int,
+    opts: ActivationOptions | None = None,
+    recompute: str | None = None,
+) -> float:
+    """Bytes one rank saves for backward in layer ``layer`` for one micro-batch (16-bit
+    activations; scaled by ``opts.activation_bytes / 2`` for others, e.g. fp32 on CPU)."""
+    opts = opts or ActivationOptions()
+    recompute = layout.recompute if recompute is None else recompute
+    # layers of one kind (mixer, window) save the same: compute each kind once
+    kind = (model.is_full_attention(layer), model.attention_window(layer, seq_length))
+    return _layer_bytes_of_kind(model, layout, kind, seq_length, micro_batch_size, opts, recompute)
+
+
+@lru_cache(maxsize=4096)
+def _layer_bytes_of_kind(
+    model: ModelConfig,
+    layout: ParallelLayout,
+    kind: tuple[bool, int],
+    seq_length: int,
+    micro_batch_size: int,
+    opts: ActivationOptions,
+    recompute: str,
+) -> float:
+    n = seq_length * micro_batch_size
+    t = layout.tp
+    r_div = t if layout.sequence_parallel else 1
+    if recompute == "full":
+        return n * 2 * model.hidden_size / r_div * opts.activation_bytes / 2
+    r1, s1 = _mixer_terms(model, kind[0], kind[1], recompute, opts)
+    r2, s2 = _mlp_terms(model, layout, opts)
+    return n * ((r1 + r2) / r_div + (s1 + s2) / t) * opts.activation_bytes / 2
+
+
+def stage_activation_bytes(
+    model: ModelConfig,
+    layout: ParallelLayout,
+    stage: int,
+    seq_length: int,
+    micro_batch_size: int,
+    num_microbatches: int,
+    opts: ActivationOptions | None = None,
+) -> float:
+    """Saved activations of one rank of ``stage`` at the 1F1B peak (all in-flight micro-batches),
+    plus one re-materialised layer under full recompute."""
+    layers = stage_layers(model.num_layers, layout.pp, stage)
+    per_mb = sum(
+        layer_activation_bytes(model, layout, i, seq_length, micro_batch_size, opts) for i in layers
+    )
+    total = in_flight_microbatches(layout.pp, stage, num_microbatches) * per_mb
+    opts = opts or ActivationOptions()
+    if not opts.flash_attention and any(model.is_full_attention(i) for i in layers):
+        total += attention_score_buffer_bytes(model, layout, seq_length, micro_batch_size, opts)
+    if layout.recompute == "full":
+        total += max(
+            layer_activation_bytes(
+                model, layout, i, seq_length, micro_batch_size, opts, recompute="none"
+            )
+            for i in layers
+        )
+    return total
+
+
+def attention_score_buffer_bytes(
+    model: ModelConfig,
+    layout: ParallelLayout,
+    seq_length: int,
+    micro_batch_size: int,
+    opts: ActivationOptions,
+) -> float:
+    """Unfused attention (Megatron's local ``DotProductAttention``) keeps one persistent
+    ``[b * a/t, s, s]`` score buffer (the global memory buffer ``baddbmm`` writes into) per rank."""
+    heads = model.num_attention_heads // layout.tp
+    return micro_batch_size * heads * seq_length * seq_length * opts.activation_bytes
+
+
+def teacher_forward_working_bytes(
+    model: ModelConfig,
+    layout: ParallelLayout,
+    seq_length: int,
+    micro_batch_size: int,
+    activation_bytes: int = 2,
+    flash_attention: bool = True,
+) -> float:
+    """Peak live bytes of one no-grad teacher layer forward (nothing saved): the residual stream and
+    the norm output (R), plus the larger of the mixer's and the MLP's intermediates (S); without
+    flash attention, the scores and probabilities ``[b, a/t, s, s]`` of one layer as well."""
+    n = seq_length * micro_batch_size
+    h = model.hidden_size
+    t = layout.tp
+    r_div = t if layout.sequence_parallel else 1
+    a, g, d = model.num_attention_heads, model.num_query_groups, model.head_dim
+    mixer = 2 * (2 * a * d + 2 * g * d) * (2 if model.attention_output_gate else 1)
+    if model.linear_attention_freq:
+        kd = model.linear_num_key_heads * model.linear_key_head_dim
+        vd = model.linear_num_value_heads * model.linear_value_head_dim
+        mixer = max(mixer, 2 * (2 * kd + 2 * vd) + 2 * (2 * kd + vd))
+    if model.is_moe:
+        mlp = (
+            model.moe_router_topk
+            * layout.etp
+            * (4 * h + 6 * model.moe_ffn_hidden_size / layout.etp)
+        )
+        mlp += 6 * model.moe_shared_expert_ffn_hidden_size
+    else:
+        mlp = 6 * model.ffn_hidden_size
+    scores = 0.0
+    if not flash_attention:
+        scores = 2 * micro_batch_size * (a // t) * seq_length * seq_length * activation_bytes
+    return n * (4 * h / r_div + max(mixer, mlp) / t) * activation_bytes / 2 + scores
+
 
 #: The fused loss's default window: rows such that one ``[rows, local_vocab]`` fp32 buffer holds at
-#: most 2^24 elements (64 MiB), as ``megatron_kd.loss.KDLossConfig.rows_per_window`` chooses.
+#: most 2^24 elements (64 MiB), as ``megatron_kd.loss.KDLossConfig.rows_per_window`` chooses. A
+#: copy of ``megatron_kd.loss.config.DEFAULT_WINDOW_ELEMENTS`` (the planner imports nothing of the
+#: package), compared with it by ``tests/unit/test_planner_copies.py``.
 DEFAULT_WINDOW_ELEMENTS = 1 << 24
 
 
@@ -133,6 +610,23 @@ def dense_loss_bytes(
     return n * (10 * v_s + 10 * v_t)
 
 
+@dataclass(kw_only=True, frozen=True)
+class FusedLossBytes:
+    """The fused loss's buffers on the last stage, by part (see :func:`fused_loss_bytes`)."""
+
+    window: float
+    """A window's logits and a block's elementwise temporaries."""
+
+    gradients: float
+    """The fp32 gradient accumulators (hidden and output layer)."""
+
+    gathered: float
+    """With sequence parallelism, the all-gathered hidden states (else 0)."""
+
+    row_statistics: float
+    """The per-row fp32 statistics."""
+
+
 def fused_loss_bytes(
     student: ModelConfig,
     layout: ParallelLayout,
@@ -143,7 +637,7 @@ def fused_loss_bytes(
     teacher_hidden_size: int = 0,
     activation_bytes: int = 2,
     block_elements: int | None = None,
-) -> dict[str, float]:
+) -> FusedLossBytes:
     """The fused loss (``megatron_kd.loss``, ``backward="precompute"``), by part.
 
     * ``window``: per window of ``w`` rows and ``v = V/t`` local columns, the matmul output in the
@@ -153,12 +647,12 @@ def fused_loss_bytes(
       gradient's scratch ``8rv``; top-K ``4rv``). A block is the window (``r = w``: ``16wv`` and
       ``8wv``) except on CPU without TP, where the loss works through a window in blocks of
       ``block_elements / v`` rows that fit the last-level cache
-      (``megatron_kd.loss.window.CPU_BLOCK_ELEMENTS``).
+      (``megatron_kd.loss.config.CpuTuning.block_elements``).
     * ``gradients``: the fp32 accumulators filled in forward: hidden ``4*n*h_s`` and output layer
       ``4*v*h_s``.
     * ``gathered``: with sequence parallelism, the all-gathered student (and teacher) hidden states
       ``n*(h_s + h_t)`` in the activation dtype.
-    * ``row statistics``: eight fp32 values per row, ``32n``.
+    * ``row_statistics``: eight fp32 values per row, ``32n``.
     """
     n = seq_length * micro_batch_size
     w = min(window_rows(student, layout, window_size), n)
@@ -170,19 +664,20 @@ def fused_loss_bytes(
     # the matmul output is a separate bf16 buffer before its fp32 cast; in fp32 it is the buffer
     matmul_out = 0 if activation_bytes == 4 else activation_bytes
     per_row = 8 if dense_teacher else 4  # fp32 logits, or fp32 temporaries, per local column
-    out = {
-        "window": w * v * (matmul_out + per_row) + r * v * per_row,
-        "gradients": 4 * n * h + 4 * v * h,
-        "gathered": 0.0,
-        "row statistics": 32 * n,
-    }
+    gathered = 0.0
     if layout.sequence_parallel and layout.tp > 1:
-        out["gathered"] = n * (h + (teacher_hidden_size if dense_teacher else 0)) * activation_bytes
-    return out
+        gathered = n * (h + (teacher_hidden_size if dense_teacher else 0)) * activation_bytes
+    return FusedLossBytes(
+        window=w * v * (matmul_out + per_row) + r * v * per_row,
+        gradients=4 * n * h + 4 * v * h,
+        gathered=gathered,
+        row_statistics=32 * n,
+    )
 
 
 #: Bytes of one decoded top-K entry: an int64 token id and an fp32 log-prob (the dtypes
-#: ``megatron_kd.cache.format.TopKCacheReader`` returns and the trainer hands to the loss).
+#: ``megatron_kd.cache.reader.TopKCacheReader`` returns and the trainer hands to the loss); a
+#: copy, compared with what the cache decodes by ``tests/unit/test_planner_copies.py``.
 DECODED_TOPK_ENTRY_BYTES = 12
 
 
@@ -198,6 +693,17 @@ def cache_reader_bytes(
     return resident_microbatches * seq_length * micro_batch_size * topk * DECODED_TOPK_ENTRY_BYTES
 
 
+@dataclass(kw_only=True, frozen=True)
+class RingBytes:
+    """The disaggregated receive side of one student TP rank (see :func:`ring_bytes`)."""
+
+    slots: float
+    """The ``D`` receive slots of the prefetch ring."""
+
+    gathered_hidden: float
+    """The one gathered ``[s, b, h_t]`` buffer in use."""
+
+
 def ring_bytes(
     teacher: ModelConfig,
     layout: ParallelLayout,
@@ -206,7 +712,7 @@ def ring_bytes(
     prefetch_depth: int,
     hidden_bytes: int = 2,
     wire_bytes_per_token: int | None = None,
-) -> dict[str, float]:
+) -> RingBytes:
     """Disaggregated receive side on one student TP rank: ``D`` slots of ``1/t`` of the sequence
     (``wire_bytes_per_token`` each token, default ``h_t * hidden_bytes``) and the one gathered
     ``[s, b, h_t]`` buffer in use."""
@@ -218,10 +724,8 @@ def ring_bytes(
     per_token = (teacher.hidden_size * hidden_bytes if wire_bytes_per_token is None
                  else wire_bytes_per_token)
     slot = n * per_token / layout.tp
-    return {
-        "ring_slots": prefetch_depth * slot,
-        "gathered_hidden": n * teacher.hidden_size * hidden_bytes,
-    }
+    return RingBytes(slots=prefetch_depth * slot,
+                     gathered_hidden=n * teacher.hidden_size * hidden_bytes)
 
 
 def teacher_output_layer_bytes(

@@ -1,155 +1,369 @@
-"""Plans: one per distillation mode, with layout search (pure Python, no torch).
-
-This module searches; the pieces it searches with are :mod:`.options` (the inputs
-:class:`PlanOptions` and the result :class:`ModePlan`), :mod:`.candidates` (the valid layouts) and
-:mod:`.evaluation` (what one layout costs in memory, time and traffic). Their public names are
-importable from here as well.
-
-Modes
------
-* ``colocated-dense``: teacher on the student's GPUs (same TP / PP, its experts spread over an
-  expert-parallel size of its own), the incumbent dense KD loss (full ``[s, b, V/t]`` logits of
-  both).
-* ``colocated-fused``: the same, with megatron_kd's fused loss (windows of ``w`` rows).
-* ``offline-cache``: no teacher at training time; the student reads top-K targets from a cache built
-  beforehand (its build cost is reported as teacher GPU-hours per billion tokens).
-* ``disaggregated``: teachers on their own nodes stream final hidden states ``[s, b, h_t]``; the
-  student holds only the teacher's output-layer shard and the prefetch ring.
-
-Search
-------
-A parallel size left as ``None`` is searched. Among the layouts that fit, the planner picks the
-layouts without full recompute (it costs a third more compute), then the smallest model-parallel
-size ``t * p``, then the least recompute (none < selective), then the smaller ``t``, then the larger
-expert-parallel size. Sequence parallelism, when not given, is on whenever ``t > 1``. A colocated
-teacher's expert-parallel size, when not given, is the largest that divides both its expert count
-and ``t * dp`` (the least memory). A disaggregated teacher replica is the smallest ``t_t * p_t *
-dp_t`` (``dp_t`` only as wide as its expert parallelism needs) whose inference memory fits. Nothing
-fitting is reported as such with the layout of lowest peak memory: never silently replaced by
-something else.
+"""A plan: what it is asked, :class:`PlanOptions` (every input, validated once, and the one place
+their defaults are written), and what it answers, :class:`ModePlan` (one :class:`Mode`'s plan,
+frozen: memory terms keyed by :class:`~.memory.Term`, traffic by :class:`~.traffic.Traffic`) and
+:class:`PlanResult` (every mode's plan and the recommendation among them). How a plan is found:
+:mod:`.search`.
 
 Assumptions stated here, used everywhere: the teacher's micro-batch equals the student's; tensor
 parallelism stays inside a node; expert-tensor parallelism is 1 unless given; a fixed reserve
-(default 4 GiB: CUDA context ~0.5-1 GiB, NCCL buffers ~1-2 GiB, allocator fragmentation) is part of
-every GPU's total.
+(:attr:`PlanOptions.reserve_bytes`: CUDA context ~0.5-1 GiB, NCCL buffers ~1-2 GiB, allocator
+fragmentation) is part of every GPU's total.
 """
 
 from __future__ import annotations
 
-from megatron_kd.planner.candidates import student_candidates
-from megatron_kd.planner.evaluation import (
-    evaluate,
-    search_teacher,
-    student_stage_terms,
-    teacher_inference_terms,
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from enum import Enum
+from types import MappingProxyType
+
+from megatron_kd.planner.memory import (
+    GIB,
+    RECOMPUTE_CHOICES,
+    ActivationOptions,
+    ParallelLayout,
+    Precision,
+    Term,
 )
-from megatron_kd.planner.memory import ParallelLayout
-from megatron_kd.planner.options import GIB, MODES, RECOMPUTE_ORDER, ModePlan, PlanOptions
-
-# the names callers import from here: the options and results, and the evaluation's entry points
-__all__ = [
-    "GIB",
-    "MODES",
-    "ModePlan",
-    "PlanOptions",
-    "evaluate",
-    "plan_all",
-    "plan_mode",
-    "recommend",
-    "search_teacher",
-    "student_stage_terms",
-    "teacher_inference_terms",
-]
+from megatron_kd.planner.models import ModelConfig
+from megatron_kd.planner.presets import GpuSpec, LinkSpec
+from megatron_kd.planner.traffic import Traffic
 
 
-def _search_key(layout: ParallelLayout) -> tuple:
-    """Sort key of the student layouts, preferred first (the order of the module docstring)."""
-    # full recompute (a third more compute) only when nothing else fits; then the smallest t*p
-    return (
-        layout.recompute == "full",
-        layout.tp * layout.pp,
-        RECOMPUTE_ORDER[layout.recompute],
-        layout.tp,
-        -layout.ep,
-    )
+class Mode(Enum):
+    """A way of placing the teacher. The value is the mode's name on the command line and in
+    reports."""
+
+    COLOCATED_DENSE = "colocated-dense"
+    """Teacher on the student's GPUs (same TP / PP, its experts spread over an expert-parallel
+    size of its own), the incumbent dense KD loss (full ``[s, b, V/t]`` logits of both)."""
+
+    COLOCATED_FUSED = "colocated-fused"
+    """The same, with megatron_kd's fused loss (windows of ``w`` rows)."""
+
+    OFFLINE_CACHE = "offline-cache"
+    """No teacher at training time; the student reads top-K targets from a cache built
+    beforehand (its build cost is reported as teacher GPU-hours per billion tokens)."""
+
+    DISAGGREGATED = "disaggregated"
+    """Teachers on their own nodes stream final hidden states ``[s, b, h_t]``; the student holds
+    only the teacher's output-layer shard and the prefetch ring."""
+
+    @property
+    def colocated(self) -> bool:
+        """Whether the teacher runs on the student's GPUs."""
+        return self in (Mode.COLOCATED_DENSE, Mode.COLOCATED_FUSED)
 
 
-def plan_mode(opts: PlanOptions, mode: str) -> ModePlan:
-    """Search (or take) the student layout of ``mode``; see the module docstring for the order."""
-    candidates = sorted(student_candidates(opts), key=_search_key)
-    teacher_search = search_teacher(opts) if mode == "disaggregated" else None
-    best_oom: ModePlan | None = None
-    for layout in candidates:
-        try:
-            plan = evaluate(opts, mode, layout, teacher_search)
-        except ValueError:
-            if len(candidates) == 1:
-                raise
-            continue
-        if plan.fits:
-            plan.verdict = _verdict(plan)
-            return plan
-        if best_oom is None or plan.total_bytes < best_oom.total_bytes:
-            best_oom = plan
-    if best_oom is None:
-        raise ValueError(
-            f"{mode}: no layout could be evaluated for {opts.student.name} <- {opts.teacher.name}"
-        )
-    if len(candidates) > 1:
-        best_oom.notes.append(
-            f"no layout of {len(candidates)} searched fits; shown: lowest peak memory"
-        )
-    best_oom.verdict = _verdict(best_oom)
-    return best_oom
+@dataclass(kw_only=True, frozen=True)
+class PlanOptions:
+    """Everything a plan depends on. The defaults written here are the only ones: ``megatron-kd
+    plan`` leaves out what its command line does not give."""
 
+    student: ModelConfig
+    """The model being trained."""
 
-def _verdict(plan: ModePlan) -> str:
-    """The plan's one-line verdict (and its ``tokens_per_s_per_gpu``, counting teacher GPUs)."""
-    gib = plan.total_bytes / GIB
-    cap = plan.capacity_bytes / GIB
-    plan.tokens_per_s_per_gpu = plan.student_tokens_per_s / (plan.student_gpus + plan.teacher_gpus)
-    if not plan.fits:
-        return f"OOM: {gib:.1f} GiB > {cap:.1f} GiB per GPU"
-    text = f"fits: {gib:.1f} of {cap:.1f} GiB, {plan.student_tokens_per_s:,.0f} tokens/s"
-    if plan.mode == "disaggregated":
-        text += (
-            f", +{plan.teacher_gpus} teacher GPU(s) on {plan.teacher_nodes} node(s); "
-            f"{plan.tokens_per_s_per_gpu:,.0f} tokens/s per GPU counting teachers"
-        )
-        if not plan.wire_ok:
-            text += ", WIRE-BOUND (link too slow: the student would stall)"
-    return text
+    teacher: ModelConfig
+    """The frozen teacher."""
 
+    gpu: GpuSpec
+    """GPU of every node (students and teachers)."""
 
-def plan_all(opts: PlanOptions, modes: tuple[str, ...] = MODES) -> dict:
-    """Every mode's plan and a one-line recommendation."""
-    plans = {m: plan_mode(opts, m) for m in modes}
-    return {"plans": plans, "recommendation": recommend(plans)}
+    inter_node_link: LinkSpec
+    """Per-GPU link between nodes (teacher -> student hidden states cross it)."""
 
+    gpus_per_node: int = 8
+    """GPUs per node; tensor parallelism stays inside a node."""
 
-def recommend(plans: dict[str, ModePlan]) -> str:
-    """One line: the fastest mode that fits (with a working wire), and what it costs."""
-    ok = {m: p for m, p in plans.items() if p.fits and p.wire_ok and m != "offline-cache"}
-    if not ok:
-        if plans.get("offline-cache") and plans["offline-cache"].fits:
-            return "only the offline cache fits: build a top-K cache, or add nodes / raise tp, pp"
-        return (
-            "nothing fits: add nodes, raise tp / pp, enable the distributed optimizer or recompute"
-        )
-    best_mode, best = max(ok.items(), key=lambda kv: kv[1].student_tokens_per_s)
-    coloc = [p for m, p in ok.items() if m.startswith("colocated")]
-    if best_mode == "disaggregated":
-        if coloc:
-            c = max(coloc, key=lambda p: p.student_tokens_per_s)
-            gain = best.student_tokens_per_s / c.student_tokens_per_s - 1
-            return (
-                f"disaggregated: {gain:.0%} more student tokens/s than {c.mode} (which also fits), "
-                f"for {best.teacher_gpus} teacher GPU(s) on {best.teacher_nodes} extra node(s); "
-                f"per GPU counting teachers {best.tokens_per_s_per_gpu:,.0f} vs "
-                f"{c.tokens_per_s_per_gpu:,.0f} tokens/s"
+    nodes: int = 1
+    """Nodes of the student (all modes); disaggregated teachers come on top, as computed."""
+
+    seq_length: int = 4096
+    """Tokens per sequence ``s``."""
+
+    micro_batch_size: int = 1
+    """Sequences per micro-batch ``b``."""
+
+    global_batch_size: int = 128
+    """Sequences per optimizer step ``G``."""
+
+    tp: int | None = None
+    """Student tensor-parallel size; None = search."""
+
+    pp: int | None = None
+    """Student pipeline-parallel size; None = search."""
+
+    ep: int | None = None
+    """Student expert-parallel size (MoE students); None = search."""
+
+    etp: int = 1
+    """Student expert-tensor-parallel size."""
+
+    recompute: str | None = None
+    """``none`` / ``selective`` / ``full``; None = search (least that fits)."""
+
+    sequence_parallel: bool | None = None
+    """None = on whenever ``tp > 1``."""
+
+    use_distributed_optimizer: bool = False
+    """Shard optimizer state over data parallel (Megatron ``--use-distributed-optimizer``)."""
+
+    teacher_tp: int | None = None
+    """Disaggregated teacher tensor-parallel size; None = search."""
+
+    teacher_pp: int | None = None
+    """Disaggregated teacher pipeline-parallel size; None = search."""
+
+    teacher_ep: int | None = None
+    """Teacher expert-parallel size (both colocated and disaggregated); None = search."""
+
+    window_size: int | None = None
+    """Fused-loss rows per window ``w`` (an upper bound on rows in flight); None = the loss's
+    default, a 64 MiB fp32 ``[w, V/t]`` buffer."""
+
+    prefetch_depth: int = 2
+    """Receive slots ``D`` of the disaggregated ring, and micro-batches the cache reader decodes
+    ahead (into host memory); the default is ``--kd-prefetch-depth``'s."""
+
+    topk: int = 64
+    """Entries per token in the offline cache."""
+
+    cache_entry_bytes: int = 6
+    """Bytes per cached entry on storage (a 4-byte token id and a 2-byte value): the cache's size
+    and read rate. Decoded in memory an entry takes 12 bytes (``memory.cache_reader_bytes``)."""
+
+    loss_block_elements: int | None = None
+    """Elements per block of the fused loss's elementwise work: None on a GPU and with TP > 1 (a
+    block is the window); on CPU runs without TP
+    ``megatron_kd.loss.config.CpuTuning.block_elements`` (``2^21``)."""
+
+    cache_resident_microbatches: int = 1
+    """Micro-batches of decoded top-K targets in the student's device memory: 1 on a GPU (the
+    one in use; the prefetched ones wait in host memory); ``prefetch_depth + 2`` where host memory
+    is the device memory (CPU runs: ``D`` queued, one being decoded, one in use)."""
+
+    hidden_elem_bytes: int = 2
+    """Bytes per element of the teacher's hidden states once received (its dtype, bf16): the
+    all-gather over the student's TP group and the gathered buffer."""
+
+    teacher_replicas: int | None = None
+    """Disaggregated: the number of teacher replicas to plan with (None: as many as the
+    student's rate needs). With fewer, the student waits for its teacher: its step is the
+    replicas' time for the step's tokens."""
+
+    wire_dtype: str = "bf16"
+    """``--kd-wire-dtype``: the hidden states' element type on the wire (fp32, bf16, or fp8
+    with one fp32 scale per token)."""
+
+    loss_stats: int = 5
+    """fp32 per-row values the fused loss all-reduces over TP per window: forward KL needs the
+    student and teacher maxima (one MAX all-reduce) and three sums (one SUM all-reduce); CE adds
+    one, JSD a third all-reduce of two."""
+
+    mfu: float = 0.40
+    """Assumed model FLOP utilisation of student training."""
+
+    teacher_mfu: float = 0.40
+    """Assumed model FLOP utilisation of the teacher's forward."""
+
+    link_efficiency: float = 0.8
+    """Fraction of a link's line rate that transfers achieve."""
+
+    reserve_bytes: int = 4 * GIB
+    """Per-GPU reserve: CUDA context, NCCL buffers, allocator fragmentation."""
+
+    precision: Precision = field(default_factory=Precision)
+    """Bytes per element of weights, gradients, optimizer state and activations."""
+
+    activation: ActivationOptions = field(default_factory=ActivationOptions)
+    """Kernel choices (flash attention, dropout)."""
+
+    def __post_init__(self) -> None:
+        for name in (
+            "gpus_per_node",
+            "nodes",
+            "seq_length",
+            "micro_batch_size",
+            "global_batch_size",
+            "topk",
+            "cache_entry_bytes",
+            "cache_resident_microbatches",
+            "hidden_elem_bytes",
+            "loss_stats",
+            "etp",
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"PlanOptions.{name} must be a positive int, got {value!r}")
+        if self.teacher_replicas is not None and (
+                not isinstance(self.teacher_replicas, int) or self.teacher_replicas <= 0):
+            raise ValueError(f"PlanOptions.teacher_replicas must be a positive int or None, got "
+                             f"{self.teacher_replicas!r}")
+        if self.wire_dtype not in ("fp32", "bf16", "fp8"):
+            raise ValueError(f"PlanOptions.wire_dtype must be fp32, bf16 or fp8, got "
+                             f"{self.wire_dtype!r}")
+        for name in ("window_size", "loss_block_elements"):
+            value = getattr(self, name)
+            if value is not None and (
+                not isinstance(value, int) or isinstance(value, bool) or value <= 0
+            ):
+                raise ValueError(
+                    f"PlanOptions.{name} must be a positive int or None, got {value!r}"
+                )
+        if self.prefetch_depth < 1:
+            raise ValueError(f"prefetch_depth must be >= 1, got {self.prefetch_depth}")
+        if self.global_batch_size % self.micro_batch_size:
+            raise ValueError(
+                f"global_batch_size={self.global_batch_size} is not a multiple of "
+                f"micro_batch_size={self.micro_batch_size}"
             )
-        return (
-            f"disaggregated: the only online mode that fits; needs {best.teacher_nodes} "
-            f"teacher node(s)"
-        )
-    return f"{best_mode}: fits and is fastest without extra nodes"
+        for name in ("mfu", "teacher_mfu", "link_efficiency"):
+            value = getattr(self, name)
+            if not 0 < value <= 1:
+                raise ValueError(f"PlanOptions.{name} must be in (0, 1], got {value}")
+        if self.recompute is not None and self.recompute not in RECOMPUTE_CHOICES:
+            raise ValueError(f"recompute={self.recompute!r}; choose from {list(RECOMPUTE_CHOICES)}")
+        for name in ("tp", "teacher_tp"):
+            value = getattr(self, name)
+            if value is not None and value > self.gpus_per_node:
+                raise ValueError(
+                    f"{name}={value} > gpus_per_node={self.gpus_per_node}: tensor "
+                    f"parallelism must stay inside a node"
+                )
+        if self.reserve_bytes < 0:
+            raise ValueError(f"reserve_bytes must be >= 0, got {self.reserve_bytes}")
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+
+
+@dataclass(kw_only=True, frozen=True)
+class ModePlan:
+    """The plan of one mode (for the student layout :mod:`.search` chose)."""
+
+    mode: Mode
+    fits: bool
+    """Every GPU's peak within its memory (the student's worst stage and, disaggregated, a
+    teacher replica's)."""
+    layout: ParallelLayout
+    """The student's."""
+    teacher_layout: ParallelLayout | None = None
+    """A colocated teacher's on the student's ranks, or one disaggregated replica's."""
+    worst_stage: int = 0
+    """The student pipeline stage of highest memory, whose terms :attr:`terms` are."""
+    terms: Mapping[Term, float] = field(default_factory=dict)
+    """Memory of one GPU of :attr:`worst_stage`, bytes, in the order printed."""
+    teacher_terms: Mapping[Term, float] = field(default_factory=dict)
+    """Memory of one disaggregated teacher GPU (its worst stage), bytes."""
+    total_bytes: float = 0.0
+    capacity_bytes: int = 0
+    step_time_s: float = 0.0
+    student_tokens_per_s: float = 0.0
+    student_gpus: int = 0
+    teacher_gpus: int = 0
+    teacher_nodes: int = 0
+    teacher_replicas: int = 0
+    wire: Mapping[Traffic, float] = field(default_factory=dict)
+    """Traffic, the offline cache's cost, a replica's rate; in the order printed."""
+    wire_ok: bool = True
+    """Whether every link the mode uses keeps up."""
+    notes: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        # read-only views: the plan is a value
+        for name in ("terms", "teacher_terms", "wire"):
+            object.__setattr__(self, name, MappingProxyType(dict(getattr(self, name))))
+        object.__setattr__(self, "notes", tuple(self.notes))
+
+    @property
+    def tokens_per_s_per_gpu(self) -> float:
+        """Student tokens/s per GPU, counting the teacher's GPUs."""
+        return self.student_tokens_per_s / (self.student_gpus + self.teacher_gpus)
+
+    @property
+    def verdict(self) -> str:
+        """The plan in one line."""
+        gib = self.total_bytes / GIB
+        cap = self.capacity_bytes / GIB
+        if not self.fits:
+            return f"OOM: {gib:.1f} GiB > {cap:.1f} GiB per GPU"
+        text = f"fits: {gib:.1f} of {cap:.1f} GiB, {self.student_tokens_per_s:,.0f} tokens/s"
+        if self.mode is Mode.DISAGGREGATED:
+            text += (
+                f", +{self.teacher_gpus} teacher GPU(s) on {self.teacher_nodes} node(s); "
+                f"{self.tokens_per_s_per_gpu:,.0f} tokens/s per GPU counting teachers"
+            )
+            if not self.wire_ok:
+                text += ", WIRE-BOUND (link too slow: the student would stall)"
+        return text
+
+    def to_dict(self) -> dict:
+        """The plan as JSON-ready data: modes, terms and figures by their labels."""
+        return {
+            "mode": self.mode.value,
+            "fits": self.fits,
+            "layout": asdict(self.layout),
+            "teacher_layout": asdict(self.teacher_layout) if self.teacher_layout else None,
+            "worst_stage": self.worst_stage,
+            "terms": {t.label: v for t, v in self.terms.items()},
+            "teacher_terms": {t.label: v for t, v in self.teacher_terms.items()},
+            "total_bytes": self.total_bytes,
+            "capacity_bytes": self.capacity_bytes,
+            "step_time_s": self.step_time_s,
+            "student_tokens_per_s": self.student_tokens_per_s,
+            "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu,
+            "student_gpus": self.student_gpus,
+            "teacher_gpus": self.teacher_gpus,
+            "teacher_nodes": self.teacher_nodes,
+            "teacher_replicas": self.teacher_replicas,
+            "wire": {f.label: v for f, v in self.wire.items()},
+            "wire_ok": self.wire_ok,
+            "notes": list(self.notes),
+            "verdict": self.verdict,
+        }
+
+
+@dataclass(kw_only=True, frozen=True)
+class PlanResult:
+    """Every planned mode's plan, and which to use."""
+
+    plans: Mapping[Mode, ModePlan]
+    """By mode, in :class:`Mode` order."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "plans", MappingProxyType(dict(self.plans)))
+
+    @property
+    def recommendation(self) -> str:
+        """One line: the fastest mode that fits (with a working wire), and what it costs."""
+        plans = self.plans
+        ok = {m: p for m, p in plans.items()
+              if p.fits and p.wire_ok and m is not Mode.OFFLINE_CACHE}
+        if not ok:
+            offline = plans.get(Mode.OFFLINE_CACHE)
+            if offline is not None and offline.fits:
+                return ("only the offline cache fits: build a top-K cache, or add nodes / raise "
+                        "tp, pp")
+            return (
+                "nothing fits: add nodes, raise tp / pp, enable the distributed optimizer or "
+                "recompute"
+            )
+        best_mode, best = max(ok.items(), key=lambda kv: kv[1].student_tokens_per_s)
+        coloc = [p for m, p in ok.items() if m.colocated]
+        if best_mode is Mode.DISAGGREGATED:
+            if coloc:
+                c = max(coloc, key=lambda p: p.student_tokens_per_s)
+                gain = best.student_tokens_per_s / c.student_tokens_per_s - 1
+                return (
+                    f"disaggregated: {gain:.0%} more student tokens/s than {c.mode.value} (which "
+                    f"also fits), for {best.teacher_gpus} teacher GPU(s) on {best.teacher_nodes} "
+                    f"extra node(s); per GPU counting teachers {best.tokens_per_s_per_gpu:,.0f} vs "
+                    f"{c.tokens_per_s_per_gpu:,.0f} tokens/s"
+                )
+            return (
+                f"disaggregated: the only online mode that fits; needs {best.teacher_nodes} "
+                f"teacher node(s)"
+            )
+        return f"{best_mode.value}: fits and is fastest without extra nodes"

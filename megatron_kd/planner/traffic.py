@@ -49,15 +49,47 @@ Teacher replicas: ``ceil(student_tokens_per_s / replica_tokens_per_s)``, a repli
 from __future__ import annotations
 
 import math
+from enum import Enum
 
 from megatron_kd.planner.models import ModelConfig
 
-#: Bytes per element of each ``--kd-wire-dtype``, and per token on top (fp8's fp32 scale).
+#: Bytes per element of each ``--kd-wire-dtype``, and per token on top (fp8's fp32 scale): what
+#: ``megatron_kd.teacher.wire.encode_hidden`` sends (``tests/unit/test_wire.py`` compares them).
 WIRE_ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "fp8": 1}
 WIRE_TOKEN_EXTRA_BYTES = {"fp32": 0, "bf16": 0, "fp8": 4}
 
-#: Bytes per token id a student sends its teacher.
+#: Bytes per token id a student sends its teacher: the int32 ids of a request (a copy, compared
+#: with what ``megatron_kd.teacher.client`` sends by ``tests/unit/test_planner_copies.py``).
 TOKEN_ID_BYTES = 4
+
+
+class Traffic(Enum):
+    """One figure of a plan's traffic (and of the offline cache's cost, and a teacher replica's
+    rate). A plan's figures are keyed by these; the value is the figure's label, used only when
+    a plan is printed (tables, JSON)."""
+
+    LOSS_ALLREDUCE_BYTES = "loss all-reduce bytes/step/rank"
+    LOSS_ALLREDUCE_CALLS = "loss all-reduce calls/step"
+    LOSS_ALLREDUCE_RATE = "loss all-reduce GB/s needed (NVLink)"
+    CACHE_BYTES = "cache bytes/step/DP rank"
+    CACHE_READ_RATE = "cache read GB/s per DP rank"
+    CACHE_SIZE = "cache size GB per 1B tokens"
+    CACHE_BUILD_GPU_HOURS = "cache build teacher GPU-hours per 1B tokens"
+    TOKEN_ID_BYTES = "token id bytes/step/student DP rank (to teacher)"
+    HIDDEN_BYTES_PER_DP_RANK = "hidden bytes/step/student DP rank"
+    HIDDEN_BYTES_PER_TP_RANK = "hidden bytes/step/student TP rank"
+    HIDDEN_RATE_STUDENT = "hidden GB/s needed per student GPU"
+    LINK_RATE = "inter-node link GB/s (x efficiency)"
+    HIDDEN_RATE_TEACHER = "hidden GB/s needed per teacher sending GPU"
+    ALLGATHER_BYTES = "all-gather bytes/step/rank (NVLink)"
+    ALLGATHER_RATE = "all-gather GB/s needed (NVLink)"
+    NVLINK_RATE = "NVLink GB/s (x efficiency)"
+    REPLICA_TOKENS_PER_S = "teacher replica tokens/s"
+
+    @property
+    def label(self) -> str:
+        """What a report prints for the figure."""
+        return self.value
 
 
 def wire_bytes_per_token(hidden_size: int, wire_dtype: str) -> int:

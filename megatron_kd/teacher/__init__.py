@@ -5,9 +5,12 @@ connect by address.
 * :mod:`~megatron_kd.teacher.transport` -- two-process links over PyTorch's own process groups,
   waited on the host with a deadline.
 * :mod:`~megatron_kd.teacher.endpoint` -- where replicas register and students look them up.
+* :mod:`~megatron_kd.teacher.protocol` -- what both sides agree on besides the messages: store
+  keys, connection metadata, tags, where a link's buffers live, a replica's load.
 * :mod:`~megatron_kd.teacher.service` -- the replica side: connections, batching, responses.
 * :mod:`~megatron_kd.teacher.client` -- the student side: requests ahead, the receive ring,
   replica choice.
+* :mod:`~megatron_kd.teacher.ring` -- the client's records of its requests in flight.
 
 Pure torch and ``torch.distributed``: the Megatron-Core model and schedule are handed in
 (:mod:`megatron_kd.training.teacher_serve`).

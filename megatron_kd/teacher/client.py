@@ -26,13 +26,22 @@ import datetime
 import json
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from megatron_kd.teacher.endpoint import Endpoint, ReplicaRecord
-from megatron_kd.teacher.service import TAGS, link_device, wire_bytes_per_token
+from megatron_kd.teacher.protocol import (
+    ConnectionMeta,
+    Tag,
+    announce_connection,
+    link_device,
+    read_identity,
+    replica_load,
+    request_prefix,
+    response_prefix,
+)
+from megatron_kd.teacher.ring import Outstanding, SendBuffers, SentBytes, Slot
 from megatron_kd.teacher.transport import Link, LinkDown
 from megatron_kd.teacher.wire import (
     HeaderMismatchError,
@@ -44,9 +53,10 @@ from megatron_kd.teacher.wire import (
     header_size,
     payload_shapes,
     token_fingerprint,
+    wire_bytes_per_token,
 )
 
-__all__ = ["Outstanding", "TeacherClient", "TeacherMismatchError", "identity_differences"]
+__all__ = ["TeacherClient", "TeacherMismatchError", "identity_differences"]
 
 #: Seconds to reach a registered replica's store before taking it for dead (a live one answers
 #: in milliseconds; a dead one's port refuses, and the store client retries until this).
@@ -61,18 +71,6 @@ def identity_differences(teacher: dict, expected: dict) -> list[str]:
     """``"field: teacher has X, this run expects Y"`` for every field that differs."""
     return [f"{k}: teacher has {teacher.get(k)!r}, this run expects {expected.get(k)!r}"
             for k in sorted(set(teacher) | set(expected)) if teacher.get(k) != expected.get(k)]
-
-
-@dataclass
-class Outstanding:
-    """A request sent (or to send) whose response has not been taken yet."""
-
-    request: int
-    step: int
-    microbatch: int
-    sample_ids: tuple[int, ...]
-    tokens: torch.Tensor | None  # [b, s] int32 (TP rank 0 only)
-    fingerprint: int
 
 
 class TeacherClient:
@@ -116,6 +114,7 @@ class TeacherClient:
         self.outstanding: collections.deque[Outstanding] = collections.deque()
         self.next_request = 0  # the id of the next request to send
         self.bytes_this_step = 0
+        self._sent = SentBytes()  # of the requests answered since take_step_stats (TP 0)
         self._tokens: dict[str, int] = {}  # this step's tokens answered, by replica id (TP 0)
         self._peer_ids: dict[str, str] = {}  # link peer name -> replica id
         self._wait_s = self._occupancy = 0.0  # this step's: seconds waited, ring fill summed
@@ -127,8 +126,8 @@ class TeacherClient:
         self._draining: list[Link] = []  # links of a connection left by a rebalance
         self.rebalance_every = rebalance_every
         self._dead: set[str] = set()  # replicas found dead: never tried again
-        self._slots: dict[int, tuple] = {}
-        self._sends: list = []
+        self._slots: dict[int, Slot] = {}  # by request % depth
+        self._sends: list[SendBuffers] = []
 
     # -- connection -----------------------------------------------------------------------------
     def start(self) -> None:
@@ -150,7 +149,8 @@ class TeacherClient:
         self._broadcast(choice)
         if isinstance(choice[0], BaseException):
             raise choice[0]
-        record, conn = ReplicaRecord.from_json(choice[0][0]), choice[0][1]
+        record_json, conn = choice[0]
+        record = ReplicaRecord.from_json(record_json)
         self.replica, self.conn = record, conn
         device = link_device(self.device.type, record.layout.get("device", "cpu"))
         store = _store(record, self.timeout_s)
@@ -158,10 +158,10 @@ class TeacherClient:
         self._peer_ids[peer] = record.replica
         self._links = []
         if self.tp_rank == 0:
-            self.request_link = Link(store, f"conn/{conn}/req", 1, device=device,
+            self.request_link = Link(store, request_prefix(conn), 1, device=device,
                                      timeout_s=self.timeout_s, peer=peer)
             self._links.append(self.request_link)
-        self.response_link = Link(store, f"conn/{conn}/resp/{self.tp_rank}", 1, device=device,
+        self.response_link = Link(store, response_prefix(conn, self.tp_rank), 1, device=device,
                                   timeout_s=self.timeout_s, peer=peer)
         self._links.append(self.response_link)
         if repost:
@@ -182,23 +182,21 @@ class TeacherClient:
             for record in records:
                 try:
                     store = _store(record, min(_PROBE_S, self.timeout_s))
-                    candidates.append((_load(store), record, store))
+                    candidates.append((replica_load(store), record, store))
                 except (RuntimeError, OSError, ValueError) as e:
                     reasons.append(f"{record}: {str(e).splitlines()[0]}")
                     _remember(self.tried, str(record))
                     self._dead.add(record.replica)  # registered, not there: not probed again
             # least loaded first; among equals, data-parallel ranks spread round-robin
             n = max(1, len(candidates))
-            order = sorted(range(len(candidates)),
-                           key=lambda i: (candidates[i][0], (i - self.dp_rank) % n))
-            for load, record, store in (candidates[i] for i in order):
-                teacher = json.loads(store.get("identity"))
-                diffs = identity_differences(teacher, self.expected)
+            loads = [load for load, _, _ in candidates]
+            order = sorted(range(len(candidates)), key=lambda i: (loads[i], (i - self.dp_rank) % n))
+            for _, record, store in (candidates[i] for i in order):
+                diffs = identity_differences(read_identity(store), self.expected)
                 if diffs:
                     raise TeacherMismatchError(f"the teacher at {self.endpoint} ({record}) is not "
                                                f"the one this run expects: " + "; ".join(diffs))
-                conn = store.add("conn_counter", 1) - 1
-                store.set(f"conn/{conn}/meta", json.dumps(self._meta()))
+                conn = announce_connection(store, self._meta())
                 _remember(self.tried, str(record))
                 return record.to_json(), conn
             if time.monotonic() > deadline:
@@ -208,11 +206,11 @@ class TeacherClient:
                     + (f": {'; '.join(reasons[-3:])}" if reasons else ""))
             time.sleep(0.5)
 
-    def _meta(self) -> dict:
-        return {"run": self.run, "dp_rank": self.dp_rank, "tp": self.tp_size,
-                "micro_batch_size": self.shape[1], "seq_length": self.seq_length,
-                "max_samples": self.max_samples, "wire_dtype": self.wire_dtype,
-                "device": self.device.type}
+    def _meta(self) -> ConnectionMeta:
+        return ConnectionMeta(run=self.run, dp_rank=self.dp_rank, tp=self.tp_size,
+                              micro_batch_size=self.shape[1], seq_length=self.seq_length,
+                              max_samples=self.max_samples, wire_dtype=self.wire_dtype,
+                              device=self.device.type)
 
     # -- requests and responses -----------------------------------------------------------------
     def _send_next(self) -> None:
@@ -241,16 +239,22 @@ class TeacherClient:
         link = self.request_link
         header = req.encode(self.max_samples).to(link.device)
         tokens = out.tokens.to(link.device).contiguous()
+        sent = link.bytes_sent.total(), link.bytes_sent[Tag.REQUEST]
         try:
-            works = link.send([header], TAGS["request"]) + link.send([tokens], TAGS["tokens"])
+            works = link.send([header], Tag.REQUEST) + link.send([tokens], Tag.TOKENS)
         except LinkDown:
             works = []  # the replica is gone: found when its response does not come
-        self._sends.append((works, header, tokens))
+        self._sends.append(SendBuffers(works=works, header=header, tokens=tokens))
+        if works:  # what the link sent beyond the header (reported when the response is taken)
+            token_bytes = link.bytes_sent.total() - sent[0] - link.bytes_sent[Tag.REQUEST] + sent[1]
+            if out.sends:
+                out.resent_token_bytes += token_bytes
+            out.sends += 1
+            out.token_bytes += token_bytes
+            out.header_bytes += link.bytes_sent[Tag.REQUEST] - sent[1]
         slot = self._slots.get(out.request % self.depth)
-        if works and slot is not None and slot[0] == out.request and slot[3] is not None:
-            # its answer will come: arrival seen without waiting (the ring's occupancy)
-            self._slots[out.request % self.depth] = (*slot[:3], slot[4].watch(slot[3]),
-                                                     *slot[4:])
+        if works and slot is not None and slot.request == out.request:
+            slot.watch()  # its answer will come: arrival seen without waiting (ring occupancy)
 
     def _post(self, request: int) -> None:
         """Post the receive of ``request``'s response into its slot."""
@@ -261,10 +265,11 @@ class TeacherClient:
         parts = [torch.empty(s, dtype=d, device=link.device)
                  for s, d in payload_shapes(self.shape, self.wire_dtype)]
         try:
-            works = link.recv([header], TAGS["response"]) + link.recv(parts, TAGS["payload"])
+            works = link.recv([header], Tag.RESPONSE) + link.recv(parts, Tag.PAYLOAD)
         except LinkDown:
             works = None
-        self._slots[slot] = (request, header, parts, works, link, self.conn)
+        self._slots[slot] = Slot(request=request, header=header, parts=parts, works=works,
+                                  link=link, conn=self.conn)
 
     def hidden(self, step: int, microbatch: int, sample_ids=None) -> torch.Tensor:
         """``[s, b, h_t]`` teacher hidden states of the next microbatch (all-gathered over TP).
@@ -294,8 +299,9 @@ class TeacherClient:
             break
         self._wait_s += time.monotonic() - t0
         self.outstanding.popleft()
-        if self._draining and all(slot[4] not in self._draining for slot in self._slots.values()
-                                  if slot[0] > head.request):
+        self._sent.add(head)
+        if self._draining and all(slot.link not in self._draining for slot in self._slots.values()
+                                  if slot.request > head.request):
             for link in self._draining:  # every response of the left connection was taken
                 link.abort()
             self._draining = []
@@ -310,18 +316,19 @@ class TeacherClient:
 
     def _take(self, head: Outstanding):
         """``(payload parts, None)`` of ``head``'s response, or ``(None, reason)``."""
-        request, header, parts, works, link, conn = self._slots[head.request % self.depth]
-        assert request == head.request, (request, head.request)
-        if works is None:
+        slot = self._slots[head.request % self.depth]
+        assert slot.request == head.request, (slot.request, head.request)
+        link, parts = slot.link, slot.parts
+        if slot.works is None:
             return None, f"{link.peer}: link down"
         try:
-            link.wait(works, time.monotonic() + self.timeout_s)
-            response = Response.decode(header.cpu(), self.max_samples)
+            link.wait(slot.works, time.monotonic() + self.timeout_s)
+            response = Response.decode(slot.header.cpu(), self.max_samples)
         except LinkDown as e:
             return None, str(e)
         except WireError as e:
             raise HeaderMismatchError(f"from {self.replica}: {e}") from e
-        expected = Response(run=self.run, conn=conn, request=head.request,
+        expected = Response(run=self.run, conn=slot.conn, request=head.request,
                             step=response.step if self.tp_rank else head.step,
                             microbatch=response.microbatch if self.tp_rank else head.microbatch,
                             sample_ids=response.sample_ids if self.tp_rank else head.sample_ids,
@@ -408,7 +415,7 @@ class TeacherClient:
     def _less_loaded(self) -> str | None:
         """TP rank 0: the id of a live replica loaded at least 2 less than ours, if any."""
         try:
-            mine = _load(_store(self.replica, min(_PROBE_S, self.timeout_s))) - 1  # but ours
+            mine = replica_load(_store(self.replica, min(_PROBE_S, self.timeout_s))) - 1  # but ours
         except (RuntimeError, OSError, ValueError):
             return None  # ours is unreachable: the next response will say so
         best = None
@@ -416,7 +423,7 @@ class TeacherClient:
             if record.replica == self.replica.replica or record.replica in self._dead:
                 continue
             try:
-                load = _load(_store(record, min(_PROBE_S, self.timeout_s)))
+                load = replica_load(_store(record, min(_PROBE_S, self.timeout_s)))
             except (RuntimeError, OSError, ValueError):
                 self._dead.add(record.replica)
                 continue
@@ -445,21 +452,25 @@ class TeacherClient:
         n = 0
         for out in self.outstanding:
             slot = self._slots.get(out.request % self.depth)
-            if slot is not None and slot[0] == out.request and slot[3] is not None and all(
-                    w.is_completed() for w in slot[3]):
+            if slot is not None and slot.request == out.request and slot.arrived():
                 n += 1
         return n
 
     def take_step_stats(self) -> dict:
-        """Since the last call: bytes received, seconds waited for responses, the mean
-        fraction of the prefetched responses (up to ``depth``) already there when one was asked for
-        (TP rank 0; None when none was, or elsewhere), and tokens answered by each replica
-        (TP rank 0; else empty)."""
+        """Since the last call: bytes received (``bytes``), seconds waited for responses, the
+        mean fraction of the prefetched responses (up to ``depth``) already there when one was
+        asked for (TP rank 0; None when none was, or elsewhere), tokens answered by each
+        replica (TP rank 0; else empty), and what TP rank 0 sent for the requests whose
+        responses were taken (0 elsewhere): ``bytes_sent``, the token-id bytes handed to
+        links, re-sends after a failover included (without a failover: the planner's
+        ``token_bytes_per_step_per_dp_rank`` in a step); ``bytes_resent``, the part of them
+        sent again after a failover; ``header_bytes_sent``, the request headers'."""
         stats = {"bytes": self.bytes_this_step, "wait_s": self._wait_s,
                  "occupancy": self._occupancy / self._asks if self._asks else None,
-                 "tokens_by_replica": self._tokens}
+                 "tokens_by_replica": self._tokens, "bytes_sent": self._sent.tokens,
+                 "bytes_resent": self._sent.resent, "header_bytes_sent": self._sent.headers}
         self.bytes_this_step, self._wait_s, self._occupancy, self._asks = 0, 0.0, 0.0, 0
-        self._tokens = {}
+        self._tokens, self._sent = {}, SentBytes()
         return stats
 
     def live_replicas(self) -> int:
@@ -476,14 +487,6 @@ class TeacherClient:
 def _store(record: ReplicaRecord, timeout_s: float):
     return dist.TCPStore(record.host, record.port, is_master=False, wait_for_workers=False,
                          timeout=datetime.timedelta(seconds=timeout_s))
-
-
-def _load(store) -> int:
-    """A replica's load: its open connections plus its pending requests."""
-    opened = store.add("conn_counter", 0)
-    closed = store.add("closed_counter", 0)
-    pending = int(store.get("pending")) if store.check(["pending"]) else 0
-    return opened - closed + pending
 
 
 def _group_device(group) -> torch.device:

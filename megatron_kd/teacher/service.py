@@ -34,6 +34,18 @@ import torch
 import torch.distributed as dist
 
 from megatron_kd.teacher.endpoint import Endpoint, ReplicaRecord
+from megatron_kd.teacher.protocol import (
+    CLOSED_COUNTER_KEY,
+    CONN_COUNTER_KEY,
+    PENDING_KEY,
+    ConnectionMeta,
+    Tag,
+    link_device,
+    meta_key,
+    publish_identity,
+    request_prefix,
+    response_prefix,
+)
 from megatron_kd.teacher.transport import Link, LinkDown
 from megatron_kd.teacher.wire import (
     Request,
@@ -41,29 +53,12 @@ from megatron_kd.teacher.wire import (
     WireError,
     encode_hidden,
     header_size,
-    payload_shapes,
+    wire_bytes_per_token,
 )
 
-__all__ = ["TAGS", "TeacherService", "link_device", "wire_bytes_per_token"]
+__all__ = ["TeacherService"]
 
-#: Point-to-point tags: request header and tokens; response header and payload parts.
-TAGS = {"request": 1, "tokens": 2, "response": 3, "payload": 4}
 _FOREVER = 365 * 24 * 3600.0  # a student may be idle for long (evaluation, checkpoints)
-
-
-def link_device(student_device: str, teacher_device: str) -> torch.device:
-    """Where a pair's buffers live: CUDA (NCCL) when both ends have a GPU, else the host
-    (gloo). Both sides compute it from what the other announced."""
-    if student_device == "cuda" and teacher_device == "cuda" and dist.is_nccl_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def wire_bytes_per_token(hidden_size: int, wire_dtype: str) -> int:
-    """Response bytes per token (what the planner and the logs count)."""
-    return sum(torch.Size(shape[2:] if len(shape) == 3 else ()).numel()
-               * torch.empty((), dtype=dtype).element_size()
-               for shape, dtype in payload_shapes((1, 1, hidden_size), wire_dtype))
 
 
 @dataclass
@@ -71,7 +66,7 @@ class _Conn:
     """A connection as the replica knows it."""
 
     conn: int
-    meta: dict
+    meta: ConnectionMeta
     request_link: Link | None = None
     senders: dict = field(default_factory=dict)  # chunk -> _Sender (chunks this rank sends)
 
@@ -95,8 +90,8 @@ class _Sender(threading.Thread):
                 continue
             header, parts = item
             try:
-                works = self.link.send([header], TAGS["response"])
-                works += self.link.send(parts, TAGS["payload"])
+                works = self.link.send([header], Tag.RESPONSE)
+                works += self.link.send(parts, Tag.PAYLOAD)
                 self.link.wait(works, time.monotonic() + self.timeout_s)
             except LinkDown:
                 self.dead = True  # the student went away: drop what is queued for it
@@ -122,17 +117,17 @@ class _Front:
         self._drain(timeout=0.0 if (new or self.pending) else idle_wait_s)
         closed, self.closed = self.closed, []
         batch = self._batch(conns, closed)
-        # what a student choosing a replica reads (with the open connections, see client.py)
-        self.store.set("pending", str(len(self.pending) + len(batch)))
+        # what a student choosing a replica reads (with the open connections: replica_load)
+        self.store.set(PENDING_KEY, str(len(self.pending) + len(batch)))
         return {"new": new, "closed": closed, "batch": batch, "stop": stop}
 
-    def _new_connections(self) -> list[tuple[int, dict]]:
+    def _new_connections(self) -> list[tuple[int, ConnectionMeta]]:
         out = []
-        while self.seen < self.store.add("conn_counter", 0):
-            key = f"conn/{self.seen}/meta"
+        while self.seen < self.store.add(CONN_COUNTER_KEY, 0):
+            key = meta_key(self.seen)
             if not self.store.check([key]):
                 break  # announced, its description not written yet: next loop
-            out.append((self.seen, json.loads(self.store.get(key))))
+            out.append((self.seen, ConnectionMeta.from_json(self.store.get(key))))
             self.seen += 1
         return out
 
@@ -144,7 +139,7 @@ class _Front:
         while True:
             if item[0] == "closed":
                 self.closed.append(item[1])
-                self.store.add("closed_counter", 1)
+                self.store.add(CLOSED_COUNTER_KEY, 1)
             else:
                 self.pending.append(item)
             try:
@@ -176,11 +171,11 @@ class _Front:
                 while True:
                     header = torch.empty(header_size(max_samples), dtype=torch.int64,
                                          device=link.device)
-                    link.wait(link.recv([header], TAGS["request"]), time.monotonic() + _FOREVER)
+                    link.wait(link.recv([header], Tag.REQUEST), time.monotonic() + _FOREVER)
                     req = Request.decode(header.cpu(), max_samples)
                     tokens = torch.empty((req.batch, req.seq_length), dtype=torch.int32,
                                          device=link.device)
-                    link.wait(link.recv([tokens], TAGS["tokens"]),
+                    link.wait(link.recv([tokens], Tag.TOKENS),
                               time.monotonic() + self.timeout_s)
                     self.inbox.put((conn, req, tokens.cpu()))
             except (LinkDown, WireError):
@@ -203,14 +198,18 @@ class TeacherService:
         device: this rank's device (``cuda`` or ``cpu``).
         max_batch: samples batched into one forward at most.
         max_samples: sample ids a header can carry.
+        group: the replica's world (None: the default group); ``last_stage_ranks`` and "rank 0"
+            are ranks of it.
     """
 
     def __init__(self, *, last_stage_ranks: list[int], identity: dict, endpoint: Endpoint,
                  host: str, port: int, forward: Callable, device: torch.device,
                  timeout_s: float, max_batch: int, max_samples: int = 64,
                  layout: dict | None = None, log: Callable[[str], None] | None = None,
-                 stats_interval_s: float = 10.0) -> None:
-        self.rank = dist.get_rank()
+                 stats_interval_s: float = 10.0, group=None) -> None:
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self._src = 0 if group is None else dist.get_global_rank(group, 0)  # rank 0's, globally
         self.last_stage_ranks = list(last_stage_ranks)
         self.identity, self.endpoint, self.forward = identity, endpoint, forward
         self.device = torch.device(device)
@@ -224,11 +223,11 @@ class TeacherService:
         if self.rank == 0:
             self.store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
                                        timeout=datetime.timedelta(seconds=timeout_s))
-            self.store.set("identity", json.dumps(identity, sort_keys=True))
+            publish_identity(self.store, identity)
             self.front = _Front(self.store, max_batch=max_batch, timeout_s=timeout_s,
                                 teacher_device=self.device.type)
             addr = [(host, self.store.port)]
-        dist.broadcast_object_list(addr, src=0)
+        dist.broadcast_object_list(addr, src=self._src, group=group)
         self.host, self.port = addr[0]
         if self.rank != 0:
             self.store = dist.TCPStore(self.host, self.port, is_master=False,
@@ -249,7 +248,7 @@ class TeacherService:
         try:
             while True:
                 ctrl = [self.front.control(self.conns, stop()) if self.rank == 0 else None]
-                dist.broadcast_object_list(ctrl, src=0)
+                dist.broadcast_object_list(ctrl, src=self._src, group=self.group)
                 ctrl = ctrl[0]
                 for conn, meta in ctrl["new"]:
                     self._open(conn, meta)
@@ -269,27 +268,27 @@ class TeacherService:
         self._say({"event": "stopped", "replica": self.replica, **totals})
         return totals
 
-    def _open(self, conn: int, meta: dict) -> None:
+    def _open(self, conn: int, meta: ConnectionMeta) -> None:
         """Make this rank's links of a new connection (the student makes its ends now too)."""
-        device = link_device(meta["device"], self.device.type)
+        device = link_device(meta.device, self.device.type)
         state = _Conn(conn=conn, meta=meta)
-        peer = f"student run {meta['run']} dp {meta['dp_rank']}"
+        peer = f"student run {meta.run} dp {meta.dp_rank}"
         try:
             if self.rank == 0:
-                state.request_link = Link(self.store, f"conn/{conn}/req", 0, device=device,
+                state.request_link = Link(self.store, request_prefix(conn), 0, device=device,
                                           timeout_s=self.timeout_s, peer=peer)
-                self.front.read_requests(conn, state.request_link, meta["max_samples"])
-            for chunk in range(meta["tp"]):
+                self.front.read_requests(conn, state.request_link, meta.max_samples)
+            for chunk in range(meta.tp):
                 if self.last_stage_ranks[chunk % len(self.last_stage_ranks)] == self.rank:
-                    link = Link(self.store, f"conn/{conn}/resp/{chunk}", 0, device=device,
+                    link = Link(self.store, response_prefix(conn, chunk), 0, device=device,
                                 timeout_s=self.timeout_s, peer=f"{peer} tp {chunk}")
                     state.senders[chunk] = _Sender(link, self.timeout_s)
         except LinkDown as e:
             self._say({"event": "connect_failed", "conn": conn, "reason": str(e)})
         self.conns[conn] = state
         self.stats.connected(meta)
-        self._say({"event": "connected", "conn": conn, "run": meta["run"],
-                   "dp_rank": meta["dp_rank"], "tp": meta["tp"], "wire_dtype": meta["wire_dtype"]})
+        self._say({"event": "connected", "conn": conn, "run": meta.run, "dp_rank": meta.dp_rank,
+                   "tp": meta.tp, "wire_dtype": meta.wire_dtype})
 
     def _close(self, conn: int) -> None:
         state = self.conns.pop(conn, None)
@@ -317,7 +316,7 @@ class TeacherService:
 
     def _respond(self, state: _Conn, req: Request, hidden: torch.Tensor) -> None:
         meta = state.meta
-        num_chunks = meta["tp"]
+        num_chunks = meta.tp
         size = hidden.shape[0] // num_chunks
         for chunk, sender in state.senders.items():
             if sender.dead:
@@ -326,9 +325,9 @@ class TeacherService:
             header = Response(run=req.run, conn=req.conn, request=req.request, step=req.step,
                               microbatch=req.microbatch, sample_ids=req.sample_ids,
                               fingerprint=req.fingerprint, chunk=chunk, num_chunks=num_chunks,
-                              shape=tuple(part.shape), wire_dtype=meta["wire_dtype"])
-            parts = [p.to(sender.link.device) for p in encode_hidden(part, meta["wire_dtype"])]
-            sender.queue.put((header.encode(meta["max_samples"]).to(sender.link.device), parts))
+                              shape=tuple(part.shape), wire_dtype=meta.wire_dtype)
+            parts = [p.to(sender.link.device) for p in encode_hidden(part, meta.wire_dtype)]
+            sender.queue.put((header.encode(meta.max_samples).to(sender.link.device), parts))
 
     # -- logging ----------------------------------------------------------------------------------
     def _maybe_log(self) -> None:
@@ -356,14 +355,14 @@ class _Stats:
     t0: float = field(default_factory=time.monotonic)
     last_log: float = field(default_factory=time.monotonic)
 
-    def connected(self, meta: dict) -> None:
-        self.runs.setdefault(str(meta["run"]), {"requests": 0, "tokens": 0, "bytes_in": 0,
-                                                "bytes_out": 0, "connections": 0})
-        self.runs[str(meta["run"])]["connections"] += 1
+    def connected(self, meta: ConnectionMeta) -> None:
+        self.runs.setdefault(str(meta.run), {"requests": 0, "tokens": 0, "bytes_in": 0,
+                                             "bytes_out": 0, "connections": 0})
+        self.runs[str(meta.run)]["connections"] += 1
 
-    def served(self, meta: dict | None, req: Request, hidden_size: int) -> None:
+    def served(self, meta: ConnectionMeta | None, req: Request, hidden_size: int) -> None:
         tokens = req.batch * req.seq_length
-        out = tokens * wire_bytes_per_token(hidden_size, meta["wire_dtype"]) if meta else 0
+        out = tokens * wire_bytes_per_token(hidden_size, meta.wire_dtype) if meta else 0
         self.requests += 1
         self.samples += req.batch
         self.tokens += tokens

@@ -31,6 +31,7 @@ cannot be woken).
 
 from __future__ import annotations
 
+import collections
 import datetime
 import queue
 import threading
@@ -88,6 +89,8 @@ class Link:
         self.backend = link_backend(self.device)
         self.timeout_s = timeout_s
         self.aborted = False
+        self.bytes_sent: collections.Counter[int] = collections.Counter()
+        """Bytes handed to :meth:`send` so far, by tag (what left this process)."""
         self._watch: queue.SimpleQueue | None = None  # receives for the watcher thread
         timeout = datetime.timedelta(seconds=timeout_s)
         prefixed = dist.PrefixStore(prefix, store)
@@ -103,8 +106,11 @@ class Link:
             raise LinkDown(f"could not connect to {peer}: {_first_line(e)}") from e
 
     def send(self, tensors: list[torch.Tensor], tag: int) -> list:
-        """Start sending ``tensors`` in order (each on this link's device); returns the works."""
-        return [self._op(self.pg.send, t, tag) for t in tensors]
+        """Start sending ``tensors`` in order (each on this link's device); returns the works.
+        Their bytes are counted in :attr:`bytes_sent` under ``tag`` once every send started."""
+        works = [self._op(self.pg.send, t, tag) for t in tensors]
+        self.bytes_sent[int(tag)] += sum(t.numel() * t.element_size() for t in tensors)
+        return works
 
     def recv(self, tensors: list[torch.Tensor], tag: int) -> list:
         """Start receiving into ``tensors`` in order; returns the works."""

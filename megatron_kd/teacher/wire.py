@@ -23,7 +23,7 @@ import torch
 
 __all__ = ["HeaderMismatchError", "Request", "Response", "TeacherUnavailableError",
            "WIRE_DTYPES", "WireError", "decode_hidden", "encode_hidden", "header_size",
-           "payload_shapes", "token_fingerprint"]
+           "payload_shapes", "token_fingerprint", "wire_bytes_per_token"]
 
 MAGIC = 0x4B44_5357  # "KDSW"
 VERSION = 2
@@ -183,6 +183,13 @@ def payload_shapes(shape: tuple[int, int, int], wire_dtype: str):
         return [(shape, torch.bfloat16)]
     # fp8 travels as bytes (collectives have no float8 type) with one fp32 scale per token
     return [(shape, torch.uint8), (shape[:2], torch.float32)]
+
+
+def wire_bytes_per_token(hidden_size: int, wire_dtype: str) -> int:
+    """Response bytes per token (what the planner and the logs count)."""
+    return sum(torch.Size(shape[2:] if len(shape) == 3 else ()).numel()
+               * torch.empty((), dtype=dtype).element_size()
+               for shape, dtype in payload_shapes((1, 1, hidden_size), wire_dtype))
 
 
 def encode_hidden(hidden: torch.Tensor, wire_dtype: str) -> list[torch.Tensor]:

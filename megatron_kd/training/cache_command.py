@@ -9,8 +9,9 @@
     megatron-kd cache info DIR          # spec, progress, bytes per token
 
 ``build`` takes the training run's data flags (``--data-path --split --seed --seq-length
---train-iters --global-batch-size --eval-iters``, or ``--mock-data``) and checks them, and the
-teacher, with the trainer's own checks (:mod:`megatron_kd.training.plan`), so it builds the very
+--train-iters --global-batch-size --eval-iters``, or ``--mock-data``: the run's own
+:class:`~megatron_kd.training.run_config.DataSection`) and checks them, and the teacher, with the
+trainer's own checks (:mod:`megatron_kd.training.run_checks`), so it builds the very
 ``GPTDataset`` the student will read, and caches samples ``[0, train_iters x
 global_batch_size)``. Launch it with ``torchrun``: the world splits into teacher replicas of
 ``--tensor-model-parallel-size`` ranks; replicas share the shards. Run it again after a crash
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -34,24 +36,34 @@ from megatron_kd.cache.identity import dataset_identity, tokenizer_identity
 from megatron_kd.cache.summary import print_info, print_verify
 from megatron_kd.data.datasets import collate
 from megatron_kd.data.tokenizer import MockTokenizer
-from megatron_kd.integration.args import (
-    TEACHER_DTYPES,
-    add_teacher_args_flag,
-    teacher_torch_dtype,
-)
+from megatron_kd.flags import add_flags, flag, from_flags
+from megatron_kd.integration.args import KDArgs, add_teacher_flags
 from megatron_kd.integration.checkpoint import checkpoint_hash
 from megatron_kd.integration.cpu_shim import device_context, install_cpu_shim, on_cpu
 from megatron_kd.integration.groups import (
-    add_expert_parallel_args,
     check_experts_within_tensor_parallel,
     init_distributed_from_env,
     model_parallel,
 )
 from megatron_kd.integration.output_layer import output_layer_weight, to_sbh
 from megatron_kd.integration.teacher import build_frozen_teacher
-from megatron_kd.training.plan import build_datasets, check_teacher, resolve_tokenizer
+from megatron_kd.training.run_checks import build_datasets, check_teacher, resolve_tokenizer
+from megatron_kd.training.run_config import DataSection, ParallelSection
 
-__all__ = ["add_arguments", "run"]
+__all__ = ["CacheBuildSection", "add_arguments", "run"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class CacheBuildSection:
+    """What ``cache build`` asks beyond the run's data, parallelism and teacher flags."""
+
+    out: str = flag(help="cache directory (resumed)", metavar="DIR")
+    topk: int = flag(100, "entries per token (K)", name="--kd-topk")
+    logprob_encoding: str = flag("log1p-u11", "'log1p-u<bits>' (compact, default 11 bits) or "
+                                              "'fp32' (lossless)")
+    samples_per_shard: int = flag(128)
+    window_size: int = flag(1024, "rows projected onto the vocabulary at once")
+    micro_batch_size: int = flag(1, "samples per teacher call")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -63,34 +75,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     i.add_argument("--json", action="store_true", help="machine-readable output")
 
     b = sub.add_parser("build", help="run the teacher over the training samples, store top-K")
-    b.add_argument("--out", required=True, metavar="DIR", help="cache directory (resumed)")
-    b.add_argument("--kd-teacher-load", required=True, metavar="DIR",
-                   help="teacher checkpoint (megatron_kd format)")
-    b.add_argument("--kd-topk", type=int, default=100, help="entries per token (K)")
-    b.add_argument("--logprob-encoding", default="log1p-u11",
-                   help="'log1p-u<bits>' (compact, default 11 bits) or 'fp32' (lossless)")
-    b.add_argument("--samples-per-shard", type=int, default=128)
-    b.add_argument("--window-size", type=int, default=1024,
-                   help="rows projected onto the vocabulary at once")
-    b.add_argument("--tensor-model-parallel-size", type=int, default=1)
-    add_expert_parallel_args(b)
-    add_teacher_args_flag(b)
-    b.add_argument("--kd-teacher-dtype", choices=TEACHER_DTYPES, default="fp32",
-                   help="parameter dtype of the teacher (the top-K maths runs in fp32 either "
-                        "way)")
-    b.add_argument("--seq-length", type=int, required=True)
-    b.add_argument("--micro-batch-size", type=int, default=1, help="samples per teacher call")
-    b.add_argument("--train-iters", type=int, required=True)
-    b.add_argument("--global-batch-size", type=int, required=True)
-    b.add_argument("--eval-iters", type=int, default=10,
-                   help="as in training (it sizes the dataset split and so its identity)")
-    b.add_argument("--seed", type=int, default=1234)
-    b.add_argument("--data-path", nargs="+", default=None)
-    b.add_argument("--split", default="969,30,1")
-    b.add_argument("--tokenizer-model", default=None)
-    b.add_argument("--eod-token", default=None)
-    b.add_argument("--data-cache-path", default=None)
-    b.add_argument("--mock-data", action="store_true")
+    add_flags(b, CacheBuildSection, exclude=("micro_batch_size",))
+    add_flags(b, ParallelSection, use_groups=False, only=(
+        "tensor_model_parallel_size", "expert_model_parallel_size",
+        "expert_tensor_parallel_size"))
+    add_teacher_flags(b, help={"teacher_dtype": "parameter dtype of the teacher (the top-K "
+                                                "maths runs in fp32 either way)"})
+    add_flags(b, CacheBuildSection, only=("micro_batch_size",))
+    # The run's own data section: the cache covers exactly the samples the student reads.
+    add_flags(b, DataSection, use_groups=False, required=("global_batch_size",),
+              help={"eval_iters": "as in training (it sizes the dataset split and so its "
+                                  "identity)", "global_batch_size": None})
 
 
 def run(args: argparse.Namespace) -> int:
@@ -102,19 +97,27 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _build(args: argparse.Namespace) -> int:
-    for name in ("kd_topk", "samples_per_shard", "window_size", "seq_length", "micro_batch_size",
-                 "train_iters", "global_batch_size", "tensor_model_parallel_size"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    codec = LogprobCodec(name=args.logprob_encoding)
+    build = from_flags(CacheBuildSection, args)
+    data, parallel = from_flags(DataSection, args), from_flags(ParallelSection, args)
+    kd = from_flags(KDArgs, args)
+    for name, value in (("kd_topk", build.topk), ("samples_per_shard", build.samples_per_shard),
+                        ("window_size", build.window_size), ("seq_length", data.seq_length),
+                        ("micro_batch_size", build.micro_batch_size),
+                        ("train_iters", data.train_iters),
+                        ("global_batch_size", data.global_batch_size),
+                        ("tensor_model_parallel_size", parallel.tensor_model_parallel_size)):
+        if value < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    codec = LogprobCodec(name=build.logprob_encoding)
     install_cpu_shim()
     if on_cpu():
         torch.set_flush_denormal(True)
     created = init_distributed_from_env()
     try:
-        with model_parallel(args.tensor_model_parallel_size, 1, args.expert_model_parallel_size,
-                            args.expert_tensor_parallel_size), device_context():
-            stats = _build_in_model_parallel(args, codec)
+        with model_parallel(parallel.tensor_model_parallel_size, 1,
+                            parallel.expert_model_parallel_size,
+                            parallel.expert_tensor_parallel_size), device_context():
+            stats = _build_in_model_parallel(build, data, parallel, kd, codec)
         if dist.get_rank() == 0:
             print(json.dumps({"shards_written": len(stats.shards_written),
                               "shards_skipped": len(stats.shards_skipped),
@@ -126,23 +129,23 @@ def _build(args: argparse.Namespace) -> int:
             dist.destroy_process_group()
 
 
-def _build_in_model_parallel(args: argparse.Namespace, codec: LogprobCodec):
-    teacher_dir, arch = check_teacher(args.kd_teacher_load, seq_length=args.seq_length,
-                                      tp_sizes=(args.tensor_model_parallel_size,),
-                                      teacher_args=args.kd_teacher_args)
-    check_experts_within_tensor_parallel(arch, args.tensor_model_parallel_size,
-                                         args.expert_model_parallel_size,
-                                         args.expert_tensor_parallel_size)
-    tokenizer = resolve_tokenizer(args, teacher_dir)
+def _build_in_model_parallel(build: CacheBuildSection, data: DataSection,
+                             parallel: ParallelSection, kd: KDArgs, codec: LogprobCodec):
+    tp = parallel.tensor_model_parallel_size
+    teacher_dir, arch = check_teacher(kd.teacher_load, seq_length=data.seq_length,
+                                      tp_sizes=(tp,), teacher_args=kd.teacher_args)
+    check_experts_within_tensor_parallel(arch, tp, parallel.expert_model_parallel_size,
+                                         parallel.expert_tensor_parallel_size)
+    tokenizer = resolve_tokenizer(data, teacher_dir)
     if tokenizer is not None and tokenizer.vocab_size > arch.vocab_size:
         raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens but the teacher "
                          f"vocabulary is {arch.vocab_size}")
     tokenizer = tokenizer or MockTokenizer(arch.vocab_size)
-    dataset, _ = build_datasets(args, arch.vocab_size, tokenizer, args.global_batch_size,
+    dataset, _ = build_datasets(data, arch.vocab_size, tokenizer, data.global_batch_size,
                                 need_valid=False)
-    dtype = teacher_torch_dtype(args.kd_teacher_dtype)
     # seeded only so Megatron's model-parallel RNG exists; the weights are loaded next
-    teacher = build_frozen_teacher(arch, teacher_dir, dtype=dtype, seed=args.seed)
+    teacher = build_frozen_teacher(arch, teacher_dir, dtype=kd.teacher_torch_dtype,
+                                   seed=data.seed)
     weight = output_layer_weight(teacher)
 
     # One hash of the checkpoint files, computed once and shared (same on every rank).
@@ -151,9 +154,9 @@ def _build_in_model_parallel(args: argparse.Namespace, codec: LogprobCodec):
     spec = CacheSpec(
         teacher_checkpoint=os.path.abspath(teacher_dir),
         teacher_weights_hash=ckpt_hash[0], tokenizer=tokenizer_identity(tokenizer),
-        vocab_size=arch.vocab_size, topk=args.kd_topk, seq_length=args.seq_length,
-        num_samples=args.train_iters * args.global_batch_size,
-        dataset_hash=dataset_identity(dataset), samples_per_shard=args.samples_per_shard,
+        vocab_size=arch.vocab_size, topk=build.topk, seq_length=data.seq_length,
+        num_samples=data.num_samples(data.global_batch_size)[0],
+        dataset_hash=dataset_identity(dataset), samples_per_shard=build.samples_per_shard,
         logprob_codec=codec)
 
     @torch.no_grad()
@@ -164,8 +167,8 @@ def _build_in_model_parallel(args: argparse.Namespace, codec: LogprobCodec):
         return to_sbh(teacher(tokens, position_ids, None))  # [s, b, h]
 
     log = print if ps.get_tensor_model_parallel_rank() == 0 else None
-    return build_cache(args.out, spec, teacher_forward_fn=teacher_forward, output_weight=weight,
-                       micro_batch_size=args.micro_batch_size, window_size=args.window_size,
+    return build_cache(build.out, spec, teacher_forward_fn=teacher_forward, output_weight=weight,
+                       micro_batch_size=build.micro_batch_size, window_size=build.window_size,
                        tp_group=ps.get_tensor_model_parallel_group(),
                        dp_rank=ps.get_data_parallel_rank(),
                        dp_world_size=ps.get_data_parallel_world_size(), log=log)

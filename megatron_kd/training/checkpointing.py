@@ -99,7 +99,7 @@ def save_training_checkpoint(root: str, *, iteration: int, consumed_samples: int
     needed = _state_bytes(state)
     try:
         dist_checkpointing.save(state, partial, sharded_strategy=checkpoint_save_strategy())
-    except (Exception, CheckpointException) as e:  # noqa: BLE001 - collective: on every rank
+    except (Exception, CheckpointException) as e:
         # (torch's CheckpointException is a BaseException, gathering every rank's failure)
         raise CheckpointWriteError(_write_failure(partial, needed, e)) from e
     payload = {"format_version": CHECKPOINT_FORMAT_VERSION, "arch": arch.to_dict(),
@@ -232,22 +232,10 @@ def load_training_checkpoint(root: str, *, model, optimizer, scheduler,
     return int(state["iteration"]), int(state["consumed_samples"])
 
 
-def run_schedule_bounds(args) -> tuple[int, int]:
-    """``(first_iteration, stop_iteration)`` of this run, as the student will compute them.
-
-    Both sides of a disaggregated run read the resume point from the same ``--load``
-    directory, so the teacher starts where the student does without any message from it.
-    """
-    start = 0
-    if args.load:
-        start = latest_iteration(args.load) or 0
-    return start, stop_iteration(args, start)
-
-
-def stop_iteration(args, start: int) -> int:
+def stop_iteration(train_iters: int, exit_after_iters: int | None, start: int) -> int:
     """The iteration a run started at ``start`` stops after (``--train-iters``,
     ``--exit-after-iters``)."""
-    stop = args.train_iters
-    if args.exit_after_iters is not None:
-        stop = min(stop, start + args.exit_after_iters)
+    stop = train_iters
+    if exit_after_iters is not None:
+        stop = min(stop, start + exit_after_iters)
     return stop

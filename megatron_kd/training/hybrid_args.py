@@ -1,4 +1,4 @@
-"""``megatron-kd train`` flags of a Qwen3.5-shaped student: Gated DeltaNet linear attention in a
+"""The ``megatron-kd train`` flags of a Qwen3.5-shaped student: Gated DeltaNet linear attention in a
 layer pattern, gated softmax attention, partial RoPE and a (gated) shared expert, spelled as
 Megatron-LM spells them (``--experimental-attention-variant gated_delta_net
 --linear-attention-freq 4 --attention-output-gate --rotary-percent 0.25 ...``).
@@ -13,13 +13,13 @@ import argparse
 import ast
 from typing import Any
 
-__all__ = ["add_hybrid_args", "hybrid_arch_fields", "layer_pattern"]
+__all__ = ["LINEAR_DEFAULTS", "VARIANTS", "hybrid_arch_fields", "layer_pattern"]
 
 # Megatron-Core's TransformerConfig defaults of the Gated DeltaNet widths.
-_LINEAR_DEFAULTS = {"linear_conv_kernel_dim": 4, "linear_key_head_dim": 128,
+LINEAR_DEFAULTS = {"linear_conv_kernel_dim": 4, "linear_key_head_dim": 128,
                     "linear_value_head_dim": 128, "linear_num_key_heads": 16,
                     "linear_num_value_heads": 32}
-_VARIANTS = ("gated_delta_net", "gdn")
+VARIANTS = ("gated_delta_net", "gdn")
 
 
 def layer_pattern(value: str) -> int | list[int]:
@@ -62,53 +62,27 @@ def _pattern(node: ast.AST) -> int | list[int]:
     raise ValueError(f"unsupported expression {ast.dump(node)[:60]}")
 
 
-def add_hybrid_args(parser: argparse.ArgumentParser) -> None:
-    """The Qwen3.5-style student flags (Megatron-LM's names and defaults)."""
-    g = parser.add_argument_group("student model: hybrid linear attention (Qwen3.5)")
-    g.add_argument("--experimental-attention-variant", choices=_VARIANTS, default=None,
-                   help="gated_delta_net (or gdn): the layers --linear-attention-freq marks are "
-                        "Gated DeltaNet linear attention")
-    g.add_argument("--linear-attention-freq", type=layer_pattern, default=None,
-                   help="N: one softmax-attention layer every N (the rest linear); or a list "
-                        "expression of 0 / 1 per layer, 1 linear, e.g. \"([1]*3+[0])*2\"")
-    for flag, name in (("--linear-conv-kernel-dim", "causal convolution width"),
-                       ("--linear-key-head-dim", "query / key head width"),
-                       ("--linear-value-head-dim", "value head width"),
-                       ("--linear-num-key-heads", "query / key heads"),
-                       ("--linear-num-value-heads", "value heads")):
-        dest = flag[2:].replace("-", "_")
-        g.add_argument(flag, type=int, default=None,
-                       help=f"Gated DeltaNet {name} (default {_LINEAR_DEFAULTS[dest]})")
-    g.add_argument("--attention-output-gate", action="store_true",
-                   help="softmax attention's output times sigmoid of a second query projection")
-    g.add_argument("--rotary-percent", type=float, default=1.0,
-                   help="fraction of each head's width RoPE rotates (Qwen3.5: 0.25)")
-    g.add_argument("--moe-shared-expert-intermediate-size", type=int, default=None,
-                   help="width of a shared expert beside the routed ones (needs --num-experts)")
-    g.add_argument("--moe-shared-expert-gate", action="store_true",
-                   help="the shared expert's output times sigmoid(w . x) per token")
-
-
-def hybrid_arch_fields(args: argparse.Namespace) -> dict[str, Any]:
-    """GPTArchConfig fields of the hybrid flags; ``ValueError`` naming the flags when they do
-    not fit together (no flag is ignored)."""
+def hybrid_arch_fields(arch) -> dict[str, Any]:
+    """GPTArchConfig fields of the hybrid flags of ``arch`` (an
+    :class:`~megatron_kd.training.run_config.ArchitectureSection`); ``ValueError`` naming the
+    flags when they do not fit together (no flag is ignored)."""
     fields: dict[str, Any] = {
-        "attention_output_gate": args.attention_output_gate,
-        "rotary_percent": args.rotary_percent,
-        "moe_shared_expert_size": args.moe_shared_expert_intermediate_size,
-        "moe_shared_expert_gate": args.moe_shared_expert_gate,
+        "attention_output_gate": arch.attention_output_gate,
+        "rotary_percent": arch.rotary_percent,
+        "moe_shared_expert_size": arch.moe_shared_expert_intermediate_size,
+        "moe_shared_expert_gate": arch.moe_shared_expert_gate,
     }
-    if args.moe_shared_expert_intermediate_size is not None and args.num_experts is None:
+    if arch.moe_shared_expert_intermediate_size is not None and arch.num_experts is None:
         raise ValueError(f"--moe-shared-expert-intermediate-size "
-                         f"{args.moe_shared_expert_intermediate_size} needs --num-experts")
-    if args.moe_shared_expert_gate and args.moe_shared_expert_intermediate_size is None:
+                         f"{arch.moe_shared_expert_intermediate_size} needs --num-experts")
+    if arch.moe_shared_expert_gate and arch.moe_shared_expert_intermediate_size is None:
         raise ValueError("--moe-shared-expert-gate needs --moe-shared-expert-intermediate-size")
-    freq = args.linear_attention_freq
-    given = [f"--{name.replace('_', '-')}" for name in _LINEAR_DEFAULTS
-             if getattr(args, name) is not None]
+    freq = arch.linear_attention_freq
+    given = [f"--{name.replace('_', '-')}" for name in LINEAR_DEFAULTS
+             if getattr(arch, name) is not None]
     if freq is not None:
         given.append("--linear-attention-freq")
-    if args.experimental_attention_variant is None:
+    if arch.experimental_attention_variant is None:
         if given:
             raise ValueError(f"{' '.join(given)} without --experimental-attention-variant "
                              f"gated_delta_net")
@@ -116,13 +90,13 @@ def hybrid_arch_fields(args: argparse.Namespace) -> dict[str, Any]:
     if freq is None:
         raise ValueError("--experimental-attention-variant gated_delta_net needs "
                          "--linear-attention-freq (which layers are linear attention)")
-    n = args.num_layers
+    n = arch.num_layers
     pattern = freq if isinstance(freq, list) else [int((i + 1) % freq != 0) for i in range(n)]
     if len(pattern) != n:
         raise ValueError(f"--linear-attention-freq gives {len(pattern)} layers, "
                          f"--num-layers is {n}")
     fields["linear_attention_layers"] = [i for i, linear in enumerate(pattern) if linear]
-    for name, default in _LINEAR_DEFAULTS.items():
-        value = getattr(args, name)
+    for name, default in LINEAR_DEFAULTS.items():
+        value = getattr(arch, name)
         fields[name] = default if value is None else value
     return fields

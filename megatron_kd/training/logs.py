@@ -14,8 +14,7 @@ import torch.distributed as dist
 
 from megatron_kd.integration.groups import collective_device
 
-__all__ = ["JsonLog", "Progress", "RunRecord", "peak_memory", "reduce_reports", "run_summary",
-           "step_cache_stats"]
+__all__ = ["JsonLog", "Progress", "RunRecord", "peak_memory", "reduce_reports"]
 
 
 def peak_memory() -> tuple[int, str]:
@@ -115,46 +114,3 @@ def reduce_reports(reports: list, keys: tuple, contributes: bool) -> dict:
     both = both.cpu()
     return {key: both[2 * i: 2 * i + 2] if both[2 * len(keys) + i] > 0 else None
             for i, key in enumerate(keys)}
-
-
-def step_cache_stats(trainer) -> dict:
-    """Offline: this step's seconds waiting for decoded top-K targets (mean over the ranks that
-    read the cache) and the decoder's rate so far (tokens decoded over decoding seconds, over
-    those ranks: it decodes ahead, so a step may decode nothing), one all-reduce."""
-    wait_s, tokens, decode_s = trainer.topk.rates() if trainer.topk is not None else (0.0, 0, 0.0)
-    waited_before = getattr(trainer, "_cache_waited", 0.0)
-    trainer._cache_waited = wait_s
-    vec = torch.tensor([wait_s - waited_before, tokens, decode_s, trainer.topk is not None],
-                       dtype=torch.float64, device=collective_device())
-    dist.all_reduce(vec)
-    wait_s, tokens, decode_s, readers = vec.tolist()
-    return {"kd_cache_wait_s": round(wait_s / readers, 6) if readers else 0.0,
-            "kd_cache_read_tokens_per_s": round(tokens / decode_s, 1) if decode_s else None}
-
-
-def run_summary(trainer, run: RunRecord, iteration: int) -> dict:
-    """What :meth:`~megatron_kd.training.trainer.Trainer.fit` returns."""
-    plan = trainer.plan
-    tokens_per_step = plan.global_batch_size * trainer.args.seq_length
-    steps, evals, step_times = run.steps, run.evals, run.step_times
-    return {
-        "start_iteration": run.start_iteration,
-        "iterations": iteration,
-        "steps": steps,
-        "evals": evals,
-        "final_loss": steps[-1]["loss"] if steps else None,
-        "final_eval_lm_loss": evals[-1]["eval_lm_loss"] if evals else None,
-        "tokens_per_s": (len(steps) * tokens_per_step / sum(step_times)) if step_times
-        else None,
-        "wall_s": time.perf_counter() - run.t_start,
-        "exit_signal": run.exit_signal,
-        "student_params_per_rank": trainer.num_params,
-        "student_arch": plan.student_arch.to_dict(),
-        "teacher_arch": plan.teacher_arch.to_dict() if plan.teacher_arch else None,
-        "world_size": dist.get_world_size(),
-        "rank": trainer.rank,
-        "kd_mode": plan.kd.mode,
-        "teacher_in_memory": trainer.teacher is not None,
-        "topk_wait_s": trainer.topk.wait_s if trainer.topk is not None else None,
-        "tp": plan.tp, "pp": plan.pp, "dp": plan.dp,
-    }

@@ -27,23 +27,35 @@ validation``, each also ``... vs samples``); the distillation's own go under ``k
 ========================================  ====================================================
 
 Megatron-LM writes from its last rank; here the logging rank (rank 0) writes, with values
-reduced over the world first (the same numbers the JSON log has). A teacher replica
+reduced over the world first (the same numbers the JSON log has). The ``kd/`` names come from
+:func:`~megatron_kd.integration.teacher_sources.kd_scalars`, which the Megatron-LM entry points
+use too (there with the writing rank's own values). A teacher replica
 (``megatron-kd teacher serve --tensorboard-dir``) writes its own side under ``teacher/``
 (:func:`service_scalars`).
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import os
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["MetricWriters", "StepTimers", "add_metric_args", "eval_scalars", "service_scalars",
-           "step_scalars"]
+from megatron_kd.flags import flag
+from megatron_kd.integration.teacher_sources import kd_scalars
+
+__all__ = [
+    "TIMER_NAMES",
+    "MetricWriters",
+    "MetricsSection",
+    "StepTimers",
+    "eval_scalars",
+    "service_scalars",
+    "step_scalars",
+]
 
 #: The step's phases ``--timing-log-level 1`` times (max over ranks); level 2 synchronises the
 #: GPU at each boundary, so the times are the device's, not the launches'.
@@ -51,28 +63,26 @@ TIMER_NAMES = ("forward-backward", "teacher-forward", "teacher-wait", "loss-forw
                "optimizer")
 
 
-def add_metric_args(parser: argparse.ArgumentParser) -> None:
-    """Megatron-LM's TensorBoard, W&B and timer flags, with its meanings."""
-    g = parser.add_argument_group("TensorBoard, Weights & Biases, timers (Megatron-LM's flags)")
-    g.add_argument("--tensorboard-dir", default=None,
-                   help="write TensorBoard event files here (rank 0)")
-    g.add_argument("--tensorboard-log-interval", type=int, default=1)
-    g.add_argument("--tensorboard-queue-size", type=int, default=1000)
-    g.add_argument("--log-timers-to-tensorboard", action="store_true",
-                   help="iteration-time and the --timing-log-level timers as scalars")
-    g.add_argument("--log-memory-to-tensorboard", action="store_true",
-                   help="peak memory of the step as mem-allocated-bytes")
-    g.add_argument("--log-throughput", action="store_true",
-                   help="tokens per second as the throughput scalar")
-    g.add_argument("--timing-log-level", type=int, choices=(0, 1, 2), default=0,
-                   help="0: the iteration time only; 1: where the step's time goes "
-                        f"({', '.join(TIMER_NAMES)}; max over ranks, in the JSON log); 2: the "
-                        "same with the GPU synchronised at each boundary")
-    g.add_argument("--wandb-project", default="", help="log to this W&B project (rank 0)")
-    g.add_argument("--wandb-exp-name", default="", help="the W&B run's name")
-    g.add_argument("--wandb-save-dir", default="",
-                   help="W&B's local directory (default: <--save>/wandb or ./wandb); set "
-                        "WANDB_MODE=offline to keep everything local")
+@dataclass(frozen=True, kw_only=True)
+class MetricsSection:
+    """TensorBoard, W&B and the step timers (Megatron-LM's flags, with its meanings)."""
+
+    tensorboard_dir: str | None = flag(None, "write TensorBoard event files here (rank 0)")
+    tensorboard_log_interval: int = flag(1)
+    tensorboard_queue_size: int = flag(1000)
+    log_timers_to_tensorboard: bool = flag(
+        False, "iteration-time and the --timing-log-level timers as scalars")
+    log_memory_to_tensorboard: bool = flag(False, "peak memory of the step as "
+                                                  "mem-allocated-bytes")
+    log_throughput: bool = flag(False, "tokens per second as the throughput scalar")
+    timing_log_level: int = flag(
+        0, "0: the iteration time only; 1: where the step's time goes "
+           f"({', '.join(TIMER_NAMES)}; max over ranks, in the JSON log); 2: the same with the "
+           "GPU synchronised at each boundary", choices=(0, 1, 2))
+    wandb_project: str = flag("", "log to this W&B project (rank 0)")
+    wandb_exp_name: str = flag("", "the W&B run's name")
+    wandb_save_dir: str = flag("", "W&B's local directory (default: <--save>/wandb or "
+                                   "./wandb); set WANDB_MODE=offline to keep everything local")
 
 
 class StepTimers:
@@ -114,31 +124,20 @@ class StepTimers:
         return {n: round(float(v), 6) for n, v in zip(TIMER_NAMES, vec.tolist())}
 
 
-def step_scalars(record: dict, args: argparse.Namespace, batch_size: int) -> dict[str, float]:
+def step_scalars(record: dict, metrics: MetricsSection, batch_size: int) -> dict[str, float]:
     """Megatron-LM's (and the distillation's) scalars of one JSON step record."""
     out = {"lm loss": record.get("lm_loss"), "kd loss": record.get("kd_loss"),
            "total loss": record.get("loss"), "learning-rate": record.get("lr"),
            "grad-norm": record.get("grad_norm"), "batch-size": batch_size}
-    if getattr(args, "log_timers_to_tensorboard", False):
+    if metrics.log_timers_to_tensorboard:
         out["iteration-time"] = record.get("step_time_s")
         for name, value in (record.get("timers") or {}).items():
             out[f"timers/{name}"] = value
-    if getattr(args, "log_throughput", False):
+    if metrics.log_throughput:
         out["throughput"] = record.get("tokens_per_s")
-    if getattr(args, "log_memory_to_tensorboard", False):
+    if metrics.log_memory_to_tensorboard:
         out["mem-allocated-bytes"] = record.get("peak_mem_bytes")
-    for key, name in (("kd_wire_bytes", "kd/wire-bytes"),
-                      ("kd_wire_bytes_to_teacher", "kd/wire-bytes-out"),
-                      ("kd_teacher_wait_s", "kd/teacher-wait-s"),
-                      ("kd_ring_occupancy", "kd/ring-occupancy"),
-                      ("kd_live_replicas", "kd/live-replicas"),
-                      ("failovers", "kd/failovers"),
-                      ("kd_cache_wait_s", "kd/cache-wait-s"),
-                      ("kd_cache_read_tokens_per_s", "kd/cache-read-tokens-per-s")):
-        if key in record:
-            out[name] = record[key]
-    for replica, rate in (record.get("kd_replica_tokens_per_s") or {}).items():
-        out[f"kd/replica-{replica}/tokens-per-s"] = rate
+    out.update(kd_scalars(record, record.get("step_time_s")))
     return {k: float(v) for k, v in out.items() if v is not None}
 
 
@@ -172,44 +171,44 @@ class MetricWriters:
     """TensorBoard (``--tensorboard-dir``) and W&B (``--wandb-project``) on the logging rank.
 
     A flag given without its package installed is an error naming the package, never a run
-    that silently writes nothing."""
+    that silently writes nothing. ``save``: the run's ``--save`` (W&B's default directory is
+    under it); ``config``: the run's flags, as W&B's run config."""
 
-    def __init__(self, args: argparse.Namespace, enabled: bool) -> None:
-        self.args = args
+    def __init__(self, metrics: MetricsSection, enabled: bool, *, save: str | None = None,
+                 config: dict | None = None) -> None:
+        self.metrics = metrics
         self.tb = self.wandb = None
         if not enabled:
             return
-        if getattr(args, "tensorboard_dir", None):
+        if metrics.tensorboard_dir:
             try:
                 # optional: only runs that ask for TensorBoard need the package
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError as e:
                 raise ImportError(f"--tensorboard-dir needs the tensorboard package (pip install "
                                   f"tensorboard, or megatron_kd[metrics]): {e}") from e
-            self.tb = SummaryWriter(log_dir=args.tensorboard_dir,
-                                    max_queue=args.tensorboard_queue_size)
-        if getattr(args, "wandb_project", ""):
+            self.tb = SummaryWriter(log_dir=metrics.tensorboard_dir,
+                                    max_queue=metrics.tensorboard_queue_size)
+        if metrics.wandb_project:
             try:
                 import wandb  # optional: only runs that ask for W&B need the package
             except ImportError as e:
                 raise ImportError(f"--wandb-project needs the wandb package (pip install wandb, "
                                   f"or megatron_kd[metrics]): {e}") from e
-            save_dir = args.wandb_save_dir or (os.path.join(args.save, "wandb") if
-                                               getattr(args, "save", None) else "wandb")
+            save_dir = metrics.wandb_save_dir or (os.path.join(save, "wandb") if save
+                                                  else "wandb")
             os.makedirs(save_dir, exist_ok=True)
-            self.wandb = wandb.init(project=args.wandb_project,
-                                    name=args.wandb_exp_name or None, dir=save_dir,
-                                    config={k: v for k, v in vars(args).items()
+            self.wandb = wandb.init(project=metrics.wandb_project,
+                                    name=metrics.wandb_exp_name or None, dir=save_dir,
+                                    config={k: v for k, v in (config or {}).items()
                                             if isinstance(v, (int, float, str, bool, type(None)))})
 
     def step(self, iteration: int, samples: int, scalars: dict[str, float]) -> None:
         """Scalars at ``iteration`` (and ``... vs samples``), every
         ``--tensorboard-log-interval`` iterations."""
-        interval = max(1, getattr(self.args, "tensorboard_log_interval", 1))
-        if iteration % interval:
+        if iteration % max(1, self.metrics.tensorboard_log_interval):
             return
         self._write(iteration, samples, scalars)
-
     def evaluation(self, iteration: int, samples: int, scalars: dict[str, float]) -> None:
         self._write(iteration, samples, scalars)
 

@@ -33,14 +33,10 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from megatron_kd.integration.args import (
-    TEACHER_DTYPES,
-    add_teacher_args_flag,
-    teacher_torch_dtype,
-)
+from megatron_kd.flags import add_flags, from_flags
+from megatron_kd.integration.args import add_teacher_flags, teacher_torch_dtype
 from megatron_kd.integration.cpu_shim import device_context, install_cpu_shim, on_cpu
 from megatron_kd.integration.groups import (
-    add_expert_parallel_args,
     check_experts_within_tensor_parallel,
     init_distributed_from_env,
     model_parallel,
@@ -50,7 +46,8 @@ from megatron_kd.integration.teacher import build_frozen_teacher, check_teacher,
 from megatron_kd.parallel import Layout
 from megatron_kd.teacher.endpoint import parse_endpoint
 from megatron_kd.teacher.service import TeacherService
-from megatron_kd.training.metrics import MetricWriters, service_scalars
+from megatron_kd.training.metrics import MetricsSection, MetricWriters, service_scalars
+from megatron_kd.training.run_config import ParallelSection
 
 __all__ = ["add_arguments", "run"]
 
@@ -58,36 +55,36 @@ __all__ = ["add_arguments", "run"]
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
     s = sub.add_parser("serve", help="run one teacher replica until stopped")
-    s.add_argument("--kd-teacher-load", required=True, metavar="DIR",
-                   help="teacher checkpoint (megatron_kd format)")
-    s.add_argument("--kd-teacher-endpoint", required=True, metavar="DIR_OR_HOST:PORT",
-                   help="where to register: a directory every student can read, or the "
-                        "host:port of `megatron-kd teacher registry`")
-    s.add_argument("--tensor-model-parallel-size", type=int, default=1)
-    s.add_argument("--pipeline-model-parallel-size", type=int, default=1)
-    add_expert_parallel_args(s)
-    add_teacher_args_flag(s)
-    s.add_argument("--kd-teacher-dtype", choices=TEACHER_DTYPES, default="fp32",
-                   help="parameter dtype of the teacher")
+    add_teacher_flags(s, only=("teacher_load", "teacher_endpoint"),
+                      required=("teacher_load", "teacher_endpoint"),
+                      help={"teacher_endpoint": "where to register: a directory every student "
+                                                "can read, or the host:port of `megatron-kd "
+                                                "teacher registry`"})
+    add_flags(s, ParallelSection, use_groups=False, only=(
+        "tensor_model_parallel_size", "pipeline_model_parallel_size",
+        "expert_model_parallel_size", "expert_tensor_parallel_size"))
+    add_teacher_flags(s, only=("teacher_args", "teacher_dtype"),
+                      help={"teacher_dtype": "parameter dtype of the teacher"})
     s.add_argument("--max-batch-size", type=int, default=16,
                    help="samples batched into one forward at most (requests of several student "
                         "ranks and runs together)")
     s.add_argument("--max-seq-length", type=int, default=None,
                    help="longest request accepted (default: the teacher's positions)")
-    s.add_argument("--kd-teacher-timeout", type=float, default=600.0, metavar="SECONDS",
-                   help="a student silent this long while a response is sent to it is dropped")
+    add_teacher_flags(s, only=("teacher_timeout",),
+                      help={"teacher_timeout": "a student silent this long while a response is "
+                                               "sent to it is dropped"})
     s.add_argument("--host", default=None,
                    help="the address students reach this replica at (default: this host's name)")
     s.add_argument("--port", type=int, default=0, help="rendezvous port (default: any free one)")
     s.add_argument("--seed", type=int, default=1234)
     s.add_argument("--log-json", default=None, help="append the replica's log lines here")
     s.add_argument("--stats-interval", type=float, default=10.0, metavar="SECONDS")
-    s.add_argument("--tensorboard-dir", default=None,
-                   help="the replica's stats as TensorBoard scalars (teacher/...)")
-    s.add_argument("--tensorboard-queue-size", type=int, default=1000)
-    s.add_argument("--wandb-project", default="", help="the replica's stats to this W&B project")
-    s.add_argument("--wandb-exp-name", default="")
-    s.add_argument("--wandb-save-dir", default="")
+    add_flags(s, MetricsSection, use_groups=False, only=(
+        "tensorboard_dir", "tensorboard_queue_size", "wandb_project", "wandb_exp_name",
+        "wandb_save_dir"), help={"tensorboard_dir": "the replica's stats as TensorBoard "
+                                                    "scalars (teacher/...)",
+                                 "wandb_project": "the replica's stats to this W&B project",
+                                 "wandb_save_dir": "W&B's local directory (default: ./wandb)"})
     r = sub.add_parser("registry", help="a host:port endpoint (a TCPStore) until stopped")
     r.add_argument("--port", type=int, required=True)
     r.add_argument("--host", default="0.0.0.0")
@@ -117,9 +114,11 @@ def _registry(args: argparse.Namespace) -> int:
 
 
 def _check(args: argparse.Namespace, world: int):
-    for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "max_batch_size"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    for name, value in (("tensor_model_parallel_size", args.tensor_model_parallel_size),
+                        ("pipeline_model_parallel_size", args.pipeline_model_parallel_size),
+                        ("max_batch_size", args.max_batch_size)):
+        if value < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     if world != tp * pp:
         raise ValueError(f"a teacher replica's world is its TP x PP ({tp} x {pp} = {tp * pp}), "
@@ -161,7 +160,8 @@ def _service(args: argparse.Namespace, teacher_dir: str, arch, tp: int, pp: int)
     device = torch.device("cpu") if on_cpu() else torch.device("cuda", torch.cuda.current_device())
     log_file = open(args.log_json, "a", encoding="utf-8") if (  # noqa: SIM115 - lives as long
             args.log_json and dist.get_rank() == 0) else None   # as the process
-    writers = MetricWriters(args, dist.get_rank() == 0)  # closed at exit (atexit in both)
+    # closed at exit (atexit in both)
+    writers = MetricWriters(from_flags(MetricsSection, args), dist.get_rank() == 0)
     started = time.monotonic()
 
     def log(line: str) -> None:

@@ -1,11 +1,12 @@
 """``megatron-kd train``: distil a student on Megatron-Core, with the teacher colocated,
-disaggregated (:mod:`megatron_kd.training.disaggregated`) or offline (a top-K cache).
+disaggregated (a teacher service) or offline (a top-K cache).
 
 Launch with ``torchrun`` (``RANK``/``WORLD_SIZE``/``MASTER_ADDR`` in the environment), as a single
 process, or call :func:`train` in processes that already have ``torch.distributed`` initialised.
 On a machine without a GPU the project's CPU shim is installed and gloo is used. The flags are
-in :mod:`megatron_kd.training.args`, the checks in :mod:`megatron_kd.training.plan`, the loop in
-:mod:`megatron_kd.training.trainer`.
+the typed sections of :mod:`megatron_kd.training.run_config`, the checks in
+:mod:`megatron_kd.training.run_checks`, the teacher one of
+:mod:`megatron_kd.integration.teacher_sources`, the loop in :mod:`megatron_kd.training.trainer`.
 """
 
 from __future__ import annotations
@@ -19,16 +20,17 @@ import torch.distributed as dist
 
 from megatron_kd.integration.cpu_shim import device_context, install_cpu_shim, on_cpu
 from megatron_kd.integration.groups import init_distributed_from_env, model_parallel
-from megatron_kd.training.args import add_arguments, parse_args
-from megatron_kd.training.plan import plan_run
+from megatron_kd.training.run_checks import check_run
+from megatron_kd.training.run_config import RunConfig, add_arguments, parse_args
 from megatron_kd.training.trainer import Trainer
 
 __all__ = ["add_arguments", "parse_args", "run", "train"]
 
 
-def train(args: argparse.Namespace, *, loss_fn=None) -> dict:
-    """Run a distillation (any ``--kd-mode``); returns a summary dict (per-step records
-    included).
+def train(args: argparse.Namespace | RunConfig, *, loss_fn=None) -> dict:
+    """Run a distillation (any ``--kd-mode``) of the parsed flags (or their
+    :class:`~megatron_kd.training.run_config.RunConfig`); returns a summary dict (per-step
+    records included).
 
     Initialises ``torch.distributed`` from the environment if it is not already (torchrun, or a
     world of one), sets up Megatron's TP x PP groups for the run and tears them down after.
@@ -37,11 +39,12 @@ def train(args: argparse.Namespace, *, loss_fn=None) -> dict:
     install_cpu_shim()
     if on_cpu():
         torch.set_flush_denormal(True)  # denormal softmax tails make CPU matmuls ~50x slower
+    config = args if isinstance(args, RunConfig) else RunConfig.from_args(args)
     created = init_distributed_from_env()
     try:
-        plan = plan_run(args, dist.get_world_size())  # every check before any model is built
-        with model_parallel(plan.tp, plan.pp, plan.ep, plan.etp), device_context():
-            trainer = Trainer(args, plan, loss_fn=loss_fn)
+        run = check_run(config, dist.get_world_size())  # every check before any model is built
+        with model_parallel(run.tp, run.pp, run.ep, run.etp), device_context():
+            trainer = Trainer(config, run, loss_fn=loss_fn)
             try:
                 return trainer.fit()
             finally:

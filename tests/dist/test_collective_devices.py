@@ -25,11 +25,11 @@ from megatron_kd.cache.reader import TopKCacheReader
 from megatron_kd.cache.topk import vocab_parallel_topk_logprobs
 from megatron_kd.integration.groups import collective_device
 from megatron_kd.integration.megatron_lm_teacher import _microbatch_tokens
+from megatron_kd.integration.teacher_sources import Cached, Remote
 from megatron_kd.testing.devices import on_accelerator, simulated_accelerator
 from megatron_kd.training.checkpointing import _state_bytes
-from megatron_kd.training.disaggregated import step_teacher_stats
 from megatron_kd.training.faults import ExitSignal
-from megatron_kd.training.logs import reduce_reports, step_cache_stats
+from megatron_kd.training.logs import reduce_reports
 from megatron_kd.training.metrics import StepTimers
 
 WORLD = 2
@@ -201,8 +201,10 @@ def _reports(ctx):
 
 
 def _cache_stats(ctx):
-    trainer = SimpleNamespace(topk=SimpleNamespace(rates=lambda: (0.5, 100, 2.0)))
-    return step_cache_stats(trainer)
+    source = Cached(None, directory="cache", depth=2, active=True, micro_batch_size=1,
+                    device=None)
+    source.prefetcher = SimpleNamespace(rates=lambda: (0.5, 100, 2.0))
+    return source.step_stats(dist.group.WORLD).scalars  # as the trainer calls it
 
 
 def _step_timers(ctx):
@@ -222,10 +224,10 @@ def _exit_signal(ctx):
 
 
 def _teacher_stats(ctx):
-    trainer = SimpleNamespace(remote=None, tp_rank=0, dp_rank=ctx.rank, _step=1,
-                              args=SimpleNamespace(micro_batch_size=1, seq_length=4),
-                              plan=SimpleNamespace(dp=WORLD), _json_log=None)
-    return step_teacher_stats(trainer, 2)["kd_wire_bytes"]
+    source = Remote(None, None, weight=None, run=0, tp_group=None, dp_rank=ctx.rank,
+                    dp_size=WORLD, micro_batch_size=1, seq_length=4, max_samples=1,
+                    active=False, log=None)
+    return source.step_stats(dist.group.WORLD).scalars["kd_wire_bytes"]  # as the trainer does
 
 
 def _checkpoint_bytes(ctx):
@@ -246,13 +248,13 @@ def _teacher_tokens(ctx):
 # name: (case, its result on every rank or None, the checked call it makes)
 HELPERS = {
     "logs.reduce_reports": (_reports, ([4.0, 8.0], [2.0, 8.0]), "all_reduce training/logs.py"),
-    "logs.step_cache_stats": (_cache_stats, {"kd_cache_wait_s": 0.5,
-                                             "kd_cache_read_tokens_per_s": 50.0},
-                              "all_reduce training/logs.py"),
+    "teacher_sources.Cached.step_stats": (_cache_stats, {"kd_cache_wait_s": 0.5,
+                                                         "kd_cache_read_tokens_per_s": 50.0},
+                                          "all_reduce integration/teacher_sources.py"),
     "metrics.StepTimers.take": (_step_timers, None, "all_reduce training/metrics.py"),
     "faults.ExitSignal.received": (_exit_signal, True, "all_reduce training/faults.py"),
-    "disaggregated.step_teacher_stats": (_teacher_stats, 0,
-                                         "all_reduce training/disaggregated.py"),
+    "teacher_sources.Remote.step_stats": (_teacher_stats, 0,
+                                          "all_reduce integration/teacher_sources.py"),
     "checkpointing._state_bytes": (_checkpoint_bytes, 2 * (16 + 16),
                                    "all_reduce training/checkpointing.py"),
     "megatron_lm_teacher._microbatch_tokens": (_teacher_tokens, [[0, 1, 2], [3, 4, 5]],

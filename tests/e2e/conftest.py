@@ -1,8 +1,9 @@
 """Fixtures of the end-to-end tier."""
 
 import pytest
-from support.service import Replica
 from support.train_cases import TEACHER_ARCH, case_make_teacher
+
+from megatron_kd.testing.replicas import Replica
 
 
 @pytest.fixture(scope="module")

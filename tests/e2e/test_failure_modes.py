@@ -64,9 +64,10 @@ def case_train_nan_teacher(ctx, argv, bad_call):
     rank) returns NaN hidden states."""
     import torch
 
-    from megatron_kd.training import trainer as trainer_mod
+    # the colocated teacher source's builder (the one place a colocated teacher is made)
+    from megatron_kd.integration import teacher_sources as sources
 
-    build = trainer_mod.build_frozen_teacher
+    build = sources.build_frozen_teacher
     calls = [0]
 
     def poisoned(*args, **kwargs):
@@ -83,11 +84,11 @@ def case_train_nan_teacher(ctx, argv, bad_call):
         model.forward = nan_forward
         return model
 
-    trainer_mod.build_frozen_teacher = poisoned
+    sources.build_frozen_teacher = poisoned
     try:
         return case_train_failing(ctx, argv)
     finally:
-        trainer_mod.build_frozen_teacher = build
+        sources.build_frozen_teacher = build
 
 
 def case_sigterm_at_step(ctx, argv, step, rank):

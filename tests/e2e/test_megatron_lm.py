@@ -1,4 +1,5 @@
-"""Megatron-LM integration (megatron_kd.megatron_lm and patches/): cheapest first.
+"""Megatron-LM integration (megatron_kd.megatron_lm and patches/): cheapest first. One piece:
+its tiers share one stand-in for Megatron-LM (``get_args``, its writers) and one pool's cases.
 
 1. The patch: well formed and naming only entry points that exist (no Megatron-LM needed);
    applies cleanly to a Megatron-LM checkout at the pinned commit when ``MEGATRON_LM_DIR``
@@ -155,7 +156,8 @@ def _lm_args(kd_argv=(), **megatron_lm_fields):
     fields = {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1,
               "padded_vocab_size": 512, "seq_length": SEQ, "sequence_parallel": False,
               "context_parallel_size": 1, "init_model_with_meta_device": False,
-              "mtp_num_layers": None, "micro_batch_size": MBS}
+              "mtp_num_layers": None, "micro_batch_size": MBS, "vocab_size": None,
+              "gradient_accumulation_fusion": False}
     fields.update(megatron_lm_fields)
     for key, value in fields.items():
         setattr(args, key, value)

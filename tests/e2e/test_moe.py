@@ -62,7 +62,7 @@ def _import(pool, tmp, make):
 
 
 @pytest.fixture(scope="module")
-def teacher(pool, tmp_path_factory):
+def moe_teacher(pool, tmp_path_factory):
     save_dir, arch = _import(pool, tmp_path_factory.mktemp("moe"), tiny_qwen3_moe)
     assert (arch["num_experts"], arch["moe_router_topk"], arch["qk_layernorm"]) == (4, 2, True)
     return save_dir
@@ -78,13 +78,13 @@ def qwen35_teacher(pool, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def colocated(pool, teacher):
+def colocated(pool, moe_teacher):
     """The reference: colocated, experts at EP 1, the dense (unfused) KD loss."""
-    return step_losses(pool.run(case_train, BASE + ["--kd-teacher-load", teacher], True)[0])
+    return step_losses(pool.run(case_train, BASE + ["--kd-teacher-load", moe_teacher], True)[0])
 
 
-def test_colocated_teacher_experts_over_two_ranks(pool, teacher, colocated):
-    run = pool.run(case_train, BASE + ["--kd-teacher-load", teacher,
+def test_colocated_teacher_experts_over_two_ranks(pool, moe_teacher, colocated):
+    run = pool.run(case_train, BASE + ["--kd-teacher-load", moe_teacher,
                                        "--expert-model-parallel-size", "2"])
     assert step_losses(run[0]) == step_losses(run[1])
     # fp32; the fused loss against the dense one and the experts' all-to-all: summation order
@@ -93,8 +93,8 @@ def test_colocated_teacher_experts_over_two_ranks(pool, teacher, colocated):
     assert all(r["kd_loss"] > 0.1 for r in run[0]["steps"])
 
 
-def test_moe_student_at_ep2_trains_and_resumes(pool, teacher, tmp_path):
-    argv = BASE + MOE_STUDENT + ["--kd-teacher-load", teacher, "--expert-model-parallel-size",
+def test_moe_student_at_ep2_trains_and_resumes(pool, moe_teacher, tmp_path):
+    argv = BASE + MOE_STUDENT + ["--kd-teacher-load", moe_teacher, "--expert-model-parallel-size",
                                  "2"]
     straight = pool.run(case_train, argv)
     assert step_losses(straight[0]) == step_losses(straight[1])
@@ -112,19 +112,20 @@ def test_moe_student_at_ep2_trains_and_resumes(pool, teacher, tmp_path):
         pool.run(case_train, argv[:-2] + ["--load", ckpt])
 
 
-def test_offline_cache_built_by_the_moe_teacher(pool, teacher, colocated, tmp_path):
+def test_offline_cache_built_by_the_moe_teacher(pool, moe_teacher, colocated, tmp_path):
     cache = str(tmp_path / "cache")
-    pool.run(case_cache_build, _cache_argv(cache, teacher))
+    pool.run(case_cache_build, _cache_argv(cache, moe_teacher))
     offline = pool.run(case_train, BASE + ["--kd-mode", "offline", "--kd-topk-cache", cache])
     # K = V, fp32 log-probs, renormalising tail: the cached teacher is the dense one.
     assert step_losses(offline[0]) == pytest.approx(colocated, rel=5e-6)
 
 
-def test_disaggregated_teacher_with_experts_over_its_tp_ranks(pool, teacher, colocated,
+def test_disaggregated_teacher_with_experts_over_its_tp_ranks(pool, moe_teacher, colocated,
                                                               replicas, tmp_path):
-    replicas(teacher, tp=2, extra=tuple(TEACHER_EXPERTS_IN_TP[2:]))
+    replicas(moe_teacher, tp=2, extra=tuple(TEACHER_EXPERTS_IN_TP[2:]))
     dis = pool.run(case_train, BASE + ["--kd-mode", "disaggregated", "--kd-teacher-endpoint",
-                                       str(tmp_path / "endpoint"), "--kd-teacher-load", teacher])
+                                       str(tmp_path / "endpoint"),
+                                       "--kd-teacher-load", moe_teacher])
     assert step_losses(dis[0]) == step_losses(dis[1])
     assert step_losses(dis[0]) == pytest.approx(colocated, rel=1e-5)
 
@@ -188,12 +189,11 @@ def test_qwen35_moe_teacher_into_a_qwen35_dense_student_in_every_mode(pool, qwen
 
 
 def _plan(flags):
-    from megatron_kd.training.plan import plan_run
-    from megatron_kd.training.train import parse_args
+    from support.train_cases import check_flags
 
-    return plan_run(parse_args(STUDENT + ["--train-iters", "1", "--vocab-size", "500",
-                                          "--kd-weight", "0", "--kd-ce-weight", "1"] + flags),
-                    world_size=2)
+    return check_flags(STUDENT + ["--train-iters", "1", "--vocab-size", "500",
+                                  "--kd-weight", "0", "--kd-ce-weight", "1"] + flags,
+                       world_size=2)
 
 
 @pytest.mark.parametrize("freq, num_layers, linear", [

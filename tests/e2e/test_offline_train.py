@@ -99,8 +99,10 @@ def case_train_watched(ctx, argv):
         return load(*args, **kwargs)
 
     def fit_spy(self):
-        seen.update(teacher=self.teacher, remote=self.remote, is_last=self.is_last,
-                    topk_built=lambda: self.topk is not None)
+        # the run's teacher source: a cache reader, never a model or a replica client
+        seen.update(teacher=self.teacher.model, remote=self.teacher.client,
+                    is_last=self.is_last,
+                    topk_built=lambda: getattr(self.teacher, "prefetcher", None) is not None)
         return fit(self)
 
     models.load_model_checkpoint, train_mod.Trainer.fit = load_spy, fit_spy
@@ -346,21 +348,19 @@ def test_mismatching_cache_is_refused(pool, setup, tmp_path):
      "--kd-topk-cache '{missing}' is not a directory"),
 ])
 def test_offline_flags_are_checked(tmp_path, flags, message):
-    from megatron_kd.training.plan import plan_run
-    from megatron_kd.training.train import parse_args
+    from support.train_cases import check_flags
 
     names = {"cache": str(tmp_path), "missing": str(tmp_path / "missing")}
     argv = COMMON + flags.format(**names).split()
     with pytest.raises(ValueError, match=_literal(message.format(**names))):
-        plan_run(parse_args(argv), 2)
+        check_flags(argv, 2)
 
 
 def test_not_a_cache_directory(tmp_path):
-    from megatron_kd.training.plan import plan_run
-    from megatron_kd.training.train import parse_args
+    from support.train_cases import check_flags
 
     with pytest.raises(ValueError, match="no manifest"):
-        plan_run(parse_args(_offline(str(tmp_path))), 2)
+        check_flags(_offline(str(tmp_path)), 2)
 
 
 def _literal(text):

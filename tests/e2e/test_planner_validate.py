@@ -1,15 +1,17 @@
 """``tools/validate_planner.py`` accepts its built-in cases (every ``megatron-kd train`` mode) and
-predicts what they measure; no model is built and nothing trains (the runs themselves are
+the package's run-to-plan adapter (``megatron_kd.training.plan_adapter``) predicts what they
+measure; no model is built and nothing trains (the runs themselves are
 ``python tools/validate_planner.py --builtin --run``, minutes on CPU).
 
 The teacher checkpoint is its ``model_config.json`` alone: ``check_checkpoint_tensors`` (which
 reads the dist_checkpointing metadata of a real checkpoint, covered by e2e/test_train.py) is stubbed.
 The offline cases' cache is real and complete: it is written with the spec that ``megatron-kd
-cache build`` gets from the tool's own ``cache_build_argv``, so ``plan_run`` checking it against
+cache build`` gets from the tool's own ``cache_build_argv``, so ``check_run`` checking it against
 the run also checks that the tool builds the cache the run reads.
 """
 
 import argparse
+import dataclasses
 import importlib.util
 import json
 import pathlib
@@ -17,6 +19,15 @@ import sys
 
 import numpy as np
 import pytest
+
+from megatron_kd.planner.memory import Term
+from megatron_kd.planner.plan import Mode
+from megatron_kd.training.plan_adapter import (
+    parse_train_args,
+    predict,
+    predict_teacher,
+    resolve_run,
+)
 
 TOOL = pathlib.Path(__file__).resolve().parents[2] / "tools" / "validate_planner.py"
 TOPK = 4  # a small K keeps the cache cheap to write; the built-in runs use BUILTIN_TOPK
@@ -93,12 +104,12 @@ def _write_cache(vp, case, cache_dir, teacher_dir, vocab_size):
 def test_builtin_cases_cover_every_mode(vp, cases):
     from megatron_kd.integration.args import KD_MODES
 
-    modes = {vp.parse_train_args(c.train_args).kd_mode for c in cases}
+    modes = {parse_train_args(c.train_args).kd_mode for c in cases}
     assert modes == set(KD_MODES)
 
 
 def test_builtin_disaggregated_cases_have_a_replica(vp, cases, tmp_path):
-    disagg = [c for c in cases if vp.parse_train_args(c.train_args).kd_mode == "disaggregated"]
+    disagg = [c for c in cases if parse_train_args(c.train_args).kd_mode == "disaggregated"]
     assert [(c.name, c.nproc) for c in disagg] == [
         ("disagg tp1 b4 s512", 1),
         ("disagg tp2 b2 s512", 2),
@@ -108,27 +119,27 @@ def test_builtin_disaggregated_cases_have_a_replica(vp, cases, tmp_path):
         assert "--kd-teacher-world-size" not in case.train_args
         assert f"--kd-teacher-endpoint {tmp_path / 'endpoint'}" in case.train_args
         assert case.teacher_args is not None and case.teacher_nproc == 1
-        argv = vp.teacher_serve_argv(vp.parse_train_args(case.train_args), case.teacher_args)
+        argv = vp.teacher_serve_argv(parse_train_args(case.train_args), case.teacher_args)
         assert argv[0] == "serve" and "--kd-teacher-world-size" not in argv
 
 
 def test_teacher_serve_args_are_checked(vp, cases):
     case = next(c for c in cases if c.teacher_args is not None)
     with pytest.raises(ValueError, match="teacher_nproc=2"):
-        vp.teacher_serve_args(vp.dataclasses.replace(case, teacher_nproc=2))
-    two = vp.dataclasses.replace(
+        vp.teacher_serve_args(dataclasses.replace(case, teacher_nproc=2))
+    two = dataclasses.replace(
         case, teacher_args=case.teacher_args + " --tensor-model-parallel-size 2", teacher_nproc=2
     )
     assert vp.teacher_serve_args(two).tensor_model_parallel_size == 2
     with pytest.raises(ValueError, match="--kd-teacher-dtype 'bf16' is not the student's"):
         vp.teacher_serve_args(
-            vp.dataclasses.replace(
+            dataclasses.replace(
                 case, teacher_args=case.teacher_args + " --kd-teacher-dtype bf16"
             )
         )
     with pytest.raises(ValueError, match="--kd-teacher-load 'elsewhere' is not the student's"):
         vp.teacher_serve_args(
-            vp.dataclasses.replace(
+            dataclasses.replace(
                 case, teacher_args=case.teacher_args + " --kd-teacher-load elsewhere"
             )
         )
@@ -137,7 +148,7 @@ def test_teacher_serve_args_are_checked(vp, cases):
         vp.teacher_serve_args(colocated)
     # a disaggregated --run without its replica's flags is refused before anything starts
     with pytest.raises(ValueError, match="needs its teacher replica's serve flags"):
-        vp.run_case(vp.dataclasses.replace(case, teacher_args=None), "x.jsonl", "peaks", "tpeaks")
+        vp.run_case(dataclasses.replace(case, teacher_args=None), "x.jsonl", "peaks", "tpeaks")
 
 
 def test_builtin_cases_resolve_and_predict(vp, cases, tmp_path):
@@ -149,25 +160,25 @@ def test_builtin_cases_resolve_and_predict(vp, cases, tmp_path):
     wire_per_dp_rank = 4 * 512 * 768 * 4  # G/dp * s * h_t * 4 bytes, dp = 1 in every case
     ids_per_dp_rank = 4 * 512 * 4  # G/dp * s token ids of 4 bytes
     for case in cases:
-        args, plan = vp.resolve_run(case.train_args, case.nproc)
-        pred = vp.predict(args, plan, on_cpu=True)
+        args, plan = resolve_run(case.train_args, case.nproc)
+        pred = predict(args, plan, on_cpu=True)
         total = sum(pred.terms.values())
         # well above the ~0.35 GiB framework baseline, as the tool's docstring asks
         assert total > 0.5 * gib, (case.name, total)
-        assert "reserve (context, NCCL, frag.)" not in pred.terms
+        assert Term.RESERVE not in pred.terms
         if plan.kd.mode != "disaggregated":
             assert case.teacher_args is None and pred.wire is None
             assert pred.wire_to_teacher is None
         if plan.kd.mode == "colocated":
-            assert pred.mode == "colocated-fused" and "teacher weights" in pred.terms
+            assert pred.mode is Mode.COLOCATED_FUSED and Term.TEACHER_WEIGHTS in pred.terms
         elif plan.kd.mode == "offline":
-            assert pred.mode == "offline-cache" and plan.topk_cache.spec.topk == TOPK
+            assert pred.mode is Mode.OFFLINE_CACHE and plan.topk_cache.spec.topk == TOPK
             # CPU: D=2 queued + 1 decoding + 1 in use, b*s tokens, K entries of 12 bytes
             b = args.micro_batch_size
-            assert pred.terms["cache reader"] == 4 * b * 512 * TOPK * 12
-            assert "teacher weights" not in pred.terms
+            assert pred.terms[Term.CACHE_READER] == 4 * b * 512 * TOPK * 12
+            assert Term.TEACHER_WEIGHTS not in pred.terms
         else:
-            assert pred.mode == "disaggregated"
+            assert pred.mode is Mode.DISAGGREGATED
             # the wire is the teacher's dtype (fp32: no --kd-wire-dtype)
             assert plan.kd.wire == "fp32"
             assert pred.wire == {
@@ -181,7 +192,7 @@ def test_builtin_cases_resolve_and_predict(vp, cases, tmp_path):
                 "all-ranks": ids_per_dp_rank,
             }
             # the student's copy of the teacher output-layer shard: V/t * h_t * 4 bytes
-            assert pred.terms["teacher output-layer shard"] == 32000 // plan.tp * 768 * 4
+            assert pred.terms[Term.TEACHER_OUTPUT_SHARD] == 32000 // plan.tp * 768 * 4
             # one replica of one rank, outside the student's world, at the student's endpoint
             assert args.kd_teacher_endpoint == str(tmp_endpoint(case))
             assert case.teacher_nproc == 1
@@ -190,19 +201,19 @@ def test_builtin_cases_resolve_and_predict(vp, cases, tmp_path):
             assert serve.kd_teacher_load == args.kd_teacher_load
             assert serve.kd_teacher_endpoint == args.kd_teacher_endpoint
             assert serve.host == "127.0.0.1"
-            teacher = vp.predict_teacher(args, plan, True, 1, 1)
+            teacher = predict_teacher(args, plan, True, 1, 1)
             # the replica loads its (untied) output layer too: V * h_t * 4 bytes
-            assert teacher["teacher output layer (loaded, not run)"] == 32000 * 768 * 4
+            assert teacher[Term.REPLICA_OUTPUT_LAYER] == 32000 * 768 * 4
             # its D = 2 send slots: whole micro-batches (replica TP 1), fp32 on the wire
             b = args.micro_batch_size
-            assert teacher["send slots (D x 1/t seq)"] == 2 * 512 * b * 768 * 4
-            assert "reserve (context, NCCL, frag.)" not in teacher
+            assert teacher[Term.SEND_SLOTS] == 2 * 512 * b * 768 * 4
+            assert Term.RESERVE not in teacher
 
 
 def test_rows_and_table(vp, cases):
     case = next(c for c in cases if "disaggregated" in c.train_args)
-    args, plan = vp.resolve_run(case.train_args, case.nproc)
-    pred = vp.predict(args, plan, on_cpu=True)
+    args, plan = resolve_run(case.train_args, case.nproc)
+    pred = predict(args, plan, on_cpu=True)
     baseline = 1 << 28
     row = vp._memory_row(case.name, pred.mode, "cpu_max_rss", pred.terms, 1 << 31, baseline, True)
     # ratio = predicted / (measured - baseline)
@@ -231,7 +242,7 @@ def _write_run(tmp_path, name, steps, teacher_peak):
 def test_compare_disaggregated_run(vp, cases, tmp_path):
     """Both directions of the wire compared exactly, and the replica's rank-0 row."""
     case = next(c for c in cases if c.name == "disagg tp2 b2 s512")
-    args, plan = vp.resolve_run(case.train_args, case.nproc)
+    args, plan = resolve_run(case.train_args, case.nproc)
     hidden, ids = 4 * 512 * 768 * 4, 4 * 512 * 4  # dp = 1: per DP rank = all ranks
     step = {
         "peak_mem_kind": "cpu_max_rss",
@@ -242,7 +253,7 @@ def test_compare_disaggregated_run(vp, cases, tmp_path):
     }
     baseline = 1 << 28
     log, peaks = _write_run(tmp_path, "ok", [dict(step, step=1), dict(step, step=2)], 2 << 30)
-    run = vp.dataclasses.replace(case, log_json=log, teacher_peak_dir=peaks)
+    run = dataclasses.replace(case, log_json=log, teacher_peak_dir=peaks)
     rows = vp.compare(run, baseline, "kd_wire_bytes_per_dp_rank", "dp-rank")
     assert [r["mode"] for r in rows] == ["disaggregated", "disagg teacher"]
     assert rows[0]["wire_ok"] and rows[0]["wire_counted"] == [hidden]
@@ -250,14 +261,14 @@ def test_compare_disaggregated_run(vp, cases, tmp_path):
     assert rows[0]["wire_to_teacher_counted"] == [ids]
     assert vp.compare(run, baseline, "kd_wire_bytes", "all-ranks")[0]["wire_ok"]
     teacher = rows[1]
-    assert teacher["terms"] == vp.predict_teacher(args, plan, True, 1, 1)
+    assert teacher["terms"] == predict_teacher(args, plan, True, 1, 1)
     assert teacher["measured_bytes"] == 2 << 30 and teacher["kind"].endswith("(tp1 pp1)")
     assert teacher["ratio"] == sum(teacher["terms"].values()) / ((2 << 30) - baseline)
     # no teacher row without the replica's flags (its layout is not known)
     assert (
         len(
             vp.compare(
-                vp.dataclasses.replace(run, teacher_args=None),
+                dataclasses.replace(run, teacher_args=None),
                 baseline,
                 "kd_wire_bytes_per_dp_rank",
                 "dp-rank",
@@ -269,7 +280,7 @@ def test_compare_disaggregated_run(vp, cases, tmp_path):
     off = dict(step, step=2, kd_wire_bytes_to_teacher=ids + 4)
     log, peaks = _write_run(tmp_path, "off", [dict(step, step=1), off], 2 << 30)
     rows = vp.compare(
-        vp.dataclasses.replace(run, log_json=log, teacher_peak_dir=peaks),
+        dataclasses.replace(run, log_json=log, teacher_peak_dir=peaks),
         baseline,
         "kd_wire_bytes_per_dp_rank",
         "dp-rank",
@@ -283,7 +294,7 @@ def test_compare_disaggregated_run(vp, cases, tmp_path):
     log, peaks = _write_run(tmp_path, "missing", [dict(missing, step=1)], 2 << 30)
     with pytest.raises(ValueError, match="kd_wire_bytes_to_teacher"):
         vp.compare(
-            vp.dataclasses.replace(run, log_json=log),
+            dataclasses.replace(run, log_json=log),
             baseline,
             "kd_wire_bytes_per_dp_rank",
             "dp-rank",
@@ -291,7 +302,7 @@ def test_compare_disaggregated_run(vp, cases, tmp_path):
 
 
 def test_teacher_dtype_mismatch_is_refused(vp, cases):
-    case = next(c for c in cases if "colocated" in vp.parse_train_args(c.train_args).kd_mode)
-    args, plan = vp.resolve_run(case.train_args + " --kd-teacher-dtype bf16", case.nproc)
+    case = next(c for c in cases if "colocated" in parse_train_args(c.train_args).kd_mode)
+    args, plan = resolve_run(case.train_args + " --kd-teacher-dtype bf16", case.nproc)
     with pytest.raises(ValueError, match="--kd-teacher-dtype bf16 with fp32"):
-        vp.predict(args, plan, on_cpu=True)
+        predict(args, plan, on_cpu=True)

@@ -82,7 +82,7 @@ def slurm(request):
 
 
 @pytest.fixture(scope="module")
-def teacher(tmp_path_factory):
+def teacher_ckpt(tmp_path_factory):
     """A tiny random teacher checkpoint (one process, a world of one)."""
     directory = tmp_path_factory.mktemp("teacher") / "ckpt"
     code = textwrap.dedent(f"""
@@ -325,8 +325,9 @@ def test_disaggregated_needs_an_endpoint_or_a_teacher_step(slurm, stub_python, t
 
 # --- the real program ----------------------------------------------------------------------------
 
-def test_colocated_job(slurm, teacher, tmp_path):
-    args = _args_file(tmp_path / "train.args", STUDENT_FLAGS, iters=TRAIN_ITERS, teacher=teacher)
+def test_colocated_job(slurm, teacher_ckpt, tmp_path):
+    args = _args_file(tmp_path / "train.args", STUDENT_FLAGS, iters=TRAIN_ITERS,
+                      teacher=teacher_ckpt)
     info, log_dir, text = _submit(slurm, "colocated.sbatch", tmp_path, "--nodes=1",
                                   f"--nodelist={slurm.nodes[0]}", "--ntasks-per-node=2",
                                   KD_ARGS_FILE=str(args))
@@ -340,8 +341,8 @@ def test_colocated_job(slurm, teacher, tmp_path):
     assert "0: [" in text and '0: {"iterations": 3' in text, text[-2000:]
 
 
-def test_cache_build_job(slurm, teacher, tmp_path):
-    args = _args_file(tmp_path / "cache.args", CACHE_FLAGS, iters=2, teacher=teacher)
+def test_cache_build_job(slurm, teacher_ckpt, tmp_path):
+    args = _args_file(tmp_path / "cache.args", CACHE_FLAGS, iters=2, teacher=teacher_ckpt)
     cache = tmp_path / "cache"
     info, log_dir, text = _submit(slurm, "cache_build.sbatch", tmp_path, "--nodes=1",
                                   f"--nodelist={slurm.nodes[0]}", "--ntasks-per-node=2",
@@ -354,9 +355,10 @@ def test_cache_build_job(slurm, teacher, tmp_path):
     assert f"{cache}: OK" in text  # `megatron-kd cache verify` ran in the job
 
 
-def test_disaggregated_job_with_a_teacher_step(slurm, teacher, tmp_path):
+def test_disaggregated_job_with_a_teacher_step(slurm, teacher_ckpt, tmp_path):
     """One job, two job steps: a teacher replica and the student, each its own world."""
-    args = _args_file(tmp_path / "train.args", STUDENT_FLAGS, iters=TRAIN_ITERS, teacher=teacher)
+    args = _args_file(tmp_path / "train.args", STUDENT_FLAGS, iters=TRAIN_ITERS,
+                      teacher=teacher_ckpt)
     info, log_dir, text = _submit(slurm, "disaggregated.sbatch", tmp_path, "--nodes=1",
                                   f"--nodelist={slurm.nodes[0]}", "--ntasks-per-node=3",
                                   KD_ARGS_FILE=str(args), KD_TEACHER_TASKS="1")
@@ -367,14 +369,14 @@ def test_disaggregated_job_with_a_teacher_step(slurm, teacher, tmp_path):
     assert events[0] == "ready" and "connected" in events and events[-1] == "stopped"
 
 
-def test_teacher_job_serves_a_separate_student_job(slurm, teacher, tmp_path):
+def test_teacher_job_serves_a_separate_student_job(slurm, teacher_ckpt, tmp_path):
     """Two jobs: `teacher.sbatch` registers at an endpoint, a student job reads it; the teacher
     runs on after the student is done, until it is cancelled."""
     endpoint = tmp_path / "endpoint"
     serve_dir = tmp_path / "serve"
     serve_dir.mkdir()
     serve_args = _args_file(serve_dir / "serve.args", "--kd-teacher-load {teacher}",
-                            teacher=teacher)
+                            teacher=teacher_ckpt)
     teacher_job, teacher_logs, teacher_out = _submit_nowait(
         slurm, "teacher.sbatch", serve_dir, "--nodes=1", f"--nodelist={slurm.nodes[1]}",
         "--ntasks-per-node=1", KD_ARGS_FILE=str(serve_args), KD_TEACHER_ENDPOINT=str(endpoint))
@@ -382,7 +384,7 @@ def test_teacher_job_serves_a_separate_student_job(slurm, teacher, tmp_path):
         student_dir = tmp_path / "student"
         student_dir.mkdir()
         args = _args_file(student_dir / "train.args", STUDENT_FLAGS, iters=TRAIN_ITERS,
-                          teacher=teacher)
+                          teacher=teacher_ckpt)
         info, log_dir, text = _submit(slurm, "disaggregated.sbatch", student_dir, "--nodes=1",
                                       f"--nodelist={slurm.nodes[0]}", "--ntasks-per-node=2",
                                       KD_ARGS_FILE=str(args), KD_TEACHER_ENDPOINT=str(endpoint))
@@ -405,13 +407,13 @@ def _losses_by_step(path: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in records if not r.get("eval")}
 
 
-def test_scancel_term_saves_and_the_resubmitted_job_continues(slurm, teacher, tmp_path):
+def test_scancel_term_saves_and_the_resubmitted_job_continues(slurm, teacher_ckpt, tmp_path):
     """`scancel --signal=TERM` mid-run: every rank finishes its step, saves, exits 0 (the job
     COMPLETED); the same job submitted again resumes with the uninterrupted run's losses."""
     ckpt = tmp_path / "ckpt"
     flags = STUDENT_FLAGS.replace("--train-iters {iters} --eval-interval {iters}",
                                   "--train-iters {iters} --eval-interval 100000")
-    args = _args_file(tmp_path / "train.args", flags, iters=PREEMPT_ITERS, teacher=teacher)
+    args = _args_file(tmp_path / "train.args", flags, iters=PREEMPT_ITERS, teacher=teacher_ckpt)
     run1 = tmp_path / "run1"
     run1.mkdir()
     job_id, log_dir, out = _submit_nowait(

@@ -41,8 +41,8 @@ def case_train_failing(ctx, argv, kill_pids=(), at_step=None):
     original, killed = trainer_mod.Trainer.train_step, []
 
     def spy(self, consumed):
-        if at_step is not None and self.plan.global_batch_size and \
-                consumed // self.plan.global_batch_size + 1 == at_step and not killed:
+        if at_step is not None and self.run.global_batch_size and \
+                consumed // self.run.global_batch_size + 1 == at_step and not killed:
             if ctx.rank == 0:
                 for pid in kill_pids:
                     os.kill(pid, signal.SIGKILL)

@@ -188,10 +188,9 @@ def test_missing_data_path(pool, tmp_path):
 
 
 def test_kd_weight_needs_teacher():
-    from megatron_kd.training.plan import plan_run
-    from megatron_kd.training.train import parse_args
+    from support.train_cases import check_flags
     with pytest.raises(ValueError, match="needs --kd-teacher-load"):
-        plan_run(parse_args(STUDENT + ["--train-iters", "2", "--vocab-size", "300"]), 2)
+        check_flags(STUDENT + ["--train-iters", "2", "--vocab-size", "300"], 2)
 
 
 @pytest.mark.parametrize("flag,message", [
@@ -201,8 +200,7 @@ def test_kd_weight_needs_teacher():
 def test_gpu_only_optimizers_are_refused_on_cpu(flag, message):
     # Megatron-Core's mixed-precision and distributed optimizers raise a TypeError deep in their
     # constructors on CPU tensors; the plan refuses them first, naming the flag
-    from megatron_kd.training.plan import plan_run
-    from megatron_kd.training.train import parse_args
+    from support.train_cases import check_flags
     with pytest.raises(ValueError, match=message):
-        plan_run(parse_args(STUDENT + ["--train-iters", "2", "--vocab-size", "300",
-                                       "--kd-weight", "0", "--kd-ce-weight", "1", flag]), 2)
+        check_flags(STUDENT + ["--train-iters", "2", "--vocab-size", "300",
+                                       "--kd-weight", "0", "--kd-ce-weight", "1", flag], 2)

@@ -55,10 +55,10 @@ def test_teacher_tokenizer_checks(dist_pool_factory, tokenizer_file, corpus, tmp
     refused; the teacher directory's tokenizer.json is the default --tokenizer-model."""
     import shutil
 
+    from support.train_cases import check_flags
+
     from megatron_kd.data.preprocess import preprocess
     from megatron_kd.data.tokenizer import HFTokenizer
-    from megatron_kd.training.plan import plan_run
-    from megatron_kd.training.train import parse_args
 
     tok = HFTokenizer(tokenizer_file)
     prefix = str(tmp_path / "text")
@@ -74,19 +74,19 @@ def test_teacher_tokenizer_checks(dist_pool_factory, tokenizer_file, corpus, tmp
             "--tensor-model-parallel-size", "2"]
     base += ["--data-path", prefix]
     with pytest.raises(ValueError, match="made with another tokenizer"):
-        plan_run(parse_args(base + ["--tokenizer-model", tokenizer_file,
-                                    "--kd-teacher-load", other]), 2)
+        check_flags(base + ["--tokenizer-model", tokenizer_file,
+                                    "--kd-teacher-load", other], 2)
     with pytest.raises(ValueError, match=f"tokenizer has {tok.vocab_size} tokens but the "
                                          f"teacher vocabulary is 200"):
-        plan_run(parse_args(base + ["--tokenizer-model", tokenizer_file,
-                                    "--kd-teacher-load", small]), 2)
-    plan = plan_run(parse_args(base + ["--kd-teacher-load", good]), 2)
+        check_flags(base + ["--tokenizer-model", tokenizer_file,
+                                    "--kd-teacher-load", small], 2)
+    plan = check_flags(base + ["--kd-teacher-load", good], 2)
     assert plan.tokenizer.sha256 == tok.sha256
     # a teacher directory holding its tokenizer.json: another tokenizer is refused by content
     other_tok = write_tokenizer(tmp_path / "other_tok.json", vocab_size=280)
     other_prefix = str(tmp_path / "other_text")
     preprocess([corpus], HFTokenizer(other_tok), other_prefix)
     with pytest.raises(ValueError, match="is not the teacher's tokenizer"):
-        plan_run(parse_args(base[:-1] + [other_prefix, "--kd-teacher-load", good,
-                                         "--tokenizer-model", other_tok]), 2)
+        check_flags(base[:-1] + [other_prefix, "--kd-teacher-load", good,
+                                         "--tokenizer-model", other_tok], 2)
     assert plan.student_arch.vocab_size == 400 and plan.student_arch.padded_vocab_size == 512

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.distributed as dist
 
-from megatron_kd.loss import KDLossConfig, vocab_parallel_kd_loss, window
+from megatron_kd.loss import CpuTuning, KDLossConfig, vocab_parallel_kd_loss
 from support.kd_reference import reference_kd_loss
 
 IGNORE = -100
@@ -25,7 +27,7 @@ def spec(**kw) -> dict:
                 teacher="dense", topk_tail="renormalize", k=7, s=5, b=3, h_s=16, h_t=24,
                 padded_vocab=1009, vocab_size=None, mask=False, dtype=torch.float64,
                 backward="precompute", window_size=4, scale=1.0, sequence_parallel=False,
-                seed=0, labels=False, block_rows=None, elementwise="eager")
+                seed=0, labels=False, block_rows=None, elementwise="eager", cpu_tuning=None)
     base.update(kw)
     return base
 
@@ -71,13 +73,14 @@ def make_inputs(sp: dict) -> dict:
     return out
 
 
-def config_of(sp: dict) -> KDLossConfig:
+def config_of(sp: dict, cpu_tuning: CpuTuning | None = None) -> KDLossConfig:
+    """The case's loss config; ``cpu_tuning`` None: this machine's."""
     return KDLossConfig(kind=sp["kind"], temperature=sp["temperature"], beta=sp["beta"],
                         kd_weight=sp["kd_weight"], ce_weight=sp["ce_weight"],
                         topk_tail=sp["topk_tail"], window_size=sp["window_size"],
                         vocab_size=sp["vocab_size"], ignore_index=IGNORE,
                         backward=sp["backward"], sequence_parallel=sp["sequence_parallel"],
-                        elementwise=sp["elementwise"])
+                        elementwise=sp["elementwise"], cpu_tuning=cpu_tuning)
 
 
 def shard_sizes(padded_vocab: int, world: int, seed: int = 0) -> list[int]:
@@ -102,6 +105,19 @@ def reference(sp: dict, inp: dict):
     return loss.detach(), d["student_hidden"].grad, d["student_weight"].grad
 
 
+def cpu_tuning_of(sp: dict, local_vocab_size: int) -> CpuTuning | None:
+    """The case's CPU tuning on a shard of ``local_vocab_size`` rows: this machine's with the
+    fields of ``sp["cpu_tuning"]`` (a dict) replaced, and with ``sp["block_rows"]`` CPU row
+    blocks of that many rows with per-block all-reduces; None (this machine's, resolved by the
+    loss) when the case sets neither."""
+    if sp["cpu_tuning"] is None and sp["block_rows"] is None:
+        return None
+    fields = dict(sp["cpu_tuning"] or {})
+    if sp["block_rows"] is not None:  # CPU row blocks smaller than a window
+        fields.update(block_elements=sp["block_rows"] * local_vocab_size, blocks_with_tp=True)
+    return dataclasses.replace(CpuTuning.for_this_machine(), **fields)
+
+
 def run_ours(sp: dict, inp: dict, sizes: list[int], rank: int, group) -> dict:
     """Our loss on rank ``rank`` of ``group`` with shard ``sizes``; results for comparison."""
     start = sum(sizes[:rank])
@@ -120,19 +136,13 @@ def run_ours(sp: dict, inp: dict, sizes: list[int], rank: int, group) -> dict:
     if t_weight is not None:
         t_weight = t_weight[start:stop]
     before = {k: v.clone() for k, v in inp.items()}
-    block_elements, blocks_with_tp = window.CPU_BLOCK_ELEMENTS, window.CPU_BLOCKS_WITH_TP
-    if sp["block_rows"] is not None:  # CPU row blocks smaller than a window: this many rows,
-        window.CPU_BLOCK_ELEMENTS = sp["block_rows"] * (stop - start)  # with per-block all-reduces
-        window.CPU_BLOCKS_WITH_TP = True
-    try:
-        loss, n_tokens = vocab_parallel_kd_loss(
-            hidden, weight, teacher_hidden=t_hidden, teacher_weight=t_weight,
-            teacher_topk_ids=inp.get("teacher_topk_ids"),
-            teacher_topk_logprobs=inp.get("teacher_topk_logprobs"), labels=inp.get("labels"),
-            loss_mask=inp.get("loss_mask"), config=config_of(sp), tp_group=group)
-        (loss * 0.75).backward()  # a non-unit upstream gradient must scale every gradient
-    finally:
-        window.CPU_BLOCK_ELEMENTS, window.CPU_BLOCKS_WITH_TP = block_elements, blocks_with_tp
+    loss, n_tokens = vocab_parallel_kd_loss(
+        hidden, weight, teacher_hidden=t_hidden, teacher_weight=t_weight,
+        teacher_topk_ids=inp.get("teacher_topk_ids"),
+        teacher_topk_logprobs=inp.get("teacher_topk_logprobs"), labels=inp.get("labels"),
+        loss_mask=inp.get("loss_mask"),
+        config=config_of(sp, cpu_tuning_of(sp, stop - start)), tp_group=group)
+    (loss * 0.75).backward()  # a non-unit upstream gradient must scale every gradient
     unchanged = all(torch.equal(before[k], inp[k]) for k in inp)
     return {"loss": loss.detach(), "num_tokens": n_tokens, "grad_x": hidden.grad / 0.75,
             "grad_w": weight.grad / 0.75, "start": start, "stop": stop,

@@ -119,6 +119,16 @@ def case_train_slowly(ctx, argv, delay_s, hold=None):
         trainer_mod.Trainer.train_step = original
 
 
+def check_flags(argv, world_size):
+    """``megatron-kd train``'s checks of ``argv`` on a world of ``world_size`` ranks: the
+    :class:`~megatron_kd.training.run_checks.CheckedRun`, or their ``ValueError``."""
+    from megatron_kd.training.run_checks import check_run
+    from megatron_kd.training.run_config import RunConfig
+    from megatron_kd.training.train import parse_args
+
+    return check_run(RunConfig.from_args(parse_args(argv)), world_size)
+
+
 def case_plan_error(ctx, argv):
     """Run ``train``; return the ValueError message (and that no step ran)."""
     from megatron_kd.training import train as train_mod

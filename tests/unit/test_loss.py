@@ -91,12 +91,12 @@ def test_cpu_projection_in_vocab_slabs(monkeypatch, kind, chunk, max_rows):
         projections.append((x.shape[0], w.shape[0]))
         return real_logits(self, x, w, name)
 
-    monkeypatch.setattr(window, "CPU_PROJECTION_CHUNK", chunk)
-    monkeypatch.setattr(window, "CPU_CHUNKED_PROJECTION_ROWS", max_rows)
     monkeypatch.setattr(window.WindowWalker, "_chunked_projection", spy)
     monkeypatch.setattr(window.WindowWalker, "logits", logits_spy)
+    tuning = dict(projection_chunk=chunk, chunked_projection_rows=max_rows)
     for dtype in (torch.float64, torch.float32):
-        _single(spec(kind=kind, dtype=dtype, ce_weight=0.3, mask=True, window_size=6))
+        _single(spec(kind=kind, dtype=dtype, ce_weight=0.3, mask=True, window_size=6,
+                     cpu_tuning=tuning))
     assert projections and all(v == 1009 for _, v in projections)
     # every projection of the walk in slabs, or none of them
     assert slab_calls == ([] if max_rows == 0 else projections)
@@ -120,17 +120,18 @@ def test_cpu_row_blocks_inside_windows(monkeypatch, name, backward, window_size)
     # 3-row blocks: 8-row windows split 3+3+2, the one 15-row window (None) into 5 blocks;
     # the mask skips tokens, so blocks index scattered active rows
     blocks, projections = [], []
-    make_window, logits = window.make_window, window.WindowWalker.logits
+    walk_blocks, logits = window.WindowWalker._blocks, window.WindowWalker.logits
 
-    def window_spy(rows, *args):
-        blocks.append(rows.numel() if torch.is_tensor(rows) else rows.stop - rows.start)
-        return make_window(rows, *args)
+    def blocks_spy(self, *args):
+        for block in walk_blocks(self, *args):
+            blocks.append(block[2].shape[0])  # the block's rows of student logits
+            yield block
 
     def logits_spy(self, x, w, name):
         projections.append(x.shape[0])
         return logits(self, x, w, name)
 
-    monkeypatch.setattr(window, "make_window", window_spy)
+    monkeypatch.setattr(window.WindowWalker, "_blocks", blocks_spy)
     monkeypatch.setattr(window.WindowWalker, "logits", logits_spy)
     _single(spec(block_rows=3, window_size=window_size, backward=backward, mask=True,
                  **BLOCK_CASES[name]))
@@ -179,6 +180,11 @@ def test_recompute_saves_no_window_tensors(monkeypatch):
     assert all(t.dim() == 1 and t.numel() <= 4 for s in stats for t in s.values())
 
 
+# Projections as one GEMM whatever the CPU: the slabs' own buffer ("projection_slab", on AMD
+# CPUs) is the walk's, not a kind's block temporary.
+ONE_GEMM = dict(chunked_projection_rows=0)
+
+
 def _scratch_names(monkeypatch) -> set[str]:
     """The names the walk asks :class:`window.Scratch` for, from now on."""
     names = set()
@@ -201,7 +207,7 @@ def test_block_temporaries_per_kind(monkeypatch, kind, temporaries, backward):
     block (CPU) or a window (TP > 1) of memory, so a new one must be a decision (JSD's log
     ratios reuse the logits' buffers)."""
     names = _scratch_names(monkeypatch)
-    _single(spec(kind=kind, backward=backward, block_rows=3, mask=True))
+    _single(spec(kind=kind, backward=backward, block_rows=3, mask=True, cpu_tuning=ONE_GEMM))
     assert names == {"z_s", "z_t"} | temporaries
 
 
@@ -447,7 +453,8 @@ def test_compiled_forward_kl_runs_its_kernels_and_keeps_no_block_temporaries(mon
         monkeypatch.setattr(compiled, name,
                             lambda *a, _r=real, _n=name: calls.append(_n) or _r(*a))
     names = _scratch_names(monkeypatch)
-    _single(spec(elementwise="compiled", window_size=4, s=5, b=3))  # 15 rows: 4 windows
+    _single(spec(elementwise="compiled", window_size=4, s=5, b=3,  # 15 rows: 4 windows
+                 cpu_tuning=ONE_GEMM))
     assert calls.count("forward_kl_sums") == 4 and calls.count("forward_kl_grad_") == 4
     assert names == {"z_s", "z_t"}
 

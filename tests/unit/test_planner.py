@@ -10,9 +10,17 @@ import dataclasses
 import pytest
 
 from megatron_kd.planner import memory as mem
-from megatron_kd.planner import plan
+from megatron_kd.planner import search
 from megatron_kd.planner import traffic as tr
-from megatron_kd.planner.memory import ActivationOptions, ParallelLayout, Precision
+from megatron_kd.planner.memory import (
+    ActivationOptions,
+    FusedLossBytes,
+    ModelState,
+    ParallelLayout,
+    Precision,
+    RingBytes,
+    Term,
+)
 from megatron_kd.planner.models import ModelConfig
 from megatron_kd.planner.plan import PlanOptions
 from megatron_kd.planner.presets import GpuSpec, LinkSpec
@@ -166,11 +174,12 @@ def test_model_state_bytes_dense():
     layout = ParallelLayout(dp=2, use_distributed_optimizer=True, make_vocab_size_divisible_by=1)
     out = mem.model_state_bytes(TINY, layout, 0, Precision(), trainable=True)
     # 1352 params: bf16 2 * 1352, fp32 grads 4 * 1352, Adam 12 * 1352 / dp 2
-    assert out == {"weights": 2704, "grads": 5408, "optimizer": 8112}
+    assert out == ModelState(weights=2704, grads=5408, optimizer=8112)
     layout = ParallelLayout(dp=2, make_vocab_size_divisible_by=1)
-    assert mem.model_state_bytes(TINY, layout, 0, Precision(), trainable=True)["optimizer"] == 16224
+    assert mem.model_state_bytes(TINY, layout, 0, Precision(), trainable=True).optimizer == 16224
     # a frozen teacher: weights only
-    assert mem.model_state_bytes(TINY, layout, 0, Precision(), trainable=False) == {"weights": 2704}
+    assert mem.model_state_bytes(TINY, layout, 0, Precision(), trainable=False) == ModelState(
+        weights=2704)
 
 
 def test_rank_params_pipeline_and_tensor_parallel():
@@ -199,7 +208,7 @@ def test_rank_params_experts_over_ep():
     )
     # expert-data-parallel size = tp*dp/(ep*etp) = 1: expert Adam state unsharded
     # optimizer = 12*392/2 + 12*192/1 = 2352 + 2304
-    assert out["optimizer"] == 4656
+    assert out.optimizer == 4656
 
 
 # --- activations
@@ -321,23 +330,21 @@ def test_loss_terms():
     # fused, w=2 rows, v=128 local columns, dense teacher: bf16 matmul output 2 + four fp32 buffers
     # 16 -> 2*128*18 = 4608; fp32 grad accumulators: hidden 4*4*8 = 128, output layer 4*128*8 = 4096
     fused = mem.fused_loss_bytes(stu, layout, 4, 1, 2, dense_teacher=True, teacher_hidden_size=16)
-    assert fused == {"window": 4608, "gradients": 4224, "gathered": 0.0, "row statistics": 128}
+    assert fused == FusedLossBytes(window=4608, gradients=4224, gathered=0.0, row_statistics=128)
     # top-K targets (two fp32 buffers), window larger than the 4 rows: clamped, 4*128*10
-    assert mem.fused_loss_bytes(stu, layout, 4, 1, 100, dense_teacher=False)["window"] == 5120
+    assert mem.fused_loss_bytes(stu, layout, 4, 1, 100, dense_teacher=False).window == 5120
     # CPU blocks of 256 elements = 2 rows inside a 4-row window: the logits stay window-sized
     # (bf16 out 2 + fp32 student and teacher 8 -> 4*128*10), the temporaries a block's (2*128*8)
     assert mem.fused_loss_bytes(stu, layout, 4, 1, 4, dense_teacher=True,
-                                block_elements=256)["window"] == 5120 + 2048
+                                block_elements=256).window == 5120 + 2048
     # a block as large as the window changes nothing: 4*128*18
     assert mem.fused_loss_bytes(stu, layout, 4, 1, 4, dense_teacher=True,
-                                block_elements=1 << 21)["window"] == 4 * 128 * 18
+                                block_elements=1 << 21).window == 4 * 128 * 18
     # sequence parallel: the gathered student and teacher hidden states, 4 tokens * (8 + 16) * 2
     # bytes
     sp = ParallelLayout(tp=2, sequence_parallel=True)
     assert (
-        mem.fused_loss_bytes(stu, sp, 4, 1, 2, dense_teacher=True, teacher_hidden_size=16)[
-            "gathered"
-        ]
+        mem.fused_loss_bytes(stu, sp, 4, 1, 2, dense_teacher=True, teacher_hidden_size=16).gathered
         == 192
     )
     # the loss's default window: 2^24 fp32 elements / 128 local columns
@@ -349,7 +356,7 @@ def test_loss_terms():
     with pytest.raises(ValueError, match="resident_microbatches=0"):
         mem.cache_reader_bytes(4, 1, 3, 0)
     # ring, D=3: 3 slots * 4 tokens * 16 * 2 bytes / t=2 = 192; gathered 4*16*2 = 128
-    assert mem.ring_bytes(tea, layout, 4, 1, 3) == {"ring_slots": 192, "gathered_hidden": 128}
+    assert mem.ring_bytes(tea, layout, 4, 1, 3) == RingBytes(slots=192, gathered_hidden=128)
     # teacher output layer shard: 256/2 * 16 * 2 bytes
     assert mem.teacher_output_layer_bytes(tea, layout) == 4096
     with pytest.raises(ValueError, match="prefetch_depth"):
@@ -372,30 +379,30 @@ def test_teacher_inference_terms():
     # max(attention 2*(2ad + 2gd) = 48, SwiGLU 6f = 96) = 128 bytes per token -> 512; send slots
     # D=2 * 4 tokens * h=8 * 2 bytes = 128
     layout = ParallelLayout(make_vocab_size_divisible_by=1)
-    assert plan.teacher_inference_terms(opts, layout, 0) == {
-        "teacher weights (no output layer)": 2544,
-        "teacher output layer (loaded, not run)": 160,
-        "teacher forward (no grad)": 512,
-        "send slots (D x 1/t seq)": 128,
-        "reserve (context, NCCL, frag.)": 0,
+    assert search.teacher_inference_terms(opts, layout, 0) == {
+        Term.REPLICA_WEIGHTS: 2544,
+        Term.REPLICA_OUTPUT_LAYER: 160,
+        Term.TEACHER_FORWARD: 512,
+        Term.SEND_SLOTS: 128,
+        Term.RESERVE: 0,
     }
     # pp=2: stage 0 holds layer 0 + embedding (672 params = 1344 bytes) and sends nothing; the
     # last stage layer 1 + final norm (600 params = 1200 bytes) and the output layer (160)
     layout = ParallelLayout(pp=2, make_vocab_size_divisible_by=1)
-    first = plan.teacher_inference_terms(opts, layout, 0)
-    assert first["teacher weights (no output layer)"] == 1344
-    assert "teacher output layer (loaded, not run)" not in first
-    assert "send slots (D x 1/t seq)" not in first
-    last = plan.teacher_inference_terms(opts, layout, 1)
-    assert last["teacher weights (no output layer)"] == 1200
-    assert last["teacher output layer (loaded, not run)"] == 160
+    first = search.teacher_inference_terms(opts, layout, 0)
+    assert first[Term.REPLICA_WEIGHTS] == 1344
+    assert Term.REPLICA_OUTPUT_LAYER not in first
+    assert Term.SEND_SLOTS not in first
+    last = search.teacher_inference_terms(opts, layout, 1)
+    assert last[Term.REPLICA_WEIGHTS] == 1200
+    assert last[Term.REPLICA_OUTPUT_LAYER] == 160
     # tied, one stage: the embedding is the output layer and is needed for the input anyway:
     # 1352 - 80 = 1272 params = 2544 bytes, no separate output-layer term
     tied = dataclasses.replace(TINY, tie_embeddings=True)
     opts = dataclasses.replace(opts, teacher=tied)
-    terms = plan.teacher_inference_terms(opts, ParallelLayout(make_vocab_size_divisible_by=1), 0)
-    assert terms["teacher weights (no output layer)"] == 2544
-    assert "teacher output layer (loaded, not run)" not in terms
+    terms = search.teacher_inference_terms(opts, ParallelLayout(make_vocab_size_divisible_by=1), 0)
+    assert terms[Term.REPLICA_WEIGHTS] == 2544
+    assert Term.REPLICA_OUTPUT_LAYER not in terms
 
 
 # --- FLOPs, time, traffic -----------------------------------------------------------------------

@@ -9,15 +9,13 @@ import pytest
 
 from megatron_kd.cli import main
 from megatron_kd.planner import memory as mem
-from megatron_kd.planner.launch_args import parse_launch_args
+from megatron_kd.planner.cli import parse_launch_args
+from megatron_kd.planner.memory import LOSS_TERMS, Term
 from megatron_kd.planner.models import from_hf_config
-from megatron_kd.planner.plan import (
-    PlanOptions,
-    plan_all,
-    plan_mode,
-    student_stage_terms,
-)
+from megatron_kd.planner.plan import Mode, PlanOptions
 from megatron_kd.planner.presets import MODEL_PRESETS, get_gpu, get_link, load_model
+from megatron_kd.planner.search import plan_all, plan_mode, student_stage_terms
+from megatron_kd.planner.traffic import Traffic
 
 # --- presets
 # ---------------------------------------------------------------------------------------
@@ -180,39 +178,39 @@ def test_mode_terms_differ_only_where_they_should():
     opts = _opts("llama-3.2-1b", "llama-3.1-8b", tp=2, pp=1, recompute="none")
     layout = mem.ParallelLayout(tp=2, dp=4, sequence_parallel=True, use_distributed_optimizer=True)
     teacher_layout = mem.ParallelLayout(tp=2, dp=4, sequence_parallel=True)
-    dense = student_stage_terms(opts, "colocated-dense", layout, teacher_layout, 0)
-    fused = student_stage_terms(opts, "colocated-fused", layout, teacher_layout, 0)
-    offline = student_stage_terms(opts, "offline-cache", layout, None, 0)
-    disagg = student_stage_terms(opts, "disaggregated", layout, None, 0)
+    dense = student_stage_terms(opts, Mode.COLOCATED_DENSE, layout, teacher_layout, 0)
+    fused = student_stage_terms(opts, Mode.COLOCATED_FUSED, layout, teacher_layout, 0)
+    offline = student_stage_terms(opts, Mode.OFFLINE_CACHE, layout, None, 0)
+    disagg = student_stage_terms(opts, Mode.DISAGGREGATED, layout, None, 0)
     for terms in (dense, fused, offline, disagg):  # student state is the same in every mode
-        assert terms["student weights"] == dense["student weights"]
-        assert terms["activations"] == fused["activations"] + (
+        assert terms[Term.STUDENT_WEIGHTS] == dense[Term.STUDENT_WEIGHTS]
+        assert terms[Term.ACTIVATIONS] == fused[Term.ACTIVATIONS] + (
             # only the dense loss runs the output layer as a layer: its saved input, 2 bytes * 8192
             # tokens * h 2048 / tp 2 (sequence parallel)
             2 * 8192 * 2048 // 2 if terms is dense else 0
         )
-    assert "teacher weights" in dense and "teacher weights" in fused
-    assert "teacher weights" not in offline and "teacher weights" not in disagg
-    assert "ring slots (D x 1/t seq)" in disagg and "cache reader" in offline
+    assert Term.TEACHER_WEIGHTS in dense and Term.TEACHER_WEIGHTS in fused
+    assert Term.TEACHER_WEIGHTS not in offline and Term.TEACHER_WEIGHTS not in disagg
+    assert Term.RING_SLOTS in disagg and Term.CACHE_READER in offline
     # the dense loss: 8192 tokens * 10 bytes * (128256 = 501 * 256 needs no padding, / 2) * 2 models
-    assert dense["loss: dense logits"] == 8192 * 10 * 64128 * 2
+    assert dense[Term.DENSE_LOGITS] == 8192 * 10 * 64128 * 2
     # default windows (2^24 / 64128 = 261 rows) of 8192 rows: the fused loss is far below the dense
     # one
-    fused_loss = sum(v for k, v in fused.items() if k.startswith("loss:"))
-    assert fused["loss: window buffers"] == 261 * 64128 * 18
-    assert fused_loss < dense["loss: dense logits"] / 10
+    fused_loss = sum(v for k, v in fused.items() if k in LOSS_TERMS)
+    assert fused[Term.LOSS_WINDOW] == 261 * 64128 * 18
+    assert fused_loss < dense[Term.DENSE_LOGITS] / 10
 
 
 def test_search_prefers_no_recompute_and_reports_oom():
     # plenty of memory: no recompute, no model parallelism
-    plan = plan_mode(_opts("llama-3.2-1b", "llama-3.2-3b"), "colocated-fused")
+    plan = plan_mode(_opts("llama-3.2-1b", "llama-3.2-3b"), Mode.COLOCATED_FUSED)
     assert (
         plan.fits
-        and plan.layout["recompute"] == "none"
-        and plan.layout["tp"] * plan.layout["pp"] == 1
+        and plan.layout.recompute == "none"
+        and plan.layout.tp * plan.layout.pp == 1
     )
     # a 235B teacher on one H100 node cannot be colocated: OOM, with the lowest-peak layout shown
-    plan = plan_mode(_opts("qwen3-32b", "qwen3-235b-a22b", gpu="h100-80g"), "colocated-fused")
+    plan = plan_mode(_opts("qwen3-32b", "qwen3-235b-a22b", gpu="h100-80g"), Mode.COLOCATED_FUSED)
     assert not plan.fits and plan.total_bytes > get_gpu("h100-80g").memory_bytes
     assert any("no layout" in note for note in plan.notes)
 
@@ -221,43 +219,44 @@ def test_published_claims():
     # Qwen3.5-35B-A3B -> 9B on one H200 node: colocated with the fused loss fits; disaggregated is
     # faster.
     result = plan_all(_opts("qwen3.5-9b", "qwen3.5-35b-a3b"))
-    plans = result["plans"]
-    assert plans["colocated-fused"].fits and plans["disaggregated"].fits
+    plans = result.plans
+    assert plans[Mode.COLOCATED_FUSED].fits and plans[Mode.DISAGGREGATED].fits
     assert (
-        plans["disaggregated"].student_tokens_per_s > plans["colocated-fused"].student_tokens_per_s
+        plans[Mode.DISAGGREGATED].student_tokens_per_s
+        > plans[Mode.COLOCATED_FUSED].student_tokens_per_s
     )
-    assert plans["disaggregated"].wire_ok
-    assert result["recommendation"].startswith("disaggregated")
+    assert plans[Mode.DISAGGREGATED].wire_ok
+    assert result.recommendation.startswith("disaggregated")
     # Qwen3-235B-A22B -> Qwen3-32B on one H100 node: colocated OOMs with either loss, disaggregated
     # fits.
-    plans = plan_all(_opts("qwen3-32b", "qwen3-235b-a22b", gpu="h100-80g"))["plans"]
-    assert not plans["colocated-dense"].fits and not plans["colocated-fused"].fits
-    assert plans["disaggregated"].fits and plans["disaggregated"].teacher_nodes >= 1
+    plans = plan_all(_opts("qwen3-32b", "qwen3-235b-a22b", gpu="h100-80g")).plans
+    assert not plans[Mode.COLOCATED_DENSE].fits and not plans[Mode.COLOCATED_FUSED].fits
+    assert plans[Mode.DISAGGREGATED].fits and plans[Mode.DISAGGREGATED].teacher_nodes >= 1
 
 
 def test_disaggregated_wire_bytes_are_exact():
     plan = plan_mode(
-        _opts("qwen3.5-9b", "qwen3.5-35b-a3b", tp=2, pp=1, recompute="none"), "disaggregated"
+        _opts("qwen3.5-9b", "qwen3.5-35b-a3b", tp=2, pp=1, recompute="none"), Mode.DISAGGREGATED
     )
-    dp = plan.layout["dp"]
+    dp = plan.layout.dp
     assert dp == 4
     # 64 sequences / dp 4 = 16 per DP rank * 8192 tokens * h_t 2048 * 2 bytes; 1/2 per TP rank
-    assert plan.wire["hidden bytes/step/student DP rank"] == 16 * 8192 * 2048 * 2
-    assert plan.wire["hidden bytes/step/student TP rank"] == 16 * 8192 * 2048
+    assert plan.wire[Traffic.HIDDEN_BYTES_PER_DP_RANK] == 16 * 8192 * 2048 * 2
+    assert plan.wire[Traffic.HIDDEN_BYTES_PER_TP_RANK] == 16 * 8192 * 2048
     # and the token ids the other way: 4 bytes a token
-    assert plan.wire["token id bytes/step/student DP rank (to teacher)"] == 16 * 8192 * 4
+    assert plan.wire[Traffic.TOKEN_ID_BYTES] == 16 * 8192 * 4
     fp8 = plan_mode(_opts("qwen3.5-9b", "qwen3.5-35b-a3b", tp=2, pp=1, recompute="none",
-                          wire_dtype="fp8"), "disaggregated")
-    assert fp8.wire["hidden bytes/step/student DP rank"] == 16 * 8192 * (2048 + 4)
+                          wire_dtype="fp8"), Mode.DISAGGREGATED)
+    assert fp8.wire[Traffic.HIDDEN_BYTES_PER_DP_RANK] == 16 * 8192 * (2048 + 4)
 
 
 def test_fewer_teacher_replicas_than_needed_bound_the_student():
     base = _opts("qwen3-8b", "qwen3-235b-a22b", gpu="h100-80g")
-    free = plan_mode(base, "disaggregated")
+    free = plan_mode(base, Mode.DISAGGREGATED)
     assert free.teacher_replicas >= 2
-    per_replica = free.wire["teacher replica tokens/s"]
+    per_replica = free.wire[Traffic.REPLICA_TOKENS_PER_S]
     for n in range(1, free.teacher_replicas + 2):
-        plan = plan_mode(dataclasses.replace(base, teacher_replicas=n), "disaggregated")
+        plan = plan_mode(dataclasses.replace(base, teacher_replicas=n), Mode.DISAGGREGATED)
         assert plan.teacher_replicas == n and plan.teacher_gpus == n * free.teacher_gpus // \
             free.teacher_replicas
         expected = min(free.student_tokens_per_s, n * per_replica)

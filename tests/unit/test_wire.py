@@ -4,7 +4,6 @@ not answer its request names both values, and the three wire element types."""
 import pytest
 import torch
 
-from megatron_kd.teacher.service import wire_bytes_per_token
 from megatron_kd.teacher.wire import (
     HeaderMismatchError,
     Request,
@@ -12,6 +11,7 @@ from megatron_kd.teacher.wire import (
     WireError,
     decode_hidden,
     encode_hidden,
+    wire_bytes_per_token,
 )
 
 

@@ -8,8 +8,7 @@ can pass by checking nothing.
 import os
 
 import pytest
-
-from support import architecture as arch
+from support import import_rules as arch
 
 ROOT = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "megatron_kd")
 
@@ -45,8 +44,14 @@ def test_teacher_service_needs_no_megatron(modules):
 
 
 def test_integration_imports_only_the_layers_below(modules):
+    # cache: the offline teacher source (the top-K prefetcher); flags: the --kd-* flags' fields
     assert arch.check_allowed_imports(modules, "integration",
-                                      {"loss", "parallel", "data", "teacher"}) == []
+                                      {"loss", "parallel", "data", "teacher", "cache",
+                                       "flags"}) == []
+
+
+def test_flags_import_nothing_of_the_project(modules):
+    assert arch.check_allowed_imports(modules, "flags", set(), ("torch", "megatron")) == []
 
 
 def test_cache_does_not_import_the_teacher(modules):

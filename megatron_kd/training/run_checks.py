@@ -1,18 +1,18 @@
-"""A run's plan: every flag checked against the others, the teacher checkpoint and the data, before
-any model is built or any step runs.
+"""A run's checks: every flag checked against the others, the teacher checkpoint and the data,
+before any model is built or any step runs; :class:`CheckedRun` holds what they resolved.
 
-:func:`plan_run` (``megatron-kd train``) and the top-K cache build
+:func:`check_run` (``megatron-kd train``) and the top-K cache build
 (:mod:`megatron_kd.training.cache_command`) share the checks of the teacher checkpoint
 (:func:`megatron_kd.integration.teacher.check_teacher`, which Megatron-LM's entry points use
 too), of the data and its tokenizer (:func:`resolve_tokenizer`) and the
-datasets they build (:func:`build_datasets`): a cache is built over exactly the samples the
-student will read. Everything raises ``ValueError`` naming the offending values, and reads only
-small files (JSON, tokenizer, checkpoint metadata).
+datasets they build from the run's :class:`~megatron_kd.training.run_config.DataSection`
+(:func:`build_datasets`): a cache is built over exactly the samples the student will read.
+Everything raises ``ValueError`` naming the offending values, and reads only small files (JSON,
+tokenizer, checkpoint metadata).
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import os
 from dataclasses import dataclass, field
@@ -37,13 +37,14 @@ from megatron_kd.integration.groups import check_expert_biases
 from megatron_kd.integration.teacher import check_teacher
 from megatron_kd.parallel import check_parallel_sizes, pad_vocab_size
 from megatron_kd.training.hybrid_args import hybrid_arch_fields
+from megatron_kd.training.run_config import ArchitectureSection, DataSection, RunConfig
 
-__all__ = ["Plan", "build_datasets", "plan_run", "resolve_tokenizer"]
+__all__ = ["CheckedRun", "build_datasets", "check_run", "resolve_tokenizer"]
 
 
 @dataclass
-class Plan:
-    """Everything resolved from the flags."""
+class CheckedRun:
+    """Everything resolved from the run's configuration and checked."""
 
     kd: KDArgs
     student_arch: GPTArchConfig
@@ -63,36 +64,35 @@ class Plan:
     topk_cache: Any = None
     """Offline mode: the opened, checked top-K cache (a ``TopKCacheReader``)."""
     datasets: tuple | None = None
-    """Offline mode: ``(train, valid)``, built once by :func:`plan_run` to check the cache."""
+    """Offline mode: ``(train, valid)``, built once by :func:`check_run` to check the cache."""
 
 
-def _positive(args, *names):
-    for name in names:
-        value = getattr(args, name)
+def _positive(**values: int | None) -> None:
+    for name, value in values.items():
         if value is not None and value < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
 
 
-def resolve_tokenizer(args: argparse.Namespace, teacher_dir: str | None):
+def resolve_tokenizer(data: DataSection, teacher_dir: str | None):
     """The run's tokenizer (None with ``--mock-data``), with its data prefixes checked.
 
     ``--tokenizer-model`` defaults to the teacher's own ``tokenizer.json``; a tokenizer that is
     not the teacher's (vocabulary, merges or the teacher's recorded sha256) is refused.
     """
-    tokenizer_model = args.tokenizer_model
+    tokenizer_model = data.tokenizer_model
     teacher_tok_file = os.path.join(teacher_dir, "tokenizer.json") if teacher_dir else None
     if tokenizer_model is None and teacher_tok_file and os.path.isfile(teacher_tok_file):
         tokenizer_model = teacher_tok_file  # the teacher's own
-    if args.mock_data:
+    if data.mock_data:
         return None
-    if not args.data_path:
+    if not data.data_path:
         raise ValueError("no training data: give --data-path PREFIX (made by "
                          "`megatron-kd preprocess`) or --mock-data")
     if not tokenizer_model:
         raise ValueError("--data-path needs --tokenizer-model (the tokenizer.json used by "
                          "`megatron-kd preprocess`)")
-    tokenizer = HFTokenizer(tokenizer_model, eod_token=args.eod_token)
-    check_data_prefixes(parse_data_path(args.data_path)[0], tokenizer)
+    tokenizer = HFTokenizer(tokenizer_model, eod_token=data.eod_token)
+    check_data_prefixes(parse_data_path(data.data_path)[0], tokenizer)
     if teacher_dir is None:
         return tokenizer
     if (os.path.isfile(teacher_tok_file)
@@ -112,50 +112,55 @@ def resolve_tokenizer(args: argparse.Namespace, teacher_dir: str | None):
     return tokenizer
 
 
-def _check_flags(args: argparse.Namespace, kd: KDArgs, world_size: int) -> tuple[int, int, int,
-                                                                                 int]:
+def _check_flags(config: RunConfig, world_size: int) -> tuple[int, int, int, int]:
     """``(tp, pp, dp, global_batch_size)`` from the flags alone."""
-    _positive(args, "num_layers", "hidden_size", "num_attention_heads", "seq_length",
-              "micro_batch_size", "train_iters", "tensor_model_parallel_size",
-              "pipeline_model_parallel_size", "eval_interval", "log_interval")
-    if args.eval_iters < 0:
-        raise ValueError(f"--eval-iters must be >= 0, got {args.eval_iters}")
-    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    dp = check_parallel_sizes(world_size, tp, pp, args.expert_model_parallel_size,
-                              args.expert_tensor_parallel_size)
-    gbs = args.global_batch_size or args.micro_batch_size * dp
-    if gbs % (args.micro_batch_size * dp):
+    arch, par, data, log = config.arch, config.parallel, config.data, config.logging
+    mbs = config.optimizer.micro_batch_size
+    _positive(num_layers=arch.num_layers, hidden_size=arch.hidden_size,
+              num_attention_heads=arch.num_attention_heads, seq_length=data.seq_length,
+              micro_batch_size=mbs, train_iters=data.train_iters,
+              tensor_model_parallel_size=par.tensor_model_parallel_size,
+              pipeline_model_parallel_size=par.pipeline_model_parallel_size,
+              eval_interval=log.eval_interval, log_interval=log.log_interval)
+    if data.eval_iters < 0:
+        raise ValueError(f"--eval-iters must be >= 0, got {data.eval_iters}")
+    tp, pp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size
+    dp = check_parallel_sizes(world_size, tp, pp, par.expert_model_parallel_size,
+                              par.expert_tensor_parallel_size)
+    gbs = data.global_batch_size or mbs * dp
+    if gbs % (mbs * dp):
         raise ValueError(f"--global-batch-size {gbs} is not divisible by --micro-batch-size "
-                         f"{args.micro_batch_size} x data-parallel size {dp}")
-    if args.bf16 and on_cpu():
+                         f"{mbs} x data-parallel size {dp}")
+    if par.bf16 and on_cpu():
         raise ValueError("--bf16 needs a GPU: Megatron-Core's mixed-precision optimizer accepts "
                          "only CUDA tensors. On CPU train the student in fp32 (a bf16 teacher "
                          "is fine: --kd-teacher-dtype bf16)")
-    if getattr(args, "use_distributed_optimizer", False) and on_cpu():
+    if par.use_distributed_optimizer and on_cpu():
         raise ValueError("--use-distributed-optimizer needs a GPU: Megatron-Core's "
                          "DistributedOptimizer accepts only CUDA parameters (megatron-core "
                          "0.16-0.19). On CPU leave it off")
-    if args.save_interval is not None and args.save_interval < 1:
-        raise ValueError(f"--save-interval must be >= 1, got {args.save_interval}")
+    if log.save_interval is not None and log.save_interval < 1:
+        raise ValueError(f"--save-interval must be >= 1, got {log.save_interval}")
     return tp, pp, dp, gbs
 
 
-def _vocabulary(args, teacher_arch, cache_spec, tokenizer, tp: int) -> tuple[int, int]:
+def _vocabulary(arch: ArchitectureSection, teacher_arch, cache_spec, tokenizer,
+                tp: int) -> tuple[int, int]:
     """``(vocab_size, padded_vocab_size)``: one partition for student and teacher."""
     if teacher_arch is not None:
         vocab, padded = teacher_arch.vocab_size, teacher_arch.padded_vocab_size
-        if args.vocab_size is not None and args.vocab_size != vocab:
-            raise ValueError(f"--vocab-size {args.vocab_size} != the teacher's vocabulary "
+        if arch.vocab_size is not None and arch.vocab_size != vocab:
+            raise ValueError(f"--vocab-size {arch.vocab_size} != the teacher's vocabulary "
                              f"{vocab}: student and teacher must share one vocabulary")
     else:
         # Offline: the cache's true vocabulary (a different --vocab-size is refused when the
         # cache is opened, naming both values).
         default_vocab = (cache_spec.vocab_size if cache_spec is not None
                          else tokenizer.vocab_size if tokenizer is not None else None)
-        vocab = args.vocab_size or default_vocab
+        vocab = arch.vocab_size or default_vocab
         if vocab is None:
             raise ValueError("--mock-data without a teacher needs --vocab-size")
-        padded = pad_vocab_size(vocab, tp, args.make_vocab_size_divisible_by)
+        padded = pad_vocab_size(vocab, tp, arch.make_vocab_size_divisible_by)
     if tokenizer is not None and tokenizer.vocab_size > vocab:
         raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens but the "
                          f"{'teacher' if teacher_arch else 'student'} vocabulary is {vocab}: "
@@ -163,27 +168,27 @@ def _vocabulary(args, teacher_arch, cache_spec, tokenizer, tp: int) -> tuple[int
     return vocab, padded
 
 
-def _student_arch(args: argparse.Namespace, vocab: int, padded: int, tp: int,
-                  pp: int) -> GPTArchConfig:
+def _student_arch(flags: ArchitectureSection, seq_length: int, vocab: int, padded: int,
+                  tp: int, pp: int) -> GPTArchConfig:
     arch = GPTArchConfig(
-        num_layers=args.num_layers, hidden_size=args.hidden_size,
-        num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,
-        ffn_hidden_size=args.ffn_hidden_size or 4 * args.hidden_size,
-        kv_channels=args.kv_channels,
+        num_layers=flags.num_layers, hidden_size=flags.hidden_size,
+        num_attention_heads=flags.num_attention_heads, num_query_groups=flags.num_query_groups,
+        ffn_hidden_size=flags.ffn_hidden_size or 4 * flags.hidden_size,
+        kv_channels=flags.kv_channels,
         vocab_size=vocab, padded_vocab_size=padded,
-        max_position_embeddings=args.max_position_embeddings or args.seq_length,
-        rotary_base=args.rotary_base, norm_epsilon=args.norm_epsilon,
-        normalization=args.normalization, swiglu=not args.disable_swiglu,
-        tie_embeddings=not args.untie_embeddings_and_output_weights,
-        add_bias_linear=args.add_bias_linear,
-        position_embedding_type=args.position_embedding_type,
-        init_method_std=args.init_method_std, qk_layernorm=args.qk_layernorm,
-        num_experts=args.num_experts, moe_ffn_hidden_size=args.moe_ffn_hidden_size,
-        moe_router_topk=args.moe_router_topk, moe_router_pre_softmax=args.moe_router_pre_softmax,
-        **hybrid_arch_fields(args))
-    if arch.max_position_embeddings < args.seq_length:
+        max_position_embeddings=flags.max_position_embeddings or seq_length,
+        rotary_base=flags.rotary_base, norm_epsilon=flags.norm_epsilon,
+        normalization=flags.normalization, swiglu=not flags.disable_swiglu,
+        tie_embeddings=not flags.untie_embeddings_and_output_weights,
+        add_bias_linear=flags.add_bias_linear,
+        position_embedding_type=flags.position_embedding_type,
+        init_method_std=flags.init_method_std, qk_layernorm=flags.qk_layernorm,
+        num_experts=flags.num_experts, moe_ffn_hidden_size=flags.moe_ffn_hidden_size,
+        moe_router_topk=flags.moe_router_topk, moe_router_pre_softmax=flags.moe_router_pre_softmax,
+        **hybrid_arch_fields(flags))
+    if arch.max_position_embeddings < seq_length:
         raise ValueError(f"--max-position-embeddings {arch.max_position_embeddings} < "
-                         f"--seq-length {args.seq_length}")
+                         f"--seq-length {seq_length}")
     arch.check_tensor_parallel(tp)
     arch.check_pipeline_parallel(pp)
     return arch
@@ -222,17 +227,17 @@ def _check_experts(student: GPTArchConfig, teacher: GPTArchConfig | None, tp: in
                          f"Megatron-LM's pretrain_gpt.py with --sequence-parallel")
 
 
-def plan_run(args: argparse.Namespace, world_size: int) -> Plan:
-    """Validate the flags against each other, the teacher checkpoint and the data; raise
+def check_run(config: RunConfig, world_size: int) -> CheckedRun:
+    """Check the configuration against itself, the teacher checkpoint and the data; raise
     ``ValueError`` with the offending values. Reads only small files (JSON, tokenizer,
     checkpoint metadata); in offline mode it also builds the datasets to check the cache."""
-    kd = KDArgs.from_args(args)
-    tp, pp, dp, gbs = _check_flags(args, kd, world_size)
+    kd, data = config.kd, config.data
+    tp, pp, dp, gbs = _check_flags(config, world_size)
     teacher_arch = None
     if kd.teacher_load:
         # the student's ranks hold the teacher's output layer in the student's partition (a
         # disaggregated teacher's own layout is its replicas' business: `teacher serve` checks it)
-        teacher_dir, teacher_arch = check_teacher(kd.teacher_load, seq_length=args.seq_length,
+        teacher_dir, teacher_arch = check_teacher(kd.teacher_load, seq_length=data.seq_length,
                                                   teacher_args=kd.teacher_args,
                                                   tp_sizes=(tp,))
         kd = dataclasses.replace(kd, teacher_load=teacher_dir)
@@ -242,49 +247,50 @@ def plan_run(args: argparse.Namespace, world_size: int) -> Plan:
             raise ValueError(f"--kd-topk-cache {kd.topk_cache!r} is not a directory")
         # Only the manifest here (the student's vocabulary); the full check follows below.
         cache_spec = CacheSpec.from_json(load_manifest(kd.topk_cache))
-    tokenizer = resolve_tokenizer(args, kd.teacher_load)
-    vocab, padded = _vocabulary(args, teacher_arch, cache_spec, tokenizer, tp)
+    tokenizer = resolve_tokenizer(data, kd.teacher_load)
+    vocab, padded = _vocabulary(config.arch, teacher_arch, cache_spec, tokenizer, tp)
     if tokenizer is None:
         tokenizer = MockTokenizer(vocab)
-    student_arch = _student_arch(args, vocab, padded, tp, pp)
-    ep, etp = args.expert_model_parallel_size, args.expert_tensor_parallel_size
+    student_arch = _student_arch(config.arch, data.seq_length, vocab, padded, tp, pp)
+    ep = config.parallel.expert_model_parallel_size
+    etp = config.parallel.expert_tensor_parallel_size
     _check_experts(student_arch, teacher_arch if kd.mode == "colocated" else None, tp, ep, etp)
-    plan = Plan(kd=kd, student_arch=student_arch, teacher_arch=teacher_arch, tokenizer=tokenizer,
-                tp=tp, pp=pp, dp=dp, ep=ep, etp=etp, global_batch_size=gbs,
-                params_dtype=torch.bfloat16 if args.bf16 else torch.float32)
+    run = CheckedRun(kd=kd, student_arch=student_arch, teacher_arch=teacher_arch,
+                     tokenizer=tokenizer, tp=tp, pp=pp, dp=dp, ep=ep, etp=etp,
+                     global_batch_size=gbs,
+                     params_dtype=torch.bfloat16 if config.parallel.bf16 else torch.float32)
     if kd.mode == "offline":
-        _open_topk_cache(args, plan)
-    return plan
+        _open_topk_cache(data, run)
+    return run
 
 
-def _open_topk_cache(args: argparse.Namespace, plan: Plan) -> None:
+def _open_topk_cache(data: DataSection, run: CheckedRun) -> None:
     """Offline mode: build the run's datasets and open the top-K cache, refusing one made for
     other data, sequence length, vocabulary or tokenizer (no fallback to an LM-only loss)."""
-    plan.datasets = build_datasets(args, plan.student_arch.vocab_size, plan.tokenizer,
-                                   plan.global_batch_size)
+    run.datasets = build_datasets(data, run.student_arch.vocab_size, run.tokenizer,
+                                  run.global_batch_size)
     try:
-        plan.topk_cache = open_cache_for_run(
-            plan.kd.topk_cache, dataset=plan.datasets[0], tokenizer=plan.tokenizer,
-            seq_length=args.seq_length, vocab_size=plan.student_arch.vocab_size,
-            num_samples=args.train_iters * plan.global_batch_size)
+        run.topk_cache = open_cache_for_run(
+            run.kd.topk_cache, dataset=run.datasets[0], tokenizer=run.tokenizer,
+            seq_length=data.seq_length, vocab_size=run.student_arch.vocab_size,
+            num_samples=data.num_samples(run.global_batch_size)[0])
     except ValueError as e:
-        raise ValueError(f"--kd-topk-cache {plan.kd.topk_cache!r}: {e}") from None
+        raise ValueError(f"--kd-topk-cache {run.kd.topk_cache!r}: {e}") from None
 
 
-def build_datasets(args: argparse.Namespace, vocab_size: int, tokenizer, global_batch_size: int,
+def build_datasets(data: DataSection, vocab_size: int, tokenizer, global_batch_size: int,
                    *, need_valid: bool = True):
     """``(train, valid)`` datasets of a run: the same samples on every rank that asks (the
-    top-K cache build and the trainer build the very same ones)."""
-    train_samples = args.train_iters * global_batch_size
-    valid_samples = max(1, args.eval_iters) * global_batch_size
-    if args.mock_data:
-        train = MockGPTDataset(vocab_size=vocab_size, seq_length=args.seq_length,
-                               num_samples=train_samples, seed=args.seed)
-        valid = (MockGPTDataset(vocab_size=vocab_size, seq_length=args.seq_length,
-                                num_samples=valid_samples, seed=args.seed + 1)
+    top-K cache build and the trainer build the very same ones, from the same section)."""
+    train_samples, valid_samples = data.num_samples(global_batch_size)
+    if data.mock_data:
+        train = MockGPTDataset(vocab_size=vocab_size, seq_length=data.seq_length,
+                               num_samples=train_samples, seed=data.seed)
+        valid = (MockGPTDataset(vocab_size=vocab_size, seq_length=data.seq_length,
+                                num_samples=valid_samples, seed=data.seed + 1)
                  if need_valid else None)
         return train, valid
     return build_gpt_datasets(
-        data_path=args.data_path, split=args.split, seq_length=args.seq_length, seed=args.seed,
+        data_path=data.data_path, split=data.split, seq_length=data.seq_length, seed=data.seed,
         tokenizer=tokenizer, train_samples=train_samples, valid_samples=valid_samples,
-        cache_path=args.data_cache_path)
+        cache_path=data.data_cache_path)

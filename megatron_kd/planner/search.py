@@ -1,0 +1,630 @@
+"""How a plan is found (pure Python, no torch): the candidate layouts (every way of splitting the
+student, and the teacher, that Megatron accepts for the given GPUs and options), what one layout
+costs (the memory of every student and teacher GPU, term by term, the step time and the traffic
+of each mode), and the search among them. The modes and the plan's inputs and results are in
+:mod:`.plan`; the memory formulas in :mod:`.memory`, time and traffic in :mod:`.traffic`.
+
+The module is one piece: the search order, the candidates it orders and the costs that decide
+between them are read together (a candidate is kept or dropped by what it costs); split, each part
+would have to be read with the others open.
+
+Search
+------
+A parallel size left as ``None`` is searched. Among the layouts that fit, the planner picks the
+layouts without full recompute (it costs a third more compute), then the smallest model-parallel
+size ``t * p``, then the least recompute (none < selective), then the smaller ``t``, then the larger
+expert-parallel size. Sequence parallelism, when not given, is on whenever ``t > 1``. A colocated
+teacher's expert-parallel size, when not given, is the largest that divides both its expert count
+and ``t * dp`` (the least memory). A disaggregated teacher replica is the smallest ``t_t * p_t *
+dp_t`` (``dp_t`` only as wide as its expert parallelism needs) whose inference memory fits. Nothing
+fitting is reported as such with the layout of lowest peak memory: never silently replaced by
+something else.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+from megatron_kd.planner import memory as mem
+from megatron_kd.planner import traffic as tr
+from megatron_kd.planner.memory import GIB, RECOMPUTE_CHOICES, ParallelLayout, Term
+from megatron_kd.planner.plan import Mode, ModePlan, PlanOptions, PlanResult
+from megatron_kd.planner.traffic import Traffic
+
+#: A disaggregated teacher replica found by :func:`search_teacher`: its layout, the terms of its
+#: GPU of highest memory, and whether they fit.
+TeacherSearch = tuple[ParallelLayout, dict[Term, float], bool]
+
+_CACHE_NOTE = (
+    "needs a cache built beforehand (cost above); top-K targets approximate the teacher's full "
+    "distribution"
+)
+
+
+# --- the search ------------------------------------------------------------------------------
+
+
+def plan_all(opts: PlanOptions, modes: tuple[Mode, ...] = tuple(Mode)) -> PlanResult:
+    """Every mode's plan (and so the recommendation)."""
+    return PlanResult(plans={m: plan_mode(opts, m) for m in modes})
+
+
+def plan_mode(opts: PlanOptions, mode: Mode) -> ModePlan:
+    """Search (or take) the student layout of ``mode``; see the module docstring for the order."""
+    candidates = sorted(student_candidates(opts), key=_search_key)
+    teacher_search = search_teacher(opts) if mode is Mode.DISAGGREGATED else None
+    best_oom: ModePlan | None = None
+    for layout in candidates:
+        try:
+            plan = evaluate(opts, mode, layout, teacher_search)
+        except ValueError:
+            if len(candidates) == 1:
+                raise
+            continue
+        if plan.fits:
+            return plan
+        if best_oom is None or plan.total_bytes < best_oom.total_bytes:
+            best_oom = plan
+    if best_oom is None:
+        raise ValueError(
+            f"{mode.value}: no layout could be evaluated for {opts.student.name} <- "
+            f"{opts.teacher.name}"
+        )
+    if len(candidates) > 1:
+        note = f"no layout of {len(candidates)} searched fits; shown: lowest peak memory"
+        best_oom = replace(best_oom, notes=(*best_oom.notes, note))
+    return best_oom
+
+
+def _search_key(layout: ParallelLayout) -> tuple:
+    """Sort key of the student layouts, preferred first (the order of the module docstring)."""
+    # full recompute (a third more compute) only when nothing else fits; then the smallest t*p
+    return (
+        layout.recompute == "full",
+        layout.tp * layout.pp,
+        RECOMPUTE_CHOICES.index(layout.recompute),
+        layout.tp,
+        -layout.ep,
+    )
+
+
+# --- candidate layouts -----------------------------------------------------------------------
+
+
+def _divisors(n: int) -> list[int]:
+    """The divisors of ``n``, ascending."""
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def student_candidates(opts: PlanOptions) -> list[ParallelLayout]:
+    """Every valid student layout on ``opts.world_size`` GPUs; ``ValueError`` (with the first
+    reasons) when there is none."""
+    model = opts.student
+    world = opts.world_size
+    tps = [opts.tp] if opts.tp else _divisors(opts.gpus_per_node)
+    reasons: list[str] = []  # why candidates were dropped, for the error when none is left
+    out = []
+    for t in tps:
+        pps = (
+            [opts.pp]
+            if opts.pp
+            else [
+                p for p in _divisors(world // t if world % t == 0 else 1) if p <= model.num_layers
+            ]
+        )
+        for p in pps:
+            if world % (t * p):
+                reasons.append(f"tp*pp={t}*{p} does not divide {world} GPUs")
+                continue
+            dp = world // (t * p)
+            if opts.global_batch_size % (opts.micro_batch_size * dp):
+                reasons.append(
+                    f"global_batch_size={opts.global_batch_size} is not a multiple of "
+                    f"micro_batch_size*dp={opts.micro_batch_size}*{dp}"
+                )
+                continue
+            sp = (t > 1) if opts.sequence_parallel is None else opts.sequence_parallel
+            if model.is_moe:
+                eps = (
+                    [opts.ep]
+                    if opts.ep
+                    else [e for e in _divisors(model.num_experts) if (t * dp) % (e * opts.etp) == 0]
+                )
+            else:
+                eps = [1]
+            recomputes = [opts.recompute] if opts.recompute else list(RECOMPUTE_CHOICES)
+            for e in eps:
+                for rc in recomputes:
+                    try:
+                        layout = ParallelLayout(
+                            tp=t,
+                            pp=p,
+                            dp=dp,
+                            ep=e,
+                            etp=opts.etp if model.is_moe else 1,
+                            sequence_parallel=sp,
+                            use_distributed_optimizer=opts.use_distributed_optimizer,
+                            recompute=rc,
+                        )
+                        mem.validate_layout(model, layout, "student")
+                    except ValueError as exc:
+                        reasons.append(str(exc))
+                        continue
+                    out.append(layout)
+    if not out:
+        distinct = list(dict.fromkeys(reasons))
+        raise ValueError(
+            f"no valid student layout for {model.name} on {world} GPUs (tp={opts.tp}, "
+            f"pp={opts.pp}, ep={opts.ep}): "
+            + "; ".join(distinct[:3])
+            + (" ..." if len(distinct) > 3 else "")
+        )
+    return out
+
+
+def colocated_teacher_layout(
+    opts: PlanOptions, layout: ParallelLayout, mode: Mode
+) -> ParallelLayout | None:
+    """The teacher on the student's ranks: same t, dp, SP, its own expert-parallel size; pipelined
+    like the student with the dense loss (ModelOpt), whole on the last stage with the fused loss
+    (``megatron-kd train``)."""
+    teacher = opts.teacher
+    if teacher.is_moe:
+        eps = (
+            [opts.teacher_ep]
+            if opts.teacher_ep
+            else sorted(
+                (e for e in _divisors(teacher.num_experts) if (layout.tp * layout.dp) % e == 0),
+                reverse=True,
+            )
+        )
+    else:
+        eps = [1]
+    for e in eps:
+        try:
+            tl = ParallelLayout(
+                tp=layout.tp,
+                pp=layout.pp if mode is Mode.COLOCATED_DENSE else 1,
+                dp=layout.dp,
+                ep=e,
+                etp=1,
+                sequence_parallel=layout.sequence_parallel,
+                make_vocab_size_divisible_by=layout.make_vocab_size_divisible_by,
+            )
+            mem.validate_layout(teacher, tl, "colocated teacher")
+            return tl
+        except ValueError:
+            continue
+    return None
+
+
+def teacher_candidates(opts: PlanOptions) -> list[ParallelLayout]:
+    """Every valid disaggregated teacher replica layout (``dp`` only as wide as its experts need);
+    ``ValueError`` when there is none."""
+    teacher = opts.teacher
+    tps = [opts.teacher_tp] if opts.teacher_tp else _divisors(opts.gpus_per_node)
+    pps = [opts.teacher_pp] if opts.teacher_pp else list(range(1, min(teacher.num_layers, 16) + 1))
+    eps = (
+        ([opts.teacher_ep] if opts.teacher_ep else _divisors(teacher.num_experts))
+        if teacher.is_moe
+        else [1]
+    )
+    out = []
+    for t in tps:
+        for p in pps:
+            for e in eps:
+                dp = max(1, e // t) if e % t == 0 or t % e == 0 else None
+                if dp is None or (t * dp) % e:
+                    continue
+                try:
+                    tl = ParallelLayout(tp=t, pp=p, dp=dp, ep=e, etp=1, sequence_parallel=t > 1)
+                    mem.validate_layout(teacher, tl, "teacher")
+                except ValueError:
+                    continue
+                out.append(tl)
+    if not out:
+        raise ValueError(
+            f"no valid teacher layout for {teacher.name} (teacher_tp={opts.teacher_tp}, "
+            f"teacher_pp={opts.teacher_pp}, teacher_ep={opts.teacher_ep})"
+        )
+    return out
+
+
+# --- memory of one GPU -------------------------------------------------------------------------
+
+
+def num_microbatches(opts: PlanOptions, layout: ParallelLayout) -> int:
+    """Micro-batches ``m`` each data-parallel rank runs per optimizer step."""
+    return opts.global_batch_size // (opts.micro_batch_size * layout.dp)
+
+
+def student_stage_terms(
+    opts: PlanOptions,
+    mode: Mode,
+    layout: ParallelLayout,
+    teacher_layout: ParallelLayout | None,
+    stage: int,
+) -> dict[Term, float]:
+    """Every memory term of one student GPU of pipeline stage ``stage`` in ``mode``."""
+    if not isinstance(mode, Mode):
+        raise ValueError(f"mode={mode!r}; choose from {tuple(m.value for m in Mode)}")
+    terms = _student_model_terms(opts, mode, layout, stage)
+    if mode.colocated:
+        assert teacher_layout is not None
+        terms.update(_colocated_teacher_terms(opts, layout, teacher_layout, stage))
+    if stage == layout.pp - 1:
+        terms.update(_loss_terms(opts, mode, layout))
+        terms.update(_teacher_input_terms(opts, mode, layout))
+    terms[Term.RESERVE] = opts.reserve_bytes
+    return terms
+
+
+def _student_model_terms(
+    opts: PlanOptions, mode: Mode, layout: ParallelLayout, stage: int
+) -> dict[Term, float]:
+    """The student's own weights, gradients, optimizer state and saved activations on ``stage``."""
+    s, b = opts.seq_length, opts.micro_batch_size
+    student = opts.student
+    m = num_microbatches(opts, layout)
+    state = mem.model_state_bytes(student, layout, stage, opts.precision, trainable=True)
+    activations = mem.stage_activation_bytes(student, layout, stage, s, b, m, opts.activation)
+    if stage == layout.pp - 1:
+        activations += mem.output_layer_activation_bytes(
+            student,
+            layout,
+            s,
+            b,
+            dense_output_layer=mode is Mode.COLOCATED_DENSE,
+            activation_bytes=opts.activation.activation_bytes,
+        )
+    return {
+        Term.STUDENT_WEIGHTS: state.weights,
+        Term.STUDENT_GRADS: state.grads,
+        Term.OPTIMIZER: state.optimizer,
+        Term.ACTIVATIONS: activations,
+    }
+
+
+def _colocated_teacher_terms(
+    opts: PlanOptions, layout: ParallelLayout, teacher_layout: ParallelLayout, stage: int
+) -> dict[Term, float]:
+    """A colocated teacher's weights and no-grad working set on ``stage``, where it has any."""
+    pipelined = teacher_layout.pp == layout.pp
+    # pipelined teacher, or the whole one on the last stage
+    if not (pipelined or stage == layout.pp - 1):
+        return {}
+    teacher = opts.teacher
+    t_stage = stage if pipelined else 0
+    return {
+        Term.TEACHER_WEIGHTS: mem.model_state_bytes(
+            teacher, teacher_layout, t_stage, opts.precision, trainable=False
+        ).weights,
+        Term.TEACHER_FORWARD: mem.teacher_forward_working_bytes(
+            teacher,
+            teacher_layout,
+            opts.seq_length,
+            opts.micro_batch_size,
+            opts.activation.activation_bytes,
+            opts.activation.flash_attention,
+        ),
+    }
+
+
+def _loss_terms(opts: PlanOptions, mode: Mode, layout: ParallelLayout) -> dict[Term, float]:
+    """The KD loss's buffers on the last stage: dense logits, or the fused loss's parts."""
+    s, b = opts.seq_length, opts.micro_batch_size
+    student, teacher = opts.student, opts.teacher
+    if mode is Mode.COLOCATED_DENSE:
+        return {Term.DENSE_LOGITS: mem.dense_loss_bytes(student, teacher, layout, s, b)}
+    fused = mem.fused_loss_bytes(
+        student,
+        layout,
+        s,
+        b,
+        opts.window_size,
+        dense_teacher=mode is not Mode.OFFLINE_CACHE,
+        teacher_hidden_size=teacher.hidden_size,
+        activation_bytes=opts.activation.activation_bytes,
+        block_elements=opts.loss_block_elements,
+    )
+    terms = {Term.LOSS_WINDOW: fused.window, Term.LOSS_GRADIENTS: fused.gradients}
+    if fused.gathered:
+        terms[Term.LOSS_GATHERED] = fused.gathered
+    terms[Term.LOSS_ROW_STATISTICS] = fused.row_statistics
+    return terms
+
+
+def _teacher_input_terms(
+    opts: PlanOptions, mode: Mode, layout: ParallelLayout
+) -> dict[Term, float]:
+    """What the last stage holds of the teacher's side, by mode: hidden states, cache, ring."""
+    s, b = opts.seq_length, opts.micro_batch_size
+    teacher = opts.teacher
+    if mode is Mode.COLOCATED_FUSED:
+        n = s * b
+        sp_div = layout.tp if layout.sequence_parallel else 1
+        act_bytes = opts.activation.activation_bytes
+        return {Term.TEACHER_FINAL_HIDDEN: n * teacher.hidden_size * act_bytes / sp_div}
+    if mode is Mode.OFFLINE_CACHE:
+        return {
+            Term.CACHE_READER: mem.cache_reader_bytes(
+                s, b, opts.topk, opts.cache_resident_microbatches
+            )
+        }
+    if mode is Mode.DISAGGREGATED:
+        shard = mem.teacher_output_layer_bytes(teacher, layout, opts.precision.param_bytes)
+        ring = mem.ring_bytes(teacher, layout, s, b, opts.prefetch_depth, opts.hidden_elem_bytes,
+                              tr.wire_bytes_per_token(teacher.hidden_size, opts.wire_dtype))
+        return {
+            Term.TEACHER_OUTPUT_SHARD: shard,
+            Term.RING_SLOTS: ring.slots,
+            Term.GATHERED_HIDDEN: ring.gathered_hidden,
+        }
+    return {}
+
+
+def _peak(
+    opts: PlanOptions, mode: Mode, layout: ParallelLayout, teacher_layout: ParallelLayout | None
+) -> tuple[int, dict[Term, float], float]:
+    """The student stage of highest memory: ``(stage, its terms, their total)``."""
+    best = (0, {}, -1.0)
+    for stage in range(layout.pp):
+        terms = student_stage_terms(opts, mode, layout, teacher_layout, stage)
+        total = sum(terms.values())
+        if total > best[2]:
+            best = (stage, terms, total)
+    return best
+
+
+def teacher_inference_terms(
+    opts: PlanOptions, layout: ParallelLayout, stage: int
+) -> dict[Term, float]:
+    """One disaggregated teacher GPU: its weights, one layer's no-grad working set, and on the
+    last stage ``D`` send slots of its share of the final hidden states.
+
+    The last stage holds its output layer although it never runs it (the student projects the
+    hidden states): ``megatron-kd train``'s teacher ranks build Megatron's ``GPTModel`` with its
+    output layer (``post_process``) and load it from the checkpoint. It is a term of its own, so
+    the saving of not building it is visible."""
+    teacher = opts.teacher
+    s, b = opts.seq_length, opts.micro_batch_size
+    weights = mem.model_state_bytes(teacher, layout, stage, opts.precision, trainable=False).weights
+    output_layer = 0
+    last = stage == layout.pp - 1
+    if last and (not teacher.tie_embeddings or layout.pp > 1):
+        output_layer = mem.teacher_output_layer_bytes(teacher, layout, opts.precision.param_bytes)
+    terms = {Term.REPLICA_WEIGHTS: weights - output_layer}
+    if output_layer:
+        terms[Term.REPLICA_OUTPUT_LAYER] = output_layer
+    terms[Term.TEACHER_FORWARD] = mem.teacher_forward_working_bytes(
+        teacher, layout, s, b, opts.activation.activation_bytes, opts.activation.flash_attention
+    )
+    if last:
+        terms[Term.SEND_SLOTS] = (
+            opts.prefetch_depth * s * b
+            * tr.wire_bytes_per_token(teacher.hidden_size, opts.wire_dtype) / layout.tp
+        )
+    terms[Term.RESERVE] = opts.reserve_bytes
+    return terms
+
+
+def search_teacher(opts: PlanOptions) -> TeacherSearch:
+    """Smallest disaggregated teacher replica that fits: (layout, worst-stage terms, fits)."""
+    scored = []
+    for tl in teacher_candidates(opts):
+        worst = max(
+            (teacher_inference_terms(opts, tl, st) for st in range(tl.pp)),
+            key=lambda d: sum(d.values()),
+        )
+        total = sum(worst.values())
+        scored.append((total <= opts.gpu.memory_bytes, tl, worst, total))
+    fitting = [x for x in scored if x[0]]
+    if fitting:
+        _, tl, worst, _ = min(fitting, key=lambda x: (x[1].world_size, x[1].pp, x[1].tp))
+        return tl, worst, True
+    _, tl, worst, _ = min(scored, key=lambda x: x[3])
+    return tl, worst, False
+
+
+# --- time and traffic of one layout ------------------------------------------------------------
+
+
+def _student_flops_per_step(opts: PlanOptions, mode: Mode, recompute: str) -> float:
+    """FLOPs of one step on the student's GPUs, with their share of the teacher's work."""
+    tokens = opts.global_batch_size * opts.seq_length
+    flops = tr.training_flops_per_token(opts.student, opts.seq_length, recompute)
+    if mode.colocated:
+        flops += tr.forward_flops_per_token(opts.teacher, opts.seq_length)
+    elif mode is Mode.DISAGGREGATED:
+        flops += 2.0 * opts.teacher.vocab_size * opts.teacher.hidden_size
+    return tokens * flops
+
+
+def evaluate(
+    opts: PlanOptions,
+    mode: Mode,
+    layout: ParallelLayout,
+    teacher_search: TeacherSearch | None = None,
+) -> ModePlan:
+    """The plan of ``mode`` for a given student layout (teacher layouts searched as configured;
+    ``teacher_search`` is :func:`search_teacher`'s answer, when already known)."""
+    teacher_layout = None
+    if mode.colocated:
+        teacher_layout = _colocated_teacher_or_raise(opts, layout, mode)
+    plan = _student_plan(opts, mode, layout, teacher_layout)
+    if mode is Mode.OFFLINE_CACHE:
+        return replace(plan, wire=_cache_traffic(opts, layout, plan.step_time_s),
+                       notes=(_CACHE_NOTE,))
+    plan = replace(plan, wire=_loss_allreduce(opts, mode, layout, plan.step_time_s))
+    if mode is Mode.DISAGGREGATED:
+        plan = _with_disaggregated_teacher(plan, opts, layout,
+                                           teacher_search or search_teacher(opts))
+    return plan
+
+
+def _colocated_teacher_or_raise(
+    opts: PlanOptions, layout: ParallelLayout, mode: Mode
+) -> ParallelLayout:
+    """The colocated teacher's layout on the student's ranks; ``ValueError`` when there is none."""
+    teacher_layout = colocated_teacher_layout(opts, layout, mode)
+    if teacher_layout is None:
+        raise ValueError(
+            f"teacher {opts.teacher.name} cannot be colocated on tp={layout.tp} "
+            f"dp={layout.dp} (teacher_ep={opts.teacher_ep})"
+        )
+    return teacher_layout
+
+
+def _student_plan(
+    opts: PlanOptions, mode: Mode, layout: ParallelLayout, teacher_layout: ParallelLayout | None
+) -> ModePlan:
+    """The plan's student side: the peak stage's memory, the step time and the tokens per second."""
+    stage, terms, total = _peak(opts, mode, layout, teacher_layout)
+    world = layout.world_size
+    step = tr.step_time_s(
+        _student_flops_per_step(opts, mode, layout.recompute),
+        world,
+        opts.gpu.bf16_flops,
+        opts.mfu,
+        layout.pp,
+        num_microbatches(opts, layout),
+    )
+    tokens = opts.global_batch_size * opts.seq_length
+    return ModePlan(
+        mode=mode,
+        fits=total <= opts.gpu.memory_bytes,
+        layout=layout,
+        teacher_layout=teacher_layout,
+        worst_stage=stage,
+        terms=terms,
+        total_bytes=total,
+        capacity_bytes=opts.gpu.memory_bytes,
+        step_time_s=step,
+        student_tokens_per_s=tokens / step,
+        student_gpus=world,
+    )
+
+
+def _loss_allreduce(
+    opts: PlanOptions, mode: Mode, layout: ParallelLayout, step_time_s: float
+) -> dict[Traffic, float]:
+    """The loss's tensor-parallel all-reduces per step (an online teacher's logits are sharded)."""
+    m = num_microbatches(opts, layout)
+    s, b, t = opts.seq_length, opts.micro_batch_size, layout.tp
+    # the dense loss (ModelOpt) all-reduces each model's max and sum of exponentials: 4 per row
+    stats = opts.loss_stats if mode is not Mode.COLOCATED_DENSE else 4
+    ar = tr.loss_allreduce_bytes_per_step_per_rank(m, s, b, t, stats)
+    calls = (
+        tr.loss_allreduce_count_per_step(
+            m, s, b, mem.window_rows(opts.student, layout, opts.window_size)
+        )
+        if mode is not Mode.COLOCATED_DENSE
+        else 2 * m
+    )
+    return {
+        Traffic.LOSS_ALLREDUCE_BYTES: ar,
+        Traffic.LOSS_ALLREDUCE_CALLS: calls,
+        Traffic.LOSS_ALLREDUCE_RATE: ar / step_time_s / 1e9,
+    }
+
+
+def _cache_traffic(
+    opts: PlanOptions, layout: ParallelLayout, step_time_s: float
+) -> dict[Traffic, float]:
+    """The offline cache's read rate, its size and the teacher GPU-hours that build it."""
+    s = opts.seq_length
+    per_dp = opts.global_batch_size // layout.dp * s * (opts.topk * opts.cache_entry_bytes + 4)
+    build = (
+        tr.forward_flops_per_token(opts.teacher, s) * 1e9 / (opts.gpu.bf16_flops * opts.teacher_mfu)
+    )
+    return {
+        Traffic.CACHE_BYTES: per_dp,
+        Traffic.CACHE_READ_RATE: per_dp / step_time_s / 1e9,
+        Traffic.CACHE_SIZE: 1e9 * (opts.topk * opts.cache_entry_bytes + 4) / 1e9,
+        Traffic.CACHE_BUILD_GPU_HOURS: build / 3600,
+    }
+
+
+def _with_disaggregated_teacher(
+    plan: ModePlan, opts: PlanOptions, layout: ParallelLayout, teacher_search: TeacherSearch
+) -> ModePlan:
+    """``plan`` with the teacher replicas the student's rate needs (or the replicas given, which
+    may bound the student's rate) and the hidden-state traffic they send."""
+    tl, tterms, tfits = teacher_search
+    replicas, per_replica = tr.replicas_needed(
+        plan.student_tokens_per_s,
+        tl.world_size,
+        opts.gpu.bf16_flops,
+        opts.teacher_mfu,
+        tr.forward_flops_per_token(opts.teacher, opts.seq_length, include_output_layer=False),
+    )
+    tokens_per_s, step = plan.student_tokens_per_s, plan.step_time_s
+    notes = list(plan.notes)
+    if opts.teacher_replicas is not None:
+        if opts.teacher_replicas < replicas:  # the student waits for its teachers
+            tokens_per_s = tr.served_tokens_per_s(tokens_per_s, opts.teacher_replicas, per_replica)
+            step = opts.global_batch_size * opts.seq_length / tokens_per_s
+            notes.append(
+                f"teacher-bound: {opts.teacher_replicas} replica(s) give "
+                f"{tokens_per_s:,.0f} tokens/s; the student's rate needs {replicas}")
+        replicas = opts.teacher_replicas
+    wire, wire_ok = _hidden_traffic(opts, layout, tl, replicas, tokens_per_s, step)
+    wire[Traffic.REPLICA_TOKENS_PER_S] = per_replica
+    if not tfits:
+        notes.append(
+            f"no teacher replica layout fits {opts.gpu.name}: lowest peak "
+            f"{sum(tterms.values()) / GIB:.1f} GiB"
+        )
+    teacher_gpus = replicas * tl.world_size
+    return replace(
+        plan,
+        fits=plan.fits and tfits,
+        teacher_layout=tl,
+        teacher_terms=tterms,
+        step_time_s=step,
+        student_tokens_per_s=tokens_per_s,
+        teacher_replicas=replicas,
+        teacher_gpus=teacher_gpus,
+        teacher_nodes=math.ceil(teacher_gpus / opts.gpus_per_node),
+        wire={**plan.wire, **wire},
+        wire_ok=wire_ok,
+        notes=tuple(notes),
+    )
+
+
+def _hidden_traffic(
+    opts: PlanOptions,
+    layout: ParallelLayout,
+    tl: ParallelLayout,
+    replicas: int,
+    tokens_per_s: float,
+    step_time_s: float,
+) -> tuple[dict[Traffic, float], bool]:
+    """Hidden-state rates on the inter-node link and NVLink, and whether both keep up."""
+    link = opts.inter_node_link.bytes_per_s * opts.link_efficiency
+    nvlink = opts.gpu.nvlink_bytes_per_s * opts.link_efficiency
+    m = num_microbatches(opts, layout)
+    s, b, t = opts.seq_length, opts.micro_batch_size, layout.tp
+    per_dp = tr.hidden_bytes_per_step_per_dp_rank(
+        opts.teacher, opts.global_batch_size, layout.dp, s, opts.wire_dtype
+    )
+    per_tp = per_dp / t
+    need = per_tp / step_time_s
+    sender = tokens_per_s / replicas * tr.wire_bytes_per_token(
+        opts.teacher.hidden_size, opts.wire_dtype)
+    sender /= tl.tp * tl.dp
+    ag = tr.allgather_bytes_per_step_per_rank(opts.teacher, m, s, b, t, opts.hidden_elem_bytes)
+    wire = {
+        Traffic.TOKEN_ID_BYTES: tr.token_bytes_per_step_per_dp_rank(
+            opts.global_batch_size, layout.dp, s),
+        Traffic.HIDDEN_BYTES_PER_DP_RANK: per_dp,
+        Traffic.HIDDEN_BYTES_PER_TP_RANK: per_tp,
+        Traffic.HIDDEN_RATE_STUDENT: need / 1e9,
+        Traffic.LINK_RATE: link / 1e9,
+        Traffic.HIDDEN_RATE_TEACHER: sender / 1e9,
+        Traffic.ALLGATHER_BYTES: ag,
+        Traffic.ALLGATHER_RATE: ag / step_time_s / 1e9,
+        Traffic.NVLINK_RATE: nvlink / 1e9,
+    }
+    return wire, need <= link and sender <= link and ag / step_time_s <= nvlink

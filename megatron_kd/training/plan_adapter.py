@@ -1,0 +1,251 @@
+"""The planner's view of a ``megatron-kd train`` run: the run resolved as the trainer resolves it,
+turned into the planner's inputs, and the planner's prediction for the run's logging rank (rank 0:
+pipeline stage 0, TP rank 0) and for rank 0 of a disaggregated run's teacher replica. What
+``tools/validate_planner.py`` compares with measured runs.
+
+How the planner is configured for a run: the architectures are the ones ``megatron-kd train``
+itself resolves (``check_run``: the student from the flags, the teacher from its checkpoint's
+``model_config.json``, an offline run's K from its cache's manifest), with the padded vocabulary
+as the vocabulary (the layouts then pad by 1); precision follows ``--bf16`` (fp32 otherwise:
+4-byte weights and activations, Adam moments without a master copy) and must match
+``--kd-teacher-dtype`` (the planner has one precision; a mismatch is refused); the streamed hidden
+states take the run's wire dtype on the wire (``--kd-wire-dtype``, default the teacher's) and the
+teacher's element size once decoded; one teacher replica; ``--kd-prefetch-depth`` sets the ring
+slots; on CPU the local layer spec runs unfused attention, norms and SwiGLU (``flash_attention``,
+``fused_norm``, ``fused_swiglu`` off), the loss works through a window in cache-sized blocks
+(where the loss does: without TP, unless its CPU tuning says so with TP too), and the top-K
+prefetcher's host queue is device memory (``cache_resident_microbatches = D + 2``). No reserve:
+the measured peaks do not see it.
+
+The trainer's resolved run is read in one place, :func:`run_shape`; everything after it works on
+the :class:`RunShape` it returns.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import shlex
+from dataclasses import dataclass
+
+import torch
+
+from megatron_kd.integration.arch import GPTArchConfig
+from megatron_kd.loss.config import CpuTuning
+from megatron_kd.planner import traffic
+from megatron_kd.planner.memory import ActivationOptions, ParallelLayout, Precision, Term
+from megatron_kd.planner.models import ModelConfig, from_megatron_kd_arch
+from megatron_kd.planner.plan import Mode, PlanOptions
+from megatron_kd.planner.presets import GpuSpec, LinkSpec
+from megatron_kd.planner.search import student_stage_terms, teacher_inference_terms
+from megatron_kd.training.run_checks import CheckedRun, check_run
+from megatron_kd.training.run_config import RunConfig, add_arguments
+
+__all__ = ["Prediction", "RunShape", "arch_to_model", "parse_train_args", "plan_options",
+           "predict", "predict_teacher", "resolve_run", "run_shape"]
+
+#: The planner's modes of the trainer's online ``--kd-mode`` values (with a teacher).
+_ONLINE_MODES = {"colocated": Mode.COLOCATED_FUSED, "disaggregated": Mode.DISAGGREGATED}
+
+
+def parse_train_args(train_args: str) -> argparse.Namespace:
+    """``megatron-kd train``'s own parsing of ``train_args`` (one string, shell quoting)."""
+    parser = argparse.ArgumentParser(prog="megatron-kd train")
+    add_arguments(parser)
+    return parser.parse_args(shlex.split(train_args))
+
+
+def resolve_run(train_args: str, world_size: int) -> tuple[argparse.Namespace, CheckedRun]:
+    """``(args, run)``: the parsed flags and the run exactly as ``megatron-kd train`` checks
+    them (no model is built; an offline run's cache is opened and checked against the run)."""
+    args = parse_train_args(train_args)
+    return args, check_run(RunConfig.from_args(args), world_size)
+
+
+def arch_to_model(arch: GPTArchConfig, name: str) -> ModelConfig:
+    """A planner :class:`ModelConfig` from a ``GPTArchConfig``, with the padded vocabulary as its
+    vocabulary (the runs' layouts then pad by 1, see :func:`predict`)."""
+    model = from_megatron_kd_arch(dict(arch.to_dict(), vocab_size=arch.padded_vocab_size), name)
+    return dataclasses.replace(model, source="megatron-kd train check_run")
+
+
+@dataclass(kw_only=True, frozen=True)
+class RunShape:
+    """What the planner needs of a resolved run."""
+
+    kd_mode: str
+    """The run's ``--kd-mode``."""
+    student: ModelConfig
+    teacher: ModelConfig | None
+    """None: no teacher (the fused loss with the student's logits only)."""
+    fp32: bool
+    """Parameters in fp32 (no ``--bf16``)."""
+    teacher_dtype: str
+    """``--kd-teacher-dtype``."""
+    tp: int
+    pp: int
+    dp: int
+    seq_length: int
+    micro_batch_size: int
+    global_batch_size: int
+    hidden_dropout: bool
+    attention_dropout: bool
+    topk: int | None
+    """An offline run's K (its cache's); None without a cache."""
+    prefetch_depth: int
+    wire_dtype: str
+    """The hidden states' type on the wire."""
+    window_size: int | None
+    """The loss's rows per window; None: its default."""
+
+    @property
+    def mode(self) -> Mode | None:
+        """The planner's mode of the run; None: no teacher."""
+        if self.kd_mode == "offline":
+            return Mode.OFFLINE_CACHE
+        if self.teacher is None:
+            return None
+        return _ONLINE_MODES[self.kd_mode]
+
+
+def run_shape(args: argparse.Namespace, plan: CheckedRun) -> RunShape:
+    """The one place that reads the trainer's resolved run: ``args`` and ``plan`` of
+    :func:`resolve_run`."""
+    config = RunConfig.from_args(args)
+    return RunShape(
+        kd_mode=plan.kd.mode,
+        student=arch_to_model(plan.student_arch, "student"),
+        teacher=arch_to_model(plan.teacher_arch, "teacher") if plan.teacher_arch else None,
+        fp32=plan.params_dtype == torch.float32,
+        teacher_dtype=plan.kd.teacher_dtype,
+        tp=plan.tp,
+        pp=plan.pp,
+        dp=plan.dp,
+        seq_length=config.data.seq_length,
+        micro_batch_size=config.optimizer.micro_batch_size,
+        global_batch_size=plan.global_batch_size,
+        hidden_dropout=config.arch.hidden_dropout > 0,
+        attention_dropout=config.arch.attention_dropout > 0,
+        topk=plan.topk_cache.spec.topk if plan.topk_cache is not None else None,
+        prefetch_depth=plan.kd.prefetch_depth,
+        wire_dtype=plan.kd.wire,
+        window_size=plan.kd.loss.window_size,
+    )
+
+
+@dataclass(kw_only=True, frozen=True)
+class Prediction:
+    """The planner's prediction for a run's logging rank."""
+
+    mode: Mode | None
+    """None: no teacher."""
+    terms: dict[Term, float]
+    """Memory of the logging rank, bytes (no reserve)."""
+    wire: dict[str, float] | None
+    """Disaggregated: the teacher -> student bytes per step by scope (``tp-rank``: one
+    last-stage TP rank; ``dp-rank``: one student DP rank; ``all-ranks``: the whole student)."""
+    wire_to_teacher: dict[str, float] | None = None
+    """Disaggregated: the student -> teacher token-id bytes per step by scope (``dp-rank``,
+    ``all-ranks``: what ``kd_wire_bytes_to_teacher`` counts)."""
+
+
+def plan_options(args, plan, on_cpu: bool, teacher_tp: int | None = None,
+                 teacher_pp: int | None = None) -> PlanOptions:
+    """The planner's options for the run (see the module docstring); ``teacher_tp`` /
+    ``teacher_pp``: a disaggregated run's replica layout (None: not known)."""
+    return _options(run_shape(args, plan), on_cpu, teacher_tp, teacher_pp)
+
+
+def _options(run: RunShape, on_cpu: bool, teacher_tp: int | None,
+             teacher_pp: int | None) -> PlanOptions:
+    param_bytes = 4 if run.fp32 else 2
+    teacher_bytes = 4 if run.teacher_dtype == "fp32" else 2
+    if run.teacher is not None and teacher_bytes != param_bytes:
+        raise ValueError(
+            f"--kd-teacher-dtype {run.teacher_dtype} with {'fp32' if run.fp32 else 'bf16'} "
+            f"student parameters: the planner gives teacher and student one precision"
+        )
+    precision = Precision(param_bytes=param_bytes, grad_bytes=4,
+                          optimizer_bytes=8 if run.fp32 else 12)
+    activation = ActivationOptions(
+        flash_attention=not on_cpu,
+        fused_norm=not on_cpu,
+        fused_swiglu=not on_cpu,
+        hidden_dropout=run.hidden_dropout,
+        attention_dropout=run.attention_dropout,
+        activation_bytes=4 if run.fp32 else 2,
+    )
+    extra = {}
+    tuning = CpuTuning.for_this_machine()  # what the loss works with on this CPU
+    if on_cpu and (run.tp == 1 or tuning.blocks_with_tp):
+        # the loss's elementwise work runs in cache-sized row blocks (CPU, no TP collectives)
+        extra["loss_block_elements"] = tuning.block_elements
+    if run.topk is not None:
+        extra["topk"] = run.topk
+        # On CPU the prefetcher's host queue is the device memory: D queued + 1 being decoded
+        # + 1 in use (see memory.cache_reader_bytes); on a GPU only the one in use.
+        extra["cache_resident_microbatches"] = run.prefetch_depth + 2 if on_cpu else 1
+    gpu = GpuSpec(name="measured", memory_bytes=1 << 50, bf16_flops=1e12, nvlink_bytes_per_s=1e9)
+    return PlanOptions(
+        student=run.student,
+        teacher=run.teacher if run.teacher is not None else run.student,
+        gpu=gpu,
+        inter_node_link=LinkSpec(name="measured", bytes_per_s=1e9),
+        gpus_per_node=max(run.tp * run.pp * run.dp, teacher_tp or 1),
+        nodes=1,
+        seq_length=run.seq_length,
+        micro_batch_size=run.micro_batch_size,
+        global_batch_size=run.global_batch_size,
+        tp=run.tp,
+        pp=run.pp,
+        recompute="none",
+        sequence_parallel=False,
+        use_distributed_optimizer=False,
+        teacher_tp=teacher_tp,
+        teacher_pp=teacher_pp,
+        teacher_replicas=1 if run.kd_mode == "disaggregated" else None,
+        wire_dtype=run.wire_dtype,
+        window_size=run.window_size,
+        prefetch_depth=run.prefetch_depth,
+        hidden_elem_bytes=teacher_bytes,
+        precision=precision,
+        activation=activation,
+        reserve_bytes=0,
+        **extra,
+    )
+
+
+def predict(args, plan, on_cpu: bool) -> Prediction:
+    """The planner's terms for the logging rank (student rank 0: stage 0, TP rank 0), and for a
+    disaggregated run its wire bytes both ways."""
+    run = run_shape(args, plan)
+    opts = _options(run, on_cpu, None, None)
+    mode = run.mode
+    layout = ParallelLayout(tp=run.tp, pp=run.pp, dp=run.dp, make_vocab_size_divisible_by=1)
+    teacher_layout = ParallelLayout(tp=run.tp, pp=1, dp=run.dp, make_vocab_size_divisible_by=1)
+    colocated = mode is not None and mode.colocated
+    # no teacher: the offline mode's terms, less its cache reader
+    terms = student_stage_terms(opts, Mode.OFFLINE_CACHE if mode is None else mode, layout,
+                                teacher_layout if colocated else None, 0)
+    terms.pop(Term.RESERVE, None)
+    if mode is None:
+        terms.pop(Term.CACHE_READER, None)
+    wire = to_teacher = None
+    if mode is Mode.DISAGGREGATED:
+        gbs, dp, s = run.global_batch_size, run.dp, run.seq_length
+        per_dp = traffic.hidden_bytes_per_step_per_dp_rank(opts.teacher, gbs, dp, s,
+                                                          opts.wire_dtype)
+        wire = {"tp-rank": per_dp / run.tp, "dp-rank": per_dp, "all-ranks": per_dp * dp}
+        ids = traffic.token_bytes_per_step_per_dp_rank(gbs, dp, s)
+        to_teacher = {"dp-rank": ids, "all-ranks": ids * dp}
+    return Prediction(mode=mode, terms=terms, wire=wire, wire_to_teacher=to_teacher)
+
+
+def predict_teacher(args, plan, on_cpu: bool, tp: int, pp: int) -> dict[Term, float]:
+    """The planner's terms for rank 0 of a disaggregated run's teacher replica (its stage 0,
+    TP rank 0) with the replica's layout ``tp`` x ``pp`` (a replica has no data parallelism)."""
+    opts = plan_options(args, plan, on_cpu, teacher_tp=tp, teacher_pp=pp)
+    layout = ParallelLayout(tp=tp, pp=pp, dp=1, make_vocab_size_divisible_by=1)
+    terms = teacher_inference_terms(opts, layout, 0)
+    terms.pop(Term.RESERVE, None)
+    return terms

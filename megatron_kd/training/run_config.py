@@ -1,0 +1,244 @@
+"""A run's configuration: typed sections built once from the ``megatron-kd train`` flags.
+
+Each section is a frozen dataclass whose fields are the flags (Megatron-LM's spelling), with the
+one default each flag has (:mod:`megatron_kd.flags` makes the parser from the fields):
+:class:`ArchitectureSection` (the student model), :class:`ParallelSection`,
+:class:`OptimizerSection`, :class:`DataSection` (the samples a run reads: shared with
+``megatron-kd cache build``, so a cache and a run agree by construction),
+:class:`LoggingSection`, :class:`~megatron_kd.training.metrics.MetricsSection` and the ``--kd-*``
+flags' :class:`~megatron_kd.integration.args.KDArgs`. :class:`RunConfig` holds them; it is made
+once, from the parsed flags, and nothing past it reads argparse.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass
+
+from megatron_kd.flags import add_flags, flag, from_flags
+from megatron_kd.integration.args import KDArgs, add_kd_args
+from megatron_kd.training.hybrid_args import LINEAR_DEFAULTS, VARIANTS, layer_pattern
+from megatron_kd.training.metrics import MetricsSection
+
+__all__ = ["ArchitectureSection", "DataSection", "LoggingSection", "OptimizerSection",
+           "ParallelSection", "RunConfig", "add_arguments", "parse_args"]
+
+_MODEL = "student model"
+_MOE = "student model: mixture of experts"
+_HYBRID = "student model: hybrid linear attention (Qwen3.5)"
+_PARALLEL = "parallelism and precision"
+_OPTIMISATION = "optimisation"
+_DATA = "data"
+_LOGGING = "checkpoints, evaluation, logging"
+
+
+def _linear(name: str, what: str):
+    return flag(None, f"Gated DeltaNet {what} (default {LINEAR_DEFAULTS[name]})", type=int,
+                group=_HYBRID)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ArchitectureSection:
+    """The student model (Megatron-LM's architecture flags)."""
+
+    num_layers: int = flag(type=int, group=_MODEL)
+    hidden_size: int = flag(type=int, group=_MODEL)
+    num_attention_heads: int = flag(type=int, group=_MODEL)
+    num_query_groups: int | None = flag(
+        None, "key/value heads (grouped-query attention); default: one per head", type=int,
+        group=_MODEL)
+    ffn_hidden_size: int | None = flag(None, "default: 4 x hidden size", type=int, group=_MODEL)
+    kv_channels: int | None = flag(None, type=int, group=_MODEL)
+    max_position_embeddings: int | None = flag(None, "default: --seq-length", type=int,
+                                               group=_MODEL)
+    normalization: str = flag("RMSNorm", choices=("RMSNorm", "LayerNorm"), group=_MODEL)
+    norm_epsilon: float = flag(1e-5, group=_MODEL)
+    disable_swiglu: bool = flag(False, "GeLU MLP instead of SwiGLU", group=_MODEL)
+    position_embedding_type: str = flag("rope", choices=("rope", "learned_absolute", "none"),
+                                        group=_MODEL)
+    rotary_base: float = flag(10000.0, group=_MODEL)
+    untie_embeddings_and_output_weights: bool = flag(
+        False, "separate output layer (default: tied to the input embedding)", group=_MODEL)
+    add_bias_linear: bool = flag(False, group=_MODEL)
+    init_method_std: float = flag(0.02, group=_MODEL)
+    hidden_dropout: float = flag(0.0, group=_MODEL)
+    attention_dropout: float = flag(0.0, group=_MODEL)
+    vocab_size: int | None = flag(
+        None, "true vocabulary (default: the teacher's, else the tokenizer's)", type=int,
+        group=_MODEL)
+    make_vocab_size_divisible_by: int = flag(128, group=_MODEL)
+    qk_layernorm: bool = flag(False, "normalise each query and key head before RoPE (Qwen3)",
+                              group=_MODEL)
+
+    num_experts: int | None = flag(
+        None, "experts of every layer's MLP (default: a dense MLP)", type=int, group=_MOE)
+    moe_ffn_hidden_size: int | None = flag(
+        None, "hidden width of one expert (default: --ffn-hidden-size)", type=int, group=_MOE)
+    moe_router_topk: int = flag(2, "experts per token", group=_MOE)
+    moe_router_pre_softmax: bool = flag(
+        False, "softmax over all experts before the top k (not renormalised)", group=_MOE)
+    moe_aux_loss_coeff: float = flag(
+        0.0, "weight of Megatron-Core's load-balancing auxiliary loss (0: none)", group=_MOE)
+
+    experimental_attention_variant: str | None = flag(
+        None, "gated_delta_net (or gdn): the layers --linear-attention-freq marks are Gated "
+              "DeltaNet linear attention", choices=VARIANTS, group=_HYBRID)
+    linear_attention_freq: int | list[int] | None = flag(
+        None, "N: one softmax-attention layer every N (the rest linear); or a list expression "
+              "of 0 / 1 per layer, 1 linear, e.g. \"([1]*3+[0])*2\"", type=layer_pattern,
+        group=_HYBRID)
+    linear_conv_kernel_dim: int | None = _linear("linear_conv_kernel_dim",
+                                                 "causal convolution width")
+    linear_key_head_dim: int | None = _linear("linear_key_head_dim", "query / key head width")
+    linear_value_head_dim: int | None = _linear("linear_value_head_dim", "value head width")
+    linear_num_key_heads: int | None = _linear("linear_num_key_heads", "query / key heads")
+    linear_num_value_heads: int | None = _linear("linear_num_value_heads", "value heads")
+    attention_output_gate: bool = flag(
+        False, "softmax attention's output times sigmoid of a second query projection",
+        group=_HYBRID)
+    rotary_percent: float = flag(
+        1.0, "fraction of each head's width RoPE rotates (Qwen3.5: 0.25)", group=_HYBRID)
+    moe_shared_expert_intermediate_size: int | None = flag(
+        None, "width of a shared expert beside the routed ones (needs --num-experts)", type=int,
+        group=_HYBRID)
+    moe_shared_expert_gate: bool = flag(
+        False, "the shared expert's output times sigmoid(w . x) per token", group=_HYBRID)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelSection:
+    """How the ranks split the model, and its precision."""
+
+    tensor_model_parallel_size: int = flag(1, group=_PARALLEL)
+    pipeline_model_parallel_size: int = flag(1, group=_PARALLEL)
+    expert_model_parallel_size: int = flag(
+        1, "ranks the experts of a mixture-of-experts model are split over", group=_PARALLEL)
+    expert_tensor_parallel_size: int | None = flag(
+        None, "ranks each expert is split over (default: the tensor-parallel size)", type=int,
+        group=_PARALLEL)
+    use_distributed_optimizer: bool = flag(
+        False, "Megatron-Core's distributed optimizer: optimizer state and fp32 main weights "
+               "sharded over the data-parallel ranks", group=_PARALLEL)
+    bf16: bool = flag(
+        False, "bf16 student parameters, fp32 main weights (GPU only: Megatron-Core's "
+               "mixed-precision optimizer requires CUDA tensors)", group=_PARALLEL)
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimizerSection:
+    """The optimizer and its learning-rate schedule (Adam, Megatron-Core's)."""
+
+    micro_batch_size: int = flag(type=int, group=_OPTIMISATION)
+    lr: float = flag(3e-4, group=_OPTIMISATION)
+    min_lr: float = flag(0.0, group=_OPTIMISATION)
+    lr_warmup_iters: int = flag(0, group=_OPTIMISATION)
+    lr_decay_iters: int | None = flag(None, "default: --train-iters", type=int,
+                                      group=_OPTIMISATION)
+    lr_decay_style: str = flag("cosine", choices=("constant", "linear", "cosine",
+                                                  "inverse-square-root"), group=_OPTIMISATION)
+    weight_decay: float = flag(0.01, group=_OPTIMISATION)
+    adam_beta1: float = flag(0.9, group=_OPTIMISATION)
+    adam_beta2: float = flag(0.95, group=_OPTIMISATION)
+    adam_eps: float = flag(1e-8, group=_OPTIMISATION)
+    clip_grad: float = flag(1.0, "global gradient-norm clip (0 disables)", group=_OPTIMISATION)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataSection:
+    """The samples a run reads: the same section in ``megatron-kd train`` and ``megatron-kd
+    cache build``, so a cache covers exactly the student's samples (the datasets are built from
+    this section alone: :func:`~megatron_kd.training.run_checks.build_datasets`)."""
+
+    seq_length: int = flag(type=int, group=_MODEL)
+    train_iters: int = flag(type=int, group=_OPTIMISATION)
+    global_batch_size: int | None = flag(
+        None, "default: micro batch x data-parallel size", type=int, group=_OPTIMISATION)
+    seed: int = flag(1234, group=_OPTIMISATION)
+    data_path: list[str] | None = flag(
+        None, "indexed dataset prefix(es), optionally weighted: [W1] P1 [W2 P2 ...]",
+        nargs="+", group=_DATA)
+    split: str = flag("969,30,1", "train,valid,test proportions", group=_DATA)
+    tokenizer_model: str | None = flag(
+        None, "Hugging Face tokenizer.json (or a directory holding one); default: "
+              "tokenizer.json in the --kd-teacher-load directory, if there is one", group=_DATA)
+    eod_token: str | None = flag(None, group=_DATA)
+    data_cache_path: str | None = flag(None, group=_DATA)
+    mock_data: bool = flag(False, "synthetic, learnable token sequences instead of --data-path",
+                           group=_DATA)
+    eval_iters: int = flag(10, group=_LOGGING)
+
+    def num_samples(self, global_batch_size: int) -> tuple[int, int]:
+        """``(train, valid)`` samples of a run at ``global_batch_size``."""
+        return (self.train_iters * global_batch_size,
+                max(1, self.eval_iters) * global_batch_size)
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoggingSection:
+    """Checkpoints, evaluation and what a run prints and writes."""
+
+    save: str | None = flag(None, "checkpoint directory", group=_LOGGING)
+    load: str | None = flag(None, "resume from the newest checkpoint here", group=_LOGGING)
+    save_interval: int | None = flag(
+        None, "save every N iterations (and at the end) when --save is given", type=int,
+        group=_LOGGING)
+    eval_interval: int = flag(1000, group=_LOGGING)
+    log_json: str | None = flag(None, "one JSON line per step / evaluation", group=_LOGGING)
+    log_interval: int = flag(1, "progress-line refresh interval", group=_LOGGING)
+    no_progress: bool = flag(False, "no progress bar on stderr", group=_LOGGING)
+    exit_signal_handler: bool = flag(
+        False, "on SIGTERM (Slurm's scancel and time limits) finish the current step, save a "
+               "checkpoint (with --save) and exit 0 (Megatron-LM's flag)", group=_LOGGING)
+    exit_after_iters: int | None = flag(
+        None, "stop (saving if --save) after this many iterations of this run; for testing "
+              "resumption", type=int, group=_LOGGING)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    """Everything ``megatron-kd train`` was asked for, as typed sections."""
+
+    arch: ArchitectureSection
+    parallel: ParallelSection
+    optimizer: OptimizerSection
+    data: DataSection
+    logging: LoggingSection
+    metrics: MetricsSection
+    kd: KDArgs
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> RunConfig:
+        """The sections of the flags :func:`add_arguments` added (``KDArgs`` validates the
+        ``--kd-*`` ones)."""
+        return cls(arch=from_flags(ArchitectureSection, args),
+                   parallel=from_flags(ParallelSection, args),
+                   optimizer=from_flags(OptimizerSection, args),
+                   data=from_flags(DataSection, args), logging=from_flags(LoggingSection, args),
+                   metrics=from_flags(MetricsSection, args), kd=KDArgs.from_args(args))
+
+    def flat(self) -> dict:
+        """Every flag's value by its field name (W&B's run config)."""
+        out: dict = {}
+        for section in dataclasses.fields(self):
+            out.update(dataclasses.asdict(getattr(self, section.name)))
+        return out
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Megatron-LM-spelled student, data, optimisation and logging flags, plus ``--kd-*``."""
+    groups: dict = {}
+    for section in (ArchitectureSection, ParallelSection, OptimizerSection, DataSection,
+                    LoggingSection):
+        add_flags(parser, section, groups=groups)
+    add_flags(parser, MetricsSection, title="TensorBoard, Weights & Biases, timers "
+                                            "(Megatron-LM's flags)")
+    add_kd_args(parser)
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """Parse ``megatron-kd train`` flags (for in-process use and tests); make the
+    :class:`RunConfig` with :meth:`RunConfig.from_args`."""
+    parser = argparse.ArgumentParser(prog="megatron-kd train")
+    add_arguments(parser)
+    return parser.parse_args(argv)

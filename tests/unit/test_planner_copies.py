@@ -1,0 +1,94 @@
+"""The constants the planner copies from the rest of the package, each compared with its source.
+
+The planner is standard-library only (``megatron-kd plan`` runs without torch), so it cannot
+import what the loss, the cache, the teacher's wire and the trainer define; it keeps copies (the
+loss's default window, a decoded top-K entry's bytes, a token id's bytes, the vocabulary padding,
+the ring's default depth), and these tests fail when a copy and its source part. (The wire's bytes
+per hidden-state token, ``traffic.WIRE_ELEMENT_BYTES``, are compared with what the wire encodes
+in ``tests/unit/test_wire.py``.)
+"""
+
+import argparse
+import collections
+import dataclasses
+import importlib
+
+import numpy as np
+import torch
+
+from megatron_kd.cache.codec import LogprobCodec
+from megatron_kd.cache.format import CacheSpec
+from megatron_kd.cache.loader import topk_batch
+from megatron_kd.cache.reader import TopKCacheReader
+from megatron_kd.cache.writer import CacheWriter
+from megatron_kd.cli import SUBCOMMANDS
+from megatron_kd.loss import config as loss_config
+from megatron_kd.parallel.vocab import pad_vocab_size
+from megatron_kd.planner import memory, traffic
+from megatron_kd.planner.memory import ParallelLayout
+from megatron_kd.planner.plan import PlanOptions
+from megatron_kd.teacher.client import TeacherClient
+
+
+def _train_default(dest: str):
+    """The default of a ``megatron-kd train`` flag, from the command's own parser."""
+    parser = argparse.ArgumentParser()
+    importlib.import_module(SUBCOMMANDS["train"][0]).add_arguments(parser)
+    return parser.get_default(dest)
+
+
+def _default(cls, name: str):
+    return next(f.default for f in dataclasses.fields(cls) if f.name == name)
+
+
+def test_default_window_is_the_loss_default():
+    assert memory.DEFAULT_WINDOW_ELEMENTS == loss_config.DEFAULT_WINDOW_ELEMENTS
+    # and the rows it gives, for local vocabularies below, at and above the bound, and odd
+    loss = loss_config.KDLossConfig()
+    for local_vocab in (1, 1009, 32000, 64128, 1 << 24, (1 << 24) + 1):
+        assert memory.default_window_rows(local_vocab) == loss.rows_per_window(local_vocab)
+
+
+def test_decoded_topk_entry_is_what_the_cache_hands_the_trainer(tmp_path):
+    # a one-sample cache, read back as the trainer reads it (torch tensors, [s, b, K])
+    seq_length, topk, vocab_size = 5, 3, 50
+    spec = CacheSpec(teacher_checkpoint="t", teacher_weights_hash="w", tokenizer="tok",
+                     vocab_size=vocab_size, topk=topk, seq_length=seq_length, num_samples=1,
+                     dataset_hash="d", samples_per_shard=1,
+                     logprob_codec=LogprobCodec(name="fp32"))
+    writer = CacheWriter(tmp_path, spec)
+    ids = np.tile(np.arange(topk), (seq_length, 1))
+    logprobs = np.full((seq_length, topk), -np.log(topk), dtype=np.float32)
+    writer.write_shard(0, [writer.encode(ids, logprobs)])
+    got_ids, got_logprobs = topk_batch(TopKCacheReader(tmp_path), [0])
+    entry = got_ids.element_size() + got_logprobs.element_size()
+    assert entry == memory.DECODED_TOPK_ENTRY_BYTES
+    assert got_ids.nbytes + got_logprobs.nbytes == memory.cache_reader_bytes(seq_length, 1, topk)
+
+
+def test_token_id_bytes_are_what_a_student_sends():
+    # the client's request for one micro-batch, taken where it would go on the wire
+    client = TeacherClient.__new__(TeacherClient)  # nothing connected: only the request is built
+    client.tp_rank, client.next_request = 0, 0
+    client.outstanding = collections.deque()
+    tokens = torch.arange(6, dtype=torch.int64).reshape(2, 3)
+    client.schedule = iter([(0, 0, (0, 1), tokens)])
+    sent = []
+    client._transmit = sent.append
+    client._send_next()
+    (request,) = sent
+    assert request.tokens.element_size() == traffic.TOKEN_ID_BYTES
+    assert request.tokens.nbytes == traffic.token_bytes_per_step_per_dp_rank(2, 1, 3)
+
+
+def test_vocabulary_padding_is_the_trainers():
+    # the default multiple, and the padded size for vocabularies that do and do not divide
+    multiple = _default(ParallelLayout, "make_vocab_size_divisible_by")
+    assert multiple == _train_default("make_vocab_size_divisible_by")
+    for vocab in (1, 1009, 32000, 128256, 151936, 248320):
+        for tp in (1, 2, 3, 8):
+            assert ParallelLayout(tp=tp).padded_vocab(vocab) == pad_vocab_size(vocab, tp, multiple)
+
+
+def test_prefetch_depth_is_the_trainers_default():
+    assert _default(PlanOptions, "prefetch_depth") == _train_default("kd_prefetch_depth")

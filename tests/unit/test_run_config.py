@@ -1,0 +1,116 @@
+"""The typed run configuration and the flags made from it (no process group)."""
+
+import argparse
+import dataclasses
+
+import pytest
+
+from megatron_kd.flags import Flag, add_flags, default_of, flag, from_flags
+from megatron_kd.integration.args import LOSS_FLAGS, KDArgs, add_kd_args
+from megatron_kd.loss import KDLossConfig
+from megatron_kd.training import cache_command
+from megatron_kd.training.metrics import MetricsSection
+from megatron_kd.training.run_config import (
+    ArchitectureSection,
+    DataSection,
+    LoggingSection,
+    OptimizerSection,
+    ParallelSection,
+    RunConfig,
+    parse_args,
+)
+
+MINIMAL = ["--num-layers", "2", "--hidden-size", "8", "--num-attention-heads", "2",
+           "--seq-length", "16", "--micro-batch-size", "1", "--train-iters", "3",
+           "--mock-data", "--vocab-size", "100", "--kd-weight", "0", "--kd-ce-weight", "1"]
+SECTIONS = (ArchitectureSection, ParallelSection, OptimizerSection, DataSection,
+            LoggingSection, MetricsSection)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _Example:
+    count: int = flag(3, "how many")
+    name: str | None = flag(None, name="--the-name", metavar="N")
+    on: bool = flag(False, "a switch", group="switches")
+    needed: int = flag(type=int)
+    plain: float = 0.5  # not a flag
+
+
+def test_flags_take_the_fields_defaults():
+    parser = argparse.ArgumentParser()
+    add_flags(parser, _Example, title="example")
+    args = parser.parse_args(["--needed", "7"])
+    assert vars(args) == {"count": 3, "the_name": None, "on": False, "needed": 7}
+    built = from_flags(_Example, args)
+    assert built == _Example(needed=7)
+    assert from_flags(_Example, parser.parse_args(["--needed", "1", "--the-name", "x", "--on",
+                                                   "--count", "5"])) == \
+        _Example(count=5, name="x", on=True, needed=1)
+    with pytest.raises(SystemExit):  # a field without a default is a required flag
+        parser.parse_args([])
+    assert default_of(_Example, "plain") == 0.5 and default_of(_Example, "needed") is \
+        dataclasses.MISSING
+
+
+def test_flags_of_a_foreign_dataclass_keep_its_defaults():
+    parser = argparse.ArgumentParser()
+    add_flags(parser, KDLossConfig, specs=LOSS_FLAGS)
+    args = parser.parse_args([])
+    loss = from_flags(KDLossConfig, args, specs=LOSS_FLAGS)
+    assert loss == KDLossConfig()
+    assert args.kd_temperature == default_of(KDLossConfig, "temperature")
+
+
+def test_every_train_flag_is_one_field_of_one_section():
+    args = parse_args(MINIMAL)
+    owners: dict[str, list[str]] = {}
+    for section in SECTIONS + (KDArgs,):
+        for f in dataclasses.fields(section):
+            spec = f.metadata.get("megatron_kd.flag")
+            if spec is not None:
+                owners.setdefault(spec.dest(f.name), []).append(section.__name__)
+    for name, spec in LOSS_FLAGS.items():
+        owners.setdefault(spec.dest(name), []).append("KDLossConfig")
+    assert sorted(owners) == sorted(vars(args)), set(owners) ^ set(vars(args))
+    assert {k: v for k, v in owners.items() if len(v) > 1} == {}
+
+
+def test_run_config_defaults_are_the_sections_defaults():
+    config = RunConfig.from_args(parse_args(MINIMAL))
+    assert config.optimizer == OptimizerSection(micro_batch_size=1)
+    assert config.logging == LoggingSection() and config.metrics == MetricsSection()
+    assert config.parallel == ParallelSection()
+    assert config.data == DataSection(seq_length=16, train_iters=3, mock_data=True)
+    assert config.kd.loss == KDLossConfig(kd_weight=0.0, ce_weight=1.0)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.data.seed = 1  # type: ignore[misc]
+
+
+def test_cache_build_reads_the_runs_data_section():
+    """``cache build`` and ``train`` share one data section: the same data flags give equal
+    sections (a cache and a run agree by construction), and every section field is a flag of
+    both."""
+    data_flags = ["--seq-length", "16", "--train-iters", "3", "--global-batch-size", "4",
+                  "--mock-data", "--seed", "7", "--eval-iters", "2"]
+    parser = argparse.ArgumentParser()
+    cache_command.add_arguments(parser)
+    cache_args = parser.parse_args(["build", "--out", "o", "--kd-teacher-load", "t",
+                                    *data_flags])
+    train_args = parse_args(MINIMAL[:6] + ["--micro-batch-size", "1", "--vocab-size", "100"]
+                            + data_flags)
+    assert from_flags(DataSection, cache_args) == from_flags(DataSection, train_args)
+    for f in dataclasses.fields(DataSection):
+        assert f.name in vars(cache_args) and f.name in vars(train_args), f.name
+
+
+def test_loss_flag_errors_name_the_flags():
+    parser = argparse.ArgumentParser()
+    add_kd_args(parser)
+    with pytest.raises(ValueError, match=r"--kd-temperature must be finite and > 0"):
+        KDArgs.from_args(parser.parse_args(["--kd-teacher-load", "t",
+                                            "--kd-temperature", "-1"]))
+
+
+def test_flag_spec_names():
+    assert Flag(name="--kd-loss").dest("kind") == "kd_loss"
+    assert Flag().option("micro_batch_size") == "--micro-batch-size"

@@ -1,0 +1,97 @@
+"""The teacher protocol's pieces without a process group: connection metadata round-trips
+through its JSON form and refuses bad JSON naming the field; the store keys, the replica's load
+and the link device."""
+
+import json
+
+import pytest
+import torch
+
+from megatron_kd.teacher.protocol import (
+    CLOSED_COUNTER_KEY,
+    CONN_COUNTER_KEY,
+    PENDING_KEY,
+    ConnectionMeta,
+    Tag,
+    announce_connection,
+    link_device,
+    meta_key,
+    publish_identity,
+    read_identity,
+    replica_load,
+    request_prefix,
+    response_prefix,
+)
+
+META = dict(run=12345678901, dp_rank=3, tp=2, micro_batch_size=4, seq_length=256,
+            max_samples=4, wire_dtype="bf16", device="cpu")
+
+
+class _Store:
+    """The part of a ``TCPStore`` the protocol uses, in a dict."""
+
+    def __init__(self):
+        self.d = {}
+
+    def add(self, key, n):
+        self.d[key] = int(self.d.get(key, 0)) + n
+        return self.d[key]
+
+    def set(self, key, value):
+        self.d[key] = value.encode() if isinstance(value, str) else value
+
+    def get(self, key):
+        return self.d[key]
+
+    def check(self, keys):
+        return all(k in self.d for k in keys)
+
+
+def test_meta_round_trips():
+    meta = ConnectionMeta(**META)
+    assert ConnectionMeta.from_json(meta.to_json()) == meta
+    assert ConnectionMeta.from_json(meta.to_json().encode()) == meta  # as a store returns it
+    assert json.loads(meta.to_json()) == META
+
+
+@pytest.mark.parametrize("text, field", [
+    ("{not json", "not JSON"),
+    ("[1, 2]", "JSON object"),
+    (json.dumps({k: v for k, v in META.items() if k != "tp"}), "missing fields ['tp']"),
+    (json.dumps({**META, "extra": 1}), "unknown fields ['extra']"),
+    (json.dumps({**META, "tp": 0}), "tp must be an integer >= 1, got 0"),
+    (json.dumps({**META, "seq_length": "256"}), "seq_length must be an integer >= 1, got '256'"),
+    (json.dumps({**META, "dp_rank": True}), "dp_rank must be an integer >= 0, got True"),
+    (json.dumps({**META, "run": -1}), "run must be an integer >= 0, got -1"),
+    (json.dumps({**META, "wire_dtype": "fp16"}), "wire_dtype must be one of"),
+    (json.dumps({**META, "device": ""}), "device must be a device type"),
+])
+def test_meta_refuses_bad_json_naming_the_field(text, field):
+    with pytest.raises(ValueError, match="connection metadata") as e:
+        ConnectionMeta.from_json(text)
+    assert field in str(e.value)
+
+
+def test_keys_identity_and_load():
+    store = _Store()
+    assert replica_load(store) == 0  # a replica that has written nothing yet
+    publish_identity(store, {"hidden_size": 8, "checkpoint": "abc"})
+    assert read_identity(store) == {"checkpoint": "abc", "hidden_size": 8}
+    meta = ConnectionMeta(**META)
+    assert [announce_connection(store, meta) for _ in range(3)] == [0, 1, 2]
+    assert ConnectionMeta.from_json(store.get(meta_key(2))) == meta
+    store.add(CLOSED_COUNTER_KEY, 1)
+    store.set(PENDING_KEY, "5")
+    assert store.add(CONN_COUNTER_KEY, 0) == 3
+    assert replica_load(store) == 3 - 1 + 5  # open connections + requests held
+    # distinct keys per connection and chunk
+    keys = {meta_key(0), request_prefix(0), response_prefix(0, 0), response_prefix(0, 1),
+            meta_key(1), request_prefix(1), response_prefix(1, 0)}
+    assert len(keys) == 7
+
+
+def test_tags_are_distinct_ints_and_host_links_without_two_gpus():
+    assert sorted(int(t) for t in Tag) == [1, 2, 3, 4]
+    assert link_device("cpu", "cpu") == torch.device("cpu")
+    assert link_device("cuda", "cpu") == torch.device("cpu")
+    assert link_device("cpu", "cuda") == torch.device("cpu")

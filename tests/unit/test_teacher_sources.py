@@ -1,0 +1,64 @@
+"""The teacher sources' pieces that need no process group: microbatch records, the inputs they
+hand the loss, the ``kd/`` scalars both trainers write."""
+
+import pytest
+import torch
+
+from megatron_kd.integration.teacher_sources import (
+    Cached,
+    Microbatch,
+    NoTeacher,
+    StepStats,
+    TeacherInputs,
+    kd_scalars,
+    replica_rates,
+)
+
+
+def test_microbatch_reads_tokens_only_when_asked():
+    reads = []
+
+    def tokens():
+        reads.append(1)
+        return torch.arange(6).view(2, 3)
+
+    mb = Microbatch(step=1, index=0, sample_ids=(4, 5), tokens=tokens)
+    assert reads == []
+    assert mb.token_ids().tolist() == [[0, 1, 2], [3, 4, 5]] and reads == [1]
+    with pytest.raises(RuntimeError, match="no token ids for microbatch 2 of step 0"):
+        Microbatch(step=0, index=2).token_ids()
+    call = Microbatch(step=0, index=0, model_inputs=lambda: ((1, 2), {"k": 3}))
+    assert call.model_call() == ((1, 2), {"k": 3})
+
+
+def test_inputs_name_what_the_loss_takes():
+    none = NoTeacher().inputs(Microbatch(step=0, index=0), training=True)
+    assert not none.present and none.watched is None
+    assert set(none.loss_kwargs()) == {"teacher_hidden", "teacher_weight", "teacher_topk_ids",
+                                       "teacher_topk_logprobs"}
+    lp = torch.zeros(2, 1, 3)
+    sparse = TeacherInputs(topk_ids=torch.zeros(2, 1, 3, dtype=torch.long), topk_logprobs=lp)
+    assert sparse.present and sparse.watched is lp
+
+
+def test_cached_source_gives_nothing_in_evaluation():
+    source = Cached(None, directory="c", depth=2, active=True, micro_batch_size=1, device=None)
+    assert not source.inputs(Microbatch(step=0, index=0), training=False).present
+    assert source.summary() == {"teacher_in_memory": False, "topk_wait_s": None}
+    assert source.step_stats(None) == StepStats(scalars={"kd_cache_wait_s": 0.0,
+                                                         "kd_cache_read_tokens_per_s": None})
+
+
+def test_kd_scalars_are_named_alike_for_both_trainers():
+    record = {"kd_wire_bytes": 10, "kd_wire_bytes_to_teacher": 4, "kd_teacher_wait_s": 0.5,
+              "kd_ring_occupancy": None, "kd_live_replicas": 2, "failovers": 0,
+              "kd_replica_tokens": {"a": 30}, "loss": 1.0}
+    # a Megatron-LM step: rates from the tokens and the step's time
+    scalars = kd_scalars(record, step_time_s=2.0)
+    assert scalars == {"kd/wire-bytes": 10.0, "kd/wire-bytes-out": 4.0,
+                       "kd/teacher-wait-s": 0.5, "kd/live-replicas": 2.0, "kd/failovers": 0.0,
+                       "kd/replica-a/tokens-per-s": 15.0}
+    # megatron-kd train's record carries the rates it logged: the same scalars
+    logged = {**record, "kd_replica_tokens_per_s": replica_rates({"a": 30}, 2.0)}
+    assert kd_scalars(logged) == scalars
+    assert replica_rates({"a": 30}, None) == {}
