@@ -42,11 +42,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TESTS = os.path.join(ROOT, "tests")
 SCRIPT = os.path.abspath(__file__)
 
-STEPS = ("make_teacher", "parity", "bench_loss", "train_step_bf16_te", "cache_build")
+STEPS = ("make_teacher", "parity", "bench_loss", "train_step_bf16_te", "train_step_tp2_sp",
+         "cache_build")
 # the benchmark last: it takes what is left of the time budget
-RUN_ORDER = ("make_teacher", "parity", "train_step_bf16_te", "cache_build", "bench_loss")
-GPU_ONLY = ("train_step_bf16_te",)
-NEEDS_TEACHER = ("train_step_bf16_te", "cache_build")
+RUN_ORDER = ("make_teacher", "parity", "train_step_bf16_te", "train_step_tp2_sp", "cache_build",
+             "bench_loss")
+GPU_ONLY = ("train_step_bf16_te", "train_step_tp2_sp")
+NEEDS_TEACHER = ("train_step_bf16_te", "train_step_tp2_sp", "cache_build")
 NO_GPU = "skipped: no GPU"
 
 TOLERANCE = {"fp32": 1e-5, "bf16": 2e-2}
@@ -72,10 +74,10 @@ TRAIN_PRECISION = ("--bf16", "--use-distributed-optimizer")
 # the step; a peer (Liger, ModelOpt) that fails or is not installed is only reported
 OWN_VARIANTS = ("floor", "fused", "dense")
 # seconds: per-step timeouts, the benchmark's budget, the whole run's budget
-LIMITS = {"cuda": dict(make_teacher=120, parity=180, train_step_bf16_te=240, cache_build=180,
-                       bench=300, point=120, total=440),
-          "cpu": dict(make_teacher=150, parity=150, train_step_bf16_te=240, cache_build=180,
-                      bench=150, point=120, total=600)}
+LIMITS = {"cuda": dict(make_teacher=120, parity=180, train_step_bf16_te=240,
+                       train_step_tp2_sp=240, cache_build=180, bench=300, point=120, total=440),
+          "cpu": dict(make_teacher=150, parity=150, train_step_bf16_te=240,
+                      train_step_tp2_sp=240, cache_build=180, bench=150, point=120, total=600)}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -476,20 +478,40 @@ def step_bench_loss(ctx: Ctx, step: dict) -> None:
 
 
 def step_train(ctx: Ctx, step: dict) -> None:
+    _train(ctx, step, "train_step_bf16_te", [])
+
+
+def step_train_tp2_sp(ctx: Ctx, step: dict) -> None:
+    """One colocated run at TP 2 + sequence parallelism with Transformer Engine's norms (which
+    mark their weights for the TP all-reduce, as the CPU shim's do): two ranks, two GPUs (NCCL
+    puts no two ranks of a group on one device)."""
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        step["status"] = (f"skipped: TP 2 needs two GPUs, this machine has "
+                          f"{torch.cuda.device_count()}")
+        return
+    _train(ctx, step, "train_step_tp2_sp", ["--tensor-model-parallel-size", "2",
+                                            "--sequence-parallel"], nproc=2)
+
+
+def _train(ctx: Ctx, step: dict, name: str, layout: list[str], nproc: int = 1) -> None:
     from support.train_cases import student_argv
 
     # the layers build_gpt_model picked for the teacher, on this device in this environment:
     # the same code builds the student and the teacher of this run
     probe = {k: ctx.teacher.get(k) for k in ("transformer_engine", "transformer_engine_error",
                                              "layer_spec", "transformer_engine_layers")}
-    log_json = ctx.path("train_step", "log.jsonl")
+    log_json = ctx.path(name, "log.jsonl")
     if os.path.exists(log_json):
         os.remove(log_json)
-    cmd = [sys.executable, "-m", "megatron_kd", "train", *student_argv(), "--train-iters", "3",
-           "--eval-iters", "0", *TRAIN_PRECISION, "--kd-teacher-load",
+    launch = ([sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc-per-node={nproc}", "-m"] if nproc > 1 else [sys.executable, "-m"])
+    cmd = [*launch, "megatron_kd", "train", *student_argv(), "--train-iters", "3",
+           "--eval-iters", "0", *TRAIN_PRECISION, *layout, "--kd-teacher-load",
            os.path.join(ctx.out, "teacher"), "--log-json", log_json]
     step["commands"].append(shlex.join(cmd))
-    r = run_cmd(cmd, ctx, step["log"], _timeout(ctx, "train_step_bf16_te"))
+    r = run_cmd(cmd, ctx, step["log"], _timeout(ctx, name))
     records = []
     if os.path.exists(log_json):
         with open(log_json, encoding="utf-8") as f:
@@ -557,6 +579,7 @@ def _cache_figures(figures: dict, name: str, text: str) -> None:
 
 STEP_FUNCS = {"make_teacher": step_make_teacher, "parity": step_parity,
               "bench_loss": step_bench_loss, "train_step_bf16_te": step_train,
+              "train_step_tp2_sp": step_train_tp2_sp,
               "cache_build": step_cache_build}
 
 
@@ -648,7 +671,7 @@ def _short(step: dict) -> str:
             ok = [p for p in d["points"] if p["status"] == "ok"]
             parts.append(f"{shape}: {len(ok)}/{len(d['points'])} points measured")
         return f"{f['figures_of']} figures; " + ", ".join(parts)
-    if name == "train_step_bf16_te" and f.get("loss_lines"):
+    if name.startswith("train_step") and f.get("loss_lines"):
         losses = ", ".join(f"{x['loss']:.4f}" for x in f["loss_lines"])
         return (f"TE {'used' if f['transformer_engine_used'] else 'not used'}; losses {losses}; "
                 f"peak {(f['peak_mem_bytes'] or 0) / 2**20:.0f} MiB")

@@ -22,7 +22,7 @@ import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from megatron_kd.planner.cli import format_report
+from megatron_kd.planner.cli import format_report, report_options
 from megatron_kd.planner.memory import GIB
 from megatron_kd.planner.plan import Mode, ModePlan, PlanOptions, PlanResult
 from megatron_kd.planner.presets import MODEL_PRESETS, get_gpu, get_link
@@ -117,13 +117,14 @@ def markdown(results: list[tuple[Scenario, PlanResult]]) -> str:
     lines = [
         "### What the planner says about the published claims",
         "",
-        "Per-GPU peak (worst pipeline stage) and student tokens/s for the layout the planner finds "
-        "(smallest that fits; full recompute only when nothing else fits), bf16, Adam with the "
-        "distributed optimizer, micro-batch 1, 400G InfiniBand, MFU 0.40 assumed for training and "
-        "for the teacher's forward, 4 GiB per-GPU reserve.",
+        ("Per-GPU peak (worst pipeline stage) and student tokens/s for the layout the planner "
+         "finds (the smallest model-parallel size that fits, full recompute only when nothing else "
+         "fits, then the least recompute and the least pipeline time), bf16, Adam with the "
+         "distributed optimizer, micro-batch 1, 400G InfiniBand, MFU 0.40 assumed for training "
+         "and for the teacher's forward, 4 GiB per-GPU reserve."),
         "",
-        "| teacher -> student | GPUs | colocated dense | colocated fused | offline cache "
-        "| disaggregated | claim |",
+        ("| teacher -> student | GPUs | colocated dense | colocated fused | offline cache "
+         "| disaggregated | claim |"),
         "|---|---|---|---|---|---|---|",
     ]
     verdicts = []
@@ -138,8 +139,8 @@ def markdown(results: list[tuple[Scenario, PlanResult]]) -> str:
         )
     lines += [
         "",
-        "Claim 1 (35B-A3B -> 9B trains colocated with the fused loss, but disaggregated is "
-        "faster):",
+        ("Claim 1 (35B-A3B -> 9B trains colocated with the fused loss, but disaggregated is "
+         "faster):"),
     ]
     for sc, ok, sentence in verdicts:
         if sc.claim == 1:
@@ -176,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
         results.append((sc, result))
         if not args.markdown:
             print(f"################ {sc.title}\n$ {sc.command()}\n")
-            print(format_report(result, opts, []))
+            print(format_report(result, opts, [], report_options(result, opts)))
             print()
     print(markdown(results))
     return 0

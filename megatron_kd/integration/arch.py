@@ -338,13 +338,12 @@ class GPTArchConfig:
             raise ValueError(f"expert-parallel size {ep_size} does not divide "
                              f"num_experts={self.num_experts}")
 
-    def check_pipeline_parallel(self, pp_size: int) -> None:
-        """Raise ``ValueError`` when the layers cannot be split evenly over ``pp_size`` stages."""
-        if self.num_layers % pp_size:
-            raise ValueError(f"pipeline-parallel size {pp_size} does not divide "
-                             f"num_layers={self.num_layers}")
-        if pp_size > 1 and self.linear_attention_layers is not None:
-            # build_gpt_model's per-layer block spec lists every layer: one stage only
-            raise ValueError(f"pipeline-parallel size {pp_size} is not supported for a Gated "
-                             f"DeltaNet hybrid (linear_attention_layers="
-                             f"{self.linear_attention_layers}): use pipeline size 1")
+    def check_pipeline_parallel(self, pp_size: int, vp_size: int | None = None) -> None:
+        """Raise ``ValueError`` when the layers cannot be split evenly over ``pp_size`` stages
+        (of ``vp_size`` virtual stages each). A layer pattern (a DeltaNet hybrid's) is split
+        with the layers: each stage builds its own slice of it."""
+        chunks = pp_size * (vp_size or 1)
+        if self.num_layers % chunks:
+            raise ValueError(f"pipeline-parallel size {pp_size}"
+                             + (f" x {vp_size} virtual stages" if vp_size else "")
+                             + f" does not divide num_layers={self.num_layers}")

@@ -154,7 +154,8 @@ _NON_STRUCTURAL_FIELDS = ("init_method_std",)
 
 
 def _unwrap(model):
-    while hasattr(model, "module") and not hasattr(model, "sharded_state_dict"):
+    while hasattr(model, "module") and (not hasattr(model, "sharded_state_dict")
+                                        or hasattr(model, "ddp_config")):
         model = model.module
     return model
 
@@ -269,6 +270,8 @@ def load_model_checkpoint(model, directory: str | os.PathLike, *, arch: GPTArchC
                           validate_access_integrity: bool = True) -> GPTArchConfig:
     """Load a checkpoint saved by :func:`save_model_checkpoint` into ``model`` (collective).
 
+    ``model``: one model, or a list of this rank's model chunks (an interleaved pipeline's),
+    loaded in one call (so every tensor of the checkpoint is read by some rank).
     The checkpoint's architecture must match the model's (every field except
     ``init_method_std``), else ``ValueError`` names each mismatching field. Returns the
     checkpoint's architecture. ``arch`` stands in for a checkpoint without ``model_config.json``
@@ -277,22 +280,24 @@ def load_model_checkpoint(model, directory: str | os.PathLike, *, arch: GPTArchC
     all load the same shard.
     """
     directory = os.fspath(directory)
+    models = [_unwrap(m) for m in (model if isinstance(model, list) else [model])]
     foreign = not has_model_config(directory)
     ckpt_arch = arch if arch is not None and foreign else read_checkpoint_arch(directory)
-    mismatches = arch_mismatches(model_arch(model), ckpt_arch)
+    mismatches = arch_mismatches(model_arch(models[0]), ckpt_arch)
     if mismatches:
         raise ValueError(f"checkpoint {directory!r} does not fit the model: "
                          + "; ".join(mismatches))
     check_checkpoint_tensors(directory, ckpt_arch)
-    inner = _unwrap(model)
-    request = inner.sharded_state_dict()
+    request = {f"model{i}": m.sharded_state_dict() for i, m in enumerate(models)}
     if foreign:
         loaded = load_sharded_weights(request, directory)
     else:
         loaded = dist_checkpointing.load(request, directory,
                                          validate_access_integrity=validate_access_integrity)
-    # A training checkpoint also holds optimizer / iteration state: keep the model's entries.
-    inner.load_state_dict({k: v for k, v in loaded.items() if k in request}, strict=True)
+    for i, m in enumerate(models):
+        # A training checkpoint also holds optimizer / iteration state: keep the model's.
+        m.load_state_dict({k: v for k, v in loaded[f"model{i}"].items()
+                           if k in request[f"model{i}"]}, strict=True)
     return ckpt_arch
 
 

@@ -17,7 +17,9 @@ Megatron-Core assumes CUDA in a handful of places that have nothing to do with t
   kernels come from flash-linear-attention (Triton, GPU only): Megatron's own pure-torch
   chunked rule and a torch causal convolution stand in;
 * the pipeline schedules (``get_forward_backward_func``), the optimizer and the default causal
-  attention mask, which create small tensors with ``device="cuda"``.
+  attention mask, which create small tensors with ``device="cuda"``;
+* sequence parallelism with its torch norms (:class:`SequenceParallelNorm`, used wherever
+  Transformer Engine is absent).
 
 :func:`install_cpu_shim` redirects the first three to the CPU (the CPU generator stands in for
 the CUDA generator, so the tracker's forks still give reproducible, rank-dependent streams) and
@@ -53,6 +55,7 @@ from torch.distributed.checkpoint import save as dcp_save
 from torch.overrides import TorchFunctionMode
 
 __all__ = [
+    "SequenceParallelNorm",
     "checkpoint_save_strategy",
     "cpu_shim_installed",
     "cuda_to_cpu",
@@ -253,6 +256,40 @@ def _patch(obj: Any, name: str, value: Any) -> None:
     setattr(obj, name, value)
 
 
+class SequenceParallelNorm:
+    """Megatron-Core's torch ``LayerNorm`` / ``RMSNorm`` (what ``WrappedTorchNorm`` builds), with
+    its weights marked for sequence parallelism as Transformer Engine's norms mark theirs.
+
+    Under sequence parallelism each tensor-parallel rank normalises its own slice of the
+    sequence with a weight replicated over the TP group, so each rank's weight gradient is a
+    partial sum; ``finalize_model_grads`` all-reduces the gradients of parameters carrying
+    ``sequence_parallel=True`` over the TP group (``_allreduce_non_tensor_model_parallel_grads``)
+    and nothing else does. ``WrappedTorchNorm`` refuses the setting instead, with the one line
+    ``assert not config.sequence_parallel, f"sequence parallel not supported by torch
+    LayerNorm"`` (``megatron/core/transformer/torch_norm.py``, megatron-core 0.16.1 and 0.19.2);
+    ``TENorm`` marks its weights ``sequence_parallel = config.sequence_parallel``. This class does
+    what ``WrappedTorchNorm`` does without that line and marks the weights as ``TENorm`` does;
+    with sequence parallelism off it builds the very same module. Used only where Transformer
+    Engine is absent (:mod:`megatron_kd.integration.gpt`); same constructor as
+    ``WrappedTorchNorm``.
+    """
+
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, persist_layer_norm: bool = False,
+                zero_centered_gamma: bool = False, normalization: str = "LayerNorm"):
+        if config.layernorm_zero_centered_gamma or config.persist_layer_norm or \
+                config.memory_efficient_layer_norm:
+            raise ValueError("zero-centred gamma, persistent and memory-efficient layer norms "
+                             "need Transformer Engine or Apex")
+        norms = {"LayerNorm": torch.nn.LayerNorm, "RMSNorm": torch.nn.RMSNorm}
+        if config.normalization not in norms:
+            raise ValueError(f"normalization {config.normalization!r}: the torch norms are "
+                             f"{sorted(norms)}")
+        norm = norms[config.normalization](normalized_shape=hidden_size, eps=eps)
+        for param in norm.parameters():
+            param.sequence_parallel = bool(config.sequence_parallel)
+        return norm
+
+
 def cpu_shim_installed() -> bool:
     """Whether :func:`install_cpu_shim` is in effect in this process."""
     return bool(_ORIGINALS)
@@ -286,7 +323,24 @@ def install_cpu_shim() -> bool:
             _patch(mod, "clip_grad_by_total_norm_fp32", _cpu_clip_grad_by_total_norm_fp32)
     _install_moe_shim()
     _install_gated_delta_net_shim()
+    _install_recompute_shim()
     return True
+
+
+def _install_recompute_shim() -> None:
+    """Activation recompute re-runs a layer's forward inside the backward of Megatron-Core's
+    ``CheckpointFunction`` / ``CheckpointWithoutOutputFunction``: the autograd engine runs it
+    without the caller's :class:`cuda_to_cpu` mode (Python function modes do not follow into
+    backward), so the default causal mask's ``device="cuda"`` fails there. Their backwards run
+    inside the mode here (megatron-core 0.16.1 and 0.19.2, ``tensor_parallel/random.py``)."""
+    for cls in (mcore_random.CheckpointFunction, mcore_random.CheckpointWithoutOutputFunction):
+        original = cls.backward
+
+        def backward(ctx, *args, _original=original):
+            with cuda_to_cpu():
+                return _original(ctx, *args)
+
+        _patch(cls, "backward", staticmethod(backward))
 
 
 def uninstall_cpu_shim() -> None:

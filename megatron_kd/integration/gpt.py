@@ -26,11 +26,15 @@ from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParall
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
-from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+from megatron.core.transformer.transformer_block import (
+    TransformerBlockSubmodules,
+    get_num_layers_to_build,
+)
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
 from megatron_kd.integration.arch import GPTArchConfig
-from megatron_kd.integration.cpu_shim import install_cpu_shim, on_cpu
+from megatron_kd.integration.cpu_shim import SequenceParallelNorm, install_cpu_shim, on_cpu
 
 __all__ = ["build_gpt_model", "model_arch"]
 
@@ -147,11 +151,12 @@ def _moe_config(arch: GPTArchConfig, expert_sizes: tuple[int, int]) -> dict[str,
     }
 
 
-def _hybrid_block_spec(arch: GPTArchConfig):
-    """One layer spec per layer: Gated DeltaNet for ``arch.linear_attention_layers``, the
-    (gated) softmax attention layer elsewhere, both with the same MLP and norms.
+def _layer_specs(arch: GPTArchConfig) -> list[ModuleSpec]:
+    """One local layer spec per layer of the whole model: Gated DeltaNet for
+    ``arch.linear_attention_layers``, the (gated) softmax attention layer elsewhere, both with
+    the same MLP and norms.
 
-    Local modules even on a GPU: Megatron-Core's own Transformer Engine hybrid
+    Local modules even on a GPU for a hybrid: Megatron-Core's own Transformer Engine hybrid
     (``get_transformer_block_with_experimental_attention_variant_spec``) fuses the
     pre-DeltaNet norm into ``in_proj``, names that ``_TE_NORM_NAMES`` (hf_convert) does not
     map, and only this local spec has been checked against Hugging Face (on CPU). The
@@ -160,6 +165,8 @@ def _hybrid_block_spec(arch: GPTArchConfig):
     attention = get_gpt_layer_local_spec(num_experts=arch.num_experts, moe_grouped_gemm=False,
                                          qk_layernorm=arch.qk_layernorm,
                                          normalization=arch.normalization)
+    if arch.linear_attention_layers is None:
+        return [attention] * arch.num_layers
     deltanet = ModuleSpec(module=attention.module, submodules=dataclasses.replace(
         attention.submodules, self_attention=ModuleSpec(
             module=GatedDeltaNet,
@@ -167,27 +174,48 @@ def _hybrid_block_spec(arch: GPTArchConfig):
                                                out_norm=WrappedTorchNorm,
                                                out_proj=RowParallelLinear))))
     linear = set(arch.linear_attention_layers)
-    return TransformerBlockSubmodules(
-        layer_specs=[deltanet if i in linear else attention for i in range(arch.num_layers)],
-        layer_norm=WrappedTorchNorm)
+    return [deltanet if i in linear else attention for i in range(arch.num_layers)]
 
 
-def _layer_spec(arch: GPTArchConfig):
-    if arch.linear_attention_layers is not None:
-        return _hybrid_block_spec(arch)
-    if not on_cpu():
-        try:
-            # optional GPU extra: imported only to learn whether it is there
-            import transformer_engine  # noqa: F401
-        except ImportError:
-            pass
-        else:
-            return get_gpt_layer_with_transformer_engine_spec(
-                num_experts=arch.num_experts, moe_grouped_gemm=False,
-                qk_layernorm=arch.qk_layernorm)
-    return get_gpt_layer_local_spec(num_experts=arch.num_experts, moe_grouped_gemm=False,
-                                    qk_layernorm=arch.qk_layernorm,
-                                    normalization=arch.normalization)
+def _with_norm(spec: Any, norm: type) -> Any:
+    """``spec`` (a ``ModuleSpec``, or a submodules dataclass) with every ``WrappedTorchNorm`` in
+    it replaced by ``norm``."""
+    if spec is WrappedTorchNorm:
+        return norm
+    if isinstance(spec, ModuleSpec):
+        return dataclasses.replace(spec, submodules=_with_norm(spec.submodules, norm))
+    if dataclasses.is_dataclass(spec) and not isinstance(spec, type):
+        return dataclasses.replace(spec, **{f.name: _with_norm(getattr(spec, f.name), norm)
+                                            for f in dataclasses.fields(spec)})
+    return spec
+
+
+def _te_available() -> bool:
+    if on_cpu():
+        return False
+    try:
+        # optional GPU extra: imported only to learn whether it is there
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _block_spec(arch: GPTArchConfig, config, *, vp_stage: int | None, pp_rank: int):
+    """This pipeline stage's (and virtual stage's) layers: Transformer Engine's spec for a
+    dense or MoE transformer where it is installed (a GPU); elsewhere the local spec, sliced
+    to the stage's layers as Megatron-Core's own ``get_gpt_decoder_block_spec`` slices (so a
+    layer pattern, such as a DeltaNet hybrid's, splits over pipeline stages), its torch norms
+    :class:`~megatron_kd.integration.cpu_shim.SequenceParallelNorm` (the same modules, with
+    their weights marked for sequence parallelism)."""
+    if arch.linear_attention_layers is None and _te_available():
+        return get_gpt_layer_with_transformer_engine_spec(
+            num_experts=arch.num_experts, moe_grouped_gemm=False, qk_layernorm=arch.qk_layernorm)
+    offset = get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=pp_rank)
+    count = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
+    specs = [_with_norm(spec, SequenceParallelNorm)
+             for spec in _layer_specs(arch)[offset:offset + count]]
+    return TransformerBlockSubmodules(layer_specs=specs, layer_norm=SequenceParallelNorm)
 
 
 def build_gpt_model(
@@ -198,6 +226,7 @@ def build_gpt_model(
     params_dtype: torch.dtype = torch.float32,
     pg_collection=None,
     seed: int | None = 1234,
+    vp_stage: int | None = None,
     **config_overrides: Any,
 ):
     """Build this rank's Megatron-Core ``GPTModel`` for ``arch``.
@@ -206,13 +235,15 @@ def build_gpt_model(
     ``ProcessGroupCollection``) given. With ``seed`` not None, Megatron's model-parallel RNG is
     seeded first (``model_parallel_cuda_manual_seed``; on CPU the CPU generator stands in for
     the CUDA one), so the same seed gives the same weights at any tensor-parallel size.
-    ``config_overrides`` go to ``TransformerConfig`` (e.g. ``hidden_dropout=0.1``). The model
-    carries its architecture as ``model.kd_arch``.
+    ``config_overrides`` go to ``TransformerConfig`` (e.g. ``hidden_dropout=0.1``,
+    ``sequence_parallel=True``, ``virtual_pipeline_model_parallel_size=2``, the recompute
+    settings). ``vp_stage``: the virtual pipeline stage this chunk is (interleaved schedules).
+    The model carries its architecture as ``model.kd_arch``.
     """
     install_cpu_shim()
     if pg_collection is not None:
         tp_size, pp_size = pg_collection.tp.size(), pg_collection.pp.size()
-        tp_rank = pg_collection.tp.rank()
+        tp_rank, pp_rank = pg_collection.tp.rank(), pg_collection.pp.rank()
         ep, etp = getattr(pg_collection, "ep", None), getattr(pg_collection, "expt_tp", None)
         ep_size, ep_rank = (ep.size(), ep.rank()) if ep is not None else (1, 0)
         etp_rank, etp_size = (etp.rank(), etp.size()) if etp is not None else (tp_rank, tp_size)
@@ -223,6 +254,7 @@ def build_gpt_model(
         tp_size = parallel_state.get_tensor_model_parallel_world_size()
         pp_size = parallel_state.get_pipeline_model_parallel_world_size()
         tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        pp_rank = parallel_state.get_pipeline_model_parallel_rank()
         ep_size = parallel_state.get_expert_model_parallel_world_size()
         ep_rank = parallel_state.get_expert_model_parallel_rank()
         etp_rank = parallel_state.get_expert_tensor_parallel_rank()
@@ -240,9 +272,11 @@ def build_gpt_model(
     kwargs = {}
     if pg_collection is not None:
         kwargs["pg_collection"] = pg_collection
+    if vp_stage is not None:
+        kwargs["vp_stage"] = vp_stage
     model = GPTModel(
         config=config,
-        transformer_layer_spec=_layer_spec(arch),
+        transformer_layer_spec=_block_spec(arch, config, vp_stage=vp_stage, pp_rank=pp_rank),
         vocab_size=arch.padded_vocab_size,
         max_sequence_length=arch.max_position_embeddings,
         pre_process=pre_process,

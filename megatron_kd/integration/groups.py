@@ -46,9 +46,11 @@ def init_distributed_from_env(timeout_s: float = 600.0) -> bool:
 
 
 @contextlib.contextmanager
-def model_parallel(tp: int = 1, pp: int = 1, ep: int = 1, etp: int | None = None):
+def model_parallel(tp: int = 1, pp: int = 1, ep: int = 1, etp: int | None = None,
+                   vp: int | None = None):
     """``parallel_state.initialize_model_parallel(tp, pp)`` (experts over ``ep`` x ``etp``
-    ranks, ``etp`` defaulting to ``tp``) over the default group, undone on exit.
+    ranks, ``etp`` defaulting to ``tp``; ``vp`` virtual stages per pipeline rank) over the
+    default group, undone on exit.
 
     ``torch.distributed`` must already be initialised. Installs the CPU shim when no GPU is
     present.
@@ -59,6 +61,7 @@ def model_parallel(tp: int = 1, pp: int = 1, ep: int = 1, etp: int | None = None
         raise RuntimeError("megatron.core.parallel_state is already initialised")
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp,
                                              pipeline_model_parallel_size=pp,
+                                             virtual_pipeline_model_parallel_size=vp,
                                              expert_model_parallel_size=ep,
                                              expert_tensor_parallel_size=etp)
     try:

@@ -11,9 +11,10 @@ from __future__ import annotations
 import contextlib
 
 import torch
+import torch.distributed as dist
 
-__all__ = ["bypass_output_layer", "output_layer_bypassed", "output_layer_weight", "to_sbh",
-           "unwrap_model"]
+__all__ = ["bypass_output_layer", "gather_sequence", "output_layer_bypassed",
+           "output_layer_weight", "to_sbh", "unwrap_model"]
 
 
 def unwrap_model(model):
@@ -33,15 +34,15 @@ def bypass_output_layer(model):
 
     On the last pipeline stage the model then returns the final hidden states (after the final
     norm) as ``[b, s, h]`` where it would have returned ``[b, s, V/tp]`` logits; the output-layer
-    weight still exists (and trains) through the loss. Idempotent. Sequence-parallel models are
-    refused (the hidden states would stay sharded along the sequence).
+    weight still exists (and trains) through the loss. With sequence parallelism the hidden
+    states stay this TP rank's slice of the sequence, ``[b, s/tp, h]`` (the output layer's
+    all-gather of the sequence never runs): the fused loss takes them so
+    (``KDLossConfig.sequence_parallel``) and gathers inside. Idempotent.
     """
     inner = unwrap_model(model)
     layer = getattr(inner, "output_layer", None)
     if layer is None:
         return model  # not the last pipeline stage
-    if getattr(layer, "sequence_parallel", False):
-        raise ValueError("bypass_output_layer does not support sequence_parallel models")
     if getattr(inner.config, "mtp_num_layers", None):
         raise ValueError("bypass_output_layer does not support multi-token prediction")
     layer.forward = _bypass_forward
@@ -78,3 +79,15 @@ def output_layer_weight(model) -> torch.Tensor:
 def to_sbh(hidden: torch.Tensor) -> torch.Tensor:
     """``[b, s, h]`` (what a bypassed GPTModel returns) -> ``[s, b, h]`` (a view)."""
     return hidden.transpose(0, 1)
+
+
+def gather_sequence(hidden: torch.Tensor, tp_group) -> torch.Tensor:
+    """``[s/tp, b, h]`` (a sequence-parallel rank's slice) -> ``[s, b, h]``, the slices of the
+    TP group in rank order (one all-gather over ``tp_group``; no gradient: a frozen teacher's
+    output, for a consumer that needs the whole sequence)."""
+    if tp_group is None or tp_group.size() == 1:
+        return hidden
+    full = hidden.new_empty((hidden.shape[0] * tp_group.size(), *hidden.shape[1:]))
+    # each rank holds its contiguous slice of the sequence (Megatron's sequence split)
+    dist.all_gather_into_tensor(full, hidden.contiguous(), group=tp_group)
+    return full

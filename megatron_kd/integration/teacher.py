@@ -103,7 +103,8 @@ def unpipelined_groups(pg_collection: ProcessGroupCollection | None = None):
 def build_frozen_teacher(arch: GPTArchConfig, load_dir: str, *, dtype: torch.dtype,
                          pg_collection: ProcessGroupCollection | None = None,
                          pre_process: bool = True, post_process: bool = True,
-                         seed: int | None = None, replicated: bool = False, keep: bool = True):
+                         seed: int | None = None, replicated: bool = False, keep: bool = True,
+                         sequence_parallel: bool = False):
     """Build, load and freeze a teacher ``GPTModel`` (collective: its ranks load together).
 
     Args:
@@ -118,13 +119,16 @@ def build_frozen_teacher(arch: GPTArchConfig, load_dir: str, *, dtype: torch.dty
         replicated: several ranks that Megatron's groups call replicas load the same shard
             (a teacher on every pipeline stage of a student).
         keep: False loads (so the collective load completes) and returns None.
+        sequence_parallel: built for sequence parallelism over its TP group (it then takes the
+            whole sequence and returns this TP rank's ``[s/tp, b, h]`` slice of it).
 
     Returns the model (output layer bypassed on the last stage, eval mode, frozen) or None.
     """
     with _random_state_kept():
         teacher = build_gpt_model(arch, pg_collection=pg_collection, pre_process=pre_process,
                                   post_process=post_process, params_dtype=dtype, seed=seed,
-                                  perform_initialization=False)
+                                  perform_initialization=False,
+                                  sequence_parallel=sequence_parallel)
     load_model_checkpoint(teacher, load_dir, arch=arch,
                           validate_access_integrity=not replicated)
     if not keep:
@@ -196,11 +200,12 @@ def teacher_identity(teacher_dir: str, arch: GPTArchConfig, dtype: str) -> dict:
 
 def connect_teacher(kd, arch: GPTArchConfig, *, run: int, dp_rank: int, tp_group,
                     micro_batch_size: int, seq_length: int, schedule, device: torch.device,
-                    max_samples: int, log) -> TeacherClient:
+                    max_samples: int, log, sequence_parallel: bool = False) -> TeacherClient:
     """The started teacher client of one last-stage student rank, for the replicas at
     ``kd.teacher_endpoint`` (``kd`` a :class:`~megatron_kd.integration.args.KDArgs`). TP rank 0
     sends the requests of ``schedule`` (``(step, microbatch, sample_ids, tokens)``); every TP
-    rank receives its chunk of the hidden states over ``tp_group``."""
+    rank receives its chunk of the hidden states over ``tp_group`` (and, unless
+    ``sequence_parallel``, all-gathers the whole sequence)."""
     tp = tp_group.size() if tp_group is not None else 1
     tp_rank = tp_group.rank() if tp_group is not None else 0
     client = TeacherClient(
@@ -211,6 +216,6 @@ def connect_teacher(kd, arch: GPTArchConfig, *, run: int, dp_rank: int, tp_group
         dtype=kd.teacher_torch_dtype, wire_dtype=kd.wire, depth=kd.prefetch_depth,
         timeout_s=kd.teacher_timeout, device=device,
         schedule=schedule if tp_rank == 0 else None, max_samples=max_samples,
-        log=log if tp_rank == 0 else None)
+        log=log if tp_rank == 0 else None, sequence_parallel=sequence_parallel)
     client.start()
     return client

@@ -210,14 +210,16 @@ class Colocated(TeacherSource):
 
 
 def colocated(kd: KDArgs, arch: GPTArchConfig, *, keep: bool, pg_collection=None,
-              own_groups: bool = True) -> Colocated:
-    """Build and load the whole (un-pipelined) teacher over the student's TP group; collective
-    over the world (every rank loads; only ``keep`` ranks hold it after). ``own_groups``: the
-    source destroys the one-rank pipeline group it made when closed."""
+              own_groups: bool = True, sequence_parallel: bool = False) -> Colocated:
+    """Build and load the whole (un-pipelined) teacher over the student's TP group, with the
+    student's sequence parallelism; collective over the world (every rank loads; only ``keep``
+    ranks hold it after). ``own_groups``: the source destroys the one-rank pipeline group it
+    made when closed."""
     pgc, single = unpipelined_groups(pg_collection)
     # Replicated on every pipeline stage: several ranks read the same shard.
     model = build_frozen_teacher(arch, kd.teacher_load, dtype=kd.teacher_torch_dtype,
-                                 pg_collection=pgc, replicated=True, keep=keep)
+                                 pg_collection=pgc, replicated=True, keep=keep,
+                                 sequence_parallel=sequence_parallel)
     return Colocated(model, load_dir=kd.teacher_load, groups=[single] if own_groups else [])
 
 
@@ -243,8 +245,10 @@ class Remote(TeacherSource):
 
     def __init__(self, kd: KDArgs, arch: GPTArchConfig, *, weight: torch.Tensor, run: int,
                  tp_group, dp_rank: int, dp_size: int, micro_batch_size: int, seq_length: int,
-                 max_samples: int, active: bool, log: Callable[[str], None] | None) -> None:
+                 max_samples: int, active: bool, log: Callable[[str], None] | None,
+                 sequence_parallel: bool = False) -> None:
         self.kd, self.arch, self.weight, self.run = kd, arch, weight, run
+        self.sequence_parallel = sequence_parallel
         self.tp_group, self.dp_rank, self.dp_size = tp_group, dp_rank, dp_size
         self.micro_batch_size, self.seq_length = micro_batch_size, seq_length
         self.max_samples, self.active, self.log = max_samples, active, log
@@ -264,7 +268,8 @@ class Remote(TeacherSource):
             self.kd, self.arch, run=self.run, dp_rank=self.dp_rank, tp_group=tp_group,
             micro_batch_size=self.micro_batch_size, seq_length=self.seq_length,
             schedule=((mb.step, mb.index, mb.sample_ids, mb.token_ids()) for mb in schedule),
-            device=collective_device(), max_samples=self.max_samples, log=self.log)
+            device=collective_device(), max_samples=self.max_samples, log=self.log,
+            sequence_parallel=self.sequence_parallel)
 
     def inputs(self, mb: Microbatch, *, training: bool) -> TeacherInputs:
         if not training:
@@ -395,11 +400,15 @@ def build_teacher_source(kd: KDArgs, teacher_arch: GPTArchConfig | None, *, acti
                          tp_group, dp_rank: int, dp_size: int, micro_batch_size: int,
                          seq_length: int, topk_cache=None, pg_collection=None,
                          own_groups: bool = True, max_samples: int | None = None,
-                         log: Callable[[str], None] | None = None) -> TeacherSource:
+                         log: Callable[[str], None] | None = None,
+                         sequence_parallel: bool = False) -> TeacherSource:
     """The run's teacher source (the one place the KD mode is read); collective over the
     world. ``active``: this rank computes the loss (the student's last pipeline stage).
     ``topk_cache``: offline, the opened and checked cache reader. ``max_samples``: sample ids a
-    request header holds (default: the micro-batch size)."""
+    request header holds (default: the micro-batch size). ``sequence_parallel``: the student's
+    loss takes this TP rank's slice of the sequence (a dense teacher's hidden states come so:
+    a colocated teacher runs sequence-parallel too, a remote one's chunks are not gathered;
+    top-K targets cover the whole sequence either way)."""
     if kd.mode == "offline":
         device = None if on_cpu() else torch.device("cuda", torch.cuda.current_device())
         return Cached(topk_cache, directory=kd.topk_cache, depth=kd.prefetch_depth,
@@ -416,9 +425,9 @@ def build_teacher_source(kd: KDArgs, teacher_arch: GPTArchConfig | None, *, acti
                       tp_group=tp_group, dp_rank=dp_rank, dp_size=dp_size,
                       micro_batch_size=micro_batch_size, seq_length=seq_length,
                       max_samples=max_samples or micro_batch_size, active=active,
-                      log=log or log_event)
+                      log=log or log_event, sequence_parallel=sequence_parallel)
     return colocated(kd, teacher_arch, keep=active, pg_collection=pg_collection,
-                     own_groups=own_groups)
+                     own_groups=own_groups, sequence_parallel=sequence_parallel)
 
 
 def log_event(line: str) -> None:

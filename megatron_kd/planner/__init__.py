@@ -5,8 +5,11 @@ imports torch, so ``megatron-kd plan`` runs on a laptop before a cluster is rent
 
 Modules, each name imported from the one that defines it: :mod:`.models` (architectures, exact
 parameter counts, Hugging Face and megatron_kd config readers), :mod:`.presets` (public model
-configs, GPUs and links, as data), :mod:`.memory` (every per-GPU memory term, with its formula and
-source), :mod:`.traffic` (FLOPs, step time, wire bytes, teacher replicas), :mod:`.plan` (a plan's
-inputs, :class:`~.plan.PlanOptions`, and its frozen results), :mod:`.search` (candidate layouts,
-what each costs, the search), :mod:`.cli` (``megatron-kd plan`` and its ``--from-args`` reader).
+configs, GPUs and links, as data), :mod:`.schedule` (Megatron-Core's pipeline schedules: layers
+per stage and virtual stage, micro-batches in flight, the bubble), :mod:`.memory` (every per-GPU
+memory term, with its formula and source), :mod:`.traffic` (FLOPs, step time, wire bytes, teacher
+replicas), :mod:`.plan` (a plan's inputs, :class:`~.plan.PlanOptions`, and its frozen results),
+:mod:`.search` (candidate layouts, what each costs, the search), :mod:`.options` (what the
+alternatives to a chosen layout buy), :mod:`.cli` (``megatron-kd plan`` and its ``--from-args``
+reader).
 """

@@ -21,9 +21,14 @@ that is what the launch would run with: untied embeddings only with
 tensor-parallel size, ``--num-query-groups`` equal to the head count without
 ``--group-query-attention``.
 
-Launch settings the planner does not model are refused with a ``ValueError`` (context parallelism,
-interleaved pipelines, recompute other than ``uniform`` x 1 layer or ``selective``), never
-approximated.
+Sequence parallelism, interleaved pipelines (``--num-layers-per-virtual-pipeline-stage``,
+``--num-virtual-stages-per-pipeline-rank`` or the older ``--virtual-pipeline-model-parallel-size``)
+and recompute (``--recompute-granularity`` selective, or full with ``--recompute-method`` uniform
+or block and any ``--recompute-num-layers``) are read into the plan's layout. Launch settings the
+planner does not model, or that Megatron-Core would refuse, are refused with a ``ValueError``
+(context parallelism, a non-default ``--microbatch-group-size-per-virtual-pipeline-stage``, one
+virtual stage per rank given explicitly, full recompute without a method or a layer count, a layer
+count with selective recompute, ``--fp16`` with ``--bf16``), never approximated.
 
 The module is one piece: the launch reader fills the command's own options (keyed by their
 ``dest``), so the two are read together.
@@ -40,12 +45,14 @@ from dataclasses import asdict, dataclass, field
 from megatron_kd.planner.memory import (
     GIB,
     RECOMPUTE_CHOICES,
+    RECOMPUTE_METHODS,
     ActivationOptions,
     ParallelLayout,
     Precision,
 )
 from megatron_kd.planner.models import ModelConfig
-from megatron_kd.planner.plan import Mode, ModePlan, PlanOptions, PlanResult
+from megatron_kd.planner.options import layout_options
+from megatron_kd.planner.plan import LayoutOption, Mode, ModePlan, PlanOptions, PlanResult
 from megatron_kd.planner.presets import GPU_PRESETS, LINK_PRESETS, get_gpu, get_link, load_model
 from megatron_kd.planner.search import plan_all
 from megatron_kd.planner.traffic import WIRE_ELEMENT_BYTES
@@ -103,9 +110,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--pipeline-model-parallel-size", dest="pp", type=_size)
     g.add_argument("--expert-model-parallel-size", dest="ep", type=_size)
     g.add_argument("--expert-tensor-parallel-size", dest="etp", type=int)
+    g.add_argument("--num-virtual-stages-per-pipeline-rank", dest="vp", type=_size,
+                   help="virtual pipeline stages per rank: interleaved 1F1B when > 1")
+    g.add_argument("--num-layers-per-virtual-pipeline-stage", dest="layers_per_virtual_stage",
+                   type=int, help="the same, as layers per virtual stage")
     g.add_argument(
         "--recompute-granularity", dest="recompute", choices=[*RECOMPUTE_CHOICES, "search"]
     )
+    g.add_argument("--recompute-method", choices=RECOMPUTE_METHODS,
+                   help="full recompute: uniform or block (default: searched)")
+    g.add_argument("--recompute-num-layers", type=int,
+                   help="full recompute: layers per group (uniform) or per chunk (block)")
     sp = g.add_mutually_exclusive_group()
     sp.add_argument(
         "--sequence-parallel", dest="sequence_parallel", action="store_const", const=True
@@ -129,7 +144,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--reserve-gib", type=float, help=f"per-GPU reserve: context, NCCL, "
                    f"fragmentation (default {_default('reserve_bytes') / GIB:g})")
     g = parser.add_argument_group("output")
-    g.add_argument("--from-args", help="a Megatron-LM launch's own arguments, quoted as one string")
+    g.add_argument("--from-args", "--launch-args", dest="from_args",
+                   help="a Megatron-LM launch's own arguments, quoted as one string")
     g.add_argument("--json", action="store_true", help="print JSON instead of tables")
 
 
@@ -178,6 +194,7 @@ def build_options(args: argparse.Namespace) -> tuple[PlanOptions, list[str]]:
     for key, value in vars(args).items():
         if value is not None and key not in ("from_args", "json", "modes"):
             values[key] = value
+    _command_line_wins(args, values)
     if student is None:
         if not values.get("student"):
             raise ValueError(
@@ -203,6 +220,8 @@ def build_options(args: argparse.Namespace) -> tuple[PlanOptions, list[str]]:
     if "hidden_dropout" in values:
         given["activation"] = ActivationOptions(hidden_dropout=bool(values["hidden_dropout"]))
     recompute = values.get("recompute")
+    given.update({k: values[k] for k in ("layers_per_virtual_stage", "recompute_method",
+                                         "recompute_num_layers") if values.get(k) is not None})
     opts = PlanOptions(
         student=student,
         teacher=teacher,
@@ -210,6 +229,7 @@ def build_options(args: argparse.Namespace) -> tuple[PlanOptions, list[str]]:
         inter_node_link=get_link(values.get("inter_node_link", DEFAULT_LINK), gpu),
         tp=size("tp"),
         pp=size("pp"),
+        vp=size("vp"),
         ep=size("ep") if student.is_moe else None,
         recompute=None if recompute in (None, "search") else recompute,
         teacher_tp=size("teacher_tp"),
@@ -218,6 +238,18 @@ def build_options(args: argparse.Namespace) -> tuple[PlanOptions, list[str]]:
         **given,
     )
     return opts, ignored
+
+
+def _command_line_wins(args: argparse.Namespace, values: dict) -> None:
+    """Drop what ``--from-args`` set that contradicts the command line's own options: a virtual
+    pipeline given the other way, a recompute method or layer count under another granularity."""
+    for given, other in (("vp", "layers_per_virtual_stage"), ("layers_per_virtual_stage", "vp")):
+        if getattr(args, given) is not None and getattr(args, other) is None:
+            values.pop(other, None)
+    if args.recompute is not None:
+        for key in ("recompute_method", "recompute_num_layers"):
+            if getattr(args, key) is None:
+                values.pop(key, None)
 
 
 def _parse_modes(text: str | None) -> tuple[Mode, ...]:
@@ -233,8 +265,8 @@ def _parse_modes(text: str | None) -> tuple[Mode, ...]:
 
 def _layout_line(layout: ParallelLayout, prefix: str) -> str:
     return (
-        f"{prefix}: tp={layout.tp} pp={layout.pp} dp={layout.dp} ep={layout.ep} "
-        f"sp={'on' if layout.sequence_parallel else 'off'} recompute={layout.recompute} "
+        f"{prefix}: tp={layout.tp} pp={layout.pp} vp={layout.vp} dp={layout.dp} ep={layout.ep} "
+        f"sp={'on' if layout.sequence_parallel else 'off'} recompute={layout.recompute_label} "
         f"dist-opt={'on' if layout.use_distributed_optimizer else 'off'}"
     )
 
@@ -267,7 +299,8 @@ def format_plan(plan: ModePlan, opts: PlanOptions) -> str:
         parts = ", ".join(f"{t.label} {v / GIB:.2f}" for t, v in plan.teacher_terms.items())
         lines.append(f"   teacher GPU: {total / GIB:.2f} GiB ({parts})")
     lines.append(
-        f"   step {plan.step_time_s:.2f} s at MFU {opts.mfu:.2f}: "
+        f"   step {plan.step_time_s:.2f} s at MFU {opts.mfu:.2f} (pipeline bubble "
+        f"{plan.bubble:.1%}): "
         f"{plan.student_tokens_per_s:,.0f} student tokens/s on {plan.student_gpus} GPUs; "
         f"teacher nodes needed: {plan.teacher_nodes}"
     )
@@ -286,7 +319,43 @@ def format_plan(plan: ModePlan, opts: PlanOptions) -> str:
     return "\n".join(lines)
 
 
-def format_report(result: PlanResult, opts: PlanOptions, ignored: list[str]) -> str:
+def format_options(mode: Mode, rows: list[LayoutOption]) -> str:
+    """The "what the options buy" table of ``mode``'s chosen student layout."""
+    chosen = rows[0]
+    title = (f"what the options buy ({mode.value} student; one change to the chosen layout at a "
+             f"time; the step time counts the pipeline bubble; the TP collectives and the "
+             f"pipeline's p2p sends are their time at link speed, not in the step):")
+    header = (f"   {'option':<44}{'peak GiB':>9}{'Δ GiB':>8}{'step s':>8}{'Δ step':>8}"
+              f"{'bubble':>8}{'TP s':>7}{'p2p s':>7}  fits")
+    lines = [title, header]
+    for row in rows:
+        # (+ 0.0: a saving that rounds to nothing prints as +0.0, not -0.0)
+        delta_gib = ("" if row is chosen
+                     else f"{round((row.total_bytes - chosen.total_bytes) / GIB, 1) + 0.0:+.1f}")
+        delta_step = ("" if row is chosen
+                      else f"{row.step_time_s / chosen.step_time_s - 1:+.1%}")
+        lines.append(
+            f"   {row.label:<44}{row.total_bytes / GIB:>9.1f}{delta_gib:>8}"
+            f"{row.step_time_s:>8.2f}{delta_step:>8}{row.bubble:>8.1%}"
+            f"{row.tp_collective_s:>7.2f}{row.p2p_s:>7.2f}  {'yes' if row.fits else 'OOM'}"
+        )
+    return "\n".join(lines)
+
+
+def report_options(result: PlanResult, opts: PlanOptions) -> tuple[Mode, list[LayoutOption]] | None:
+    """The recommended mode and its layout options (None when nothing fits)."""
+    mode = result.recommended_mode
+    if mode is None:
+        return None
+    return mode, layout_options(opts, result.plans[mode])
+
+
+def format_report(
+    result: PlanResult,
+    opts: PlanOptions,
+    ignored: list[str],
+    options: tuple[Mode, list[LayoutOption]] | None = None,
+) -> str:
     window = opts.window_size or "default (64 MiB fp32)"
     head = (
         f"plan: teacher {opts.teacher.name} ({opts.teacher.total_params() / 1e9:.1f}B) -> student "
@@ -300,10 +369,17 @@ def format_report(result: PlanResult, opts: PlanOptions, ignored: list[str]) -> 
         parts.append(f"ignored launch flags: {' '.join(ignored)}")
     parts += [format_plan(p, opts) for p in result.plans.values()]
     parts.append(f"recommendation: {result.recommendation}")
+    if options is not None:
+        parts.append(format_options(*options))
     return "\n\n".join(parts)
 
 
-def to_json(result: PlanResult, opts: PlanOptions, ignored: list[str]) -> dict:
+def to_json(
+    result: PlanResult,
+    opts: PlanOptions,
+    ignored: list[str],
+    options: tuple[Mode, list[LayoutOption]] | None = None,
+) -> dict:
     return {
         "teacher": opts.teacher.to_dict(),
         "student": opts.student.to_dict(),
@@ -313,7 +389,8 @@ def to_json(result: PlanResult, opts: PlanOptions, ignored: list[str]) -> dict:
             k: getattr(opts, k)
             for k in (
                 "gpus_per_node", "nodes", "seq_length", "micro_batch_size",
-                "global_batch_size", "tp", "pp", "ep", "etp", "recompute", "sequence_parallel",
+                "global_batch_size", "tp", "pp", "vp", "layers_per_virtual_stage", "ep", "etp",
+                "recompute", "recompute_method", "recompute_num_layers", "sequence_parallel",
                 "use_distributed_optimizer", "teacher_tp", "teacher_pp", "teacher_ep",
                 "window_size", "prefetch_depth", "topk", "cache_entry_bytes",
             )
@@ -329,6 +406,10 @@ def to_json(result: PlanResult, opts: PlanOptions, ignored: list[str]) -> dict:
         "ignored_launch_flags": ignored,
         "plans": {m.value: p.to_dict() for m, p in result.plans.items()},
         "recommendation": result.recommendation,
+        "options": None if options is None else {
+            "mode": options[0].value,
+            "rows": [row.to_dict() for row in options[1]],
+        },
     }
 
 
@@ -336,13 +417,14 @@ def run(args: argparse.Namespace) -> int:
     try:
         opts, ignored = build_options(args)
         result = plan_all(opts, _parse_modes(args.modes))
+        options = report_options(result, opts)
     except ValueError as exc:
         print(f"megatron-kd plan: error: {exc}", file=sys.stderr)
         return 2
     if args.json:
-        print(json.dumps(to_json(result, opts, ignored), indent=2))
+        print(json.dumps(to_json(result, opts, ignored, options), indent=2))
     else:
-        print(format_report(result, opts, ignored))
+        print(format_report(result, opts, ignored, options))
     return 0
 
 
@@ -356,6 +438,7 @@ _RENAMED = {
     "pipeline_model_parallel_size": "pp",
     "expert_model_parallel_size": "ep",
     "expert_tensor_parallel_size": "etp",
+    "num_layers_per_virtual_pipeline_stage": "layers_per_virtual_stage",
     "kd_teacher_tensor_model_parallel_size": "teacher_tp",
     "kd_teacher_pipeline_model_parallel_size": "teacher_pp",
     "kd_teacher_expert_model_parallel_size": "teacher_ep",
@@ -391,6 +474,7 @@ def _parser() -> argparse.ArgumentParser:
         "global-batch-size", "tensor-model-parallel-size", "pipeline-model-parallel-size",
         "expert-model-parallel-size", "expert-tensor-parallel-size", "context-parallel-size",
         "num-layers-per-virtual-pipeline-stage", "virtual-pipeline-model-parallel-size",
+        "num-virtual-stages-per-pipeline-rank", "microbatch-group-size-per-virtual-pipeline-stage",
         "recompute-num-layers", "make-vocab-size-divisible-by",
         "kd-teacher-tensor-model-parallel-size", "kd-teacher-pipeline-model-parallel-size",
         "kd-teacher-expert-model-parallel-size", "kd-window-size", "kd-prefetch-depth", "kd-topk",
@@ -422,7 +506,9 @@ def parse_launch_args(text: str) -> LaunchArgs:
     out = LaunchArgs(ignored=[tok for tok in rest if tok.startswith("--")])
     _refuse_unmodelled(ns)
     out.values.update(_planner_values(ns))
-    out.values["recompute"] = _recompute(ns)
+    recompute, unused = _recompute(ns)
+    out.values.update(recompute)
+    out.ignored += unused
     out.student = _student_model(ns)
     return out
 
@@ -434,12 +520,26 @@ def _refuse_unmodelled(ns: argparse.Namespace) -> None:
             f"--context-parallel-size={ns.context_parallel_size}: context parallelism is "
             f"not modelled by the planner"
         )
-    if ns.num_layers_per_virtual_pipeline_stage or ns.virtual_pipeline_model_parallel_size not in (
-        None,
-        1,
-    ):
+    pp = ns.pipeline_model_parallel_size or 1
+    group = ns.microbatch_group_size_per_virtual_pipeline_stage
+    if group is not None and group != pp:
         raise ValueError(
-            "interleaved pipeline schedules (virtual pipeline stages) are not modelled"
+            f"--microbatch-group-size-per-virtual-pipeline-stage={group}: the planner models "
+            f"Megatron-Core's default group of pipeline-model-parallel-size ({pp}) micro-batches"
+        )
+    virtual = [f"--{name}={value}" for name, value in (
+        ("num-layers-per-virtual-pipeline-stage", ns.num_layers_per_virtual_pipeline_stage),
+        ("num-virtual-stages-per-pipeline-rank", ns.num_virtual_stages_per_pipeline_rank),
+        ("virtual-pipeline-model-parallel-size", ns.virtual_pipeline_model_parallel_size),
+    ) if value is not None]
+    if len(virtual) > 1:
+        raise ValueError(f"{' and '.join(virtual)}: give the virtual pipeline one way")
+    stages = ns.num_virtual_stages_per_pipeline_rank or ns.virtual_pipeline_model_parallel_size
+    if stages == 1 and pp > 1:
+        raise ValueError(
+            f"{virtual[0]}: Megatron-Core runs one chunk per rank through its interleaved "
+            f"schedule (2p - 1 micro-batches in flight on the first stage), which the planner "
+            f"does not model; leave the flag out for 1F1B"
         )
     if ns.fp16 and ns.bf16:
         raise ValueError("--fp16 and --bf16 both given")
@@ -465,6 +565,9 @@ def _planner_values(ns: argparse.Namespace) -> dict:
     if "etp" not in v:
         # Megatron: expert_tensor_parallel_size defaults to tensor_model_parallel_size
         v["etp"] = v["tp"]
+    stages = ns.num_virtual_stages_per_pipeline_rank or ns.virtual_pipeline_model_parallel_size
+    if stages is not None:
+        v["vp"] = stages
     v["sequence_parallel"] = ns.sequence_parallel
     v["use_distributed_optimizer"] = ns.use_distributed_optimizer
     if ns.grad_reduce_in_bf16:
@@ -477,21 +580,35 @@ def _planner_values(ns: argparse.Namespace) -> dict:
     return v
 
 
-def _recompute(ns: argparse.Namespace) -> str:
-    """The planner's recompute setting for the launch's; ``ValueError`` for one not modelled."""
+def _recompute(ns: argparse.Namespace) -> tuple[dict, list[str]]:
+    """The planner's recompute settings for the launch's, and the recompute flags the launch gives
+    that Megatron-Core does not use; ``ValueError`` where Megatron-Core refuses the launch
+    (``TransformerConfig.__post_init__``, 0.16.1)."""
+    method, layers = ns.recompute_method, ns.recompute_num_layers
+    if method is not None and method not in RECOMPUTE_METHODS:
+        raise ValueError(f"--recompute-method={method!r}: expected uniform or block")
+    given = [flag for flag, value in (("--recompute-method", method),
+                                      ("--recompute-num-layers", layers)) if value is not None]
     if ns.recompute_granularity is None:
-        return "none"
+        return {"recompute": "none"}, given  # Megatron-Core reads them only with a granularity
     if ns.recompute_granularity == "selective":
-        return "selective"
-    if ns.recompute_granularity == "full":
-        method = ns.recompute_method or "uniform"
-        layers = ns.recompute_num_layers if ns.recompute_num_layers is not None else 1
-        if method != "uniform" or layers != 1:
+        if layers is not None:
             raise ValueError(
-                f"--recompute-method={method} --recompute-num-layers={layers}: only full "
-                f"recompute with method uniform and 1 layer is modelled"
+                f"--recompute-granularity selective --recompute-num-layers={layers}: Megatron-"
+                f"Core refuses a layer count with selective recompute"
             )
-        return "full"
+        return {"recompute": "selective"}, given
+    if ns.recompute_granularity == "full":
+        if method is None or layers is None:
+            raise ValueError(
+                f"--recompute-granularity full needs --recompute-method (uniform or block) and "
+                f"--recompute-num-layers (Megatron-Core refuses full recompute without them); got "
+                f"method={method}, num-layers={layers}"
+            )
+        if layers <= 0:
+            raise ValueError(f"--recompute-num-layers={layers}: expected >= 1")
+        return {"recompute": "full", "recompute_method": method,
+                "recompute_num_layers": layers}, []
     raise ValueError(
         f"--recompute-granularity={ns.recompute_granularity!r}: expected full or selective"
     )

@@ -60,19 +60,31 @@ terms marked S are always divided by ``t``:
   requires sequence parallelism for MoE with ``t > 1``.
 * selective recompute (Megatron ``--recompute-granularity selective``, core attention): drops the
   ``a*s`` softmax terms and the log-sum-exp.
-* full recompute (``--recompute-granularity full --recompute-method uniform --recompute-num-layers
-  1``): each layer keeps only its input ``2h`` (R); the backward re-materialises one layer at a
-  time, so one layer's full activations are added once per stage.
+* full recompute (``--recompute-granularity full``), as Megatron-Core 0.16.1's
+  ``TransformerBlock._checkpointed_forward`` runs it over the ``k`` layers of one model chunk (a
+  pipeline stage, or one virtual stage of it): a checkpointed group of layers keeps only its input
+  ``2h`` (R; ``tensor_parallel.checkpoint`` saves its arguments) and runs its forward again in
+  backward, where all its layers' activations are live at once.
+
+  - ``--recompute-method uniform --recompute-num-layers N``: the chunk's layers in groups of ``N``
+    (``N`` must divide ``k``: the last group would index past the chunk), each group checkpointed:
+    ``k/N`` inputs kept; the largest group's full activations are added once per rank (one
+    micro-batch is in backward at a time).
+  - ``--recompute-method block --recompute-num-layers N``: the first ``min(N, k)`` layers of each
+    chunk checkpointed one by one (an input each), the other ``k - N`` keep their full
+    activations; the largest checkpointed layer's full activations are added once per rank (an
+    upper bound when ``N < k``: they are recomputed after the backward freed the stored layers of
+    the same micro-batch).
 * unfused kernels (Megatron's local layer spec without Transformer Engine or Apex, e.g. on CPU;
   source: what PyTorch autograd saves for the decomposed ops): each norm also keeps its normalised
   output ``+2h`` (R), SwiGLU keeps ``silu(a)`` ``+2f`` (S), and unfused attention keeps one
   persistent ``[b, a/t, s, s]`` score buffer per rank (Megatron's global memory buffer).
 * fp32 activations (CPU runs without ``--bf16``): every count above times ``activation_bytes / 2``.
 
-Pipeline (same paper, section 4.2.3): with 1F1B, stage ``i`` (0-based) holds the activations of
-``min(p - i, m)`` micro-batches; the first stage holds ``p`` of them (``p * L/p = L`` layers'
-worth). Interleaved schedules are not modelled (rejected, not approximated). Layers are assigned to
-stages contiguously, the first ``L mod p`` stages taking one extra layer.
+Pipeline (same paper, section 4.2.3): which layers a rank holds and how many micro-batches of
+them it keeps, for 1F1B and for the interleaved schedule with ``v`` virtual stages per rank, are
+:mod:`.schedule`'s (the first 1F1B stage holds ``p`` micro-batches of ``L/p`` layers, ``L`` layers'
+worth; interleaved, ``L(1 + (p-1)/(p*v))``).
 
 The loss (one micro-batch at a time, on the last stage)
 ---------------------------------------------------------
@@ -115,6 +127,7 @@ from dataclasses import dataclass
 from enum import Enum
 from functools import lru_cache
 
+from megatron_kd.planner import schedule
 from megatron_kd.planner.models import ModelConfig
 
 #: Bytes in a GiB: the unit of the reports.
@@ -157,6 +170,8 @@ LOSS_TERMS = frozenset({Term.DENSE_LOGITS, Term.LOSS_WINDOW, Term.LOSS_GRADIENTS
                         Term.LOSS_GATHERED, Term.LOSS_ROW_STATISTICS})
 
 RECOMPUTE_CHOICES = ("none", "selective", "full")
+#: ``--recompute-method`` of full recompute (Megatron-Core's ``recompute_method``).
+RECOMPUTE_METHODS = ("uniform", "block")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -168,6 +183,10 @@ class ParallelLayout:
 
     pp: int = 1
     """Pipeline-parallel size ``p``."""
+
+    vp: int = 1
+    """Virtual pipeline stages (model chunks) per pipeline rank ``v``: Megatron-Core's interleaved
+    1F1B schedule when > 1 (``--num-virtual-stages-per-pipeline-rank``)."""
 
     dp: int = 1
     """Data-parallel size (replicas of the model)."""
@@ -185,24 +204,55 @@ class ParallelLayout:
     """Shard the fp32 optimizer state over data-parallel ranks."""
 
     recompute: str = "none"
-    """Activation recompute: ``none``, ``selective`` (core attention) or ``full`` (every layer)."""
+    """Activation recompute: ``none``, ``selective`` (core attention) or ``full`` (whole layers, as
+    :attr:`recompute_method` and :attr:`recompute_num_layers` say)."""
+
+    recompute_method: str = "uniform"
+    """Full recompute only: ``uniform`` (every layer, in checkpointed groups of
+    :attr:`recompute_num_layers`) or ``block`` (the first :attr:`recompute_num_layers` layers of
+    each model chunk)."""
+
+    recompute_num_layers: int = 1
+    """Full recompute only: ``--recompute-num-layers``."""
 
     make_vocab_size_divisible_by: int = 128
     """Megatron pads the vocabulary to a multiple of this times ``t`` (``megatron-kd train``'s
     default too: ``tests/unit/test_planner_copies.py`` compares them)."""
 
     def __post_init__(self) -> None:
-        for name in ("tp", "pp", "dp", "ep", "etp", "make_vocab_size_divisible_by"):
+        for name in ("tp", "pp", "vp", "dp", "ep", "etp", "recompute_num_layers",
+                     "make_vocab_size_divisible_by"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"ParallelLayout.{name} must be a positive int, got {value!r}")
         if self.recompute not in RECOMPUTE_CHOICES:
             raise ValueError(f"recompute={self.recompute!r}; choose from {RECOMPUTE_CHOICES}")
+        if self.recompute_method not in RECOMPUTE_METHODS:
+            raise ValueError(
+                f"recompute_method={self.recompute_method!r}; choose from {RECOMPUTE_METHODS}"
+            )
+        if self.recompute != "full" and (self.recompute_method, self.recompute_num_layers) != (
+                "uniform", 1):
+            raise ValueError(
+                f"recompute_method={self.recompute_method!r}, recompute_num_layers="
+                f"{self.recompute_num_layers} apply to full recompute only (recompute="
+                f"{self.recompute!r})"
+            )
+        if self.vp > 1 and self.pp == 1:
+            raise ValueError(f"vp={self.vp} needs pp > 1 (interleaving splits pipeline stages)")
         if (self.tp * self.dp) % (self.ep * self.etp):
             raise ValueError(
                 f"ep*etp={self.ep}*{self.etp} must divide tp*dp={self.tp}*{self.dp} (Megatron's "
                 f"expert grid folds expert parallelism into tensor x data parallelism)"
             )
+
+    @property
+    def recompute_label(self) -> str:
+        """The recompute setting as reports print it: ``none``, ``selective``, ``full uniform x1``,
+        ``full block x8``."""
+        if self.recompute != "full":
+            return self.recompute
+        return f"full {self.recompute_method} x{self.recompute_num_layers}"
 
     @property
     def model_parallel_size(self) -> int:
@@ -248,6 +298,22 @@ def validate_layout(model: ModelConfig, layout: ParallelLayout, role: str) -> No
     """Raise ``ValueError`` when ``layout`` cannot hold ``model`` the way Megatron would."""
     if layout.pp > model.num_layers:
         raise ValueError(f"{role} {model.name}: pp={layout.pp} > num_layers={model.num_layers}")
+    if layout.vp > 1 and model.num_layers % (layout.pp * layout.vp):
+        raise ValueError(
+            f"{role} {model.name}: num_layers={model.num_layers} is not a multiple of pp*vp="
+            f"{layout.pp}*{layout.vp} (Megatron-Core gives every virtual stage the same number of "
+            f"layers)"
+        )
+    if layout.recompute == "full" and layout.recompute_method == "uniform":
+        sizes = sorted({len(c) for st in range(layout.pp)
+                        for c in schedule.chunk_layers(model.num_layers, layout.pp, layout.vp, st)})
+        if any(k % layout.recompute_num_layers for k in sizes):
+            raise ValueError(
+                f"{role} {model.name}: uniform recompute in groups of recompute_num_layers="
+                f"{layout.recompute_num_layers} needs it to divide the layers of every model chunk "
+                f"({', '.join(map(str, sizes))}); Megatron-Core's last group would index past the "
+                f"chunk"
+            )
     if model.num_query_groups % layout.tp and layout.tp % model.num_query_groups:
         raise ValueError(
             f"{role} {model.name}: tp={layout.tp} and num_query_groups={model.num_query_groups} "
@@ -280,23 +346,6 @@ def validate_layout(model: ModelConfig, layout: ParallelLayout, role: str) -> No
         )
 
 
-# --- stages ------------------------------------------------------------------------------------
-
-
-def stage_layers(num_layers: int, pp: int, stage: int) -> range:
-    """Layers of stage ``stage``: contiguous, the first ``num_layers % pp`` stages take one more."""
-    if not 0 <= stage < pp:
-        raise ValueError(f"stage={stage} out of range for pp={pp}")
-    base, extra = divmod(num_layers, pp)
-    start = stage * base + min(stage, extra)
-    return range(start, start + base + (1 if stage < extra else 0))
-
-
-def in_flight_microbatches(pp: int, stage: int, num_microbatches: int) -> int:
-    """1F1B: stage ``stage`` holds the activations of ``min(pp - stage, m)`` micro-batches."""
-    return min(pp - stage, num_microbatches)
-
-
 # --- parameters per rank ---------------------------------------------------------------------
 
 
@@ -305,7 +354,8 @@ def rank_params(model: ModelConfig, layout: ParallelLayout, stage: int) -> tuple
     t = layout.tp
     h = model.hidden_size
     dense = 0
-    for layer in stage_layers(model.num_layers, layout.pp, stage):
+    layers = schedule.rank_layers(model.num_layers, layout.pp, layout.vp, stage)
+    for layer in layers:
         sharded = model.mixer_params(layer)
         if model.is_moe:
             sharded += model.shared_expert_params()
@@ -322,8 +372,8 @@ def rank_params(model: ModelConfig, layout: ParallelLayout, stage: int) -> tuple
             dense += vocab * h // t
     expert = 0
     if model.is_moe:
-        n_layers = len(stage_layers(model.num_layers, layout.pp, stage))
-        expert = n_layers * (model.num_experts // layout.ep) * model.expert_params() // layout.etp
+        per_layer = (model.num_experts // layout.ep) * model.expert_params() // layout.etp
+        expert = len(layers) * per_layer
     return dense, expert
 
 
@@ -480,6 +530,59 @@ def _layer_bytes_of_kind(
     return n * ((r1 + r2) / r_div + (s1 + s2) / t) * opts.activation_bytes / 2
 
 
+def checkpoint_groups(chunk: range, layout: ParallelLayout) -> list[range]:
+    """The groups of layers of one model chunk that full recompute checkpoints (each keeps only its
+    input and runs its forward again in backward); none without full recompute. Uniform: the chunk
+    in groups of ``recompute_num_layers``; block: its first ``recompute_num_layers`` layers, one by
+    one (Megatron-Core 0.16.1 ``TransformerBlock._checkpointed_forward``)."""
+    if layout.recompute != "full":
+        return []
+    n = layout.recompute_num_layers
+    if layout.recompute_method == "uniform":
+        return [chunk[i:i + n] for i in range(0, len(chunk), n)]
+    return [chunk[i:i + 1] for i in range(min(n, len(chunk)))]
+
+
+def recomputed_layers(num_layers: int, layout: ParallelLayout) -> list[int]:
+    """Every layer whose forward full recompute runs a second time (once per micro-batch)."""
+    return [
+        i
+        for stage in range(layout.pp)
+        for chunk in schedule.chunk_layers(num_layers, layout.pp, layout.vp, stage)
+        for group in checkpoint_groups(chunk, layout)
+        for i in group
+    ]
+
+
+def _chunk_activation_bytes(
+    model: ModelConfig,
+    layout: ParallelLayout,
+    chunk: range,
+    seq_length: int,
+    micro_batch_size: int,
+    opts: ActivationOptions | None,
+) -> tuple[float, float]:
+    """``(saved, recomputed)`` bytes of one model chunk: what one micro-batch keeps for backward,
+    and what the largest checkpointed group holds live while it is run again (0 without full
+    recompute)."""
+    groups = checkpoint_groups(chunk, layout)
+    if not groups:
+        saved = sum(layer_activation_bytes(model, layout, i, seq_length, micro_batch_size, opts)
+                    for i in chunk)
+        return saved, 0.0
+
+    def full(i: int) -> float:
+        return layer_activation_bytes(model, layout, i, seq_length, micro_batch_size, opts,
+                                      recompute="none")
+
+    checkpointed = {i for group in groups for i in group}
+    # a group keeps its input: layer_activation_bytes' "full" count (2h per token, R)
+    group_input = layer_activation_bytes(model, layout, chunk[0], seq_length, micro_batch_size,
+                                         opts, recompute="full")
+    saved = len(groups) * group_input + sum(full(i) for i in chunk if i not in checkpointed)
+    return saved, max(sum(full(i) for i in group) for group in groups)
+
+
 def stage_activation_bytes(
     model: ModelConfig,
     layout: ParallelLayout,
@@ -489,23 +592,20 @@ def stage_activation_bytes(
     num_microbatches: int,
     opts: ActivationOptions | None = None,
 ) -> float:
-    """Saved activations of one rank of ``stage`` at the 1F1B peak (all in-flight micro-batches),
-    plus one re-materialised layer under full recompute."""
-    layers = stage_layers(model.num_layers, layout.pp, stage)
-    per_mb = sum(
-        layer_activation_bytes(model, layout, i, seq_length, micro_batch_size, opts) for i in layers
-    )
-    total = in_flight_microbatches(layout.pp, stage, num_microbatches) * per_mb
+    """Saved activations of one rank of ``stage`` at its schedule's peak (the micro-batches of each
+    chunk in flight, :func:`.schedule.peak_in_flight`), plus the largest group full recompute runs
+    again (once: one micro-batch is in backward at a time)."""
+    chunks = schedule.chunk_layers(model.num_layers, layout.pp, layout.vp, stage)
+    per_chunk = [
+        _chunk_activation_bytes(model, layout, c, seq_length, micro_batch_size, opts)
+        for c in chunks
+    ]
+    total = schedule.peak_in_flight([saved for saved, _ in per_chunk], layout.pp, stage,
+                                    num_microbatches)
+    total += max(recomputed for _, recomputed in per_chunk)
     opts = opts or ActivationOptions()
-    if not opts.flash_attention and any(model.is_full_attention(i) for i in layers):
+    if not opts.flash_attention and any(model.is_full_attention(i) for c in chunks for i in c):
         total += attention_score_buffer_bytes(model, layout, seq_length, micro_batch_size, opts)
-    if layout.recompute == "full":
-        total += max(
-            layer_activation_bytes(
-                model, layout, i, seq_length, micro_batch_size, opts, recompute="none"
-            )
-            for i in layers
-        )
     return total
 
 

@@ -20,6 +20,7 @@ from types import MappingProxyType
 from megatron_kd.planner.memory import (
     GIB,
     RECOMPUTE_CHOICES,
+    RECOMPUTE_METHODS,
     ActivationOptions,
     ParallelLayout,
     Precision,
@@ -99,8 +100,24 @@ class PlanOptions:
     etp: int = 1
     """Student expert-tensor-parallel size."""
 
+    vp: int | None = None
+    """Student virtual pipeline stages per pipeline rank (interleaved 1F1B when > 1); None =
+    search (with ``pp > 1``: every ``v`` whose virtual stages hold whole, equal numbers of layers),
+    unless :attr:`layers_per_virtual_stage` says."""
+
+    layers_per_virtual_stage: int | None = None
+    """Megatron-LM's ``--num-layers-per-virtual-pipeline-stage``: ``v = L / (p * this)``; None =
+    as :attr:`vp` says."""
+
     recompute: str | None = None
     """``none`` / ``selective`` / ``full``; None = search (least that fits)."""
+
+    recompute_method: str | None = None
+    """Full recompute's ``uniform`` / ``block``; None = search (with :attr:`recompute` ``full`` or
+    searched)."""
+
+    recompute_num_layers: int | None = None
+    """Full recompute's ``--recompute-num-layers``; None = search."""
 
     sequence_parallel: bool | None = None
     """None = on whenever ``tp > 1``."""
@@ -223,6 +240,7 @@ class PlanOptions:
                 raise ValueError(f"PlanOptions.{name} must be in (0, 1], got {value}")
         if self.recompute is not None and self.recompute not in RECOMPUTE_CHOICES:
             raise ValueError(f"recompute={self.recompute!r}; choose from {list(RECOMPUTE_CHOICES)}")
+        self._check_recompute_and_vp()
         for name in ("tp", "teacher_tp"):
             value = getattr(self, name)
             if value is not None and value > self.gpus_per_node:
@@ -232,6 +250,30 @@ class PlanOptions:
                 )
         if self.reserve_bytes < 0:
             raise ValueError(f"reserve_bytes must be >= 0, got {self.reserve_bytes}")
+
+    def _check_recompute_and_vp(self) -> None:
+        if self.recompute_method is not None and self.recompute_method not in RECOMPUTE_METHODS:
+            raise ValueError(f"recompute_method={self.recompute_method!r}; choose from "
+                             f"{list(RECOMPUTE_METHODS)}")
+        if (self.recompute_method is not None or self.recompute_num_layers is not None) and \
+                self.recompute != "full":
+            raise ValueError(
+                f"recompute_method={self.recompute_method!r} / recompute_num_layers="
+                f"{self.recompute_num_layers!r} need recompute='full' (Megatron's "
+                f"--recompute-granularity full), got recompute={self.recompute!r}"
+            )
+        for name in ("vp", "layers_per_virtual_stage", "recompute_num_layers"):
+            value = getattr(self, name)
+            if value is not None and (
+                not isinstance(value, int) or isinstance(value, bool) or value <= 0
+            ):
+                raise ValueError(f"PlanOptions.{name} must be a positive int or None, got "
+                                 f"{value!r}")
+        if self.vp is not None and self.layers_per_virtual_stage is not None:
+            raise ValueError(
+                f"vp={self.vp} and layers_per_virtual_stage={self.layers_per_virtual_stage}: "
+                f"give one of them"
+            )
 
     @property
     def world_size(self) -> int:
@@ -260,6 +302,8 @@ class ModePlan:
     total_bytes: float = 0.0
     capacity_bytes: int = 0
     step_time_s: float = 0.0
+    bubble: float = 0.0
+    """The student's pipeline bubble: idle time over ideal time, ``(p-1)/(v*m)``."""
     student_tokens_per_s: float = 0.0
     student_gpus: int = 0
     teacher_gpus: int = 0
@@ -312,6 +356,7 @@ class ModePlan:
             "total_bytes": self.total_bytes,
             "capacity_bytes": self.capacity_bytes,
             "step_time_s": self.step_time_s,
+            "bubble": self.bubble,
             "student_tokens_per_s": self.student_tokens_per_s,
             "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu,
             "student_gpus": self.student_gpus,
@@ -336,11 +381,24 @@ class PlanResult:
         object.__setattr__(self, "plans", MappingProxyType(dict(self.plans)))
 
     @property
+    def recommended_mode(self) -> Mode | None:
+        """The mode :attr:`recommendation` names: the fastest online mode that fits with a working
+        wire, else the offline cache where it fits, else None."""
+        ok = self._online_fitting()
+        if ok:
+            return max(ok.items(), key=lambda kv: kv[1].student_tokens_per_s)[0]
+        offline = self.plans.get(Mode.OFFLINE_CACHE)
+        return Mode.OFFLINE_CACHE if offline is not None and offline.fits else None
+
+    def _online_fitting(self) -> dict[Mode, ModePlan]:
+        return {m: p for m, p in self.plans.items()
+                if p.fits and p.wire_ok and m is not Mode.OFFLINE_CACHE}
+
+    @property
     def recommendation(self) -> str:
         """One line: the fastest mode that fits (with a working wire), and what it costs."""
         plans = self.plans
-        ok = {m: p for m, p in plans.items()
-              if p.fits and p.wire_ok and m is not Mode.OFFLINE_CACHE}
+        ok = self._online_fitting()
         if not ok:
             offline = plans.get(Mode.OFFLINE_CACHE)
             if offline is not None and offline.fits:
@@ -367,3 +425,30 @@ class PlanResult:
                 f"teacher node(s)"
             )
         return f"{best_mode.value}: fits and is fastest without extra nodes"
+
+
+@dataclass(kw_only=True, frozen=True)
+class LayoutOption:
+    """One alternative to a plan's student layout (one setting changed), and what it costs: a row
+    of the "what the options buy" table."""
+
+    label: str
+    """What changed, e.g. ``recompute full block x8`` or ``pp=2 vp=4``."""
+    layout: ParallelLayout
+    fits: bool
+    total_bytes: float
+    """Peak bytes of the worst student GPU (disaggregated: or a teacher replica's, where it does
+    not fit)."""
+    step_time_s: float
+    bubble: float
+    student_tokens_per_s: float
+    tp_collective_s: float
+    """The student's tensor-parallel collectives per step at NVLink speed (not in the step
+    time)."""
+    p2p_s: float
+    """The pipeline's point-to-point sends per step at link speed (not in the step time)."""
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out["layout"] = asdict(self.layout)
+        return out

@@ -10,15 +10,22 @@ would have to be read with the others open.
 
 Search
 ------
-A parallel size left as ``None`` is searched. Among the layouts that fit, the planner picks the
-layouts without full recompute (it costs a third more compute), then the smallest model-parallel
-size ``t * p``, then the least recompute (none < selective), then the smaller ``t``, then the larger
-expert-parallel size. Sequence parallelism, when not given, is on whenever ``t > 1``. A colocated
-teacher's expert-parallel size, when not given, is the largest that divides both its expert count
-and ``t * dp`` (the least memory). A disaggregated teacher replica is the smallest ``t_t * p_t *
-dp_t`` (``dp_t`` only as wide as its expert parallelism needs) whose inference memory fits. Nothing
-fitting is reported as such with the layout of lowest peak memory: never silently replaced by
-something else.
+A parallel size left as ``None`` is searched, and so are virtual pipeline stages (with ``p > 1``:
+every ``v`` that gives each virtual stage the same whole number of layers, where the micro-batches
+allow Megatron-Core's interleaved schedule) and recompute (none, selective, and full recompute
+with method ``uniform`` in groups of any ``N`` dividing a chunk's layers or ``block`` with any ``N``
+below them). Among the layouts that fit, the planner picks the layouts without full recompute
+(up to a third more compute), then the smallest model-parallel size ``t * p``, then the least
+recompute compute (none < selective < full block x1 < ... < full uniform), then the smaller ``t``,
+then the least pipeline time (the bubble, smaller with more virtual stages, plus the point-to-point
+sends, more with more virtual stages, counted at link speed as if not overlapped; more virtual
+stages also cost activation memory on the first stages, which is why they are tried in turn),
+then the smaller uniform group, then the larger expert-parallel size. Sequence parallelism, when
+not given, is on whenever ``t > 1``. A colocated teacher's expert-parallel size, when not given,
+is the largest that divides both its expert count and ``t * dp`` (the least memory). A
+disaggregated teacher replica is the smallest ``t_t * p_t * dp_t`` (``dp_t`` only as wide as its
+expert parallelism needs) whose inference memory fits. Nothing fitting is reported as such with
+the layout of lowest peak memory: never silently replaced by something else.
 """
 
 from __future__ import annotations
@@ -27,8 +34,9 @@ import math
 from dataclasses import replace
 
 from megatron_kd.planner import memory as mem
+from megatron_kd.planner import schedule
 from megatron_kd.planner import traffic as tr
-from megatron_kd.planner.memory import GIB, RECOMPUTE_CHOICES, ParallelLayout, Term
+from megatron_kd.planner.memory import GIB, RECOMPUTE_METHODS, ParallelLayout, Term
 from megatron_kd.planner.plan import Mode, ModePlan, PlanOptions, PlanResult
 from megatron_kd.planner.traffic import Traffic
 
@@ -52,7 +60,7 @@ def plan_all(opts: PlanOptions, modes: tuple[Mode, ...] = tuple(Mode)) -> PlanRe
 
 def plan_mode(opts: PlanOptions, mode: Mode) -> ModePlan:
     """Search (or take) the student layout of ``mode``; see the module docstring for the order."""
-    candidates = sorted(student_candidates(opts), key=_search_key)
+    candidates = sorted(student_candidates(opts), key=lambda layout: _search_key(opts, layout))
     teacher_search = search_teacher(opts) if mode is Mode.DISAGGREGATED else None
     best_oom: ModePlan | None = None
     for layout in candidates:
@@ -77,14 +85,25 @@ def plan_mode(opts: PlanOptions, mode: Mode) -> ModePlan:
     return best_oom
 
 
-def _search_key(layout: ParallelLayout) -> tuple:
+def _search_key(opts: PlanOptions, layout: ParallelLayout) -> tuple:
     """Sort key of the student layouts, preferred first (the order of the module docstring)."""
-    # full recompute (a third more compute) only when nothing else fits; then the smallest t*p
+    # full recompute (up to a third more compute) only when nothing else fits; then the smallest
+    # t*p; then the least recompute compute
+    recomputed = mem.recomputed_layers(opts.student.num_layers, layout)
+    flops = tr.training_flops_per_token(opts.student, opts.seq_length, layout.recompute,
+                                        recomputed)
+    # the pipeline's cost, as a fraction of the step's compute: bubble + point-to-point time
+    compute_s = (opts.global_batch_size * opts.seq_length * flops
+                 / (layout.world_size * opts.gpu.bf16_flops * opts.mfu))
+    pipeline = (schedule.bubble_fraction(layout.pp, layout.vp, num_microbatches(opts, layout))
+                + _p2p_seconds(opts, layout) / compute_s)
     return (
         layout.recompute == "full",
         layout.tp * layout.pp,
-        RECOMPUTE_CHOICES.index(layout.recompute),
+        flops,
         layout.tp,
+        pipeline,
+        layout.recompute_num_layers,
         -layout.ep,
     )
 
@@ -133,33 +152,83 @@ def student_candidates(opts: PlanOptions) -> list[ParallelLayout]:
                 )
             else:
                 eps = [1]
-            recomputes = [opts.recompute] if opts.recompute else list(RECOMPUTE_CHOICES)
-            for e in eps:
-                for rc in recomputes:
-                    try:
-                        layout = ParallelLayout(
-                            tp=t,
-                            pp=p,
-                            dp=dp,
-                            ep=e,
-                            etp=opts.etp if model.is_moe else 1,
-                            sequence_parallel=sp,
-                            use_distributed_optimizer=opts.use_distributed_optimizer,
-                            recompute=rc,
-                        )
-                        mem.validate_layout(model, layout, "student")
-                    except ValueError as exc:
-                        reasons.append(str(exc))
-                        continue
-                    out.append(layout)
+            m = opts.global_batch_size // (opts.micro_batch_size * dp)
+            for v in _virtual_stages(opts, p, m, reasons):
+                for e in eps:
+                    for rc, method, n in _recomputes(opts, p, v):
+                        try:
+                            layout = ParallelLayout(
+                                tp=t,
+                                pp=p,
+                                vp=v,
+                                dp=dp,
+                                ep=e,
+                                etp=opts.etp if model.is_moe else 1,
+                                sequence_parallel=sp,
+                                use_distributed_optimizer=opts.use_distributed_optimizer,
+                                recompute=rc,
+                                recompute_method=method,
+                                recompute_num_layers=n,
+                            )
+                            mem.validate_layout(model, layout, "student")
+                            schedule.check_microbatches(p, v, m)
+                        except ValueError as exc:
+                            reasons.append(str(exc))
+                            continue
+                        out.append(layout)
     if not out:
         distinct = list(dict.fromkeys(reasons))
         raise ValueError(
             f"no valid student layout for {model.name} on {world} GPUs (tp={opts.tp}, "
-            f"pp={opts.pp}, ep={opts.ep}): "
+            f"pp={opts.pp}, vp={opts.vp}, ep={opts.ep}): "
             + "; ".join(distinct[:3])
             + (" ..." if len(distinct) > 3 else "")
         )
+    return out
+
+
+def _virtual_stages(opts: PlanOptions, p: int, m: int, reasons: list[str]) -> list[int]:
+    """The virtual stages per rank to try with ``p`` stages and ``m`` micro-batches: as given
+    (``vp``, or ``layers_per_virtual_stage``), else 1 and every ``v > 1`` whose virtual stages hold
+    the same whole number of layers, where Megatron-Core's interleaved schedule takes ``m``."""
+    layers = opts.student.num_layers
+    if opts.layers_per_virtual_stage is not None:
+        per = opts.layers_per_virtual_stage
+        if p == 1 or layers % (p * per) or layers == p * per:
+            reasons.append(
+                f"layers_per_virtual_stage={per} with pp={p} and num_layers={layers}: needs pp > 1 "
+                f"and more than one virtual stage of whole layers per rank (Megatron-Core runs "
+                f"one chunk per rank through its interleaved schedule, which the planner does not "
+                f"model)")
+            return []
+        return [layers // (p * per)]
+    if opts.vp is not None:
+        return [opts.vp]
+    if p == 1 or layers % p:
+        return [1]
+    return [v for v in _divisors(layers // p) if v == 1 or (m >= p and m % p == 0)]
+
+
+def _recomputes(opts: PlanOptions, p: int, v: int) -> list[tuple[str, str, int]]:
+    """``(recompute, method, num_layers)`` settings to try (given, or every one; see the module
+    docstring)."""
+    if opts.recompute in ("none", "selective"):
+        return [(opts.recompute, "uniform", 1)]
+    out = [] if opts.recompute == "full" else [("none", "uniform", 1), ("selective", "uniform", 1)]
+    try:
+        sizes = {len(c) for st in range(p)
+                 for c in schedule.chunk_layers(opts.student.num_layers, p, v, st)}
+    except ValueError:
+        return out or [("full", opts.recompute_method or "uniform", 1)]  # refused later, with why
+    methods = [opts.recompute_method] if opts.recompute_method else list(RECOMPUTE_METHODS)
+    for method in methods:
+        if opts.recompute_num_layers is not None:
+            counts = [opts.recompute_num_layers]
+        elif method == "uniform":
+            counts = _divisors(math.gcd(*sizes))
+        else:  # block with N >= every chunk's layers is uniform x1
+            counts = list(range(1, max(sizes)))
+        out += [("full", method, n) for n in counts]
     return out
 
 
@@ -430,10 +499,12 @@ def search_teacher(opts: PlanOptions) -> TeacherSearch:
 # --- time and traffic of one layout ------------------------------------------------------------
 
 
-def _student_flops_per_step(opts: PlanOptions, mode: Mode, recompute: str) -> float:
+def _student_flops_per_step(opts: PlanOptions, mode: Mode, layout: ParallelLayout) -> float:
     """FLOPs of one step on the student's GPUs, with their share of the teacher's work."""
     tokens = opts.global_batch_size * opts.seq_length
-    flops = tr.training_flops_per_token(opts.student, opts.seq_length, recompute)
+    recomputed = mem.recomputed_layers(opts.student.num_layers, layout)
+    flops = tr.training_flops_per_token(opts.student, opts.seq_length, layout.recompute,
+                                        recomputed)
     if mode.colocated:
         flops += tr.forward_flops_per_token(opts.teacher, opts.seq_length)
     elif mode is Mode.DISAGGREGATED:
@@ -454,9 +525,11 @@ def evaluate(
         teacher_layout = _colocated_teacher_or_raise(opts, layout, mode)
     plan = _student_plan(opts, mode, layout, teacher_layout)
     if mode is Mode.OFFLINE_CACHE:
-        return replace(plan, wire=_cache_traffic(opts, layout, plan.step_time_s),
-                       notes=(_CACHE_NOTE,))
-    plan = replace(plan, wire=_loss_allreduce(opts, mode, layout, plan.step_time_s))
+        wire = {**_cache_traffic(opts, layout, plan.step_time_s), **_tp_traffic(opts, layout),
+                **_pipeline_traffic(opts, layout)}
+        return replace(plan, wire=wire, notes=(_CACHE_NOTE,))
+    plan = replace(plan, wire={**_loss_allreduce(opts, mode, layout, plan.step_time_s),
+                               **_tp_traffic(opts, layout), **_pipeline_traffic(opts, layout)})
     if mode is Mode.DISAGGREGATED:
         plan = _with_disaggregated_teacher(plan, opts, layout,
                                            teacher_search or search_teacher(opts))
@@ -482,13 +555,15 @@ def _student_plan(
     """The plan's student side: the peak stage's memory, the step time and the tokens per second."""
     stage, terms, total = _peak(opts, mode, layout, teacher_layout)
     world = layout.world_size
+    m = num_microbatches(opts, layout)
     step = tr.step_time_s(
-        _student_flops_per_step(opts, mode, layout.recompute),
+        _student_flops_per_step(opts, mode, layout),
         world,
         opts.gpu.bf16_flops,
         opts.mfu,
         layout.pp,
-        num_microbatches(opts, layout),
+        m,
+        layout.vp,
     )
     tokens = opts.global_batch_size * opts.seq_length
     return ModePlan(
@@ -501,9 +576,58 @@ def _student_plan(
         total_bytes=total,
         capacity_bytes=opts.gpu.memory_bytes,
         step_time_s=step,
+        bubble=schedule.bubble_fraction(layout.pp, layout.vp, m),
         student_tokens_per_s=tokens / step,
         student_gpus=world,
     )
+
+
+def _p2p_bytes(opts: PlanOptions, layout: ParallelLayout) -> float:
+    return tr.p2p_bytes_per_step_per_rank(
+        num_microbatches(opts, layout), opts.seq_length, opts.micro_batch_size,
+        opts.student.hidden_size, layout.tp, layout.sequence_parallel, layout.pp, layout.vp,
+        opts.activation.activation_bytes)
+
+
+def _p2p_seconds(opts: PlanOptions, layout: ParallelLayout) -> float:
+    """The pipeline's point-to-point sends per step at link speed: NVLink when the student fits
+    one node, else the link between nodes (Megatron-Core's rank order puts pipeline stages
+    outermost: a multi-node pipeline crosses nodes)."""
+    one_node = layout.world_size <= opts.gpus_per_node
+    link = opts.gpu.nvlink_bytes_per_s if one_node else opts.inter_node_link.bytes_per_s
+    return _p2p_bytes(opts, layout) / (link * opts.link_efficiency)
+
+
+def _pipeline_traffic(opts: PlanOptions, layout: ParallelLayout) -> dict[Traffic, float]:
+    """The pipeline's point-to-point sends per step and their time; nothing with ``p = 1``."""
+    if layout.pp == 1:
+        return {}
+    return {Traffic.P2P_BYTES: _p2p_bytes(opts, layout),
+            Traffic.P2P_SECONDS: _p2p_seconds(opts, layout)}
+
+
+def _tp_traffic(opts: PlanOptions, layout: ParallelLayout) -> dict[Traffic, float]:
+    """The student's tensor-parallel collectives per step on a first-stage rank (which holds the
+    most layers), and their time at NVLink speed; nothing with ``t = 1``."""
+    if layout.tp == 1:
+        return {}
+    student = opts.student
+    layers = schedule.rank_layers(student.num_layers, layout.pp, layout.vp, 0)
+    moved = tr.tp_collective_bytes_per_step_per_rank(
+        student,
+        layers,
+        mem.recomputed_layers(student.num_layers, layout),
+        num_microbatches(opts, layout),
+        opts.seq_length,
+        opts.micro_batch_size,
+        layout.tp,
+        layout.sequence_parallel,
+        opts.activation.activation_bytes,
+    )
+    return {
+        Traffic.TP_COLLECTIVE_BYTES: moved,
+        Traffic.TP_COLLECTIVE_SECONDS: moved / (opts.gpu.nvlink_bytes_per_s * opts.link_efficiency),
+    }
 
 
 def _loss_allreduce(

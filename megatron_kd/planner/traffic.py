@@ -11,16 +11,23 @@ Training on GPU Clusters Using Megatron-LM", eq. 3, adapted per token)
 * Gated DeltaNet layer (approximation): ``6 * nv * dk * dv`` per token forward (the state update and
   read-out against a ``dk x dv`` state per head); the chunked kernels' intra-chunk terms are
   ignored.
-* training = forward + backward = 3 x forward; full recompute adds one forward (4 x); selective adds
-  the attention forward again.
+* training = forward + backward = 3 x forward; full recompute adds the forward of every layer it
+  checkpoints (uniform: all of them; block: the first ``N`` of each model chunk; the output layer
+  is outside the checkpointed block and never runs again); selective adds the attention forward
+  again.
 * a teacher runs forward only (1 x). In the disaggregated mode the student projects the teacher's
   hidden states with the teacher's output layer (``2 * V_t * h_t`` per token, forward only: the
   teacher is frozen, and the fused loss computes its gradients in forward); the teacher nodes stop
   before their output layer.
 
-Time: ``flops / (gpus * peak_bf16 * MFU)`` times the 1F1B bubble ``1 + (p-1)/m``. The MFU
-(model FLOP utilisation) is an assumption, stated in every plan (default 0.40 for training and
-0.40 for the teacher's forward, typical of Megatron-Core bf16 runs at these sizes).
+Time: ``flops / (gpus * peak_bf16 * MFU)`` times ``1 +`` the pipeline bubble, ``(p-1)/m`` for
+1F1B and ``(p-1)/(v*m)`` for the interleaved schedule with ``v`` virtual stages per rank
+(:func:`.schedule.bubble_fraction`). The MFU (model FLOP utilisation) is an assumption, stated in
+every plan (default 0.40 for training and 0.40 for the teacher's forward, typical of Megatron-Core
+bf16 runs at these sizes). Tensor-parallel collectives and the pipeline's point-to-point sends
+are reported, not added to the step time (Megatron-Core overlaps part of the first,
+``--tp-comm-overlap``, and the second, ``overlap_p2p_comm``); the search weighs the
+point-to-point time against the bubble when it picks the number of virtual stages.
 
 Traffic per optimizer step (the quantities a run can count)
 ------------------------------------------------------------
@@ -33,6 +40,19 @@ Traffic per optimizer step (the quantities a run can count)
   rank, sent by its last-stage TP rank 0.
 * intra-node all-gather of the received shards inside the student TP group: each TP rank receives
   ``(t-1)/t`` of every micro-batch's ``[s, b, h_t]``: ``m * (t-1)/t * s*b*h_t*elem_bytes``.
+* tensor-parallel collectives of the student's layers (Korthikanti et al. 2023, section 4.2.2;
+  Megatron-Core's ``LinearWithGradAccumulationAndAsyncCommunication``): every tensor-parallel
+  sub-layer (a token mixer; a dense MLP or a shared expert: a routed-expert MLP with expert-tensor
+  parallelism 1 keeps its tokens on their rank and talks all-to-all over expert parallelism, not
+  counted) moves, per micro-batch, ``(t-1)/t * s*b*h*2`` bytes per rank in each all-gather or
+  reduce-scatter: with sequence parallelism two in forward and three in backward (the input is
+  gathered again for the weight gradient), without it one all-reduce (two of them) each way; full
+  recompute runs the forward's two again for the layers it recomputes.
+* pipeline point-to-point (Megatron-Core ``p2p_communication``, tensor shape ``[s/t, b, h]`` with
+  sequence parallelism, ``[s, b, h]`` without): a rank sends each micro-batch's activations on at
+  the end of each of its ``v`` chunks and its gradients back at the start of each: ``2v`` sends of
+  ``s*b*h*2`` bytes (``/t`` with sequence parallelism) per micro-batch (one fewer on the first
+  and the last rank; a middle rank's count).
 * TP all-reduces of the fused loss: ``loss_stats`` fp32 values per row and window (running maxima,
   sums of exponentials, the cross term), none in backward; a ring all-reduce moves
   ``2 (t-1)/t`` of the payload per rank: ``m * s*b * loss_stats * 4 * 2(t-1)/t`` bytes.
@@ -49,8 +69,11 @@ Teacher replicas: ``ceil(student_tokens_per_s / replica_tokens_per_s)``, a repli
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from enum import Enum
+from functools import lru_cache
 
+from megatron_kd.planner import schedule
 from megatron_kd.planner.models import ModelConfig
 
 #: Bytes per element of each ``--kd-wire-dtype``, and per token on top (fp8's fp32 scale): what
@@ -78,6 +101,10 @@ class Traffic(Enum):
     TOKEN_ID_BYTES = "token id bytes/step/student DP rank (to teacher)"
     HIDDEN_BYTES_PER_DP_RANK = "hidden bytes/step/student DP rank"
     HIDDEN_BYTES_PER_TP_RANK = "hidden bytes/step/student TP rank"
+    TP_COLLECTIVE_BYTES = "TP collective bytes/step/rank (NVLink)"
+    TP_COLLECTIVE_SECONDS = "TP collective s/step at NVLink (not in step)"
+    P2P_BYTES = "pipeline p2p bytes/step/rank"
+    P2P_SECONDS = "pipeline p2p s/step at link speed (not in step)"
     HIDDEN_RATE_STUDENT = "hidden GB/s needed per student GPU"
     LINK_RATE = "inter-node link GB/s (x efficiency)"
     HIDDEN_RATE_TEACHER = "hidden GB/s needed per teacher sending GPU"
@@ -107,26 +134,31 @@ def attention_keys_mean(seq_length: int, window: int) -> float:
     return window - window * (window - 1) / (2 * seq_length)
 
 
+@lru_cache(maxsize=65536)
+def layer_forward_flops_per_token(model: ModelConfig, seq_length: int, layer: int) -> float:
+    """Forward FLOPs per token of layer ``layer``: its matmuls ``2 N_active`` (``k`` routed experts)
+    + attention or the linear-attention state."""
+    n_active = model.layer_dense_params(layer)
+    if model.is_moe:
+        n_active += model.moe_router_topk * model.expert_params()
+    flops = 2.0 * n_active
+    if model.is_full_attention(layer):
+        keys = attention_keys_mean(seq_length, model.attention_window(layer, seq_length))
+        return flops + 4.0 * model.num_attention_heads * model.head_dim * keys
+    return flops + 6.0 * (
+        model.linear_num_value_heads * model.linear_key_head_dim * model.linear_value_head_dim
+    )
+
+
 def forward_flops_per_token(
     model: ModelConfig, seq_length: int, include_output_layer: bool = True
 ) -> float:
-    """Forward FLOPs per token: matmuls ``2 N_active`` + attention + linear-attention state."""
-    n_active = model.active_params()
-    if not include_output_layer:
-        n_active -= model.embedding_params()
-    flops = 2.0 * n_active
-    a, d = model.num_attention_heads, model.head_dim
-    for layer in range(model.num_layers):
-        if model.is_full_attention(layer):
-            keys = attention_keys_mean(seq_length, model.attention_window(layer, seq_length))
-            flops += 4.0 * a * d * keys
-        else:
-            flops += (
-                6.0
-                * model.linear_num_value_heads
-                * model.linear_key_head_dim
-                * model.linear_value_head_dim
-            )
+    """Forward FLOPs per token: every layer's, the final norm and the output layer."""
+    flops = sum(layer_forward_flops_per_token(model, seq_length, i)
+                for i in range(model.num_layers))
+    flops += 2.0 * model.hidden_size  # final norm
+    if include_output_layer:
+        flops += 2.0 * model.embedding_params()
     return flops
 
 
@@ -140,11 +172,19 @@ def attention_forward_flops_per_token(model: ModelConfig, seq_length: int) -> fl
     )
 
 
-def training_flops_per_token(model: ModelConfig, seq_length: int, recompute: str) -> float:
-    """Forward + backward (3 x forward), plus what recompute runs again."""
+def training_flops_per_token(
+    model: ModelConfig,
+    seq_length: int,
+    recompute: str,
+    recomputed_layers: Iterable[int] | None = None,
+) -> float:
+    """Forward + backward (3 x forward), plus what recompute runs again: with ``full``, the
+    forward of ``recomputed_layers`` (default every layer: uniform recompute)."""
     fwd = forward_flops_per_token(model, seq_length)
     if recompute == "full":
-        return 4.0 * fwd
+        layers = range(model.num_layers) if recomputed_layers is None else recomputed_layers
+        return 3.0 * fwd + sum(layer_forward_flops_per_token(model, seq_length, i)
+                               for i in layers)
     if recompute == "selective":
         return 3.0 * fwd + attention_forward_flops_per_token(model, seq_length)
     if recompute == "none":
@@ -153,14 +193,68 @@ def training_flops_per_token(model: ModelConfig, seq_length: int, recompute: str
 
 
 def step_time_s(
-    flops_per_step: float, gpus: int, peak_flops: float, mfu: float, pp: int, num_microbatches: int
+    flops_per_step: float,
+    gpus: int,
+    peak_flops: float,
+    mfu: float,
+    pp: int,
+    num_microbatches: int,
+    vp: int = 1,
 ) -> float:
-    """``flops / (gpus * peak * MFU) * (1 + (p-1)/m)``."""
+    """``flops / (gpus * peak * MFU) * (1 + (p-1)/(v*m))``."""
     if not 0 < mfu <= 1:
         raise ValueError(f"mfu must be in (0, 1], got {mfu}")
     if gpus <= 0 or num_microbatches <= 0:
         raise ValueError(f"gpus={gpus} and num_microbatches={num_microbatches} must be > 0")
-    return flops_per_step / (gpus * peak_flops * mfu) * (1 + (pp - 1) / num_microbatches)
+    bubble = schedule.bubble_fraction(pp, vp, num_microbatches)
+    return flops_per_step / (gpus * peak_flops * mfu) * (1 + bubble)
+
+
+def tp_collective_bytes_per_step_per_rank(
+    model: ModelConfig,
+    layers: Iterable[int],
+    recomputed: Iterable[int],
+    num_microbatches: int,
+    seq_length: int,
+    micro_batch_size: int,
+    tp: int,
+    sequence_parallel: bool,
+    elem_bytes: int = 2,
+) -> float:
+    """Bytes one TP rank moves in its layers' tensor-parallel collectives per step (see the module
+    docstring): per sub-layer and micro-batch 5 (sequence parallel) or 4 all-gather / reduce-
+    scatter volumes of ``(t-1)/t * s*b*h*elem_bytes``, 2 more where full recompute runs it
+    again."""
+    if tp == 1:
+        return 0.0
+    per_volume = (tp - 1) / tp * seq_length * micro_batch_size * model.hidden_size * elem_bytes
+    # the mixer, and a dense MLP or a shared expert (a routed-expert MLP stays on its rank)
+    sub_layers = 1 + (not model.is_moe or model.moe_shared_expert_ffn_hidden_size > 0)
+    again = set(recomputed)
+    volumes = sum(sub_layers * ((5 if sequence_parallel else 4) + (2 if i in again else 0))
+                  for i in layers)
+    return num_microbatches * volumes * per_volume
+
+
+def p2p_bytes_per_step_per_rank(
+    num_microbatches: int,
+    seq_length: int,
+    micro_batch_size: int,
+    hidden_size: int,
+    tp: int,
+    sequence_parallel: bool,
+    pp: int,
+    vp: int,
+    elem_bytes: int = 2,
+) -> float:
+    """Bytes a middle pipeline rank sends per step: ``m * 2v`` activations and gradients of
+    ``s*b*h*elem_bytes`` (``/t`` with sequence parallelism); none without a pipeline."""
+    if pp == 1:
+        return 0.0
+    per_send = seq_length * micro_batch_size * hidden_size * elem_bytes
+    if sequence_parallel:
+        per_send /= tp
+    return num_microbatches * 2 * vp * per_send
 
 
 def tokens_per_step_per_dp_rank(global_batch_size: int, dp: int, seq_length: int) -> int:

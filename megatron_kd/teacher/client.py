@@ -34,7 +34,9 @@ from megatron_kd.teacher.endpoint import Endpoint, ReplicaRecord
 from megatron_kd.teacher.protocol import (
     ConnectionMeta,
     Tag,
+    TeacherMismatchError,
     announce_connection,
+    identity_differences,
     link_device,
     read_identity,
     replica_load,
@@ -56,21 +58,11 @@ from megatron_kd.teacher.wire import (
     wire_bytes_per_token,
 )
 
-__all__ = ["TeacherClient", "TeacherMismatchError", "identity_differences"]
+__all__ = ["TeacherClient"]
 
 #: Seconds to reach a registered replica's store before taking it for dead (a live one answers
 #: in milliseconds; a dead one's port refuses, and the store client retries until this).
 _PROBE_S = 2.0
-
-
-class TeacherMismatchError(ValueError):
-    """The teacher at the endpoint is not the one this run expects (names both values)."""
-
-
-def identity_differences(teacher: dict, expected: dict) -> list[str]:
-    """``"field: teacher has X, this run expects Y"`` for every field that differs."""
-    return [f"{k}: teacher has {teacher.get(k)!r}, this run expects {expected.get(k)!r}"
-            for k in sorted(set(teacher) | set(expected)) if teacher.get(k) != expected.get(k)]
 
 
 class TeacherClient:
@@ -91,6 +83,8 @@ class TeacherClient:
         schedule: TP rank 0 only: the run's microbatches in training order, as
             ``(step, microbatch, sample_ids, tokens [b, s])`` (a look-ahead reads it ahead).
         log: where failover events go (one JSON line each), or None.
+        sequence_parallel: hand each TP rank its own chunk of the sequence (what a
+            sequence-parallel loss takes) instead of all-gathering the whole sequence.
     """
 
     def __init__(self, *, endpoint: Endpoint, expected: dict, run: int, dp_rank: int, tp_group,
@@ -98,13 +92,15 @@ class TeacherClient:
                  hidden_size: int, dtype: torch.dtype, wire_dtype: str, depth: int,
                  timeout_s: float, device: torch.device,
                  schedule: Iterator | None = None, max_samples: int = 64,
-                 log: Callable[[str], None] | None = None, rebalance_every: int = 8) -> None:
+                 log: Callable[[str], None] | None = None, rebalance_every: int = 8,
+                 sequence_parallel: bool = False) -> None:
         if seq_length % tp_size:
             raise ValueError(f"--seq-length {seq_length} must be divisible by the student's "
                              f"tensor-parallel size {tp_size} (each TP rank receives 1/tp of the "
                              f"sequence)")
         self.endpoint, self.expected, self.run, self.dp_rank = endpoint, expected, run, dp_rank
         self.tp_group, self.tp_rank, self.tp_size = tp_group, tp_rank, tp_size
+        self.sequence_parallel = sequence_parallel
         self.shape = (seq_length // tp_size, micro_batch_size, hidden_size)
         self.seq_length, self.dtype, self.wire_dtype = seq_length, dtype, wire_dtype
         self.depth, self.timeout_s = depth, timeout_s
@@ -365,7 +361,7 @@ class TeacherClient:
         return True
 
     def _gather(self, chunk: torch.Tensor) -> torch.Tensor:
-        if self.tp_size == 1:
+        if self.tp_size == 1 or self.sequence_parallel:
             return chunk.clone()
         full = chunk.new_empty((self.seq_length, *chunk.shape[1:]))
         # The sequence chunks of the TP group's ranks make the whole microbatch (intra-node).

@@ -31,8 +31,9 @@ import torch.distributed as dist
 from megatron_kd.teacher.wire import WIRE_DTYPES
 
 __all__ = ["CLOSED_COUNTER_KEY", "CONN_COUNTER_KEY", "ConnectionMeta", "IDENTITY_KEY",
-           "PENDING_KEY", "Tag", "announce_connection", "link_device", "meta_key",
-           "publish_identity", "read_identity", "replica_load", "request_prefix", "response_prefix"]
+           "PENDING_KEY", "Tag", "TeacherMismatchError", "announce_connection",
+           "identity_differences", "link_device", "meta_key", "publish_identity", "read_identity",
+           "replica_load", "request_prefix", "response_prefix"]
 
 #: The replica's identity (JSON, keys sorted).
 IDENTITY_KEY = "identity"
@@ -142,6 +143,16 @@ def publish_identity(store, identity: dict) -> None:
 def read_identity(store) -> dict:
     """Student side: what the replica serving ``store`` serves."""
     return json.loads(store.get(IDENTITY_KEY))
+
+
+class TeacherMismatchError(ValueError):
+    """The teacher at the endpoint is not the one this run expects (names both values)."""
+
+
+def identity_differences(teacher: dict, expected: dict) -> list[str]:
+    """``"field: teacher has X, this run expects Y"`` for every field that differs."""
+    return [f"{k}: teacher has {teacher.get(k)!r}, this run expects {expected.get(k)!r}"
+            for k in sorted(set(teacher) | set(expected)) if teacher.get(k) != expected.get(k)]
 
 
 def replica_load(store) -> int:

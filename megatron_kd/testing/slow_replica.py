@@ -30,8 +30,8 @@ def main(argv: list[str] | None = None) -> int:
     if seconds_per_token > 0:
         make = teacher_serve._forward_fn
 
-        def forward_fn(model, is_last):
-            inner = make(model, is_last)
+        def forward_fn(model, is_last, *args):
+            inner = make(model, is_last, *args)
 
             def forward(tokens):
                 out = inner(tokens)

@@ -45,7 +45,7 @@ from megatron_kd.integration.groups import (
     init_distributed_from_env,
     model_parallel,
 )
-from megatron_kd.integration.output_layer import output_layer_weight, to_sbh
+from megatron_kd.integration.output_layer import gather_sequence, output_layer_weight, to_sbh
 from megatron_kd.integration.teacher import build_frozen_teacher
 from megatron_kd.training.run_checks import build_datasets, check_teacher, resolve_tokenizer
 from megatron_kd.training.run_config import DataSection, ParallelSection
@@ -78,7 +78,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_flags(b, CacheBuildSection, exclude=("micro_batch_size",))
     add_flags(b, ParallelSection, use_groups=False, only=(
         "tensor_model_parallel_size", "expert_model_parallel_size",
-        "expert_tensor_parallel_size"))
+        "expert_tensor_parallel_size", "sequence_parallel"))
     add_teacher_flags(b, help={"teacher_dtype": "parameter dtype of the teacher (the top-K "
                                                 "maths runs in fp32 either way)"})
     add_flags(b, CacheBuildSection, only=("micro_batch_size",))
@@ -143,10 +143,16 @@ def _build_in_model_parallel(build: CacheBuildSection, data: DataSection,
     tokenizer = tokenizer or MockTokenizer(arch.vocab_size)
     dataset, _ = build_datasets(data, arch.vocab_size, tokenizer, data.global_batch_size,
                                 need_valid=False)
+    sp = parallel.sequence_parallel and tp > 1
+    if sp and data.seq_length % tp:
+        raise ValueError(f"--sequence-parallel splits the sequence over the tensor-parallel "
+                         f"ranks: --seq-length {data.seq_length} is not divisible by "
+                         f"--tensor-model-parallel-size {tp}")
     # seeded only so Megatron's model-parallel RNG exists; the weights are loaded next
     teacher = build_frozen_teacher(arch, teacher_dir, dtype=kd.teacher_torch_dtype,
-                                   seed=data.seed)
+                                   seed=data.seed, sequence_parallel=sp)
     weight = output_layer_weight(teacher)
+    tp_group = ps.get_tensor_model_parallel_group()
 
     # One hash of the checkpoint files, computed once and shared (same on every rank).
     ckpt_hash = [checkpoint_hash(teacher_dir) if dist.get_rank() == 0 else None]
@@ -164,11 +170,13 @@ def _build_in_model_parallel(build: CacheBuildSection, data: DataSection,
         batch = collate([dataset[i] for i in indices])
         tokens = batch["tokens"].to(weight.device)
         position_ids = batch["position_ids"].to(weight.device)
-        return to_sbh(teacher(tokens, position_ids, None))  # [s, b, h]
+        hidden = to_sbh(teacher(tokens, position_ids, None))  # [s, b, h] ([s/tp, b, h] with SP)
+        # the top-K needs the whole sequence on every TP rank
+        return gather_sequence(hidden, tp_group) if sp else hidden
 
     log = print if ps.get_tensor_model_parallel_rank() == 0 else None
     return build_cache(build.out, spec, teacher_forward_fn=teacher_forward, output_weight=weight,
                        micro_batch_size=build.micro_batch_size, window_size=build.window_size,
-                       tp_group=ps.get_tensor_model_parallel_group(),
+                       tp_group=tp_group,
                        dp_rank=ps.get_data_parallel_rank(),
                        dp_world_size=ps.get_data_parallel_world_size(), log=log)

@@ -73,9 +73,21 @@ class CheckpointWriteError(OSError):
     it needs. The previous complete checkpoint is untouched and ``--load`` resumes from it."""
 
 
+def _model_states(chunks: list) -> dict:
+    """The sharded state dicts of a rank's model chunks, as Megatron-LM names them: ``model``
+    for one chunk, ``model0``, ``model1``, ... for the chunks of an interleaved schedule (every
+    tensor's key is the model's own, global layer numbers included, so a checkpoint loads at
+    another pipeline or virtual-stage layout)."""
+    if len(chunks) == 1:
+        return {"model": unwrap_model(chunks[0]).sharded_state_dict()}
+    return {f"model{i}": unwrap_model(chunk).sharded_state_dict()
+            for i, chunk in enumerate(chunks)}
+
+
 def save_training_checkpoint(root: str, *, iteration: int, consumed_samples: int, model,
                              optimizer, scheduler, arch: GPTArchConfig, extra: dict) -> str:
-    """Save everything needed to resume at ``iteration`` (collective over all ranks).
+    """Save everything needed to resume at ``iteration`` (collective over all ranks); ``model``:
+    this rank's model chunks (a list), or one model.
 
     Written into ``iter_N.partial`` and renamed to ``iter_N`` only once every rank's shards and
     ``model_config.json`` are on disk, then :data:`LATEST_FILE` is replaced: a save killed or
@@ -85,10 +97,10 @@ def save_training_checkpoint(root: str, *, iteration: int, consumed_samples: int
     partial = directory + PARTIAL_SUFFIX
     _on_rank0(lambda: (shutil.rmtree(partial, ignore_errors=True),
                        os.makedirs(partial, exist_ok=True)), "prepare", partial, 0)
-    model_sd = unwrap_model(model).sharded_state_dict()
+    models = _model_states(model if isinstance(model, list) else [model])
     state = {
-        "model": model_sd,
-        "optimizer": optimizer.sharded_state_dict(model_sd),
+        **models,
+        "optimizer": optimizer.sharded_state_dict(models),
         "opt_param_scheduler": scheduler.state_dict(),
         "iteration": iteration,
         "consumed_samples": consumed_samples,
@@ -194,8 +206,8 @@ def _check_expert_layout(arch: GPTArchConfig, saved_ep: int, directory: str) -> 
 
 def load_training_checkpoint(root: str, *, model, optimizer, scheduler,
                              arch: GPTArchConfig) -> tuple[int, int]:
-    """Restore the newest complete checkpoint under ``root``; returns ``(iteration,
-    consumed_samples)``.
+    """Restore the newest complete checkpoint under ``root`` into ``model`` (this rank's model
+    chunks, or one model); returns ``(iteration, consumed_samples)``.
 
     ``(0, 0)`` when ``root`` has none. A torn checkpoint (a save killed half way) is never
     read: the newest complete one is, and rank 0 says which it took. The checkpoint's
@@ -214,14 +226,14 @@ def load_training_checkpoint(root: str, *, model, optimizer, scheduler,
     common = dist_checkpointing.load_common_state_dict(directory)
     _check_expert_layout(arch, common.get("expert_model_parallel_size", 1), directory)
     same_world = common.get("world_size") == dist.get_world_size()
-    inner = unwrap_model(model)
-    model_sd = inner.sharded_state_dict()
-    request = {"model": model_sd,
-               "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=True)}
+    chunks = model if isinstance(model, list) else [model]
+    models = _model_states(chunks)
+    request = {**models, "optimizer": optimizer.sharded_state_dict(models, is_loading=True)}
     if same_world:
         request["rng_state"] = _rng_sharded_object(_rng_state())
     state = dist_checkpointing.load(request, directory)
-    inner.load_state_dict(state["model"], strict=True)
+    for chunk, key in zip(chunks, models, strict=True):
+        unwrap_model(chunk).load_state_dict(state[key], strict=True)
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["opt_param_scheduler"])
     if same_world:

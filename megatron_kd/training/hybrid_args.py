@@ -68,7 +68,7 @@ def hybrid_arch_fields(arch) -> dict[str, Any]:
     flags when they do not fit together (no flag is ignored)."""
     fields: dict[str, Any] = {
         "attention_output_gate": arch.attention_output_gate,
-        "rotary_percent": arch.rotary_percent,
+        "rotary_percent": arch.resolved("rotary_percent"),
         "moe_shared_expert_size": arch.moe_shared_expert_intermediate_size,
         "moe_shared_expert_gate": arch.moe_shared_expert_gate,
     }

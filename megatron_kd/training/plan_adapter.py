@@ -97,6 +97,12 @@ class RunShape:
     """The hidden states' type on the wire."""
     window_size: int | None
     """The loss's rows per window; None: its default."""
+    sequence_parallel: bool = False
+    vp: int = 1
+    """Model chunks per pipeline rank (interleaved schedule)."""
+    recompute: str = "none"
+    recompute_method: str = "uniform"
+    recompute_num_layers: int = 1
 
     @property
     def mode(self) -> Mode | None:
@@ -130,6 +136,11 @@ def run_shape(args: argparse.Namespace, plan: CheckedRun) -> RunShape:
         prefetch_depth=plan.kd.prefetch_depth,
         wire_dtype=plan.kd.wire,
         window_size=plan.kd.loss.window_size,
+        sequence_parallel=plan.sequence_parallel,
+        vp=plan.vp or 1,
+        recompute=plan.model_overrides.get("recompute_granularity") or "none",
+        recompute_method=plan.model_overrides.get("recompute_method") or "uniform",
+        recompute_num_layers=plan.model_overrides.get("recompute_num_layers") or 1,
     )
 
 
@@ -198,8 +209,11 @@ def _options(run: RunShape, on_cpu: bool, teacher_tp: int | None,
         global_batch_size=run.global_batch_size,
         tp=run.tp,
         pp=run.pp,
-        recompute="none",
-        sequence_parallel=False,
+        vp=run.vp,
+        recompute=run.recompute,
+        recompute_method=run.recompute_method if run.recompute == "full" else None,
+        recompute_num_layers=run.recompute_num_layers if run.recompute == "full" else None,
+        sequence_parallel=run.sequence_parallel,
         use_distributed_optimizer=False,
         teacher_tp=teacher_tp,
         teacher_pp=teacher_pp,
@@ -221,8 +235,14 @@ def predict(args, plan, on_cpu: bool) -> Prediction:
     run = run_shape(args, plan)
     opts = _options(run, on_cpu, None, None)
     mode = run.mode
-    layout = ParallelLayout(tp=run.tp, pp=run.pp, dp=run.dp, make_vocab_size_divisible_by=1)
-    teacher_layout = ParallelLayout(tp=run.tp, pp=1, dp=run.dp, make_vocab_size_divisible_by=1)
+    layout = ParallelLayout(tp=run.tp, pp=run.pp, vp=run.vp, dp=run.dp,
+                            sequence_parallel=run.sequence_parallel, recompute=run.recompute,
+                            recompute_method=run.recompute_method,
+                            recompute_num_layers=run.recompute_num_layers,
+                            make_vocab_size_divisible_by=1)
+    teacher_layout = ParallelLayout(tp=run.tp, pp=1, dp=run.dp,
+                                    sequence_parallel=run.sequence_parallel,
+                                    make_vocab_size_divisible_by=1)
     colocated = mode is not None and mode.colocated
     # no teacher: the offline mode's terms, less its cache reader
     terms = student_stage_terms(opts, Mode.OFFLINE_CACHE if mode is None else mode, layout,

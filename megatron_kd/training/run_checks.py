@@ -31,12 +31,17 @@ from megatron_kd.data.datasets import (
 from megatron_kd.data.tokenizer import HFTokenizer, MockTokenizer, tokenizer_difference
 from megatron_kd.integration.arch import GPTArchConfig
 from megatron_kd.integration.args import KDArgs
-from megatron_kd.integration.checkpoint import has_model_config, read_checkpoint_extra
+from megatron_kd.integration.checkpoint import (
+    has_model_config,
+    read_checkpoint_arch,
+    read_checkpoint_extra,
+    resolve_model_dir,
+)
 from megatron_kd.integration.cpu_shim import on_cpu
 from megatron_kd.integration.groups import check_expert_biases
 from megatron_kd.integration.teacher import check_teacher
 from megatron_kd.parallel import check_parallel_sizes, pad_vocab_size
-from megatron_kd.training.hybrid_args import hybrid_arch_fields
+from megatron_kd.training.student_arch import student_arch as build_student_arch
 from megatron_kd.training.run_config import ArchitectureSection, DataSection, RunConfig
 
 __all__ = ["CheckedRun", "build_datasets", "check_run", "resolve_tokenizer"]
@@ -65,6 +70,15 @@ class CheckedRun:
     """Offline mode: the opened, checked top-K cache (a ``TopKCacheReader``)."""
     datasets: tuple | None = None
     """Offline mode: ``(train, valid)``, built once by :func:`check_run` to check the cache."""
+    sequence_parallel: bool = False
+    """Sequence parallelism (``--sequence-parallel`` at a tensor-parallel size above 1)."""
+    vp: int | None = None
+    """Model chunks per pipeline rank (interleaved schedule); None: one."""
+    pretrained: str | None = None
+    """``--pretrained-checkpoint``'s model directory, checked against the student."""
+    model_overrides: dict = field(default_factory=dict)
+    """The student's ``TransformerConfig`` settings of the layout: sequence parallelism,
+    virtual stages, activation recompute."""
 
 
 def _positive(**values: int | None) -> None:
@@ -144,8 +158,8 @@ def _check_flags(config: RunConfig, world_size: int) -> tuple[int, int, int, int
     return tp, pp, dp, gbs
 
 
-def _vocabulary(arch: ArchitectureSection, teacher_arch, cache_spec, tokenizer,
-                tp: int) -> tuple[int, int]:
+def _vocabulary(arch: ArchitectureSection, teacher_arch, cache_spec, tokenizer, tp: int,
+                pretrained: GPTArchConfig | None) -> tuple[int, int]:
     """``(vocab_size, padded_vocab_size)``: one partition for student and teacher."""
     if teacher_arch is not None:
         vocab, padded = teacher_arch.vocab_size, teacher_arch.padded_vocab_size
@@ -156,11 +170,14 @@ def _vocabulary(arch: ArchitectureSection, teacher_arch, cache_spec, tokenizer,
         # Offline: the cache's true vocabulary (a different --vocab-size is refused when the
         # cache is opened, naming both values).
         default_vocab = (cache_spec.vocab_size if cache_spec is not None
+                         else pretrained.vocab_size if pretrained is not None
                          else tokenizer.vocab_size if tokenizer is not None else None)
         vocab = arch.vocab_size or default_vocab
         if vocab is None:
             raise ValueError("--mock-data without a teacher needs --vocab-size")
-        padded = pad_vocab_size(vocab, tp, arch.make_vocab_size_divisible_by)
+        padded = (pretrained.padded_vocab_size
+                  if pretrained is not None and vocab == pretrained.vocab_size
+                  else pad_vocab_size(vocab, tp, arch.make_vocab_size_divisible_by))
     if tokenizer is not None and tokenizer.vocab_size > vocab:
         raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens but the "
                          f"{'teacher' if teacher_arch else 'student'} vocabulary is {vocab}: "
@@ -168,34 +185,8 @@ def _vocabulary(arch: ArchitectureSection, teacher_arch, cache_spec, tokenizer,
     return vocab, padded
 
 
-def _student_arch(flags: ArchitectureSection, seq_length: int, vocab: int, padded: int,
-                  tp: int, pp: int) -> GPTArchConfig:
-    arch = GPTArchConfig(
-        num_layers=flags.num_layers, hidden_size=flags.hidden_size,
-        num_attention_heads=flags.num_attention_heads, num_query_groups=flags.num_query_groups,
-        ffn_hidden_size=flags.ffn_hidden_size or 4 * flags.hidden_size,
-        kv_channels=flags.kv_channels,
-        vocab_size=vocab, padded_vocab_size=padded,
-        max_position_embeddings=flags.max_position_embeddings or seq_length,
-        rotary_base=flags.rotary_base, norm_epsilon=flags.norm_epsilon,
-        normalization=flags.normalization, swiglu=not flags.disable_swiglu,
-        tie_embeddings=not flags.untie_embeddings_and_output_weights,
-        add_bias_linear=flags.add_bias_linear,
-        position_embedding_type=flags.position_embedding_type,
-        init_method_std=flags.init_method_std, qk_layernorm=flags.qk_layernorm,
-        num_experts=flags.num_experts, moe_ffn_hidden_size=flags.moe_ffn_hidden_size,
-        moe_router_topk=flags.moe_router_topk, moe_router_pre_softmax=flags.moe_router_pre_softmax,
-        **hybrid_arch_fields(flags))
-    if arch.max_position_embeddings < seq_length:
-        raise ValueError(f"--max-position-embeddings {arch.max_position_embeddings} < "
-                         f"--seq-length {seq_length}")
-    arch.check_tensor_parallel(tp)
-    arch.check_pipeline_parallel(pp)
-    return arch
-
-
 def _check_experts(student: GPTArchConfig, teacher: GPTArchConfig | None, tp: int,
-                   ep: int, etp: int | None) -> None:
+                   ep: int, etp: int | None, sp: bool) -> None:
     """Mixture-of-experts layouts this trainer can run; ValueError naming the values if not.
     ``teacher``: a teacher built in the student's groups (colocated), else None."""
     moe = [arch for arch in (student, teacher) if arch is not None and arch.num_experts]
@@ -210,21 +201,95 @@ def _check_experts(student: GPTArchConfig, teacher: GPTArchConfig | None, tp: in
                          "cannot train: Megatron-Core's expert MLP adds its bias in place on "
                          "a view and fails in backward (megatron-core 0.16.1 and 0.19.2, "
                          "mlp.py); such a model works as a teacher")
-    if student.linear_attention_layers and tp > 1:
+    if student.linear_attention_layers and tp > 1 and not sp:
         raise ValueError(f"a Gated DeltaNet student (--experimental-attention-variant, layers "
                          f"{student.linear_attention_layers}) at --tensor-model-parallel-size "
-                         f"{tp}: Megatron-Core's DeltaNet output norm is one weight shared by "
-                         f"the heads of every TP rank, and without sequence parallelism its "
-                         f"gradient is left a per-rank partial sum (megatron-core 0.16.1 and "
-                         f"0.19.2), so the ranks' copies drift apart: use "
-                         f"--tensor-model-parallel-size 1")
-    if student.num_experts and tp > 1:
+                         f"{tp} needs --sequence-parallel: Megatron-Core's DeltaNet output norm "
+                         f"is one weight shared by the heads of every TP rank, and only a "
+                         f"sequence-parallel norm has its gradient summed over the TP ranks "
+                         f"(without it each rank's copy follows its own heads: megatron-core "
+                         f"0.16.1 and 0.19.2)")
+    if student.num_experts and tp > 1 and not sp:
         raise ValueError(f"a mixture-of-experts student (--num-experts {student.num_experts}) at "
-                         f"--tensor-model-parallel-size {tp} needs sequence parallelism "
+                         f"--tensor-model-parallel-size {tp} needs --sequence-parallel "
                          f"(Megatron-Core's MoELayer refuses tensor parallelism without it in "
-                         f"training), which megatron-kd train does not offer: use "
-                         f"--tensor-model-parallel-size 1 with --expert-model-parallel-size, or "
-                         f"Megatron-LM's pretrain_gpt.py with --sequence-parallel")
+                         f"training)")
+
+
+def _check_layout(config: RunConfig, run: CheckedRun) -> None:
+    """Sequence parallelism, virtual pipeline stages and activation recompute: refused before
+    any model is built, naming the flags and values, where Megatron-Core could not run them;
+    sets ``run.sequence_parallel``, ``run.vp`` and ``run.model_overrides``."""
+    par, seq = config.parallel, config.data.seq_length
+    tp, pp = run.tp, run.pp
+    run.sequence_parallel = par.sequence_parallel and tp > 1
+    if par.sequence_parallel and tp == 1:
+        run.notes.append("--sequence-parallel is off at --tensor-model-parallel-size 1 (as in "
+                         "Megatron-LM: there is no sequence to split)")
+    if run.sequence_parallel and seq % tp:
+        raise ValueError(f"--sequence-parallel splits the sequence over the tensor-parallel "
+                         f"ranks: --seq-length {seq} is not divisible by "
+                         f"--tensor-model-parallel-size {tp}")
+    vp = par.virtual_stages(run.student_arch.num_layers)
+    if vp is not None:
+        if vp < 1:
+            raise ValueError(f"--virtual-pipeline-model-parallel-size must be >= 1, got {vp}")
+        if pp == 1:
+            raise ValueError(f"virtual pipeline stages ({vp} per rank) need "
+                             f"--pipeline-model-parallel-size > 1")
+        microbatches = run.global_batch_size // (config.optimizer.micro_batch_size * run.dp)
+        if microbatches % pp:
+            raise ValueError(f"the interleaved schedule ({vp} virtual stages per rank) runs "
+                             f"microbatches in groups of --pipeline-model-parallel-size {pp}: "
+                             f"{microbatches} microbatches a step (--global-batch-size "
+                             f"{run.global_batch_size} / (--micro-batch-size "
+                             f"{config.optimizer.micro_batch_size} x data-parallel size "
+                             f"{run.dp})) is not a multiple of it")
+        run.student_arch.check_pipeline_parallel(pp, vp)
+    run.vp = vp if vp != 1 else None
+    layers = run.student_arch.num_layers // (pp * (run.vp or 1))
+    overrides = {"sequence_parallel": run.sequence_parallel}
+    if run.vp is not None:
+        overrides["virtual_pipeline_model_parallel_size"] = run.vp
+    overrides.update(_recompute(par, layers))
+    run.model_overrides = overrides
+
+
+def _pretrained_dir(path: str) -> str:
+    """The model directory of ``--pretrained-checkpoint`` (a training checkpoint root gives its
+    newest iteration)."""
+    if not os.path.isdir(path):
+        raise ValueError(f"--pretrained-checkpoint {path!r} is not a directory")
+    try:
+        return resolve_model_dir(path)
+    except ValueError as e:
+        raise ValueError(f"--pretrained-checkpoint: {e}") from None
+
+
+def _recompute(par, layers: int) -> dict:
+    """The recompute settings of Megatron-Core's ``TransformerConfig``; ``layers``: a model
+    chunk's."""
+    granularity, method, count = (par.recompute_granularity, par.recompute_method,
+                                  par.recompute_num_layers)
+    if granularity is None:
+        if method is not None or count is not None:
+            raise ValueError(f"--recompute-method {method} / --recompute-num-layers {count} "
+                             f"need --recompute-granularity full")
+        return {}
+    if granularity == "selective":
+        if method is not None or count is not None:
+            raise ValueError(f"--recompute-granularity selective recomputes the core attention "
+                             f"of every layer: --recompute-method {method} / "
+                             f"--recompute-num-layers {count} do not apply (drop them)")
+        return {"recompute_granularity": "selective"}
+    if method is None or count is None:
+        raise ValueError("--recompute-granularity full needs --recompute-method (uniform or "
+                         "block) and --recompute-num-layers")
+    if not 1 <= count <= layers:
+        raise ValueError(f"--recompute-num-layers {count} must be between 1 and the layers of a "
+                         f"model chunk ({layers})")
+    return {"recompute_granularity": "full", "recompute_method": method,
+            "recompute_num_layers": count}
 
 
 def check_run(config: RunConfig, world_size: int) -> CheckedRun:
@@ -247,18 +312,29 @@ def check_run(config: RunConfig, world_size: int) -> CheckedRun:
             raise ValueError(f"--kd-topk-cache {kd.topk_cache!r} is not a directory")
         # Only the manifest here (the student's vocabulary); the full check follows below.
         cache_spec = CacheSpec.from_json(load_manifest(kd.topk_cache))
+    pretrained_dir = pretrained = None
+    if config.logging.pretrained_checkpoint:
+        pretrained_dir = _pretrained_dir(config.logging.pretrained_checkpoint)
+        pretrained = read_checkpoint_arch(pretrained_dir)
     tokenizer = resolve_tokenizer(data, kd.teacher_load)
-    vocab, padded = _vocabulary(config.arch, teacher_arch, cache_spec, tokenizer, tp)
+    vocab, padded = _vocabulary(config.arch, teacher_arch, cache_spec, tokenizer, tp,
+                                pretrained)
     if tokenizer is None:
         tokenizer = MockTokenizer(vocab)
-    student_arch = _student_arch(config.arch, data.seq_length, vocab, padded, tp, pp)
+    student_arch = build_student_arch(config.arch, seq_length=data.seq_length, vocab=vocab,
+                                      padded=padded, tp=tp, pp=pp, pretrained=pretrained,
+                                      pretrained_dir=pretrained_dir or "")
     ep = config.parallel.expert_model_parallel_size
     etp = config.parallel.expert_tensor_parallel_size
-    _check_experts(student_arch, teacher_arch if kd.mode == "colocated" else None, tp, ep, etp)
+    sp = config.parallel.sequence_parallel and tp > 1
+    _check_experts(student_arch, teacher_arch if kd.mode == "colocated" else None, tp, ep, etp,
+                   sp)
     run = CheckedRun(kd=kd, student_arch=student_arch, teacher_arch=teacher_arch,
                      tokenizer=tokenizer, tp=tp, pp=pp, dp=dp, ep=ep, etp=etp,
                      global_batch_size=gbs,
                      params_dtype=torch.bfloat16 if config.parallel.bf16 else torch.float32)
+    run.pretrained = pretrained_dir
+    _check_layout(config, run)
     if kd.mode == "offline":
         _open_topk_cache(data, run)
     return run

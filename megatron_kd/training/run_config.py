@@ -31,6 +31,7 @@ _PARALLEL = "parallelism and precision"
 _OPTIMISATION = "optimisation"
 _DATA = "data"
 _LOGGING = "checkpoints, evaluation, logging"
+_RECOMPUTE = "activation recompute (Megatron-LM's flags)"
 
 
 def _linear(name: str, what: str):
@@ -38,13 +39,32 @@ def _linear(name: str, what: str):
                 group=_HYBRID)
 
 
+#: The architecture flags' values when neither the flag nor a pretrained checkpoint gives one
+#: (Megatron-LM's defaults); the fields are None when not given, so that a given flag can be
+#: told apart and checked against ``--pretrained-checkpoint``'s architecture.
+ARCH_DEFAULTS = {"normalization": "RMSNorm", "norm_epsilon": 1e-5, "position_embedding_type":
+                 "rope", "rotary_base": 10000.0, "init_method_std": 0.02, "moe_router_topk": 2,
+                 "rotary_percent": 1.0}
+
+
+def _defaulted(name: str, help: str = "", **spec):
+    default = ARCH_DEFAULTS[name]
+    return flag(None, f"{help}{'; ' if help else ''}default {default} (or the pretrained "
+                      f"checkpoint's)", type=type(default), **spec)
+
+
+_GIVES_ARCH = "required unless --pretrained-checkpoint gives the architecture"
+
+
 @dataclass(frozen=True, kw_only=True)
 class ArchitectureSection:
-    """The student model (Megatron-LM's architecture flags)."""
+    """The student model (Megatron-LM's architecture flags). A field is None (a switch False)
+    when its flag is not given: the model is then ``--pretrained-checkpoint``'s, or built from
+    :data:`ARCH_DEFAULTS`."""
 
-    num_layers: int = flag(type=int, group=_MODEL)
-    hidden_size: int = flag(type=int, group=_MODEL)
-    num_attention_heads: int = flag(type=int, group=_MODEL)
+    num_layers: int | None = flag(None, _GIVES_ARCH, type=int, group=_MODEL)
+    hidden_size: int | None = flag(None, _GIVES_ARCH, type=int, group=_MODEL)
+    num_attention_heads: int | None = flag(None, _GIVES_ARCH, type=int, group=_MODEL)
     num_query_groups: int | None = flag(
         None, "key/value heads (grouped-query attention); default: one per head", type=int,
         group=_MODEL)
@@ -52,16 +72,17 @@ class ArchitectureSection:
     kv_channels: int | None = flag(None, type=int, group=_MODEL)
     max_position_embeddings: int | None = flag(None, "default: --seq-length", type=int,
                                                group=_MODEL)
-    normalization: str = flag("RMSNorm", choices=("RMSNorm", "LayerNorm"), group=_MODEL)
-    norm_epsilon: float = flag(1e-5, group=_MODEL)
+    normalization: str | None = _defaulted("normalization", choices=("RMSNorm", "LayerNorm"),
+                                           group=_MODEL)
+    norm_epsilon: float | None = _defaulted("norm_epsilon", group=_MODEL)
     disable_swiglu: bool = flag(False, "GeLU MLP instead of SwiGLU", group=_MODEL)
-    position_embedding_type: str = flag("rope", choices=("rope", "learned_absolute", "none"),
-                                        group=_MODEL)
-    rotary_base: float = flag(10000.0, group=_MODEL)
+    position_embedding_type: str | None = _defaulted(
+        "position_embedding_type", choices=("rope", "learned_absolute", "none"), group=_MODEL)
+    rotary_base: float | None = _defaulted("rotary_base", group=_MODEL)
     untie_embeddings_and_output_weights: bool = flag(
         False, "separate output layer (default: tied to the input embedding)", group=_MODEL)
     add_bias_linear: bool = flag(False, group=_MODEL)
-    init_method_std: float = flag(0.02, group=_MODEL)
+    init_method_std: float | None = _defaulted("init_method_std", group=_MODEL)
     hidden_dropout: float = flag(0.0, group=_MODEL)
     attention_dropout: float = flag(0.0, group=_MODEL)
     vocab_size: int | None = flag(
@@ -75,7 +96,8 @@ class ArchitectureSection:
         None, "experts of every layer's MLP (default: a dense MLP)", type=int, group=_MOE)
     moe_ffn_hidden_size: int | None = flag(
         None, "hidden width of one expert (default: --ffn-hidden-size)", type=int, group=_MOE)
-    moe_router_topk: int = flag(2, "experts per token", group=_MOE)
+    moe_router_topk: int | None = _defaulted("moe_router_topk", "experts per token",
+                                             group=_MOE)
     moe_router_pre_softmax: bool = flag(
         False, "softmax over all experts before the top k (not renormalised)", group=_MOE)
     moe_aux_loss_coeff: float = flag(
@@ -97,13 +119,27 @@ class ArchitectureSection:
     attention_output_gate: bool = flag(
         False, "softmax attention's output times sigmoid of a second query projection",
         group=_HYBRID)
-    rotary_percent: float = flag(
-        1.0, "fraction of each head's width RoPE rotates (Qwen3.5: 0.25)", group=_HYBRID)
+    rotary_percent: float | None = _defaulted(
+        "rotary_percent", "fraction of each head's width RoPE rotates (Qwen3.5: 0.25)",
+        group=_HYBRID)
     moe_shared_expert_intermediate_size: int | None = flag(
         None, "width of a shared expert beside the routed ones (needs --num-experts)", type=int,
         group=_HYBRID)
     moe_shared_expert_gate: bool = flag(
         False, "the shared expert's output times sigmoid(w . x) per token", group=_HYBRID)
+
+    def resolved(self, name: str):
+        """Field ``name``, or its :data:`ARCH_DEFAULTS` value when not given."""
+        value = getattr(self, name)
+        return ARCH_DEFAULTS[name] if value is None and name in ARCH_DEFAULTS else value
+
+    def given(self) -> dict:
+        """The architecture flags given (dropout, vocabulary and padding, the auxiliary-loss
+        weight are settings of the run, not of the model's weights)."""
+        runs = {"hidden_dropout", "attention_dropout", "vocab_size",
+                "make_vocab_size_divisible_by", "moe_aux_loss_coeff"}
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if f.name not in runs and getattr(self, f.name) not in (None, False)}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -123,6 +159,45 @@ class ParallelSection:
     bf16: bool = flag(
         False, "bf16 student parameters, fp32 main weights (GPU only: Megatron-Core's "
                "mixed-precision optimizer requires CUDA tensors)", group=_PARALLEL)
+    sequence_parallel: bool = flag(
+        False, "sequence parallelism: the activations outside attention and the MLP (norms, "
+               "dropout, the hidden states the loss takes) split along the sequence over the "
+               "tensor-parallel ranks (Megatron-LM's flag; off at tensor-parallel size 1)",
+        group=_PARALLEL)
+    num_layers_per_virtual_pipeline_stage: int | None = flag(
+        None, "layers of one virtual pipeline stage: an interleaved pipeline schedule with "
+              "num-layers / (pipeline size x this) model chunks per rank", type=int,
+        group=_PARALLEL)
+    virtual_pipeline_model_parallel_size: int | None = flag(
+        None, "model chunks per pipeline rank (interleaved schedule); or give "
+              "--num-layers-per-virtual-pipeline-stage", type=int, group=_PARALLEL)
+    recompute_granularity: str | None = flag(
+        None, "activation recompute: 'full' (whole layers, see --recompute-method) or "
+              "'selective' (the core attention only)", choices=("full", "selective"),
+        group=_RECOMPUTE)
+    recompute_method: str | None = flag(
+        None, "with full recompute: 'uniform' (the layers of each chunk in groups of "
+              "--recompute-num-layers, the input of each group kept) or 'block' (the first "
+              "--recompute-num-layers layers of each chunk recomputed, the rest stored)",
+        choices=("uniform", "block"), group=_RECOMPUTE)
+    recompute_num_layers: int | None = flag(
+        None, "layers per recomputed group (uniform) or recomputed layers per chunk (block)",
+        type=int, group=_RECOMPUTE)
+
+    def virtual_stages(self, num_layers: int) -> int | None:
+        """Model chunks per pipeline rank (None: no interleaving), from either flag."""
+        if self.num_layers_per_virtual_pipeline_stage is not None:
+            if self.virtual_pipeline_model_parallel_size is not None:
+                raise ValueError("give --num-layers-per-virtual-pipeline-stage or "
+                                 "--virtual-pipeline-model-parallel-size, not both")
+            per = self.num_layers_per_virtual_pipeline_stage
+            pp = self.pipeline_model_parallel_size
+            if per < 1 or num_layers % (per * pp):
+                raise ValueError(f"--num-layers-per-virtual-pipeline-stage {per} x "
+                                 f"--pipeline-model-parallel-size {pp} does not divide "
+                                 f"--num-layers {num_layers}")
+            return num_layers // (per * pp)
+        return self.virtual_pipeline_model_parallel_size
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -180,6 +255,10 @@ class LoggingSection:
 
     save: str | None = flag(None, "checkpoint directory", group=_LOGGING)
     load: str | None = flag(None, "resume from the newest checkpoint here", group=_LOGGING)
+    pretrained_checkpoint: str | None = flag(
+        None, "initial student weights (model only: an `import-hf` directory, a `megatron-kd "
+              "train` checkpoint), at any TP / PP / EP of this run; used only when --load holds "
+              "no checkpoint, so a resumed run takes its own", metavar="DIR", group=_LOGGING)
     save_interval: int | None = flag(
         None, "save every N iterations (and at the end) when --save is given", type=int,
         group=_LOGGING)

@@ -41,7 +41,7 @@ from megatron_kd.integration.groups import (
     init_distributed_from_env,
     model_parallel,
 )
-from megatron_kd.integration.output_layer import to_sbh
+from megatron_kd.integration.output_layer import gather_sequence, to_sbh
 from megatron_kd.integration.teacher import build_frozen_teacher, check_teacher, teacher_identity
 from megatron_kd.parallel import Layout
 from megatron_kd.teacher.endpoint import parse_endpoint
@@ -62,7 +62,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                                 "teacher registry`"})
     add_flags(s, ParallelSection, use_groups=False, only=(
         "tensor_model_parallel_size", "pipeline_model_parallel_size",
-        "expert_model_parallel_size", "expert_tensor_parallel_size"))
+        "expert_model_parallel_size", "expert_tensor_parallel_size", "sequence_parallel"))
     add_teacher_flags(s, only=("teacher_args", "teacher_dtype"),
                       help={"teacher_dtype": "parameter dtype of the teacher"})
     s.add_argument("--max-batch-size", type=int, default=16,
@@ -153,8 +153,11 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _service(args: argparse.Namespace, teacher_dir: str, arch, tp: int, pp: int) -> TeacherService:
     is_first, is_last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
-    model = build_frozen_teacher(arch, teacher_dir, dtype=teacher_torch_dtype(args.kd_teacher_dtype),
-                                 pre_process=is_first, post_process=is_last, seed=args.seed)
+    sp = args.sequence_parallel and tp > 1
+    model = build_frozen_teacher(arch, teacher_dir,
+                                 dtype=teacher_torch_dtype(args.kd_teacher_dtype),
+                                 pre_process=is_first, post_process=is_last, seed=args.seed,
+                                 sequence_parallel=sp)
     layout = Layout(world_size=tp * pp, tp=tp, pp=pp)
     last_stage = [layout.rank_of(tp_rank=t, dp_rank=0, pp_rank=pp - 1) for t in range(tp)]
     device = torch.device("cpu") if on_cpu() else torch.device("cuda", torch.cuda.current_device())
@@ -181,20 +184,29 @@ def _service(args: argparse.Namespace, teacher_dir: str, arch, tp: int, pp: int)
                                                                args.kd_teacher_dtype),
         endpoint=parse_endpoint(args.kd_teacher_endpoint),
         host=args.host or socket.gethostname(), port=args.port,
-        forward=_forward_fn(model, is_last), device=device, timeout_s=args.kd_teacher_timeout,
+        forward=_forward_fn(model, is_last, ps.get_tensor_model_parallel_group() if sp else None),
+        device=device, timeout_s=args.kd_teacher_timeout,
         max_batch=args.max_batch_size, log=log, stats_interval_s=args.stats_interval,
         layout={"world_size": tp * pp, "tp": tp, "pp": pp,
                 "ep": args.expert_model_parallel_size, "pid": os.getpid(),
                 "started": round(time.time(), 3)})
 
 
-def _forward_fn(model, is_last: bool):
+def _forward_fn(model, is_last: bool, sp_group=None):
     """``forward(tokens [B, s]) -> [s, B, h]`` on the last stage (None elsewhere): Megatron-Core's
-    forward-only pipeline schedule over one microbatch of the whole batch."""
+    forward-only pipeline schedule over one microbatch of the whole batch. ``sp_group``: the
+    model is sequence-parallel over this TP group; its slices are gathered (the replica's
+    senders cut the sequence for the student's own TP ranks), and a sequence the TP size does
+    not divide is padded at its end for the forward (causal: the padding changes no earlier
+    position) and cut back after."""
     forward_backward = get_forward_backward_func()
+    split = sp_group.size() if sp_group is not None else 1
 
     def forward(tokens: torch.Tensor):
-        batch, seq = tokens.shape
+        batch, given = tokens.shape
+        if given % split:
+            tokens = torch.nn.functional.pad(tokens, (0, split - given % split))
+        seq = tokens.shape[1]
         position_ids = torch.arange(seq, device=tokens.device).unsqueeze(0).expand(batch, -1)
         out = []
 
@@ -203,7 +215,7 @@ def _forward_fn(model, is_last: bool):
             output = model(item["tokens"], item["position_ids"], None)
 
             def keep(output_tensor):
-                out.append(to_sbh(output_tensor).detach())
+                out.append(gather_sequence(to_sbh(output_tensor).detach(), sp_group))
                 return torch.zeros((), device=output_tensor.device), {}
 
             return output, keep
@@ -213,6 +225,6 @@ def _forward_fn(model, is_last: bool):
                              data_iterator=iter([{"tokens": tokens, "position_ids": position_ids}]),
                              model=[model], num_microbatches=1, seq_length=seq,
                              micro_batch_size=batch, forward_only=True)
-        return out[0] if is_last else None
+        return out[0][:given] if is_last else None
 
     return forward

@@ -56,11 +56,16 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megatron_kd.data.datasets import BatchPlan, collate
+from megatron_kd.integration.checkpoint import latest_iteration, load_model_checkpoint
 from megatron_kd.integration.cpu_shim import device_context, on_cpu
 from megatron_kd.integration.gpt import build_gpt_model
 from megatron_kd.integration.groups import collective_device
 from megatron_kd.integration.loss_func import make_kd_loss_func
-from megatron_kd.integration.output_layer import bypass_output_layer, output_layer_weight
+from megatron_kd.integration.output_layer import (
+    bypass_output_layer,
+    output_layer_weight,
+    unwrap_model,
+)
 from megatron_kd.integration.teacher_sources import (
     Microbatch,
     build_teacher_source,
@@ -116,7 +121,8 @@ class Trainer:
         # The output-layer weight gradient straight into DDP's fp32 main_grad (Megatron's
         # gradient-accumulation fusion, in the loss: no [V/tp, h] gradient tensor).
         self.loss_config = run.kd.loss_config(vocab_size=run.student_arch.vocab_size,
-                                              gradient_accumulation_fusion=True)
+                                              gradient_accumulation_fusion=True,
+                                              sequence_parallel=run.sequence_parallel)
         # Evaluation without teacher outputs (offline: the cache holds training samples only;
         # disaggregated: the teacher streams training microbatches only): the student's CE.
         self.ce_config = dataclasses.replace(self.loss_config, kd_weight=0.0, ce_weight=1.0)
@@ -133,36 +139,55 @@ class Trainer:
             run.kd, run.teacher_arch, active=self.is_last,
             tp_group=self.tp_group if run.tp > 1 else None, dp_rank=self.dp_rank,
             dp_size=run.dp, micro_batch_size=config.optimizer.micro_batch_size,
-            seq_length=config.data.seq_length, topk_cache=run.topk_cache)
+            seq_length=config.data.seq_length, topk_cache=run.topk_cache,
+            sequence_parallel=run.sequence_parallel)
         self._build_data()
 
     # -- models -----------------------------------------------------------------------------
     def _build_student(self) -> None:
+        """The student's model chunks on this rank (one, or one per virtual pipeline stage),
+        each wrapped in Megatron-Core's DDP, and one optimizer over them."""
         cfg, run, opt = self.cfg, self.run, self.cfg.optimizer
-        model = build_gpt_model(
-            run.student_arch, pre_process=self.is_first, post_process=self.is_last,
-            # Megatron-LM's rule: each pipeline stage its own seed (else stages' layers would
-            # start identical).
-            params_dtype=run.params_dtype, seed=cfg.data.seed + 100 * self.pp_rank,
-            hidden_dropout=cfg.arch.hidden_dropout, attention_dropout=cfg.arch.attention_dropout,
-            calculate_per_token_loss=True,
-            **_moe_recipe(cfg.arch.moe_aux_loss_coeff, run.student_arch))
-        bypass_output_layer(model)
-        config = model.config
+        chunks = []
+        for vp_stage in range(run.vp or 1):
+            stage = vp_stage if run.vp else None
+            model = build_gpt_model(
+                run.student_arch, pre_process=ps.is_pipeline_first_stage(
+                    ignore_virtual=False, vp_stage=stage),
+                post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
+                # Megatron-LM's rule: each pipeline stage its own seed (else stages' layers
+                # would start identical), seeded once before its chunks are built.
+                params_dtype=run.params_dtype,
+                seed=cfg.data.seed + 100 * self.pp_rank if vp_stage == 0 else None,
+                vp_stage=stage, hidden_dropout=cfg.arch.hidden_dropout,
+                attention_dropout=cfg.arch.attention_dropout, calculate_per_token_loss=True,
+                **run.model_overrides, **_moe_recipe(cfg.arch.moe_aux_loss_coeff,
+                                                     run.student_arch))
+            bypass_output_layer(model)
+            chunks.append(model)
+        config = chunks[0].config
         distributed = cfg.parallel.use_distributed_optimizer
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=False,
             use_distributed_optimizer=distributed, average_in_collective=False)
-        self.model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
+        # Megatron-LM's wrapping: bucketing for the first chunk only
+        self.chunks = [DistributedDataParallel(config=model.config, ddp_config=ddp_config,
+                                               module=model, disable_bucketing=i > 0)
+                       for i, model in enumerate(chunks)]
         config.finalize_model_grads_func = finalize_model_grads
-        config.no_sync_func = self.model.no_sync
+        no_sync = [chunk.no_sync for chunk in self.chunks]
+        config.no_sync_func = no_sync if run.vp else no_sync[0]
+        if run.vp and collective_device().type == "cpu":
+            # Interleaved schedules with batched p2p gave wrong losses for later microbatches
+            # on gloo (2 stages x 2 virtual stages, megatron-core 0.16.1): one op at a time.
+            config.batch_p2p_comm = False
         self.config = config
         opt_config = OptimizerConfig(
             optimizer="adam", lr=opt.lr, min_lr=opt.min_lr, weight_decay=opt.weight_decay,
             adam_beta1=opt.adam_beta1, adam_beta2=opt.adam_beta2, adam_eps=opt.adam_eps,
             clip_grad=opt.clip_grad, bf16=run.params_dtype == torch.bfloat16,
             params_dtype=run.params_dtype, use_distributed_optimizer=distributed)
-        self.optimizer = get_megatron_optimizer(opt_config, [self.model])
+        self.optimizer = get_megatron_optimizer(opt_config, self.chunks)
         train_iters = cfg.data.train_iters
         decay_iters = opt.lr_decay_iters or train_iters
         self.scheduler = OptimizerParamScheduler(
@@ -172,7 +197,7 @@ class Trainer:
             lr_decay_style=opt.lr_decay_style, start_wd=opt.weight_decay,
             end_wd=opt.weight_decay, wd_incr_steps=max(1, train_iters),
             wd_incr_style="constant")
-        self.num_params = sum(p.numel() for p in model.parameters())
+        self.num_params = sum(p.numel() for model in chunks for p in model.parameters())
 
     # -- data -------------------------------------------------------------------------------
     def _build_data(self) -> None:
@@ -199,14 +224,15 @@ class Trainer:
     # -- one step ---------------------------------------------------------------------------
     def _forward_step(self, data_iterator, model):
         batch = next(data_iterator)
-        m, self._microbatch = self._microbatch, self._microbatch + 1
         if not on_cpu():
             device = torch.cuda.current_device()
             batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
         tokens, position_ids = batch["tokens"], batch["position_ids"]
         output = model(tokens, position_ids, None)
-        if not self.is_last:
+        if not unwrap_model(model).post_process:  # not the chunk with the loss
             return output, _never_called
+        # the loss chunk takes the microbatches in order (interleaved schedules too)
+        m, self._microbatch = self._microbatch, self._microbatch + 1
         teacher = self._teacher_inputs(tokens, position_ids, m)
         kw = {} if self.loss_fn is None else {"loss_fn": self.loss_fn}
         loss_func = make_kd_loss_func(
@@ -244,10 +270,13 @@ class Trainer:
     def _run_schedule(self, microbatches: list, forward_only: bool) -> list:
         forward_backward = get_forward_backward_func()
         self._microbatch = 0
+        # one iterator per model chunk: each chunk reads the step's microbatches in order
+        data = [iter(microbatches) for _ in self.chunks]
         with device_context(), self.timers.time("forward-backward"):
             return forward_backward(
-                forward_step_func=self._forward_step, data_iterator=iter(microbatches),
-                model=[self.model], num_microbatches=len(microbatches),
+                forward_step_func=self._forward_step,
+                data_iterator=data if self.run.vp else data[0],
+                model=self.chunks, num_microbatches=len(microbatches),
                 seq_length=self.cfg.data.seq_length,
                 micro_batch_size=self.cfg.optimizer.micro_batch_size, forward_only=forward_only)
 
@@ -255,8 +284,9 @@ class Trainer:
         return reduce_reports(reports, self.REPORT_KEYS, self.is_last and self.tp_rank == 0)
 
     def train_step(self, consumed_samples: int) -> dict:
-        self.model.train()
-        self.model.zero_grad_buffer()
+        for chunk in self.chunks:
+            chunk.train()
+            chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
         microbatches = list(self.batches.microbatches(self.train_ds, consumed_samples))
         self._consumed = consumed_samples
@@ -286,7 +316,8 @@ class Trainer:
     def evaluate(self) -> dict:
         if self.valid_ds is None or self.cfg.data.eval_iters == 0:
             return {}
-        self.model.eval()
+        for chunk in self.chunks:
+            chunk.eval()
         self._evaluating = True
         reports = []
         with torch.no_grad():
@@ -295,7 +326,8 @@ class Trainer:
                                                      i * self.run.global_batch_size))
                 reports.extend(self._run_schedule(mbs, forward_only=True))
                 self.guard.check(self._step)
-        self.model.train()
+        for chunk in self.chunks:
+            chunk.train()
         self._evaluating = False
         self.timers.discard()  # the step timers time training steps only
         red = self._reduce_reports(reports)
@@ -313,10 +345,13 @@ class Trainer:
         started from there."""
         load = self.cfg.logging.load
         start_iter, consumed = 0, 0
-        if load:
+        if load and latest_iteration(load) is not None:
             start_iter, consumed = load_training_checkpoint(
-                load, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
+                load, model=self.chunks, optimizer=self.optimizer, scheduler=self.scheduler,
                 arch=self.run.student_arch)
+        elif self.run.pretrained:  # initial weights: only when --load holds no checkpoint
+            load_model_checkpoint(self.chunks, self.run.pretrained)
+            self.optimizer.reload_model_params()  # main weights (bf16) from the loaded ones
         self.teacher.start(self._schedule(start_iter, self._stop_at(start_iter)))
         return start_iter, consumed
 
@@ -333,6 +368,11 @@ class Trainer:
             progress.message(f"megatron-kd: resumed from iteration {start_iter}" if start_iter
                              else f"megatron-kd: no checkpoint in --load {load!r}; "
                                   f"starting from iteration 0")
+        if self.run.pretrained and not start_iter and self.log_rank:
+            progress.message(f"megatron-kd: student weights from --pretrained-checkpoint "
+                             f"{self.run.pretrained}")
+        for note in self.run.notes if self.log_rank else ():
+            progress.message(f"megatron-kd: {note}")
 
     def _save(self, iteration: int, consumed: int) -> None:
         run, save = self.run, self.cfg.logging.save
@@ -341,7 +381,7 @@ class Trainer:
         extra = {"kind": "student", "teacher": run.kd.teacher_load,
                  **self.teacher.checkpoint_record()}
         save_training_checkpoint(save, iteration=iteration, consumed_samples=consumed,
-                                 model=self.model, optimizer=self.optimizer,
+                                 model=self.chunks, optimizer=self.optimizer,
                                  scheduler=self.scheduler, arch=run.student_arch, extra=extra)
 
     def _evaluate_and_log(self, iteration: int, log: JsonLog, progress: Progress,

@@ -213,12 +213,13 @@ def test_qwen35_student_flags_give_the_architecture(freq, num_layers, linear):
 
 
 @pytest.mark.parametrize("flags, message", [
-    (MOE_STUDENT + ["--tensor-model-parallel-size", "2"], "needs sequence parallelism"),
+    (MOE_STUDENT + ["--tensor-model-parallel-size", "2"], "2 needs --sequence-parallel"),
     (["--expert-model-parallel-size", "2"], "neither the student nor a colocated teacher"),
     (MOE_STUDENT[:2] + ["--expert-model-parallel-size", "3"], "does not divide"),
     (["--num-experts", "4", "--moe-router-topk", "5"], "exceeds num_experts"),
     (MOE_STUDENT + ["--add-bias-linear"], "fails in backward"),
-    (QWEN35_STUDENT + ["--tensor-model-parallel-size", "2"], "its gradient is left a per-rank"),
+    (QWEN35_STUDENT + ["--tensor-model-parallel-size", "2"],
+     "only a sequence-parallel norm has its gradient summed"),
     (QWEN35_STUDENT[:2], "needs --linear-attention-freq"),
     (QWEN35_STUDENT[2:4], "without --experimental-attention-variant"),
     (QWEN35_STUDENT[:4] + ["--linear-num-key-heads", "3"], "must be a multiple of"),

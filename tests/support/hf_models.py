@@ -62,12 +62,13 @@ _QWEN3_SHAPE = dict(hidden_size=48, num_attention_heads=4, num_key_value_heads=2
                     rope_theta=1000000.0, attention_bias=False)
 
 
-def tiny_qwen3(tmp_path, *, vocab: int = 203, tied: bool = True, name: str = "qwen3"):
+def tiny_qwen3(tmp_path, *, vocab: int = 203, tied: bool = True, name: str = "qwen3",
+               layers: int = 2):
     """A randomly initialised tiny Qwen3 (QK norms, head_dim != hidden / heads)."""
     from transformers import Qwen3Config, Qwen3ForCausalLM  # the tests skip without it
 
     config = Qwen3Config(vocab_size=vocab, intermediate_size=72, tie_word_embeddings=tied,
-                         **_QWEN3_SHAPE)
+                         **{**_QWEN3_SHAPE, "num_hidden_layers": layers})
     torch.manual_seed(9)
     return _randomise_and_save(Qwen3ForCausalLM(config), os.path.join(tmp_path, name), vocab, 9)
 

@@ -235,9 +235,11 @@ def test_qwen35_deltanet_shard_splits_each_part_by_heads():
     assert shard[m + "out_norm.weight"].shape == (3,)
     with pytest.raises(ValueError, match="Gated DeltaNet"):
         hf_import.pad_for_tensor_parallel(full, arch, 2)
-    with pytest.raises(ValueError, match="pipeline-parallel size 2 is not supported"):
-        arch.check_pipeline_parallel(2)
-    arch.check_pipeline_parallel(1)
+    # the layer pattern splits with the layers (each stage builds its own slice of it)
+    arch.check_pipeline_parallel(2)
+    arch.check_pipeline_parallel(2, 2)
+    with pytest.raises(ValueError, match="pipeline-parallel size 3 does not divide num_layers=4"):
+        arch.check_pipeline_parallel(3)
 
 
 def test_qwen35_moe_multimodal_names_and_fused_experts(tmp_path):

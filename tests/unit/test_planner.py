@@ -10,7 +10,7 @@ import dataclasses
 import pytest
 
 from megatron_kd.planner import memory as mem
-from megatron_kd.planner import search
+from megatron_kd.planner import schedule, search
 from megatron_kd.planner import traffic as tr
 from megatron_kd.planner.memory import (
     ActivationOptions,
@@ -152,11 +152,11 @@ def test_padded_vocab_like_megatron():
 
 def test_stage_layers_and_in_flight():
     # 94 layers over 4 stages: 24, 24, 23, 23, contiguous
-    assert [len(mem.stage_layers(94, 4, i)) for i in range(4)] == [24, 24, 23, 23]
-    assert mem.stage_layers(94, 4, 2) == range(48, 71)
+    assert [len(schedule.stage_layers(94, 4, i)) for i in range(4)] == [24, 24, 23, 23]
+    assert schedule.stage_layers(94, 4, 2) == range(48, 71)
     # 1F1B: stage i holds min(p - i, m)
-    assert [mem.in_flight_microbatches(4, i, 8) for i in range(4)] == [4, 3, 2, 1]
-    assert mem.in_flight_microbatches(4, 0, 2) == 2
+    assert [schedule.in_flight_microbatches(4, i, 8) for i in range(4)] == [4, 3, 2, 1]
+    assert schedule.in_flight_microbatches(4, 0, 2) == 2
 
 
 def test_layout_validation_names_values():
@@ -297,6 +297,155 @@ def test_stage_activations_pipeline_and_full_recompute():
     assert got == 2 * 2 * 64 * 8 + 8 * 1680
 
 
+# --- pipeline schedules and recompute ----------------------------------------------------------
+
+# The "g" model of the tests above with 8 and 16 layers: per layer and token R 512 + S 1168 = 1680
+# bytes saved (no recompute); a checkpointed group keeps its input, 2h = 128 bytes a token.
+G8 = ModelConfig(
+    name="g8",
+    num_layers=8,
+    hidden_size=64,
+    num_attention_heads=4,
+    num_query_groups=2,
+    head_dim=16,
+    ffn_hidden_size=128,
+    vocab_size=128,
+    tie_embeddings=True,
+)
+G16 = dataclasses.replace(G8, name="g16", num_layers=16)
+FULL = 8 * 1680  # one layer, 8 tokens
+INPUT = 8 * 128  # one checkpoint input, 8 tokens
+
+
+@pytest.mark.parametrize(
+    "pp, vp, m, expected",
+    [
+        (2, 1, 4, 1 / 4),  # 1F1B: (p-1)/m
+        (4, 2, 8, 3 / 16),  # interleaved: (p-1)/(v*m) = 3/16
+        (8, 4, 32, 7 / 128),
+        (1, 1, 5, 0.0),  # no pipeline, no bubble
+    ],
+)
+def test_bubble_fraction(pp, vp, m, expected):
+    assert schedule.bubble_fraction(pp, vp, m) == expected
+
+
+def test_step_time_with_virtual_stages():
+    # 1e15 / (8 * 1e14 * 0.5) = 2.5 s of compute; bubble (2-1)/(2*4) = 1/8
+    assert tr.step_time_s(1e15, 8, 1e14, 0.5, 2, 4, vp=2) == pytest.approx(2.8125, rel=1e-12)
+
+
+def test_chunk_layers_like_megatron_core():
+    # Megatron-Core's own example: 8 layers, 2 stages, 2 chunks: rank 0 [0, 1] [4, 5],
+    # rank 1 [2, 3] [6, 7]; 4 chunks: rank 0 [0] [2] [4] [6]
+    assert schedule.chunk_layers(8, 2, 2, 0) == (range(2), range(4, 6))
+    assert schedule.chunk_layers(8, 2, 2, 1) == (range(2, 4), range(6, 8))
+    assert schedule.chunk_layers(8, 2, 4, 0) == (range(1), range(2, 3), range(4, 5),
+                                                 range(6, 7))
+    assert schedule.rank_layers(8, 2, 2, 1) == [2, 3, 6, 7]
+    with pytest.raises(ValueError, match="num_layers=8 is not a multiple of pp\\*vp=2\\*3"):
+        schedule.chunk_layers(8, 2, 3, 0)
+
+
+# p=2, v=2, m=4, written out by hand from Megatron-Core's schedule table (groups of p=2
+# micro-batches: forwards (mb, chunk) 0.0 1.0 0.1 1.1 2.0 3.0 2.1 3.1; backwards the same with the
+# chunks reversed: 0.1 1.1 0.0 1.0 2.1 3.1 2.0 3.0). Rank 0: 2(p-1) + (v-1)p = 4 warm-up forwards,
+# rank 1: 2; then one forward and one backward in turn, then the rest of the backwards.
+RANK0 = ["F0.0", "F1.0", "F0.1", "F1.1",
+         "F2.0", "B0.1", "F3.0", "B1.1", "F2.1", "B0.0", "F3.1", "B1.0",
+         "B2.1", "B3.1", "B2.0", "B3.0"]
+RANK1 = ["F0.0", "F1.0",
+         "F0.1", "B0.1", "F1.1", "B1.1", "F2.0", "B0.0", "F3.0", "B1.0", "F2.1", "B2.1",
+         "F3.1", "B3.1",
+         "B2.0", "B3.0"]
+
+
+def _walk(ops: list[str], chunk_bytes: list[float]) -> float:
+    """The most bytes held along a hand-written schedule."""
+    held = peak = 0.0
+    for op in ops:
+        size = chunk_bytes[int(op.split(".")[1])]
+        held += size if op[0] == "F" else -size
+        peak = max(peak, held)
+    return peak
+
+
+@pytest.mark.parametrize("stage, ops", [(0, RANK0), (1, RANK1)])
+def test_interleaved_peak_against_hand_enumerated_schedule(stage, ops):
+    assert schedule.interleaved_in_flight_chunks(2, 2, stage, 4) == _walk(ops, [1, 1])
+    # counts: rank 0 holds 5 chunk-micro-batches (p*v + p - 1), rank 1 holds 3 ((v-1)p + 1)
+    assert _walk(ops, [1, 1]) == (5 if stage == 0 else 3)
+    # chunks of different sizes (a hybrid model): rank 0 peaks at 0.0 1.0 0.1 1.1 2.0 =
+    # 10 + 10 + 100 + 100 + 10 = 230, rank 1 at 0.0 1.0 0.1 = 120
+    assert schedule.peak_in_flight([10, 100], 2, stage, 4) == _walk(ops, [10, 100])
+    assert _walk(ops, [10, 100]) == (230 if stage == 0 else 120)
+
+
+def test_interleaved_first_stage_matches_korthikanti():
+    # p=4, v=2, m=8, 16 layers (chunks of 2): the first stage holds 2*3 + 1*4 + 1 = 11 chunks =
+    # 22 layers' worth = L * (1 + (p-1)/(p*v)) = 16 * 11/8; 1F1B (v=1): p * L/p = 16 layers
+    layout = ParallelLayout(pp=4, vp=2)
+    assert mem.stage_activation_bytes(G16, layout, 0, 8, 1, 8) == 22 * FULL
+    assert mem.stage_activation_bytes(G16, ParallelLayout(pp=4), 0, 8, 1, 8) == 16 * FULL
+    # the last stage: (v-1)p + 1 = 5 chunks = 10 layers (1F1B: one micro-batch of 4 layers)
+    assert mem.stage_activation_bytes(G16, layout, 3, 8, 1, 8) == 10 * FULL
+    # all micro-batches in warm-up (m=4 < 2*3 + 4 + 1): every chunk of every micro-batch,
+    # 4 * 2 chunks * 2 layers
+    assert mem.stage_activation_bytes(G16, layout, 0, 8, 1, 4) == 16 * FULL
+    with pytest.raises(ValueError, match="m=6 to be a multiple of pp"):
+        mem.stage_activation_bytes(G16, layout, 0, 8, 1, 6)
+
+
+@pytest.mark.parametrize(
+    "method, n, expected",
+    [
+        # uniform: groups of n layers, each keeps its input; the largest group is re-run live
+        ("uniform", 1, 8 * INPUT + FULL),
+        ("uniform", 2, 4 * INPUT + 2 * FULL),
+        ("uniform", 8, 1 * INPUT + 8 * FULL),
+        # block: the first n layers checkpointed one by one, the other 8 - n keep everything
+        ("block", 3, 3 * INPUT + 5 * FULL + FULL),
+        ("block", 8, 8 * INPUT + FULL),
+        ("block", 10, 8 * INPUT + FULL),  # more than the chunk has: every layer
+    ],
+)
+def test_full_recompute_methods(method, n, expected):
+    layout = ParallelLayout(recompute="full", recompute_method=method, recompute_num_layers=n)
+    # pp=1, one micro-batch in flight
+    assert mem.stage_activation_bytes(G8, layout, 0, 8, 1, 3) == expected
+
+
+def test_full_recompute_per_chunk_and_recomputed_layers():
+    # pp=2, vp=2: chunks of 2 layers; block x1 checkpoints the first layer of each chunk:
+    # a chunk keeps INPUT + FULL; the first stage holds 5 chunks (m=4), plus one layer re-run
+    layout = ParallelLayout(pp=2, vp=2, recompute="full", recompute_method="block",
+                            recompute_num_layers=1)
+    assert mem.stage_activation_bytes(G8, layout, 0, 8, 1, 4) == 5 * (INPUT + FULL) + FULL
+    # rank 0 chunks [0, 1] [4, 5], rank 1 [2, 3] [6, 7]: the first of each
+    assert sorted(mem.recomputed_layers(8, layout)) == [0, 2, 4, 6]
+    uniform = ParallelLayout(recompute="full", recompute_method="uniform", recompute_num_layers=2)
+    assert mem.recomputed_layers(8, uniform) == list(range(8))
+    assert mem.recomputed_layers(8, ParallelLayout(recompute="selective")) == []
+
+
+def test_layout_validation_of_virtual_stages_and_recompute():
+    with pytest.raises(ValueError, match="vp=2 needs pp > 1"):
+        ParallelLayout(vp=2)
+    with pytest.raises(ValueError, match="apply to full recompute only"):
+        ParallelLayout(recompute="selective", recompute_method="block")
+    with pytest.raises(ValueError, match="recompute_method='chunk'"):
+        ParallelLayout(recompute="full", recompute_method="chunk")
+    with pytest.raises(ValueError, match="num_layers=8 is not a multiple of pp\\*vp=2\\*3"):
+        mem.validate_layout(G8, ParallelLayout(pp=2, vp=3), "student")
+    # uniform groups of 3 do not divide chunks of 8 (Megatron-Core would index past the chunk)
+    with pytest.raises(ValueError, match="recompute_num_layers=3 needs it to divide"):
+        mem.validate_layout(
+            G8, ParallelLayout(recompute="full", recompute_num_layers=3), "student")
+    # block x3 is fine
+    mem.validate_layout(G8, ParallelLayout(recompute="full", recompute_method="block",
+                                           recompute_num_layers=3), "student")
+
+
 # --- the loss
 # -------------------------------------------------------------------------------------------
 
@@ -418,7 +567,12 @@ def test_flops_per_token():
     # forward: 2 * 1272 + per layer 4*a*d*keys = 4*2*4*4.5 = 144, two layers -> 2544 + 288
     assert tr.forward_flops_per_token(TINY, 8) == 2832
     assert tr.training_flops_per_token(TINY, 8, "none") == 3 * 2832
-    assert tr.training_flops_per_token(TINY, 8, "full") == 4 * 2832
+    # full recompute runs the layers' forward again, not the output layer's: 2 * 1184 + 288 = 2656
+    # (the planner counted 4 x the whole forward, output layer included, before it modelled which
+    # layers Megatron-Core recomputes)
+    assert tr.training_flops_per_token(TINY, 8, "full") == 3 * 2832 + 2656
+    # block recompute of layer 0 only: 2 * 592 + 144
+    assert tr.training_flops_per_token(TINY, 8, "full", [0]) == 3 * 2832 + 1328
     assert tr.training_flops_per_token(TINY, 8, "selective") == 3 * 2832 + 288
     # without the output layer: 2 * (1272 - 80) + 288
     assert tr.forward_flops_per_token(TINY, 8, include_output_layer=False) == 2384 + 288
@@ -432,6 +586,22 @@ def test_step_time_and_replicas():
     # one replica: 2 GPUs * 100 * 0.5 / 40 flops = 2.5 tokens/s; 1000 tokens/s needs 400
     assert tr.replicas_needed(1000.0, 2, 100.0, 0.5, 40.0) == (400, 2.5)
     assert tr.replicas_needed(1.0, 2, 100.0, 0.5, 40.0)[0] == 1
+
+
+def test_tp_collective_and_p2p_bytes():
+    # TINY (dense: mixer + MLP per layer), t=2, 8 tokens: a volume is 1/2 * 8 * h=8 * 2 = 64
+    # bytes; with SP 5 volumes per sub-layer, 2 more where recomputed: layer 0 2*5, layer 1
+    # (recomputed) 2*7 -> 24 volumes * 64 * m=2
+    assert tr.tp_collective_bytes_per_step_per_rank(TINY, [0, 1], [1], 2, 8, 1, 2, True) == 3072
+    # without SP an all-reduce each way (4 volumes): 2*4 + 2*6 = 20 * 64 * 2
+    assert tr.tp_collective_bytes_per_step_per_rank(TINY, [0, 1], [1], 2, 8, 1, 2, False) == 2560
+    # a routed-expert MLP stays on its rank: only the mixer, 5 volumes * 64 * 2
+    assert tr.tp_collective_bytes_per_step_per_rank(TINY_MOE, [0], [], 2, 8, 1, 2, True) == 640
+    assert tr.tp_collective_bytes_per_step_per_rank(TINY, [0, 1], [], 2, 8, 1, 1, True) == 0
+    # p2p: m=4 micro-batches * 2v=4 sends * 16 tokens * h=32 * 2 bytes, /t=2 with SP
+    assert tr.p2p_bytes_per_step_per_rank(4, 16, 1, 32, 2, True, 2, 2) == 8192
+    assert tr.p2p_bytes_per_step_per_rank(4, 16, 1, 32, 2, False, 2, 2) == 16384
+    assert tr.p2p_bytes_per_step_per_rank(4, 16, 1, 32, 2, False, 1, 1) == 0
 
 
 def test_wire_bytes():

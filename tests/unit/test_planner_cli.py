@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import re
 import subprocess
 import sys
 
@@ -14,7 +15,7 @@ from megatron_kd.planner.memory import LOSS_TERMS, Term
 from megatron_kd.planner.models import from_hf_config
 from megatron_kd.planner.plan import Mode, PlanOptions
 from megatron_kd.planner.presets import MODEL_PRESETS, get_gpu, get_link, load_model
-from megatron_kd.planner.search import plan_all, plan_mode, student_stage_terms
+from megatron_kd.planner.search import evaluate, plan_all, plan_mode, student_stage_terms
 from megatron_kd.planner.traffic import Traffic
 
 # --- presets
@@ -215,6 +216,42 @@ def test_search_prefers_no_recompute_and_reports_oom():
     assert any("no layout" in note for note in plan.notes)
 
 
+def test_search_takes_the_least_recompute_that_fits():
+    # the 9B student at 8K on H100s without model parallelism: no recompute needs 111 GiB; full
+    # recompute of every layer fits (uniform x1) but the search takes the fewest layers block
+    # recompute needs (least compute): N fits, N - 1 does not
+    opts = _opts("qwen3.5-9b", "qwen3.5-35b-a3b", gpu="h100-80g", tp=1, pp=1)
+    plan = plan_mode(opts, Mode.DISAGGREGATED)
+    layout = plan.layout
+    assert plan.fits and (layout.recompute, layout.recompute_method) == ("full", "block")
+    assert 1 < layout.recompute_num_layers < 32
+    fewer = dataclasses.replace(layout, recompute_num_layers=layout.recompute_num_layers - 1)
+    assert not evaluate(opts, Mode.DISAGGREGATED, fewer).fits
+    # given the method: uniform, in groups of 1 (all groups cost the same compute; x1 is first)
+    opts = dataclasses.replace(opts, recompute="full", recompute_method="uniform")
+    assert plan_mode(opts, Mode.DISAGGREGATED).layout.recompute_label == "full uniform x1"
+    # with no constraint the search prefers tensor parallelism (no recompute, and a comm cost it
+    # reports) to recomputing: tp 2 + SP fits the 80 GiB without recompute
+    plan = plan_mode(_opts("qwen3.5-9b", "qwen3.5-35b-a3b", gpu="h100-80g"), Mode.DISAGGREGATED)
+    assert (plan.layout.tp, plan.layout.pp, plan.layout.sequence_parallel,
+            plan.layout.recompute) == (2, 1, True, "none")
+    assert plan.wire[Traffic.TP_COLLECTIVE_SECONDS] > 0
+
+
+def test_search_weighs_bubble_against_p2p_for_virtual_stages():
+    # pp=2 on one H200 node, m = 64 / 4 = 16: bubble 1/(16v); the p2p sends 16 * 2v * 8192 *
+    # 4096 * 2 bytes = v * 2 GiB per step, v * 2^31 / (450e9 * 0.8) = v * 5.97 ms, against ~8.36 s
+    # of compute: bubble + p2p = 1/(16v) + 0.000714v, least at v = 8 of 1, 2, 4, 8, 16
+    opts = _opts("qwen3.5-9b", "qwen3.5-35b-a3b", tp=1, pp=2)
+    plan = plan_mode(opts, Mode.DISAGGREGATED)
+    assert plan.fits and plan.layout.vp == 8 and plan.layout.recompute == "none"
+    assert plan.bubble == 1 / 128
+    assert plan.wire[Traffic.P2P_BYTES] == 8 * 2**31
+    # given as layers per virtual stage: 32 / (2 * 4) = 4 virtual stages
+    opts = dataclasses.replace(opts, layers_per_virtual_stage=4)
+    assert plan_mode(opts, Mode.DISAGGREGATED).layout.vp == 4
+
+
 def test_published_claims():
     # Qwen3.5-35B-A3B -> 9B on one H200 node: colocated with the fused loss fits; disaggregated is
     # faster.
@@ -355,14 +392,172 @@ def test_from_args_parsing():
     "bad, match",
     [
         ("--context-parallel-size 2", "context parallelism"),
-        ("--num-layers-per-virtual-pipeline-stage 2", "interleaved"),
-        ("--recompute-granularity full --recompute-method block", "uniform"),
+        ("--pipeline-model-parallel-size 2 --microbatch-group-size-per-virtual-pipeline-stage 3",
+         "models Megatron-Core's default group of pipeline-model-parallel-size \\(2\\)"),
+        ("--num-layers-per-virtual-pipeline-stage 2 --num-virtual-stages-per-pipeline-rank 4",
+         "give the virtual pipeline one way"),
+        ("--pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 1",
+         "one chunk per rank through its interleaved schedule"),
+        ("--recompute-granularity full --recompute-method block",
+         "needs --recompute-method \\(uniform or block\\) and --recompute-num-layers"),
+        ("--recompute-granularity full --recompute-num-layers 2",
+         "got method=None, num-layers=2"),
+        ("--recompute-granularity full --recompute-method chunk --recompute-num-layers 1",
+         "--recompute-method='chunk': expected uniform or block"),
+        ("--recompute-granularity full --recompute-method block --recompute-num-layers 0",
+         "--recompute-num-layers=0: expected >= 1"),
+        ("--recompute-granularity selective --recompute-num-layers 2",
+         "refuses a layer count with selective recompute"),
+        ("--recompute-granularity everything", "expected full or selective"),
+        ("--fp16 --bf16", "--fp16 and --bf16 both given"),
+        ("--tensor-model-parallel-size two", "cannot parse"),
         ("--num-layers 2 --hidden-size 64", "lacks --num-attention-heads, --vocab-size"),
     ],
 )
 def test_from_args_refuses_what_is_not_modelled(bad, match):
     with pytest.raises(ValueError, match=match):
         parse_launch_args(bad)
+
+
+def test_from_args_reads_sp_virtual_stages_and_recompute():
+    launch = parse_launch_args(
+        "--tensor-model-parallel-size 2 --sequence-parallel --pipeline-model-parallel-size 2 "
+        "--num-layers-per-virtual-pipeline-stage 4 --recompute-granularity full "
+        "--recompute-method block --recompute-num-layers 2"
+    )
+    assert launch.values["sequence_parallel"] is True
+    assert launch.values["layers_per_virtual_stage"] == 4 and "vp" not in launch.values
+    assert (launch.values["recompute"], launch.values["recompute_method"],
+            launch.values["recompute_num_layers"]) == ("full", "block", 2)
+    assert launch.ignored == []
+    # the number of chunks directly, in Megatron-LM's current spelling and in the older one
+    assert parse_launch_args("--num-virtual-stages-per-pipeline-rank 4").values["vp"] == 4
+    assert parse_launch_args("--virtual-pipeline-model-parallel-size 2").values["vp"] == 2
+    # the default group size is accepted
+    parse_launch_args("--pipeline-model-parallel-size 2 "
+                      "--microbatch-group-size-per-virtual-pipeline-stage 2")
+    # Megatron-Core reads a method only with a granularity (and a method with selective not at
+    # all): listed back as ignored, not dropped silently
+    plain = parse_launch_args("--recompute-method uniform --recompute-num-layers 2")
+    assert plain.values["recompute"] == "none"
+    assert plain.ignored == ["--recompute-method", "--recompute-num-layers"]
+    selective = parse_launch_args("--recompute-granularity selective --recompute-method block")
+    assert selective.values["recompute"] == "selective"
+    assert selective.ignored == ["--recompute-method"]
+
+
+# LAUNCH's 16-layer model, on 8 GPUs: tp 2 x pp 2 x dp 2, 4 layers per virtual stage (v = 16 /
+# (2 * 4) = 2), full block recompute of 2 layers per chunk; G=64 / (b=2 * dp=2) = 16 micro-batches
+PIPELINED = LAUNCH.replace("--recompute-granularity selective", "") + (
+    " --pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 4"
+    " --recompute-granularity full --recompute-method block --recompute-num-layers 2"
+)
+
+
+@pytest.mark.parametrize("flag", ["--from-args", "--launch-args"])
+def test_cli_launch_args_map_into_the_layout(capsys, flag):
+    out = _run_json(capsys, "--teacher", "llama-3.1-8b", flag, PIPELINED,
+                    "--modes", "disaggregated")
+    layout = out["plans"]["disaggregated"]["layout"]
+    assert (layout["tp"], layout["pp"], layout["vp"], layout["dp"]) == (2, 2, 2, 2)
+    assert layout["sequence_parallel"] is True
+    assert (layout["recompute"], layout["recompute_method"], layout["recompute_num_layers"]) == (
+        "full", "block", 2)
+    # 1F1B would idle (p-1)/m = 1/16; two virtual stages halve it
+    assert out["plans"]["disaggregated"]["bubble"] == 1 / 32
+    # the command line wins: selective instead of the launch's full block recompute, and the
+    # number of virtual stages instead of layers per virtual stage
+    out = _run_json(capsys, "--teacher", "llama-3.1-8b", flag, PIPELINED, "--modes",
+                    "disaggregated", "--recompute-granularity", "selective",
+                    "--num-virtual-stages-per-pipeline-rank", "4")
+    layout = out["plans"]["disaggregated"]["layout"]
+    assert (layout["recompute"], layout["recompute_method"], layout["vp"]) == (
+        "selective", "uniform", 4)
+
+
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        # 32 layers over 3 stages of 2 virtual stages: not whole layers per virtual stage
+        (["--pipeline-model-parallel-size", "3", "--num-virtual-stages-per-pipeline-rank", "2",
+          "--tensor-model-parallel-size", "1", "--nodes", "3", "--gpus-per-node", "1",
+          "--global-batch-size", "3"],
+         "num_layers=32 is not a multiple of pp\\*vp=3\\*2"),
+        # tp 2 x pp 4 on 8 GPUs: dp 1, G=6: m=6 micro-batches, not a multiple of pp=4
+        (["--pipeline-model-parallel-size", "4", "--tensor-model-parallel-size", "2",
+          "--num-virtual-stages-per-pipeline-rank", "2", "--global-batch-size", "6"],
+         "m=6 to be a multiple of pp"),
+        (["--recompute-granularity", "full", "--recompute-method", "uniform",
+          "--recompute-num-layers", "3", "--tensor-model-parallel-size", "1",
+          "--pipeline-model-parallel-size", "1"],
+         "recompute_num_layers=3 needs it to divide the layers of every model chunk \\(32\\)"),
+        (["--recompute-method", "block"],
+         "need recompute='full' \\(Megatron's --recompute-granularity full\\)"),
+        (["--num-virtual-stages-per-pipeline-rank", "2",
+          "--num-layers-per-virtual-pipeline-stage", "4"], "give one of them"),
+        (["--num-virtual-stages-per-pipeline-rank", "2", "--pipeline-model-parallel-size", "1"],
+         "vp=2 needs pp > 1"),
+        # 32 layers, pp=2, 16 layers per virtual stage: one chunk per rank
+        (["--num-layers-per-virtual-pipeline-stage", "16", "--pipeline-model-parallel-size", "2"],
+         "more than one virtual stage of whole layers per rank"),
+    ],
+)
+def test_cli_refuses_layouts_megatron_core_refuses(capsys, argv, match):
+    base = ["plan", "--teacher", "qwen3.5-35b-a3b", "--student", "qwen3.5-9b", "--gpu",
+            "h200-141g", "--seq-length", "8192", "--modes", "offline-cache"]
+    assert main(base + argv) == 2
+    err = capsys.readouterr().err
+    assert re.search(match, err), err
+
+
+DISAGGKD_PAIR = ["plan", "--teacher", "qwen3.5-35b-a3b", "--student", "qwen3.5-9b", "--gpu",
+                 "h200-141g", "--nodes", "1", "--seq-length", "8192", "--global-batch-size", "64",
+                 "--use-distributed-optimizer"]
+
+
+#: The columns of the "what the options buy" table: (name, end) after the 3-space indent and the
+#: 44-wide label, as ``cli.format_options`` prints them.
+_COLUMNS = (("peak", 56), ("delta_gib", 64), ("step", 72), ("delta_step", 80), ("bubble", 88),
+            ("tp_s", 95), ("p2p_s", 102), ("fits", None))
+
+
+def _options_table(text: str) -> dict[str, dict[str, str]]:
+    """The "what the options buy" table of ``megatron-kd plan``'s output, by option label."""
+    rows = {}
+    for line in text.split("what the options buy", 1)[1].splitlines()[2:]:
+        start, cells = 47, {}
+        for name, end in _COLUMNS:
+            cells[name] = line[start:end].strip()
+            start = end
+        rows[line[:47].strip()] = cells
+    return rows
+
+
+def test_disaggkd_pair_plan(capsys):
+    # The README's plan: Qwen3.5-35B-A3B -> Qwen3.5-9B, 8K tokens, one H200 node.
+    assert main(DISAGGKD_PAIR) == 0
+    text = capsys.readouterr().out
+    assert "recommendation: disaggregated" in text
+    student = text.split("== disaggregated", 1)[1].splitlines()[1]
+    # the 9B student fits on one GPU's share without model parallelism or recompute (111 of 140
+    # GiB): tensor parallelism would buy memory it does not need, at the cost of its collectives
+    assert "student: tp=1 pp=1 vp=1 dp=8" in student and "recompute=none" in student
+    rows = _options_table(text)
+    chosen = rows["chosen: tp=1 pp=1 recompute=none"]
+    assert chosen["fits"] == "yes" and chosen["bubble"] == "0.0%"
+    for label in ("recompute full uniform x1", "pp=2 vp=1", "pp=2 vp=2", "tp=2 +SP"):
+        assert float(rows[label]["peak"]) < float(chosen["peak"]), label  # each buys memory ...
+    # ... full recompute costs compute (every layer's forward again: over a fifth more) ...
+    assert float(rows["recompute full uniform x1"]["step"]) > 1.2 * float(chosen["step"])
+    # ... a pipeline its bubble, halved by each doubling of the virtual stages ((p-1)/(v*m),
+    # m = 64/4 = 16) ...
+    assert [rows[f"pp=2 vp={v}"]["bubble"] for v in (1, 2, 4, 8, 16)] == [
+        "6.2%", "3.1%", "1.6%", "0.8%", "0.4%"]
+    # ... which cost activation memory on the first stage, L(1 + (p-1)/(p*v)) layers' worth ...
+    assert float(rows["pp=2 vp=2"]["peak"]) > float(rows["pp=2 vp=4"]["peak"]) > float(
+        rows["pp=2 vp=1"]["peak"])
+    # ... and TP + SP costs collectives the step time does not count
+    assert rows["tp=2 +SP"]["step"] == chosen["step"] and float(rows["tp=2 +SP"]["tp_s"]) > 0
 
 
 def test_cli_from_args_precedence(capsys):

@@ -3,7 +3,8 @@
 The planner is standard-library only (``megatron-kd plan`` runs without torch), so it cannot
 import what the loss, the cache, the teacher's wire and the trainer define; it keeps copies (the
 loss's default window, a decoded top-K entry's bytes, a token id's bytes, the vocabulary padding,
-the ring's default depth), and these tests fail when a copy and its source part. (The wire's bytes
+the ring's default depth, Megatron-Core's pipeline schedule table and warm-up counts), and these
+tests fail when a copy and its source part. (The wire's bytes
 per hidden-state token, ``traffic.WIRE_ELEMENT_BYTES``, are compared with what the wire encodes
 in ``tests/unit/test_wire.py``.)
 """
@@ -13,8 +14,11 @@ import collections
 import dataclasses
 import importlib
 
+import types
+
 import numpy as np
 import torch
+from megatron.core.pipeline_parallel import schedules as mcore_schedules
 
 from megatron_kd.cache.codec import LogprobCodec
 from megatron_kd.cache.format import CacheSpec
@@ -24,7 +28,7 @@ from megatron_kd.cache.writer import CacheWriter
 from megatron_kd.cli import SUBCOMMANDS
 from megatron_kd.loss import config as loss_config
 from megatron_kd.parallel.vocab import pad_vocab_size
-from megatron_kd.planner import memory, traffic
+from megatron_kd.planner import memory, schedule, traffic
 from megatron_kd.planner.memory import ParallelLayout
 from megatron_kd.planner.plan import PlanOptions
 from megatron_kd.teacher.client import TeacherClient
@@ -92,3 +96,30 @@ def test_vocabulary_padding_is_the_trainers():
 
 def test_prefetch_depth_is_the_trainers_default():
     assert _default(PlanOptions, "prefetch_depth") == _train_default("kd_prefetch_depth")
+
+
+def _p2p(pp: int, rank: int, vp: int | None) -> types.SimpleNamespace:
+    """What ``get_pp_rank_microbatches`` asks of a P2P communicator: the pipeline group's size and
+    this rank, and the virtual pipeline size (None without interleaving)."""
+    group = types.SimpleNamespace(size=lambda: pp, rank=lambda: rank)
+    return types.SimpleNamespace(pp_group=group, virtual_pipeline_model_parallel_size=vp)
+
+
+def test_pipeline_schedule_is_megatron_cores():
+    # the forwards' chunk order and every rank's warm-up, against Megatron-Core's own functions
+    # (the group size defaults to pp), for several p, v and m (m a multiple of p, as it requires)
+    for pp in (2, 3, 4):
+        for vp in (2, 3, 4):
+            for m in (pp, 2 * pp, 5 * pp):
+                table = mcore_schedules.get_schedule_table(m, vp, pp)
+                assert schedule.schedule_chunks(pp, vp, m) == [chunk for _, chunk in table]
+                for rank in range(pp):
+                    _, _, warmup, _ = mcore_schedules.get_pp_rank_microbatches(
+                        m, vp, pp, p2p_communicator=_p2p(pp, rank, vp))
+                    assert schedule.interleaved_warmup(pp, vp, rank, m) == warmup
+        # 1F1B: p - r - 1 warm-up forwards, then one in flight more
+        for m in (1, pp, 3 * pp + 1):
+            for rank in range(pp):
+                _, _, warmup, _ = mcore_schedules.get_pp_rank_microbatches(
+                    m, 1, pp, p2p_communicator=_p2p(pp, rank, None))
+                assert schedule.in_flight_microbatches(pp, rank, m) == min(warmup + 1, m)
