@@ -15,7 +15,8 @@
 #                   imported from): student and teacher must tokenize alike
 #   more flags      appended to the command line (they win over the ones below)
 #
-# Multi-node: set NUM_NODES, NODE_RANK, MASTER_ADDR (and MASTER_PORT) on every node.
+# Multi-node: set NUM_NODES, NODE_RANK, MASTER_ADDR (and MASTER_PORT) on every node. TP, PP and
+# VP_LAYERS (layers per virtual pipeline stage) set the layout.
 set -euo pipefail
 
 CHECKPOINT_DIR=${1:?checkpoint directory}
@@ -83,12 +84,19 @@ TRAINING_ARGS=(
     --lr-decay-iters 20000
 )
 
-# --sequence-parallel and --context-parallel-size > 1 are refused with --kd-* (for now).
+# Sequence parallelism: the student's and the teacher's norms and activations split along the
+# sequence over the TP ranks (Megatron-LM turns it off at TP 1). VP_LAYERS (optional): layers per
+# virtual pipeline stage, the interleaved schedule (PP > 1; the microbatches of a step must be a
+# multiple of PP). --context-parallel-size > 1 is refused with --kd-* (for now).
 MODEL_PARALLEL_ARGS=(
     --tensor-model-parallel-size "$TP"
     --pipeline-model-parallel-size "$PP"
+    --sequence-parallel
     --make-vocab-size-divisible-by $((TEACHER_PADDED_VOCAB / TP))
 )
+if [ -n "${VP_LAYERS:-}" ]; then
+    MODEL_PARALLEL_ARGS+=(--num-layers-per-virtual-pipeline-stage "$VP_LAYERS")
+fi
 
 DATA_ARGS=(
     --data-path "$DATA_PREFIX"

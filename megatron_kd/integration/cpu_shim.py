@@ -362,7 +362,8 @@ def _is_cuda(device: Any) -> bool:
 
 
 class cuda_to_cpu(TorchFunctionMode):
-    """While active, ``device="cuda"`` becomes ``"cpu"`` and ``Tensor.cuda()`` is the identity.
+    """While active, ``device="cuda"`` becomes ``"cpu"``, ``pin_memory=True`` False (the rotary
+    embedding's context-parallel slice asks for it) and ``Tensor.cuda()`` is the identity.
 
     Needed around Megatron-Core's pipeline schedules on a CPU machine; entering it when a GPU is
     present is harmless (the rewrite is only applied when :func:`on_cpu` is True).
@@ -379,6 +380,8 @@ class cuda_to_cpu(TorchFunctionMode):
                 return args[0]
             if "device" in kwargs and _is_cuda(kwargs["device"]):
                 kwargs = {**kwargs, "device": "cpu"}
+            if kwargs.get("pin_memory"):  # page-locked memory is for copies to a GPU
+                kwargs = {**kwargs, "pin_memory": False}
             if func is torch.Tensor.to and len(args) > 1 and _is_cuda(args[1]):
                 args = (args[0], "cpu", *args[2:])
         return func(*args, **kwargs)

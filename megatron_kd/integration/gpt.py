@@ -24,6 +24,7 @@ from megatron.core.models.gpt.gpt_layer_specs import (
 from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_block import (
@@ -34,12 +35,13 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
 from megatron_kd.integration.arch import GPTArchConfig
+from megatron_kd.integration.context_parallel import ContextParallelAttention
 from megatron_kd.integration.cpu_shim import SequenceParallelNorm, install_cpu_shim, on_cpu
 
 __all__ = ["build_gpt_model", "model_arch"]
 
 
-def _transformer_config(arch: GPTArchConfig, *, tp_size: int, pp_size: int,
+def _transformer_config(arch: GPTArchConfig, *, tp_size: int, pp_size: int, cp_size: int,
                         expert_sizes: tuple[int, int],
                         params_dtype: torch.dtype, **overrides: Any):
     kwargs = {
@@ -60,6 +62,7 @@ def _transformer_config(arch: GPTArchConfig, *, tp_size: int, pp_size: int,
         "bias_activation_fusion": False,
         "tensor_model_parallel_size": tp_size,
         "pipeline_model_parallel_size": pp_size,
+        "context_parallel_size": cp_size,
         "params_dtype": params_dtype,
         "pipeline_dtype": params_dtype,
         "bf16": params_dtype == torch.bfloat16,
@@ -177,15 +180,16 @@ def _layer_specs(arch: GPTArchConfig) -> list[ModuleSpec]:
     return [deltanet if i in linear else attention for i in range(arch.num_layers)]
 
 
-def _with_norm(spec: Any, norm: type) -> Any:
-    """``spec`` (a ``ModuleSpec``, or a submodules dataclass) with every ``WrappedTorchNorm`` in
-    it replaced by ``norm``."""
-    if spec is WrappedTorchNorm:
-        return norm
+def _swapped(spec: Any, swaps: dict) -> Any:
+    """``spec`` (a ``ModuleSpec``, or a submodules dataclass) with every module class that is a
+    key of ``swaps`` replaced by its value."""
+    if isinstance(spec, type) and spec in swaps:
+        return swaps[spec]
     if isinstance(spec, ModuleSpec):
-        return dataclasses.replace(spec, submodules=_with_norm(spec.submodules, norm))
+        return dataclasses.replace(spec, module=_swapped(spec.module, swaps),
+                                   submodules=_swapped(spec.submodules, swaps))
     if dataclasses.is_dataclass(spec) and not isinstance(spec, type):
-        return dataclasses.replace(spec, **{f.name: _with_norm(getattr(spec, f.name), norm)
+        return dataclasses.replace(spec, **{f.name: _swapped(getattr(spec, f.name), swaps)
                                             for f in dataclasses.fields(spec)})
     return spec
 
@@ -207,14 +211,18 @@ def _block_spec(arch: GPTArchConfig, config, *, vp_stage: int | None, pp_rank: i
     to the stage's layers as Megatron-Core's own ``get_gpt_decoder_block_spec`` slices (so a
     layer pattern, such as a DeltaNet hybrid's, splits over pipeline stages), its torch norms
     :class:`~megatron_kd.integration.cpu_shim.SequenceParallelNorm` (the same modules, with
-    their weights marked for sequence parallelism)."""
+    their weights marked for sequence parallelism), its attention
+    :class:`~megatron_kd.integration.context_parallel.ContextParallelAttention` with context
+    parallelism."""
     if arch.linear_attention_layers is None and _te_available():
         return get_gpt_layer_with_transformer_engine_spec(
             num_experts=arch.num_experts, moe_grouped_gemm=False, qk_layernorm=arch.qk_layernorm)
     offset = get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=pp_rank)
     count = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
-    specs = [_with_norm(spec, SequenceParallelNorm)
-             for spec in _layer_specs(arch)[offset:offset + count]]
+    swaps = {WrappedTorchNorm: SequenceParallelNorm}
+    if config.context_parallel_size > 1:
+        swaps[DotProductAttention] = ContextParallelAttention
+    specs = [_swapped(spec, swaps) for spec in _layer_specs(arch)[offset:offset + count]]
     return TransformerBlockSubmodules(layer_specs=specs, layer_norm=SequenceParallelNorm)
 
 
@@ -245,6 +253,8 @@ def build_gpt_model(
         tp_size, pp_size = pg_collection.tp.size(), pg_collection.pp.size()
         tp_rank, pp_rank = pg_collection.tp.rank(), pg_collection.pp.rank()
         ep, etp = getattr(pg_collection, "ep", None), getattr(pg_collection, "expt_tp", None)
+        cp = getattr(pg_collection, "cp", None)  # a collection may leave out what it lacks
+        cp_size = cp.size() if cp is not None else 1
         ep_size, ep_rank = (ep.size(), ep.rank()) if ep is not None else (1, 0)
         etp_rank, etp_size = (etp.rank(), etp.size()) if etp is not None else (tp_rank, tp_size)
     else:
@@ -255,6 +265,7 @@ def build_gpt_model(
         pp_size = parallel_state.get_pipeline_model_parallel_world_size()
         tp_rank = parallel_state.get_tensor_model_parallel_rank()
         pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+        cp_size = parallel_state.get_context_parallel_world_size()
         ep_size = parallel_state.get_expert_model_parallel_world_size()
         ep_rank = parallel_state.get_expert_model_parallel_rank()
         etp_rank = parallel_state.get_expert_tensor_parallel_rank()
@@ -266,7 +277,7 @@ def build_gpt_model(
     if seed is not None:
         model_parallel_cuda_manual_seed(seed, tp_rank=tp_rank, ep_rank=ep_rank,
                                         etp_rank=etp_rank)
-    config = _transformer_config(arch, tp_size=tp_size, pp_size=pp_size,
+    config = _transformer_config(arch, tp_size=tp_size, pp_size=pp_size, cp_size=cp_size,
                                  expert_sizes=(ep_size, etp_size),
                                  params_dtype=params_dtype, **config_overrides)
     kwargs = {}

@@ -47,21 +47,22 @@ def init_distributed_from_env(timeout_s: float = 600.0) -> bool:
 
 @contextlib.contextmanager
 def model_parallel(tp: int = 1, pp: int = 1, ep: int = 1, etp: int | None = None,
-                   vp: int | None = None):
+                   vp: int | None = None, cp: int = 1):
     """``parallel_state.initialize_model_parallel(tp, pp)`` (experts over ``ep`` x ``etp``
-    ranks, ``etp`` defaulting to ``tp``; ``vp`` virtual stages per pipeline rank) over the
-    default group, undone on exit.
+    ranks, ``etp`` defaulting to ``tp``; ``vp`` virtual stages per pipeline rank; ``cp``
+    context-parallel ranks) over the default group, undone on exit.
 
     ``torch.distributed`` must already be initialised. Installs the CPU shim when no GPU is
     present.
     """
     install_cpu_shim()
-    check_parallel_sizes(dist.get_world_size(), tp, pp, ep, etp)
+    check_parallel_sizes(dist.get_world_size(), tp, pp, ep, etp, cp)
     if parallel_state.model_parallel_is_initialized():
         raise RuntimeError("megatron.core.parallel_state is already initialised")
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp,
                                              pipeline_model_parallel_size=pp,
                                              virtual_pipeline_model_parallel_size=vp,
+                                             context_parallel_size=cp,
                                              expert_model_parallel_size=ep,
                                              expert_tensor_parallel_size=etp)
     try:

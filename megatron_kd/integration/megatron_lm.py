@@ -45,12 +45,29 @@ serve`` registered at ``E``; the hidden states come back chunked over the TP gro
 the loss of a replica (:class:`~megatron_kd.teacher.client.TeacherClient`). Evaluation reports
 the student's cross-entropy only (its data iterator is not read ahead).
 
+Layouts: tensor, pipeline, data and expert parallelism as Megatron-LM sets them up;
+``--sequence-parallel`` (the bypassed student returns this TP rank's ``[b, s/tp, h]`` slice of
+the sequence, the colocated teacher is built sequence-parallel too and the loss gathers the
+sequence inside, while labels and loss mask stay the whole sequence, as Megatron-LM's
+``get_batch`` gives them); virtual pipeline stages (``--num-layers-per-virtual-pipeline-stage``
+/ ``--virtual-pipeline-model-parallel-size``): Megatron-LM gives each model chunk its own data
+iterator, the KD state sits on the chunk with the output layer and reads that chunk's
+iterator, whose microbatches the interleaved schedule runs in order, ``get_num_microbatches()``
+to a step, as the non-interleaved one does.
+
+Megatron-LM's checks of the loss stay on: :func:`loss_func` hands its loss to Megatron-Core's
+rerun state machine exactly as Megatron-LM's own ``pretrain_gpt.loss_func`` does
+(``--check-for-nan-in-loss-and-grad``, ``--check-for-spiky-loss``; see
+:func:`~megatron_kd.integration.megatron_lm_flags.validate_loss`).
+
 Not supported here (each refused with ``ValueError`` before anything is built):
 ``--kd-mode offline`` (Megatron-LM's data iterator gives no sample indices to read the cache
-by: use ``megatron-kd train``), ``--sequence-parallel`` and ``--context-parallel-size > 1``
-(the bypassed hidden states would stay sharded along the sequence),
-``--init-model-with-meta-device``, multi-token prediction and
-``--overlap-moe-expert-parallel-comm`` schedule plans.
+by: use ``megatron-kd train``), ``--context-parallel-size > 1`` (the teacher would see a
+sequence shard), ``--init-model-with-meta-device``, multi-token prediction,
+``--overlap-moe-expert-parallel-comm`` schedule plans, and the Megatron-LM flags of
+:data:`~megatron_kd.integration.megatron_lm_flags.CONFLICTING_FLAGS` (another distillation, or
+a second build of the model); see
+:func:`~megatron_kd.integration.megatron_lm_flags.check_megatron_args`.
 
 Nothing here imports Megatron-LM (``megatron.training``) at import time (only megatron-core):
 :func:`model_provider` reads Megatron-LM's ``get_args()`` when it is called, and the model
@@ -71,6 +88,11 @@ from megatron.core import parallel_state as ps
 
 from megatron_kd.integration.args import KDArgs, add_kd_args
 from megatron_kd.integration.loss_func import make_kd_loss_func
+from megatron_kd.integration.megatron_lm_flags import (
+    LossChecks,
+    check_megatron_args,
+    validate_loss,
+)
 from megatron_kd.integration.megatron_lm_teacher import (
     lookahead,
     megatron_lm_args,
@@ -84,7 +106,6 @@ from megatron_kd.integration.output_layer import (
     output_layer_weight,
     unwrap_model,
 )
-from megatron_kd.integration.teacher import check_teacher
 from megatron_kd.integration.teacher_sources import NoTeacher, TeacherSource, build_teacher_source
 
 __all__ = [
@@ -95,7 +116,6 @@ __all__ = [
     "REPORT_NAMES",
     "KDState",
     "add_kd_hooks",
-    "check_megatron_args",
     "extra_args_provider",
     "forward_step",
     "loss_func",
@@ -144,50 +164,6 @@ def with_kd_args(base: Callable | None = None) -> Callable:
     return provider
 
 
-def check_megatron_args(args: argparse.Namespace):
-    """Validate the ``--kd-*`` flags against Megatron-LM's other flags and the teacher
-    checkpoint; ``ValueError`` with the offending values. Reads only small files.
-
-    Returns ``(kd, teacher_arch)``: the :class:`~megatron_kd.integration.KDArgs` (with the
-    teacher directory resolved) and the teacher's architecture (None without a teacher).
-    """
-    kd = KDArgs.from_args(args)
-    if kd.mode == "offline":
-        raise ValueError("--kd-mode offline is not supported in Megatron-LM's pretrain_gpt.py "
-                         "yet (its data iterator does not give sample indices to read the cache "
-                         "by); run `megatron-kd train --kd-mode offline` with the same flags")
-    if args.sequence_parallel:
-        raise ValueError("--sequence-parallel is not supported with --kd-* yet: the student's "
-                         "final hidden states would stay sharded along the sequence; drop it")
-    cp = args.context_parallel_size or 1
-    if cp > 1:
-        raise ValueError(f"--context-parallel-size {cp} is not supported with --kd-* yet "
-                         f"(the teacher would see a sequence shard); use 1")
-    if args.init_model_with_meta_device:
-        raise ValueError("--init-model-with-meta-device is not supported with --kd-*: the "
-                         "teacher must be built with real weights to load its checkpoint")
-    if args.mtp_num_layers:
-        raise ValueError(f"--mtp-num-layers {args.mtp_num_layers} is not supported with --kd-*")
-    if not kd.teacher_load:
-        return kd, None
-
-    # the teacher runs over the student's TP group
-    teacher_dir, arch = check_teacher(
-        kd.teacher_load, seq_length=args.seq_length or 1,
-        tp_sizes=(args.tensor_model_parallel_size or 1,),
-        teacher_args=kd.teacher_args)
-    kd = dataclasses.replace(kd, teacher_load=teacher_dir)
-    padded = args.padded_vocab_size
-    if padded is not None and padded != arch.padded_vocab_size:
-        raise ValueError(
-            f"the student's padded vocabulary {padded} (Megatron-LM: tokenizer vocabulary padded "
-            f"to --make-vocab-size-divisible-by x TP) != the teacher's {arch.padded_vocab_size} "
-            f"(true vocabulary {arch.vocab_size}): both output layers must have the same rows; "
-            f"use the teacher's tokenizer and a --make-vocab-size-divisible-by that gives "
-            f"{arch.padded_vocab_size}")
-    return kd, arch
-
-
 # ----------------------------------------------------------------------------------------------
 # model provider
 # ----------------------------------------------------------------------------------------------
@@ -211,6 +187,9 @@ class KDState:
 
     teacher_arch: Any = None
     """The teacher's architecture (None without a teacher)."""
+
+    checks: LossChecks = field(default_factory=LossChecks)
+    """Megatron-LM's checks of the loss (its flags)."""
 
     started: bool = False
     """Whether the source was started (at the first training microbatch)."""
@@ -261,9 +240,10 @@ def model_provider(base_model_provider: Callable, pre_process: bool = True,
     Calls ``base_model_provider(pre_process=..., post_process=..., **kwargs)`` (``vp_stage``,
     ``config``, ``pg_collection`` as Megatron-LM passes them) for the student. On the chunk that
     holds the output layer (``post_process``) the output layer is bypassed (the model returns
-    ``[b, s, h]`` final hidden states) and a :class:`KDState` with the teacher is attached. The
-    first call of the process (``vp_stage`` None or 0) builds and loads the teacher before the
-    student, on every rank (collective); ranks off the last pipeline stage drop it at once.
+    ``[b, s, h]`` final hidden states, ``[b, s/tp, h]`` with sequence parallelism) and a
+    :class:`KDState` with the teacher is attached. The first call of the process (``vp_stage``
+    None or 0) builds and loads the teacher before the student, on every rank (collective);
+    ranks off the last pipeline stage drop it at once.
     """
     args = megatron_lm_args()
     kd, teacher_arch = check_megatron_args(args)
@@ -311,7 +291,8 @@ def _prepare_teacher(args, kd: KDArgs, teacher_arch, pg_collection) -> None:
         kd, teacher_arch, active=last, tp_group=_tp_group(pg_collection),
         dp_rank=ps.get_data_parallel_rank(), dp_size=ps.get_data_parallel_world_size(),
         micro_batch_size=args.micro_batch_size, seq_length=args.seq_length,
-        pg_collection=pg_collection, own_groups=False, max_samples=1, log=print)
+        pg_collection=pg_collection, own_groups=False, max_samples=1, log=print,
+        sequence_parallel=bool(args.sequence_parallel))
     if last:
         _pending_teacher["source"] = source
 
@@ -326,11 +307,14 @@ def _attach_kd_state(model, args, kd: KDArgs, teacher_arch, pg_collection) -> No
     vocab_size = teacher_arch.vocab_size if teacher_arch is not None else args.vocab_size
     # Megatron-LM's --gradient-accumulation-fusion (on by default on a GPU): the output-layer
     # weight gradient goes into its DDP's main_grad, as Megatron's own output layer does.
+    # --sequence-parallel: the student's (and a dense teacher's) hidden states are this TP
+    # rank's slice of the sequence; Megatron-LM has turned it off at TP 1 already.
     model.kd_state = KDState(
         kd=kd, config=kd.loss_config(vocab_size=vocab_size,
-                                     gradient_accumulation_fusion=args.gradient_accumulation_fusion),
+                                     gradient_accumulation_fusion=args.gradient_accumulation_fusion,
+                                     sequence_parallel=bool(args.sequence_parallel)),
         tp_group=_tp_group(pg_collection), source=source or NoTeacher(),
-        teacher_arch=teacher_arch)
+        teacher_arch=teacher_arch, checks=LossChecks.from_args(args))
 
 
 def kd_state(model) -> KDState | None:
@@ -379,9 +363,11 @@ def forward_step(base_forward_step: Callable, data_iterator, model, *args: Any, 
     """Megatron-LM's forward step, distilling: ``partial(forward_step, <Megatron-LM's>)``.
 
     Returns ``(output_tensor, loss_func)``. On the chunk with the output layer the output is
-    the student's final hidden states ``[b, s, h_s]`` and the loss function is
-    ``partial(loss_func, loss_mask, ...)`` (see :func:`loss_func`); elsewhere both come from
-    ``base_forward_step`` unchanged.
+    the student's final hidden states ``[b, s, h_s]`` (``[b, s/tp, h_s]`` with
+    ``--sequence-parallel``) and the loss function is ``partial(loss_func, loss_mask, ...)``
+    (see :func:`loss_func`); elsewhere both come from ``base_forward_step`` unchanged. With
+    virtual stages Megatron-LM hands each chunk its own data iterator: the one seen here is
+    the last chunk's, whose microbatches the schedule runs in order.
     """
     if kwargs.get("return_schedule_plan"):
         raise ValueError("--overlap-moe-expert-parallel-comm schedule plans are not supported "
@@ -412,7 +398,7 @@ def forward_step(base_forward_step: Callable, data_iterator, model, *args: Any, 
         teacher_topk_logprobs=teacher.topk_logprobs,
         config=state.config if teacher.present or training else
         dataclasses.replace(state.config, kd_weight=0.0, ce_weight=1.0),
-        tp_group=state.tp_group, report_teacher_lm_loss=not training)
+        tp_group=state.tp_group, report_teacher_lm_loss=not training, checks=state.checks)
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor, *, labels: torch.Tensor,
@@ -420,21 +406,27 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor, *, labels: t
               teacher_weight: torch.Tensor | None, config, tp_group=None,
               report_teacher_lm_loss: bool = False, loss_fn: Callable | None = None,
               teacher_topk_ids: torch.Tensor | None = None,
-              teacher_topk_logprobs: torch.Tensor | None = None):
+              teacher_topk_logprobs: torch.Tensor | None = None,
+              checks: LossChecks | None = None):
     """Megatron-LM's ``loss_func(loss_mask, output_tensor)`` on the fused KD loss.
 
     Args:
-        loss_mask: ``[b, s]`` per-token weights (Megatron-LM's batch layout).
-        output_tensor: ``[b, s, h_s]`` the bypassed student's final hidden states.
+        loss_mask: ``[b, s]`` per-token weights (Megatron-LM's batch layout; the whole
+            sequence, with sequence parallelism too).
+        output_tensor: ``[b, s, h_s]`` the bypassed student's final hidden states
+            (``[b, s/tp, h_s]``, this TP rank's slice, with ``config.sequence_parallel``).
         labels: ``[b, s]`` next-token ids.
         student_weight: ``[local_vocab_size, h_s]`` the student's output-layer shard.
-        teacher_hidden: ``[s, b, h_t]`` the teacher's final hidden states (None: no teacher).
+        teacher_hidden: ``[s, b, h_t]`` the teacher's final hidden states (None: no teacher;
+            ``[s/tp, b, h_t]`` with ``config.sequence_parallel``).
         teacher_weight: ``[local_vocab_size, h_t]`` the teacher's output-layer shard.
         teacher_topk_ids / teacher_topk_logprobs: ``[s, b, K]`` a sparse teacher instead.
         config: the :class:`~megatron_kd.loss.KDLossConfig`.
         tp_group: the tensor-parallel group of the vocabulary shards.
         report_teacher_lm_loss: also report the teacher's cross-entropy (evaluation).
         loss_fn: replaces ``vocab_parallel_kd_loss`` (same signature; for tests).
+        checks: Megatron-LM's NaN / spiky-loss checks of the summed loss
+            (:func:`~megatron_kd.integration.megatron_lm_flags.validate_loss`).
 
     Returns:
         ``(loss_sum, num_tokens, report)``: ``sum(loss_mask * (kd_weight*KD + ce_weight*CE))``
@@ -450,4 +442,6 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor, *, labels: t
                               config=config, tp_group=tp_group,
                               report_teacher_lm_loss=report_teacher_lm_loss, **kw)
     loss_sum, num_tokens, report = inner(output_tensor)
+    if checks is not None:
+        validate_loss(loss_sum, checks)
     return loss_sum, num_tokens, {REPORT_NAMES[key]: pair for key, pair in report.items()}

@@ -74,22 +74,25 @@ class Layout:
 
 
 def check_parallel_sizes(world_size: int, tp: int, pp: int, ep: int = 1,
-                         etp: int | None = None) -> int:
-    """Data-parallel size for ``tp * pp`` model-parallel ranks; ValueError when it does not fit.
+                         etp: int | None = None, cp: int = 1) -> int:
+    """Data-parallel size for ``tp * pp * cp`` model-parallel ranks; ValueError when it does not
+    fit.
 
-    The experts have a layout of their own over each pipeline stage's ``tp * dp`` ranks
+    The experts have a layout of their own over each pipeline stage's ``tp * cp * dp`` ranks
     (Megatron-Core's "parallel folding"): ``ep`` expert-parallel times ``etp`` expert
-    tensor-parallel ranks (``etp`` defaults to ``tp``) must divide ``tp * dp``."""
+    tensor-parallel ranks (``etp`` defaults to ``tp``) must divide ``tp * cp * dp``."""
     etp = tp if etp is None else etp
-    if tp < 1 or pp < 1 or ep < 1 or etp < 1:
+    if tp < 1 or pp < 1 or ep < 1 or etp < 1 or cp < 1:
         raise ValueError(f"parallel sizes must be >= 1, got tensor-model-parallel-size={tp}, "
-                         f"pipeline-model-parallel-size={pp}, expert-model-parallel-size={ep}")
-    if world_size % (tp * pp):
+                         f"pipeline-model-parallel-size={pp}, expert-model-parallel-size={ep}, "
+                         f"context-parallel-size={cp}")
+    if world_size % (tp * pp * cp):
         raise ValueError(f"world size {world_size} is not divisible by tensor-model-parallel-size "
-                         f"{tp} x pipeline-model-parallel-size {pp}")
-    dp = world_size // (tp * pp)
-    if (tp * dp) % (ep * etp):
+                         f"{tp} x pipeline-model-parallel-size {pp}"
+                         + (f" x context-parallel-size {cp}" if cp > 1 else ""))
+    dp = world_size // (tp * pp * cp)
+    if (tp * cp * dp) % (ep * etp):
         raise ValueError(f"expert-model-parallel-size {ep} x expert-tensor-parallel-size {etp} "
-                         f"does not divide the {tp * dp} ranks of a pipeline stage (world "
+                         f"does not divide the {tp * cp * dp} ranks of a pipeline stage (world "
                          f"{world_size} / PP {pp})")
     return dp

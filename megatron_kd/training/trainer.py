@@ -491,7 +491,8 @@ class Trainer:
             "kd_mode": run.kd.mode,
             "topk_wait_s": None,
             **self.teacher.summary(),
-            "tp": run.tp, "pp": run.pp, "dp": run.dp,
+            "tp": run.tp, "pp": run.pp, "dp": run.dp, "vp": run.vp,
+            "sequence_parallel": run.sequence_parallel,
         }
 
 

@@ -37,6 +37,11 @@ import pytest
 import torch
 
 from megatron_kd.integration import megatron_lm as kd_lm
+from megatron_kd.integration.megatron_lm_flags import (
+    CONFLICTING_FLAGS,
+    LossChecks,
+    check_megatron_args,
+)
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -153,11 +158,15 @@ def _lm_args(kd_argv=(), **megatron_lm_fields):
     parser = argparse.ArgumentParser(allow_abbrev=False)
     kd_lm.extra_args_provider(parser)
     args = parser.parse_args(list(kd_argv))
+    # Megatron-LM's defaults (--check-for-nan-in-loss-and-grad is on unless turned off); the
+    # flags of CONFLICTING_FLAGS are absent, as in a tree or setup without them
     fields = {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1,
               "padded_vocab_size": 512, "seq_length": SEQ, "sequence_parallel": False,
               "context_parallel_size": 1, "init_model_with_meta_device": False,
               "mtp_num_layers": None, "micro_batch_size": MBS, "vocab_size": None,
-              "gradient_accumulation_fusion": False}
+              "gradient_accumulation_fusion": False, "num_layers": STUDENT_ARCH["num_layers"],
+              "virtual_pipeline_model_parallel_size": None,
+              "check_for_nan_in_loss_and_grad": True, "check_for_spiky_loss": False}
     fields.update(megatron_lm_fields)
     for key, value in fields.items():
         setattr(args, key, value)
@@ -169,16 +178,112 @@ def _lm_args(kd_argv=(), **megatron_lm_fields):
      "--kd-mode offline is not supported in Megatron-LM's pretrain_gpt.py"),
     (["--kd-mode", "disaggregated", "--kd-teacher-load", "/t"], {},
      "--kd-mode disaggregated needs --kd-teacher-endpoint"),
-    (["--kd-weight", "0", "--kd-ce-weight", "1"], {"sequence_parallel": True},
-     "--sequence-parallel is not supported"),
+    (["--kd-weight", "0", "--kd-ce-weight", "1"],
+     {"sequence_parallel": True, "tensor_model_parallel_size": 3},
+     "--seq-length 32 is not divisible by --tensor-model-parallel-size 3"),
     (["--kd-weight", "0", "--kd-ce-weight", "1"], {"context_parallel_size": 2},
      "--context-parallel-size 2 is not supported"),
+    # Megatron-LM's own flags that conflict with --kd-* (each absent from some trees)
+    (["--kd-teacher-load", "/t"], {"export_kd_teacher_load": "/modelopt_teacher"},
+     ("--export-kd-teacher-load '/modelopt_teacher' cannot be combined with --kd-*: it turns on "
+      "ModelOpt's own distillation")),
+    (["--kd-teacher-load", "/t"], {"logits_load_dir": "/logits"},
+     ("--logits-load-dir '/logits' cannot be combined with --kd-*: Megatron-LM's cached-logits "
+      "loss hooks the output layer that --kd-* bypasses")),
+    (["--kd-teacher-load", "/t"], {"logits_save_dir": "/logits"},
+     ("--logits-save-dir '/logits' cannot be combined with --kd-*: its logits saver hooks the "
+      "output layer")),
+    (["--kd-teacher-load", "/t"], {"moe_use_upcycling": True},
+     "--moe-use-upcycling cannot be combined with --kd-*: it builds the model twice"),
     (["--kd-teacher-load", "/nowhere"], {}, "'/nowhere' is not a directory"),
     ([], {}, "needs --kd-teacher-load"),
 ])
 def test_unsupported_settings_refused(argv, fields, message):
     with pytest.raises(ValueError, match=re.escape(message)):
-        kd_lm.check_megatron_args(_lm_args(argv, **fields))
+        check_megatron_args(_lm_args(argv, **fields))
+
+
+def test_conflicting_flags_unset_pass():
+    """The conflicting flags at Megatron-LM's defaults (None, False) are not refused; a
+    sequence-parallel layout is accepted (Megatron-LM has turned it off at TP 1 already)."""
+    fields = {c.attribute: None for c in CONFLICTING_FLAGS} | {"moe_use_upcycling": False}
+    kd, arch = check_megatron_args(_lm_args(["--kd-weight", "0", "--kd-ce-weight", "1"],
+                                            sequence_parallel=True, tensor_model_parallel_size=2,
+                                            **fields))
+    assert arch is None and kd.loss.ce_weight == 1
+
+
+# --- Megatron-LM's checks of the loss: the rerun state machine -----------------------------
+
+@pytest.fixture
+def rerun_machine():
+    """Megatron-Core's rerun state machine as Megatron-LM starts it without re-runs
+    (``--rerun-mode disabled``): a fatal rejected result raises, another is logged."""
+    from megatron.core import rerun_state_machine as rsm
+
+    from megatron_kd.integration.cpu_shim import install_cpu_shim
+
+    install_cpu_shim()  # its messages name torch.cuda.current_device()
+    rsm.initialize_rerun_state_machine(mode=rsm.RerunMode.DISABLED)
+    yield rsm.get_rerun_state_machine()
+    rsm.destroy_rerun_state_machine()
+
+
+def _fixed_loss(value):
+    """A stand-in for ``vocab_parallel_kd_loss`` whose summed loss is ``value``."""
+    def loss_fn(student_hidden, student_weight, *, terms_out, loss_mask, **kwargs):
+        loss = student_hidden.sum() * 0 + value
+        terms_out.update(kd_sum=loss.detach(), ce_sum=loss.detach())
+        return loss, loss_mask.sum().to(torch.int64)
+    return loss_fn
+
+
+def _call_loss_func(value, checks):
+    kd, _ = check_megatron_args(_lm_args(["--kd-weight", "0", "--kd-ce-weight", "1"]))
+    hidden = torch.zeros(1, 3, 4, requires_grad=True)
+    return kd_lm.loss_func(torch.ones(1, 3), hidden, labels=torch.zeros(1, 3, dtype=torch.long),
+                           student_weight=torch.zeros(8, 4), teacher_hidden=None,
+                           teacher_weight=None, config=kd.loss_config(vocab_size=8),
+                           loss_fn=_fixed_loss(value), checks=checks)
+
+
+@pytest.mark.parametrize("value, message", [
+    (float("nan"), "found NaN in local forward loss calculation"),
+    (float("inf"), "found Inf in local forward loss calculation")])
+def test_non_finite_loss_reaches_rerun_state_machine(rerun_machine, value, message):
+    """``--check-for-nan-in-loss-and-grad`` (Megatron-LM's default): a NaN or inf loss is
+    handed to the rerun state machine with Megatron-LM's own message, fatal; without the flag
+    the loss goes through unchecked, as in Megatron-LM."""
+    with pytest.raises(RuntimeError, match=re.escape(f"(message='{message}')")):
+        _call_loss_func(value, LossChecks(nan=True))
+    loss, _, _ = _call_loss_func(value, LossChecks(nan=False))
+    assert not torch.isfinite(loss)
+
+
+def test_spiky_loss_check(rerun_machine, caplog):
+    """``--check-for-spiky-loss``: every loss goes to the machine's ``is_unexpectedly_large``
+    (threshold 10 x the largest of the first 100, context ``loss``); a spike past it is
+    reported, not fatal, with Megatron-LM's message. Off: the machine never sees a loss."""
+    for _ in range(100):
+        _call_loss_func(2.0, LossChecks(spiky=False))
+    assert "loss" not in rerun_machine.large_value_counts
+    for _ in range(100):  # the machine's sample of the usual loss
+        _call_loss_func(2.0, LossChecks(spiky=True))
+    assert rerun_machine.max_values["loss"] == 2.0
+    with caplog.at_level("WARNING", logger="megatron.core.rerun_state_machine"):
+        _call_loss_func(19.0, LossChecks(spiky=True))  # under 10 x 2: not spiky
+        assert "Spiky loss" not in caplog.text
+        loss, _, _ = _call_loss_func(21.0, LossChecks(spiky=True))
+    assert loss.item() == 21.0
+    assert "Unexpected result" in caplog.text and "(message='Spiky loss')" in caplog.text
+
+
+def test_loss_checks_follow_megatron_lm_flags():
+    """What Megatron-LM's flags ask for is what the forward step's loss function checks."""
+    assert LossChecks.from_args(_lm_args()) == LossChecks(nan=True, spiky=False)
+    assert LossChecks.from_args(_lm_args(check_for_nan_in_loss_and_grad=False,
+                                         check_for_spiky_loss=True)) == \
+        LossChecks(nan=False, spiky=True)
 
 
 def test_forward_step_needs_labels_and_loss_mask():
@@ -190,7 +295,7 @@ def test_forward_step_needs_labels_and_loss_mask():
             return torch.zeros(*tokens.shape, 4)
 
     student = Student()
-    kd, _ = kd_lm.check_megatron_args(_lm_args(["--kd-weight", "0", "--kd-ce-weight", "1"]))
+    kd, _ = check_megatron_args(_lm_args(["--kd-weight", "0", "--kd-ce-weight", "1"]))
     # what model_provider attaches to the last stage
     student.kd_state = kd_lm.KDState(kd=kd, config=kd.loss_config(vocab_size=4), tp_group=None)
     batch = {"tokens": torch.zeros(1, 3, dtype=torch.long),
@@ -235,15 +340,25 @@ def megatron_lm_stub(args, tensorboard_writer=None):
 
 def megatron_lm_model_provider(pre_process=True, post_process=True, vp_stage=None, config=None,
                                pg_collection=None):
-    """Megatron-LM's ``partial(model_provider, gpt_builder)``: the student, this stage."""
+    """Megatron-LM's ``partial(model_provider, gpt_builder)``: the student, this stage (and
+    virtual stage), its depth and layout from Megatron-LM's arguments as ``gpt_builder`` reads
+    them; seeded once per pipeline rank, before its first chunk, as Megatron-LM seeds."""
     from megatron.core import parallel_state as ps
+    from megatron.training import get_args
 
     from megatron_kd.integration.arch import GPTArchConfig
     from megatron_kd.integration.gpt import build_gpt_model
 
-    return build_gpt_model(GPTArchConfig(**STUDENT_ARCH), pre_process=pre_process,
-                           post_process=post_process,
-                           seed=1234 + 100 * ps.get_pipeline_model_parallel_rank())
+    args = get_args()
+    layout = {"sequence_parallel": args.sequence_parallel}
+    if args.virtual_pipeline_model_parallel_size:
+        layout["virtual_pipeline_model_parallel_size"] = args.virtual_pipeline_model_parallel_size
+    first_chunk = vp_stage in (None, 0)
+    return build_gpt_model(
+        GPTArchConfig(**dict(STUDENT_ARCH, num_layers=args.num_layers)), pre_process=pre_process,
+        post_process=post_process, vp_stage=vp_stage,
+        seed=1234 + 100 * ps.get_pipeline_model_parallel_rank() if first_chunk else None,
+        **layout)
 
 
 def megatron_lm_loss_func(loss_mask, output_tensor, model=None):
@@ -257,10 +372,14 @@ def megatron_lm_forward_step(data_iterator, model, drop_inputs_off_first_stage=F
     from megatron.core import parallel_state as ps
     from megatron.core.utils import get_attr_wrapped_model
 
-    get_attr_wrapped_model(model, "vp_stage")  # as pretrain_gpt.py does (through .module)
+    vp_stage = get_attr_wrapped_model(model, "vp_stage")  # as pretrain_gpt.py (via .module)
+    first = ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
+    if not first and not ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage):
+        # Megatron-LM's get_batch reads nothing there (that chunk has no data iterator)
+        return model(None, None, None, labels=None, loss_mask=None), None
     batch = next(data_iterator)
     tokens, position_ids = batch["tokens"], batch["position_ids"]
-    if drop_inputs_off_first_stage and not ps.is_pipeline_first_stage():
+    if drop_inputs_off_first_stage and not first:
         tokens = position_ids = None
     output = model(tokens, position_ids, None, labels=batch["labels"],
                    loss_mask=batch["loss_mask"])
@@ -353,9 +472,11 @@ def case_forward_and_loss(ctx, teacher_dir, kd_argv):
     return out
 
 
-def case_pipeline_schedule(ctx, teacher_dir, kd_argv, drop_inputs=False):
-    """PP=2 through megatron-core's schedule: the teacher only on the last stage, gradients
-    reaching the first. ``drop_inputs``: the last stage's model is called without tokens."""
+def case_pipeline_schedule(ctx, teacher_dir, kd_argv, drop_inputs=False, tp=1,
+                           sequence_parallel=False):
+    """PP=2 (x ``tp``) through megatron-core's schedule: the teacher only on the last stage,
+    gradients reaching the first. ``drop_inputs``: the last stage's model is called without
+    tokens."""
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -363,8 +484,9 @@ def case_pipeline_schedule(ctx, teacher_dir, kd_argv, drop_inputs=False):
     from megatron_kd.integration.groups import model_parallel
 
     args = _lm_args(["--kd-teacher-load", teacher_dir, *kd_argv],
-                    pipeline_model_parallel_size=2)
-    with megatron_lm_stub(args), model_parallel(pp=2), device_context():
+                    pipeline_model_parallel_size=2, tensor_model_parallel_size=tp,
+                    sequence_parallel=sequence_parallel)
+    with megatron_lm_stub(args), model_parallel(tp=tp, pp=2), device_context():
         from megatron.core.process_groups_config import ProcessGroupCollection
 
         first, last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
@@ -426,25 +548,126 @@ def case_train_microbatches(ctx, teacher_dir, kd_argv, n=3, tensorboard_dir=None
                 "client": state.client is not None}
 
 
-def case_virtual_stages(ctx, teacher_dir):
-    """PP=2 with two virtual stages per rank, built as Megatron-LM's get_model does: the teacher
-    (built at virtual stage 0) ends up on the last rank's last chunk only."""
+@contextlib.contextmanager
+def microbatch_calculator(microbatches):
+    """Megatron-LM's microbatch calculator set to ``microbatches`` a step (data-parallel 1)."""
+    from megatron.core import num_microbatches_calculator as calculator
+
+    calculator.init_num_microbatches_calculator(
+        rank=0, rampup_batch_size=None, global_batch_size=MBS * microbatches,
+        micro_batch_size=MBS, data_parallel_size=1)
+    try:
+        yield
+    finally:
+        calculator.unset_num_microbatches_calculator()
+
+
+def case_interleaved_schedule(ctx, teacher_dir, kd_argv, drop_inputs, steps=2, microbatches=2):
+    """PP 2 with two virtual stages per rank (4 layers) through megatron-core's interleaved
+    schedule, built and fed as Megatron-LM builds and feeds them: ``get_model``'s provider calls
+    (``vp_stage`` 0 then 1) and one data iterator per chunk, kept over the steps, where
+    Megatron-LM builds one (the first stage's first chunk, the last stage's last chunk; the
+    other chunks read nothing); ``steps`` steps of ``microbatches`` (Megatron-LM's microbatch
+    calculator). The last rank records the microbatches its teacher source is asked for, with
+    the tokens the teacher is called on."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    from megatron_kd.integration.cpu_shim import device_context
+    from megatron_kd.integration.groups import model_parallel
+
+    args = _lm_args(["--kd-teacher-load", teacher_dir, *kd_argv], pipeline_model_parallel_size=2,
+                    num_layers=4, virtual_pipeline_model_parallel_size=2)
+    with megatron_lm_stub(args), model_parallel(pp=2, vp=2), device_context(), \
+            microbatch_calculator(microbatches):
+        pgc = ProcessGroupCollection.use_mpu_process_groups()
+        chunks = []
+        for vp in range(2):
+            chunk = kd_lm.model_provider(
+                megatron_lm_model_provider, vp_stage=vp, config=None, pg_collection=pgc,
+                pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
+                post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp))
+            chunk.vp_stage = vp  # as Megatron-LM's get_model marks each chunk
+            chunks.append(chunk)
+        # Megatron-LM's interleaved default (--overlap-p2p-communication): no batched p2p
+        chunks[0].config.batch_p2p_comm = False
+        states = [kd_lm.kd_state(c) for c in chunks]
+        asked = []
+        if states[-1] is not None:
+            source = states[-1].source
+            inputs = source.inputs
+
+            def recording(mb, *, training):
+                asked.append((mb.step, mb.index, mb.model_call()[0][0].clone()))
+                return inputs(mb, training=training)
+
+            source.inputs = recording
+        batches = [make_batch(seed=60 + i) for i in range(steps * microbatches)]
+        data = [iter(batches) if ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=0)
+                else None,
+                iter(batches) if ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=1)
+                else None]
+        step = partial(kd_lm.forward_step, partial(megatron_lm_forward_step,
+                                                   drop_inputs_off_first_stage=drop_inputs))
+        reports = []
+        for _ in range(steps):
+            reports += get_forward_backward_func()(
+                forward_step_func=step, data_iterator=data, model=chunks,
+                num_microbatches=microbatches, seq_length=SEQ, micro_batch_size=MBS,
+                forward_only=False)
+        return {"last_rank": ps.is_pipeline_last_stage(ignore_virtual=True),
+                "has_state": [s is not None for s in states],
+                "has_teacher": [s is not None and s.teacher is not None for s in states],
+                "pending": dict(kd_lm._pending_teacher),
+                "asked": [(st, index) for st, index, _ in asked],
+                "teacher_tokens_in_order": all(
+                    torch.equal(tokens, batch["tokens"])
+                    for (_, _, tokens), batch in zip(asked, batches)) and
+                len(asked) == len(batches),
+                "reports": [{k: v.tolist() for k, v in r.items()} for r in reports],
+                "grad_norm": sum(float(p.grad.norm()) for c in chunks for p in c.parameters()
+                                 if p.grad is not None)}
+
+
+def case_sequence_parallel(ctx, teacher_dir, sequence_parallel, n=2):
+    """TP 2, with or without ``--sequence-parallel``, through the patched entry points: ``n``
+    training microbatches, then one evaluation microbatch. Returns each rank's loss reports
+    and gradients, those of sequence-parallel weights summed over the TP group as Megatron-LM's
+    ``finalize_model_grads`` sums them (``_allreduce_non_tensor_model_parallel_grads``)."""
+    import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
     from megatron_kd.integration.cpu_shim import device_context
     from megatron_kd.integration.groups import model_parallel
 
-    args = _lm_args(["--kd-teacher-load", teacher_dir], pipeline_model_parallel_size=2)
-    with megatron_lm_stub(args), model_parallel(pp=2), device_context():
-        last_rank = ps.is_pipeline_last_stage(ignore_virtual=True)
-        chunks = [kd_lm.model_provider(megatron_lm_model_provider,
-                                       pre_process=ps.is_pipeline_first_stage() and vp == 0,
-                                       post_process=last_rank and vp == 1, vp_stage=vp)
-                  for vp in range(2)]
-        states = [kd_lm.kd_state(c) for c in chunks]
-        return {"last_rank": last_rank, "has_state": [s is not None for s in states],
-                "has_teacher": [s is not None and s.teacher is not None for s in states],
-                "pending": dict(kd_lm._pending_teacher)}
+    args = _lm_args(["--kd-teacher-load", teacher_dir, "--kd-ce-weight", "0.3"],
+                    tensor_model_parallel_size=2, sequence_parallel=sequence_parallel)
+    with megatron_lm_stub(args), model_parallel(tp=2), device_context():
+        model = kd_lm.model_provider(megatron_lm_model_provider)
+        state = kd_lm.kd_state(model)
+        data = iter([make_batch(seed=40 + i) for i in range(n)])
+        reports, shapes = [], set()
+        for _ in range(n):
+            output, loss_fn = kd_lm.forward_step(megatron_lm_forward_step, data, model)
+            shapes.add(tuple(output.shape))
+            loss, _, report = loss_fn(output)
+            loss.backward()
+            reports.append({k: v.tolist() for k, v in report.items()})
+        marked = sorted(name for name, p in model.named_parameters()
+                        if getattr(p, "sequence_parallel", False))
+        for name, p in model.named_parameters():
+            if name in marked:
+                dist.all_reduce(p.grad, group=ps.get_tensor_model_parallel_group())
+        model.eval()
+        with torch.no_grad():
+            output, loss_fn = kd_lm.forward_step(megatron_lm_forward_step,
+                                                 iter([make_batch(seed=99)]), model)
+            evaluation = {k: v.tolist() for k, v in loss_fn(output)[2].items()}
+        return {"shapes": shapes, "marked": marked, "reports": reports, "eval": evaluation,
+                "loss_config_sp": state.config.sequence_parallel,
+                "teacher_sp": state.teacher.config.sequence_parallel,
+                "grads": {name: p.grad.clone() for name, p in model.named_parameters()}}
 
 
 def case_provider_error(ctx, teacher_dir, **fields):
@@ -504,10 +727,69 @@ def test_pipeline_schedule(pool, teacher_dir):
 
 
 def test_virtual_pipeline_stages(pool, teacher_dir):
-    first, last = pool.run(case_virtual_stages, teacher_dir)
+    """Interleaved (2 virtual stages a rank) as Megatron-LM builds and runs it: the teacher
+    (built at virtual stage 0) ends up on the last rank's last chunk only; it is asked for the
+    microbatches of that chunk's data iterator in the schedule's order, numbered step by step
+    with Megatron-LM's microbatches a step (what a disaggregated teacher's requests are keyed
+    by), on the tokens of the same microbatch even though Megatron-LM calls that chunk without
+    them."""
+    argv = ["--kd-ce-weight", "0.2"]
+    first, last = pool.run(case_interleaved_schedule, teacher_dir, argv, True)
     assert not first["last_rank"] and first["has_state"] == [False, False]
     assert last["last_rank"] and last["has_teacher"] == [False, True]
     assert first["pending"] == {} and last["pending"] == {}
+    assert first["asked"] == [] and last["asked"] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert last["teacher_tokens_in_order"]
+    assert first["reports"] == [] and len(last["reports"]) == 4
+    for rep in last["reports"]:
+        assert rep["total loss"][0] == pytest.approx(rep["kd loss"][0] + 0.2 * rep["lm loss"][0],
+                                                     rel=1e-5)
+    assert first["grad_norm"] > 0 and last["grad_norm"] > 0
+    # the same schedule with the tokens handed to the last chunk: the same losses, exactly
+    with_tokens = pool.run(case_interleaved_schedule, teacher_dir, argv, False)[1]
+    assert with_tokens["reports"] == last["reports"]
+    assert with_tokens["grad_norm"] == last["grad_norm"]
+
+
+def test_sequence_parallel_matches_tensor_parallel(pool, teacher_dir):
+    """``--sequence-parallel`` at TP 2 through the patched entry points: the student hands the
+    loss its ``[b, s/2, h]`` slice, the teacher is built sequence-parallel, and the losses
+    (training and evaluation) and every gradient are those of TP 2 without it."""
+    plain = pool.run(case_sequence_parallel, teacher_dir, False)
+    sp = pool.run(case_sequence_parallel, teacher_dir, True)
+    h = STUDENT_ARCH["hidden_size"]
+    for p, q in zip(plain, sp):
+        assert p["shapes"] == {(MBS, SEQ, h)} and q["shapes"] == {(MBS, SEQ // 2, h)}
+        assert (p["loss_config_sp"], p["teacher_sp"]) == (False, False)
+        assert (q["loss_config_sp"], q["teacher_sp"]) == (True, True)
+        assert p["marked"] == [] and q["marked"]  # the norms' weights, as TE marks its own
+        assert set(q["eval"]) == {"total loss", "kd loss", "lm loss", "teacher lm loss"}
+        # Two-rank sums are the same in either order (reduce-scatter or all-reduce): the
+        # losses are identical. The norms' weight gradients are summed over two halves of the
+        # sequence, then over the ranks: fp32 rounding, measured <= 1.5e-8 absolute.
+        assert q["reports"] == p["reports"] and q["eval"] == p["eval"]
+        assert p["grads"].keys() == q["grads"].keys()
+        for name, grad in p["grads"].items():
+            torch.testing.assert_close(q["grads"][name], grad, rtol=1e-6, atol=1e-7, msg=name)
+
+
+@pytest.fixture(scope="module")
+def pool4(dist_pool_factory):
+    return dist_pool_factory(4)
+
+
+def test_sequence_parallel_last_stage_without_tokens(pool4, teacher_dir):
+    """PP 2 x TP 2 with ``--sequence-parallel``: Megatron-LM calls the last stage without
+    tokens; its sequence-parallel teacher still gets the whole sequence (TP rank 0's item,
+    broadcast over the TP group), so the losses are those of a last stage called with them."""
+    argv = ["--kd-ce-weight", "0.2"]
+    without = pool4.run(case_pipeline_schedule, teacher_dir, argv, True, 2, True)
+    with_tokens = pool4.run(case_pipeline_schedule, teacher_dir, argv, False, 2, True)
+    for w, t in zip(without, with_tokens):
+        assert w["reports"] == t["reports"] and w["grad_norm"] == t["grad_norm"]
+    assert [r["last"] for r in without] == [False, False, True, True]
+    for r in without[2:]:
+        assert len(r["reports"]) == 2 and all(rep["kd loss"][0] > 0 for rep in r["reports"])
 
 
 def test_vocabulary_mismatch_refused(pool, teacher_dir):

@@ -1,4 +1,4 @@
-"""The real Megatron-LM ``pretrain_gpt.py``, patched, on CPU: its losses are ``megatron-kd train``'s.
+"""The real Megatron-LM ``pretrain_gpt.py``, patched, on CPU: its losses, ``megatron-kd train``'s.
 
 Runs only with Megatron-LM checkouts (read-only; nothing of them is copied here):
 
@@ -6,20 +6,23 @@ Runs only with Megatron-LM checkouts (read-only; nothing of them is copied here)
     MEGATRON_LM_PYTHON=/venv312/bin/python  python -m pytest tests/e2e/test_megatron_lm_real.py
 
 ``MEGATRON_LM_PYTHON`` (default: this interpreter) must be Python >= 3.12 (Megatron-LM's own
-requirement since mid 2026) with torch, pybind11 and psutil (Megatron-LM's checkpoint save
-wants it), and each checkout's dataset helpers built (``make`` in its ``megatron/core/datasets``
-with that interpreter first on ``PATH``); each checkout goes first on its ``PYTHONPATH``, so
-its own ``megatron.core`` runs it. Each checkout's patch (``patches/README.md``) is applied
-to a copy of its ``pretrain_gpt.py`` in a temporary directory, unless the checkout has it
-applied already. ``tests/support/megatron_lm_cpu.py`` (test-only) replaces Megatron-LM's
-CUDA-only start-up. The same tiny configuration then runs through Megatron-LM and through
-``megatron-kd train`` (this interpreter, its installed megatron-core) at TP1, TP2 and PP2, for 5
-iterations on the same indexed text and the same teacher: fp32, the per-iteration total, KD and
-LM losses equal within 1e-5 relative (Megatron-LM prints 7 digits), and the evaluation at
-iteration 5 runs through the teacher on every layout (PP2: the last stage gets no tokens from
-Megatron-LM's ``get_batch``). Evaluation values are not compared: Megatron-LM evaluates on the
-validation batches that follow the previous evaluation's, ``megatron-kd train`` on the first
-``--eval-iters`` batches each time.
+requirement since mid 2026) with torch, triton, numpy, packaging, pybind11 and psutil
+(Megatron-LM's checkpoint save wants it), and each checkout's dataset helpers built (``make`` in
+its ``megatron/core/datasets`` with that interpreter first on ``PATH``); each checkout goes
+first on its ``PYTHONPATH``, so its own ``megatron.core`` runs it. Each checkout's patch
+(``patches/README.md``) is applied to a copy of its ``pretrain_gpt.py`` in a temporary
+directory, unless the checkout has it applied already. ``tests/support/megatron_lm_cpu.py``
+(test-only) replaces Megatron-LM's CUDA-only start-up. The same tiny configuration then runs
+through Megatron-LM and through ``megatron-kd train`` (this interpreter, its installed
+megatron-core) on each of :data:`LAYOUTS` (TP1, TP2, PP2, TP2 with ``--sequence-parallel``, a
+mixture-of-experts student at TP2 with ``--sequence-parallel`` and its experts over 2
+expert-parallel ranks, PP2 with 2 virtual stages a rank), for 5 iterations on the same indexed
+text and the same teacher: fp32, the per-iteration total, KD and LM losses equal within 1e-5
+relative (Megatron-LM prints 7 digits; ``-s`` prints both sides), Megatron-LM's printed
+arguments show the layout it ran, and the evaluation at iteration 5 runs through the teacher on
+every layout (PP2: the last stage gets no tokens from Megatron-LM's ``get_batch``). Evaluation
+values are not compared: Megatron-LM evaluates on the validation batches that follow the
+previous evaluation's, ``megatron-kd train`` on the first ``--eval-iters`` batches each time.
 """
 
 import json
@@ -28,6 +31,7 @@ import re
 import shutil
 import subprocess
 import sys
+from dataclasses import dataclass
 
 import pytest
 
@@ -57,8 +61,46 @@ MEGATRON_LM_ONLY = ["--group-query-attention", "--normalization", "RMSNorm", "--
                     "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion",
                     "--no-bias-swiglu-fusion", "--no-rope-fusion", "--no-persist-layer-norm",
                     "--log-interval", "1", "--save-interval", "1000"]
-LAYOUTS = {"tp1": (1, []), "tp2": (2, ["--tensor-model-parallel-size", "2"]),
-           "pp2": (2, ["--pipeline-model-parallel-size", "2"])}
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A parallel layout: its ranks, the flags both spell the same way, and what Megatron-LM
+    needs said besides."""
+
+    nproc: int
+    flags: tuple[str, ...] = ()
+    megatron_lm_flags: tuple[str, ...] = ()
+    megatron_lm_args: tuple[tuple[str, str], ...] = ()
+    """Megatron-LM's arguments as its log prints them, after its own checks: the layout ran as
+    asked (sequence parallelism, for one, leaves the losses as they are)."""
+
+
+TP2 = ("--tensor-model-parallel-size", "2")
+# A small mixture-of-experts student, its experts split over the two TP ranks (expert TP 1), as
+# megatron-kd train routes: dropless top 2, all-to-all dispatch, no load-balancing loss.
+MOE_TP2_SP = ("--num-experts", "4", "--moe-ffn-hidden-size", "16", "--moe-router-topk", "2",
+              "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1")
+LAYOUTS = {
+    "tp1": Layout(1),
+    "tp2": Layout(2, TP2),
+    "pp2": Layout(2, ("--pipeline-model-parallel-size", "2")),
+    # with Megatron-LM's spiky-loss check on (its NaN check is on by default): the --kd-* loss
+    # goes to its rerun state machine, which lets it through
+    "tp2_sp": Layout(2, (*TP2, "--sequence-parallel"), ("--check-for-spiky-loss",),
+                     (("sequence_parallel", "True"), ("check_for_spiky_loss", "True"),
+                      ("check_for_nan_in_loss_and_grad", "True"))),
+    "moe_tp2_sp": Layout(2, (*TP2, "--sequence-parallel", *MOE_TP2_SP),
+                         ("--moe-token-dispatcher-type", "alltoall",
+                          "--moe-router-load-balancing-type", "none"),
+                         (("sequence_parallel", "True"), ("num_experts", "4"),
+                          ("expert_model_parallel_size", "2"),
+                          ("moe_token_dispatcher_type", "alltoall"))),
+    # 4 layers, one a virtual stage: each rank holds two chunks (interleaved schedule)
+    "pp2_vp2": Layout(2, ("--pipeline-model-parallel-size", "2", "--num-layers", "4",
+                          "--num-layers-per-virtual-pipeline-stage", "1"),
+                      megatron_lm_args=(("virtual_pipeline_model_parallel_size", "2"),)),
+}
 KEYS = ("total loss", "kd loss", "lm loss")
 
 pytestmark = pytest.mark.filterwarnings("ignore")
@@ -164,25 +206,30 @@ def _megatron_kd_losses(log_json):
 
 @pytest.fixture(scope="module")
 def reference(inputs):
-    """``megatron-kd train`` on each layout (this interpreter)."""
-    out = {}
+    """``megatron-kd train`` on a layout (this interpreter), run once per layout when first
+    asked for."""
+    done = {}
     env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
-    for name, (nproc, flags) in LAYOUTS.items():
-        log = str(inputs["dir"] / f"kd_{name}.jsonl")
-        _torchrun(sys.executable, nproc, ["-m", "megatron_kd", "train", *COMMON, *flags,
-                                          "--data-path", inputs["data"], "--tokenizer-model",
-                                          inputs["tokenizer"], "--kd-teacher-load",
-                                          inputs["teacher"], "--log-json", log,
-                                          "--no-progress"], env)
-        out[name] = _megatron_kd_losses(log)
-    return out
+
+    def run(name):
+        if name not in done:
+            layout = LAYOUTS[name]
+            log = str(inputs["dir"] / f"kd_{name}.jsonl")
+            _torchrun(sys.executable, layout.nproc, [
+                "-m", "megatron_kd", "train", *COMMON, *layout.flags, "--data-path",
+                inputs["data"], "--tokenizer-model", inputs["tokenizer"], "--kd-teacher-load",
+                inputs["teacher"], "--log-json", log, "--no-progress"], env)
+            done[name] = _megatron_kd_losses(log)
+        return done[name]
+
+    return run
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_real_pretrain_gpt_matches_megatron_kd_train(inputs, reference, layout, tmp_path):
     python = _megatron_lm_python()
-    nproc, flags = LAYOUTS[layout]
-    want_steps, want_valid = reference[layout]
+    spec = LAYOUTS[layout]
+    want_steps, want_valid = reference(layout)
     assert want_valid["teacher lm loss"] > 0
     assert sorted(want_steps) == list(range(1, ITERS + 1))
     for root in _checkouts():
@@ -192,15 +239,21 @@ def test_real_pretrain_gpt_matches_megatron_kd_train(inputs, reference, layout, 
                    CUDA_DEVICE_MAX_CONNECTIONS="1",
                    PYTHONPATH=os.pathsep.join([root, os.path.join(REPO, "tests"), REPO]),
                    PATH=os.pathsep.join([os.path.dirname(python), os.environ["PATH"]]))
-        log = _torchrun(python, nproc, [LAUNCHER, script, *COMMON, *MEGATRON_LM_ONLY, *flags,
-                                        "--data-path", inputs["data"], "--kd-teacher-load",
-                                        inputs["teacher"]], env)
+        log = _torchrun(python, spec.nproc, [
+            LAUNCHER, script, *COMMON, *MEGATRON_LM_ONLY, *spec.flags, *spec.megatron_lm_flags,
+            "--data-path", inputs["data"], "--kd-teacher-load", inputs["teacher"]], env)
         got_steps, got_valid = megatron_lm_losses(log)
         assert sorted(got_steps) == list(range(1, ITERS + 1)), (root, log[-3000:])
+        for name, value in spec.megatron_lm_args:
+            assert re.search(rf"^\s*{name} \.+ {re.escape(value)}$", log, re.MULTILINE), (
+                root, name, value)
         for it in range(1, ITERS + 1):
+            print(f"{layout} {_git(root, 'rev-parse', '--short', 'HEAD')} iteration {it}: "
+                  + ", ".join(f"{key} {got_steps[it][key]:.7g} (megatron-kd train "
+                              f"{want_steps[it][key]:.8g})" for key in KEYS))
             for key in KEYS:
                 assert got_steps[it][key] == pytest.approx(want_steps[it][key], rel=1e-5), (
-                    root, layout, it, key)
+                    root, layout, it, key, got_steps[it][key], want_steps[it][key])
         assert set(got_valid) == set(want_valid) and all(v > 0 for v in got_valid.values())
 
 
@@ -225,8 +278,8 @@ def test_real_megatron_lm_checkpoint_as_teacher(inputs, tmp_path):
     (release / "latest_checkpointed_iteration.txt").write_text("release")
     base = ["-m", "megatron_kd", "train", *COMMON[:COMMON.index("--train-iters")],
             "--train-iters", "3", "--eval-iters", "0", "--eval-interval", "100", "--split",
-            "90,5,5", "--data-path", inputs["data"], "--tokenizer-model", inputs["tokenizer"], "--no-progress",
-            "--kd-ce-weight", "0.5"]
+            "90,5,5", "--data-path", inputs["data"], "--tokenizer-model", inputs["tokenizer"],
+            "--no-progress", "--kd-ce-weight", "0.5"]
     env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
     want_log = str(tmp_path / "want.jsonl")
     _torchrun(sys.executable, 1, [*base, "--kd-teacher-load", inputs["teacher"], "--log-json",
@@ -273,10 +326,11 @@ MOE_STUDENT = ["--num-experts", "4", "--moe-ffn-hidden-size", "16", "--moe-route
 
 # Qwen3.5-MoE-shaped: layer 0 Gated DeltaNet, layer 1 gated attention with partial RoPE, a
 # gated shared expert beside the routed ones
-QWEN35_TEACHER = dict(linear_attention_layers=[0], linear_num_key_heads=2,
-                      linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
-                      attention_output_gate=True, rotary_percent=0.25, kv_channels=16,
-                      moe_shared_expert_size=16, moe_shared_expert_gate=True)
+QWEN35_TEACHER = {"linear_attention_layers": [0], "linear_num_key_heads": 2,
+                  "linear_num_value_heads": 4, "linear_key_head_dim": 8,
+                  "linear_value_head_dim": 8, "attention_output_gate": True,
+                  "rotary_percent": 0.25, "kv_channels": 16, "moe_shared_expert_size": 16,
+                  "moe_shared_expert_gate": True}
 
 
 @pytest.mark.parametrize("student, hybrid", [([], {}), (MOE_STUDENT, {}), ([], QWEN35_TEACHER)],

@@ -20,6 +20,13 @@ checkout's code, unchanged):
   are drawn on "cuda", which here is the CPU generator (the shim's stand-in for the CUDA one),
   and would move the weights a ``--use-cpu-initialization`` run draws next; on a GPU they come
   from the CUDA generator and leave the CPU one alone;
+* ``--sequence-parallel`` with ``--transformer-impl local``: Megatron-Core's torch norm
+  (``WrappedTorchNorm``) refuses sequence parallelism, where on a GPU Transformer Engine's norms
+  take it; with sequence parallelism on it builds megatron_kd's
+  :class:`~megatron_kd.integration.cpu_shim.SequenceParallelNorm` instead (the same torch
+  module, its weights marked ``sequence_parallel`` as Transformer Engine marks its own, so
+  Megatron-LM's ``finalize_model_grads`` sums their gradients over the TP group); off, it is
+  untouched;
 * Megatron-Core's own CUDA assumptions: megatron_kd's CPU shim
   (:mod:`megatron_kd.integration.cpu_shim`) and its device context around the whole run.
 
@@ -72,7 +79,7 @@ class _Event:
     def query(self) -> bool:
         return True
 
-    def elapsed_time(self, end: "_Event") -> float:
+    def elapsed_time(self, end: _Event) -> float:
         return (end.t - self.t) * 1e3
 
 
@@ -119,6 +126,24 @@ def _stand_ins() -> None:
     initialize.initialize_megatron = training.initialize_megatron = without_cuda
     if hasattr(initialize, "_warmup_jit_function"):
         initialize._warmup_jit_function = lambda *args, **kwargs: None
+    _sequence_parallel_norm()
+
+
+def _sequence_parallel_norm() -> None:
+    """``WrappedTorchNorm`` (every local spec's norm) builds a sequence-parallel norm when the
+    config asks for sequence parallelism, instead of asserting it away."""
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    from megatron_kd.integration.cpu_shim import SequenceParallelNorm
+
+    original = WrappedTorchNorm.__new__
+
+    def new(cls, config, *args, **kwargs):
+        if config.sequence_parallel:
+            return SequenceParallelNorm(config, *args, **kwargs)
+        return original(cls, config, *args, **kwargs)
+
+    WrappedTorchNorm.__new__ = new
 
 
 def main() -> None:

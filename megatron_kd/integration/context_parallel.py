@@ -1,0 +1,114 @@
+"""Context parallelism: Megatron's load-balanced split of a sequence, and the attention that runs
+on it where Transformer Engine is absent.
+
+Megatron cuts each sequence into ``2 * cp`` equal chunks and gives context-parallel rank ``r``
+chunks ``r`` and ``2 * cp - 1 - r`` (``megatron.core.utils.get_batch_on_this_cp_rank``): with a
+causal mask the early and the late chunks balance each rank's work. :func:`cp_positions` is that
+split as indices into the sequence; the trainer, the teacher sources (a cache's rows, a replica's
+answer) and the attention below all take a rank's positions from it.
+
+:class:`ContextParallelAttention` is Megatron-Core's local ``DotProductAttention`` over a split
+sequence, for CPU runs and tests (on a GPU Transformer Engine's attention does context
+parallelism): the keys and values of the context-parallel group are all-gathered
+(:class:`GatherSequence`: its backward reduce-scatters their gradients back to their ranks) and
+each rank's queries attend to them under the causal (and sliding-window) mask of the true
+positions. Megatron-Core's local attention asserts ``context_parallel_size == 1``
+(``dot_product_attention.py``, megatron-core 0.16.1 and 0.19.2); this class builds it with a
+configuration copy that says 1 and keeps the group itself.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.utils import is_layer_window_attention
+
+__all__ = ["ContextParallelAttention", "GatherSequence", "cp_positions"]
+
+
+def cp_positions(seq_length: int, cp_rank: int, cp_size: int,
+                 device: torch.device | str = "cpu") -> torch.Tensor:
+    """The positions ``[seq_length / cp]`` of the sequence that context-parallel rank
+    ``cp_rank`` holds, in the order it holds them: chunk ``cp_rank``, then chunk
+    ``2 * cp_size - 1 - cp_rank`` of ``2 * cp_size`` equal chunks."""
+    if seq_length % (2 * cp_size):
+        raise ValueError(f"a sequence of {seq_length} tokens does not split into 2 x "
+                         f"context-parallel size {cp_size} = {2 * cp_size} equal chunks")
+    chunk = seq_length // (2 * cp_size)
+    first = torch.arange(cp_rank * chunk, (cp_rank + 1) * chunk, device=device)
+    last = 2 * cp_size - 1 - cp_rank
+    return torch.cat([first, torch.arange(last * chunk, (last + 1) * chunk, device=device)])
+
+
+class GatherSequence(torch.autograd.Function):
+    """All-gather of ``[s_local, ...]`` along dim 0 over ``group`` (rank order).
+
+    Collectives: forward, one all-gather over ``group``; backward, one reduce-scatter (sum) over
+    ``group``: every rank's gradient of the gathered tensor is summed into the slice each rank
+    gave (the queries of every rank attend to every rank's keys).
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        out = x.new_empty((x.shape[0] * group.size(), *x.shape[1:]))
+        # the split sequence's keys / values, every rank's in rank order
+        dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        out = grad.new_empty((grad.shape[0] // ctx.group.size(), *grad.shape[1:]))
+        # each rank's keys / values get the gradient of every rank's queries
+        dist.reduce_scatter_tensor(out, grad.contiguous(), group=ctx.group)
+        return out, None  # group
+
+
+class ContextParallelAttention(DotProductAttention):
+    """Megatron-Core's local attention on a context-parallel split sequence (see the module
+    docstring); same constructor and forward as ``DotProductAttention``."""
+
+    def __init__(self, config, layer_number: int, attn_mask_type: AttnMaskType,
+                 attention_type: str, attention_dropout: float | None = None,
+                 softmax_scale: float | None = None, cp_comm_type: str | None = None,
+                 pg_collection=None) -> None:
+        local = copy.copy(config)
+        local.context_parallel_size = 1  # the split is this class's business
+        super().__init__(local, layer_number, attn_mask_type, attention_type,
+                         attention_dropout=attention_dropout, softmax_scale=softmax_scale,
+                         cp_comm_type=cp_comm_type, pg_collection=pg_collection)
+        cp = getattr(pg_collection, "cp", None) if pg_collection is not None else None
+        self.cp_group = cp if cp is not None else parallel_state.get_context_parallel_group()
+        window = (config.window_size if is_layer_window_attention(
+            config.window_size, config.window_attn_skip_freq, layer_number) else None)
+        self.window_left = window[0] if window is not None else None
+        # the softmax would build its sliding-window mask for contiguous positions; this
+        # class's mask (:meth:`_mask`) holds the window of the true positions instead
+        self.scale_mask_softmax.window_size = None
+
+    def _mask(self, s_local: int, device: torch.device) -> torch.Tensor:
+        """``[1, 1, s_local, s]`` True where a query of this rank may not see a key."""
+        size, rank = self.cp_group.size(), self.cp_group.rank()
+        s = s_local * size
+        q = cp_positions(s, rank, size, device)
+        k = torch.cat([cp_positions(s, r, size, device) for r in range(size)])
+        masked = k.unsqueeze(0) > q.unsqueeze(1)
+        if self.window_left is not None:
+            masked |= k.unsqueeze(0) < q.unsqueeze(1) - self.window_left
+        return masked.view(1, 1, s_local, s)
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None,
+                attention_bias=None, packed_seq_params=None):
+        if attention_mask is not None:
+            raise ValueError("context-parallel attention on CPU takes causal masks only (no "
+                             "attention_mask)")
+        key = GatherSequence.apply(key, self.cp_group)
+        value = GatherSequence.apply(value, self.cp_group)
+        mask = self._mask(query.shape[0], query.device)
+        return super().forward(query, key, value, mask, attn_mask_type=attn_mask_type,
+                               attention_bias=attention_bias, packed_seq_params=packed_seq_params)

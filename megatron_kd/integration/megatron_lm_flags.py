@@ -1,0 +1,171 @@
+"""Megatron-LM's flags with ``--kd-*``: what is refused before anything is built, and the checks
+of the loss its flags ask for.
+
+* :func:`check_megatron_args` validates the ``--kd-*`` flags against Megatron-LM's other flags
+  and the teacher checkpoint (``ValueError`` naming the flag and value): the layouts the
+  integration (:mod:`megatron_kd.integration.megatron_lm`) cannot run, and the Megatron-LM
+  features of :data:`CONFLICTING_FLAGS` that would distil another way or build the model
+  twice.
+* :class:`LossChecks` / :func:`validate_loss`: Megatron-LM's own ``pretrain_gpt.py``
+  ``loss_func`` hands each microbatch's loss to Megatron-Core's rerun state machine
+  (``--check-for-nan-in-loss-and-grad``, ``--check-for-spiky-loss``); the ``--kd-*`` loss
+  function replaces that one, so it makes the same calls.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+from megatron.core.rerun_state_machine import get_rerun_state_machine
+
+from megatron_kd.integration.args import KDArgs
+from megatron_kd.integration.teacher import check_teacher
+
+__all__ = ["CONFLICTING_FLAGS", "SPIKY_LOSS_FACTOR", "ConflictingFlag", "LossChecks",
+           "check_megatron_args", "validate_loss"]
+
+SPIKY_LOSS_FACTOR = 10
+"""A loss more than this many times the largest seen is spiky (Megatron-LM's
+``pretrain_gpt.SPIKY_LOSS_FACTOR``, the same in both patched trees)."""
+
+@dataclass(frozen=True)
+class ConflictingFlag:
+    """A Megatron-LM flag refused with ``--kd-*``."""
+
+    attribute: str
+    """Its ``args`` attribute."""
+
+    flag: str
+    """As the user wrote it."""
+
+    why: str
+    """What would go wrong."""
+
+
+CONFLICTING_FLAGS = (
+    # ModelOpt's flag (megatron/post_training/arguments.py): an attribute only where
+    # nvidia-modelopt is installed
+    ConflictingFlag("export_kd_teacher_load", "--export-kd-teacher-load",
+                    "it turns on ModelOpt's own distillation: a second teacher and a second KD "
+                    "loss beside the --kd-* ones, and the reported losses would be neither"),
+    # Megatron-LM's offline logits distillation: only in trees from 277c4f8 (2026-06-12) on
+    ConflictingFlag("logits_load_dir", "--logits-load-dir",
+                    "Megatron-LM's cached-logits loss hooks the output layer that --kd-* "
+                    "bypasses, and the --kd-* loss function replaces its; for a top-K cache use "
+                    "`megatron-kd train --kd-mode offline`"),
+    # the same feature's writer: only in trees from 277c4f8 (2026-06-12) on
+    ConflictingFlag("logits_save_dir", "--logits-save-dir",
+                    "its logits saver hooks the output layer that --kd-* bypasses (it would save "
+                    "nothing true); write teacher top-K targets with `megatron-kd cache build`"),
+    # runtime upcycling: only in trees from 6c3ada7 (2024-09-06) on
+    ConflictingFlag("moe_use_upcycling", "--moe-use-upcycling",
+                    "it builds the model twice (dense, then with experts), and so would build "
+                    "and load the teacher twice; upcycle first, then distil from the upcycled "
+                    "checkpoint"),
+)
+"""The Megatron-LM flags refused with ``--kd-*``. Each exists only in some Megatron-LM trees or
+setups, so :func:`check_megatron_args` reads them with ``getattr(args, attribute, None)``
+(absent: not given), and nothing else reads them."""
+
+
+def check_megatron_args(args: argparse.Namespace):
+    """Validate the ``--kd-*`` flags against Megatron-LM's other flags and the teacher
+    checkpoint; ``ValueError`` with the offending values. Reads only small files.
+
+    Returns ``(kd, teacher_arch)``: the :class:`~megatron_kd.integration.KDArgs` (with the
+    teacher directory resolved) and the teacher's architecture (None without a teacher).
+    """
+    kd = KDArgs.from_args(args)
+    if kd.mode == "offline":
+        raise ValueError("--kd-mode offline is not supported in Megatron-LM's pretrain_gpt.py "
+                         "yet (its data iterator does not give sample indices to read the cache "
+                         "by); run `megatron-kd train --kd-mode offline` with the same flags")
+    for conflict in CONFLICTING_FLAGS:
+        # absent from some trees (see CONFLICTING_FLAGS): absent is not given
+        value = getattr(args, conflict.attribute, None)
+        if value:
+            given = conflict.flag if value is True else f"{conflict.flag} {value!r}"
+            raise ValueError(f"{given} cannot be combined with --kd-*: {conflict.why}")
+    tp = args.tensor_model_parallel_size or 1
+    # Megatron-LM's validate_args turns --sequence-parallel off at TP 1 itself
+    if args.sequence_parallel and tp > 1 and (args.seq_length or 0) % tp:
+        raise ValueError(f"--sequence-parallel splits the sequence over the tensor-parallel "
+                         f"ranks: --seq-length {args.seq_length} is not divisible by "
+                         f"--tensor-model-parallel-size {tp}")
+    cp = args.context_parallel_size or 1
+    if cp > 1:
+        raise ValueError(f"--context-parallel-size {cp} is not supported with --kd-* yet "
+                         f"(the teacher would see a sequence shard); use 1")
+    if args.init_model_with_meta_device:
+        raise ValueError("--init-model-with-meta-device is not supported with --kd-*: the "
+                         "teacher must be built with real weights to load its checkpoint")
+    if args.mtp_num_layers:
+        raise ValueError(f"--mtp-num-layers {args.mtp_num_layers} is not supported with --kd-*")
+    if not kd.teacher_load:
+        return kd, None
+
+    # the teacher runs over the student's TP group
+    teacher_dir, arch = check_teacher(
+        kd.teacher_load, seq_length=args.seq_length or 1, tp_sizes=(tp,),
+        teacher_args=kd.teacher_args)
+    kd = dataclasses.replace(kd, teacher_load=teacher_dir)
+    padded = args.padded_vocab_size
+    if padded is not None and padded != arch.padded_vocab_size:
+        raise ValueError(
+            f"the student's padded vocabulary {padded} (Megatron-LM: tokenizer vocabulary padded "
+            f"to --make-vocab-size-divisible-by x TP) != the teacher's {arch.padded_vocab_size} "
+            f"(true vocabulary {arch.vocab_size}): both output layers must have the same rows; "
+            f"use the teacher's tokenizer and a --make-vocab-size-divisible-by that gives "
+            f"{arch.padded_vocab_size}")
+    return kd, arch
+
+
+@dataclass(frozen=True, kw_only=True)
+class LossChecks:
+    """Megatron-LM's checks of each microbatch's loss, made as its own ``pretrain_gpt.py``
+    ``loss_func`` makes them (:func:`validate_loss`), which the ``--kd-*`` loss replaces."""
+
+    nan: bool = False
+    """``--check-for-nan-in-loss-and-grad`` (Megatron-LM's default): a NaN or inf loss is
+    fatal."""
+
+    spiky: bool = False
+    """``--check-for-spiky-loss``: a loss over :data:`SPIKY_LOSS_FACTOR` times the largest seen
+    is reported (not fatal)."""
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> LossChecks:
+        """The checks Megatron-LM's flags ask for (both flags are in both patched trees)."""
+        return cls(nan=bool(args.check_for_nan_in_loss_and_grad),
+                   spiky=bool(args.check_for_spiky_loss))
+
+
+def validate_loss(loss: torch.Tensor, checks: LossChecks) -> None:
+    """Hand this rank's microbatch loss to Megatron-Core's rerun state machine, before the
+    data-parallel reduction, with the calls, messages, tolerances and fatality of Megatron-LM's
+    own ``pretrain_gpt.loss_func`` (the same at ``f88b85f`` and main ``d98e8a6``): NaN and inf
+    fatal, a spike not. What a rejected result does (raise, re-run the step, report) is the
+    machine's ``--rerun-mode``."""
+    if not (checks.nan or checks.spiky):
+        return
+    machine = get_rerun_state_machine()  # process-wide: the one Megatron-LM's loop drives
+    if checks.nan:
+        machine.validate_result(result=loss, rejection_func=torch.isnan,
+                                message="found NaN in local forward loss calculation",
+                                tolerance=0.0,  # forward pass calculations are deterministic
+                                fatal=True)
+        machine.validate_result(result=loss, rejection_func=torch.isinf,
+                                message="found Inf in local forward loss calculation",
+                                tolerance=0.0,  # forward pass calculations are deterministic
+                                fatal=True)
+    if checks.spiky:
+        machine.validate_result(
+            result=loss, rejection_func=partial(machine.is_unexpectedly_large,
+                                                threshold=SPIKY_LOSS_FACTOR, context="loss"),
+            message="Spiky loss",
+            tolerance=0.0,  # forward pass calculations are deterministic
+            fatal=False)
