@@ -74,6 +74,7 @@ def build_cache(
     micro_batch_size: int = 1,
     window_size: int = 1024,
     tp_group=None,
+    replica_group=None,
     dp_rank: int = 0,
     dp_world_size: int = 1,
     log: Callable[[str], None] | None = None,
@@ -87,6 +88,9 @@ def build_cache(
         micro_batch_size: samples per teacher call.
         window_size: rows projected at a time (bounds the ``[window, local_vocab]`` logits).
         tp_group: the teacher's tensor-parallel group (None: one rank).
+        replica_group: all the ranks of one replica, of which rank 0 writes (default
+            ``tp_group``; with context parallelism its TP x CP ranks, each holding the whole
+            sequence's hidden states).
         dp_rank, dp_world_size: this replica among the replicas building the cache; replica
             ``r`` owns the shards ``i`` with ``i % dp_world_size == r``.
         log: where progress lines go (None: silent).
@@ -98,13 +102,12 @@ def build_cache(
     if not 0 <= dp_rank < dp_world_size:
         raise ValueError(f"dp_rank={dp_rank} must lie in [0, dp_world_size={dp_world_size})")
     t0 = time.perf_counter()
-    tp_rank = dist.get_rank(tp_group) if tp_group is not None else 0
-    tp_world_size = dist.get_world_size(tp_group) if tp_group is not None else 1
-    writer = CacheWriter(cache_dir, spec) if tp_rank == 0 else None
+    group = replica_group if replica_group is not None else tp_group
+    writer = CacheWriter(cache_dir, spec) if group is None or dist.get_rank(group) == 0 else None
     done = [sorted(writer.completed()) if writer else None]
-    if tp_world_size > 1:
-        # All TP ranks must run the same shards: rank 0's view of the manifest decides.
-        dist.broadcast_object_list(done, src=dist.get_global_rank(tp_group, 0), group=tp_group)
+    if group is not None and dist.get_world_size(group) > 1:
+        # All ranks of a replica must run the same shards: its rank 0's view decides.
+        dist.broadcast_object_list(done, src=dist.get_global_rank(group, 0), group=group)
     completed = set(done[0])
     owned = [i for i in range(spec.num_shards) if i % dp_world_size == dp_rank]
     stats = BuildStats(shards_written=[], shards_skipped=[i for i in owned if i in completed],

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megatron_kd.collectives import all_gather_into
 from megatron_kd.parallel.vocab import VocabShard, vocab_shard
 
 # A rank whose shard holds fewer than K real columns pads its candidates with this id and -inf.
@@ -78,7 +79,7 @@ def _shard_sizes(local_vocab_size: int, tp_group, device) -> list[int]:
     mine = torch.tensor([local_vocab_size], dtype=torch.int64, device=device)
     sizes = torch.empty(tp_world_size, dtype=torch.int64, device=device)
     # Shards may differ in size (a vocabulary that does not divide): every rank needs all sizes.
-    dist.all_gather_into_tensor(sizes, mine, group=tp_group)
+    all_gather_into(sizes, mine, group=tp_group)
     return sizes.tolist()
 
 

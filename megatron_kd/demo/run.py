@@ -33,8 +33,8 @@ import shutil
 import sys
 import tempfile
 import time
-import warnings
 
+from megatron_kd import known_warnings
 from megatron_kd.training.report import RunLog, write_report
 
 __all__ = [
@@ -165,13 +165,6 @@ def choose_teacher_dtype(threads: int) -> tuple[str, str]:
     return "fp32", f"bf16 matmul {ratio:.1f}x slower than fp32 on this CPU"
 
 
-def _quiet_library_warnings() -> None:
-    """Hide the libraries' CPU notices (no Apex / Transformer Engine, deprecations) in the demo's
-    output; the demo's own messages and errors are unaffected."""
-    warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
-    warnings.filterwarnings("ignore", category=FutureWarning)
-
-
 def _worker(rank: int, world_size: int, init_file: str, jobs: list, results_dir: str,
             threads: int) -> None:
     """One gloo rank: run every ``(name, label, train argv)`` job in order; rank 0 writes each
@@ -181,7 +174,7 @@ def _worker(rank: int, world_size: int, init_file: str, jobs: list, results_dir:
     import torch
     import torch.distributed as dist
 
-    _quiet_library_warnings()
+    known_warnings.install()  # a spawned process: the CLI's filters are not inherited
     from megatron_kd.training.train import parse_args, train  # after the filters (above)
 
     torch.set_num_threads(threads)
@@ -293,13 +286,13 @@ def run(args: argparse.Namespace) -> int:
     # A CPU demo: gloo ranks and the CPU shim, even on a machine with a GPU (set before torch
     # first looks for one).
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    known_warnings.install()  # again, now that no GPU is visible: the CPU-only ones too
     import torch  # only now: the GPUs are hidden first
 
     from megatron_kd.demo import assets as demo_assets  # it loads Megatron-Core: same reason
 
     if not 0 < args.kd_weight <= 1:
         raise ValueError(f"--kd-weight must be in (0, 1], got {args.kd_weight}")
-    _quiet_library_warnings()
     torch.set_flush_denormal(True)
     why = "--teacher-dtype"
     if args.teacher_dtype == "auto":

@@ -22,27 +22,41 @@ from __future__ import annotations
 import copy
 
 import torch
-import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.utils import is_layer_window_attention
 
-__all__ = ["ContextParallelAttention", "GatherSequence", "cp_positions"]
+from megatron_kd.collectives import all_gather_into, reduce_scatter_into
+from megatron_kd.parallel.sequence import cp_rows
+
+__all__ = ["ContextParallelAttention", "GatherSequence", "cp_positions", "gather_positions"]
 
 
 def cp_positions(seq_length: int, cp_rank: int, cp_size: int,
                  device: torch.device | str = "cpu") -> torch.Tensor:
     """The positions ``[seq_length / cp]`` of the sequence that context-parallel rank
-    ``cp_rank`` holds, in the order it holds them: chunk ``cp_rank``, then chunk
-    ``2 * cp_size - 1 - cp_rank`` of ``2 * cp_size`` equal chunks."""
-    if seq_length % (2 * cp_size):
-        raise ValueError(f"a sequence of {seq_length} tokens does not split into 2 x "
-                         f"context-parallel size {cp_size} = {2 * cp_size} equal chunks")
-    chunk = seq_length // (2 * cp_size)
-    first = torch.arange(cp_rank * chunk, (cp_rank + 1) * chunk, device=device)
-    last = 2 * cp_size - 1 - cp_rank
-    return torch.cat([first, torch.arange(last * chunk, (last + 1) * chunk, device=device)])
+    ``cp_rank`` holds, in the order it holds them (:func:`~megatron_kd.parallel.sequence.
+    cp_rows`: chunk ``cp_rank``, then chunk ``2 * cp_size - 1 - cp_rank`` of ``2 * cp_size``)."""
+    return torch.tensor(cp_rows(seq_length, cp_rank, cp_size), dtype=torch.int64,
+                        device=device)
+
+
+def gather_positions(local: torch.Tensor, cp_group) -> torch.Tensor:
+    """``[s / cp, ...]`` (a context-parallel rank's positions, in its order) -> ``[s, ...]`` in
+    the sequence's order, on every rank of ``cp_group`` (one all-gather; no gradient: a frozen
+    teacher's output, for a consumer that needs the whole sequence)."""
+    size = cp_group.size()
+    if size == 1:
+        return local
+    every = local.new_empty((local.shape[0] * size, *local.shape[1:]))
+    # every rank's positions, rank after rank
+    all_gather_into(every, local.contiguous(), group=cp_group)
+    s = every.shape[0]
+    order = torch.cat([cp_positions(s, r, size, local.device) for r in range(size)])
+    out = torch.empty_like(every)
+    out[order] = every
+    return out
 
 
 class GatherSequence(torch.autograd.Function):
@@ -58,14 +72,14 @@ class GatherSequence(torch.autograd.Function):
         ctx.group = group
         out = x.new_empty((x.shape[0] * group.size(), *x.shape[1:]))
         # the split sequence's keys / values, every rank's in rank order
-        dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+        all_gather_into(out, x.contiguous(), group=group)
         return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         out = grad.new_empty((grad.shape[0] // ctx.group.size(), *grad.shape[1:]))
         # each rank's keys / values get the gradient of every rank's queries
-        dist.reduce_scatter_tensor(out, grad.contiguous(), group=ctx.group)
+        reduce_scatter_into(out, grad.contiguous(), group=ctx.group)
         return out, None  # group
 
 

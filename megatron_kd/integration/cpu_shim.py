@@ -284,7 +284,9 @@ class SequenceParallelNorm:
         if config.normalization not in norms:
             raise ValueError(f"normalization {config.normalization!r}: the torch norms are "
                              f"{sorted(norms)}")
-        norm = norms[config.normalization](normalized_shape=hidden_size, eps=eps)
+        # in the parameters' dtype, as TENorm's (torch's fused norm wants input and weight alike)
+        norm = norms[config.normalization](normalized_shape=hidden_size, eps=eps,
+                                           dtype=config.params_dtype)
         for param in norm.parameters():
             param.sequence_parallel = bool(config.sequence_parallel)
         return norm

@@ -9,7 +9,9 @@ undoes llama.cpp's q/k row permutation). The result is written with
 :func:`megatron_kd.integration.checkpoint.save_model_checkpoint` (Megatron-Core
 ``dist_checkpointing``), so it loads at any tensor-parallel size that divides the heads, query
 groups, MLP width and padded vocabulary; the tokenizer, when the source has one, is written
-next to it as ``tokenizer.json``.
+next to it as ``tokenizer.json``, and the source's ``config.json``, ``generation_config.json``
+and tokenizer files are kept in ``hf/`` (:data:`HF_FILES_DIR`: what ``megatron-kd export-hf``
+writes back out).
 
 Weight layout, Hugging Face ``LlamaForCausalLM`` -> Megatron-Core ``GPTModel`` (local spec;
 the other families' extra tensors are mapped in :mod:`megatron_kd.integration.hf_convert`:
@@ -51,6 +53,7 @@ import datetime
 import glob
 import json
 import os
+import shutil
 import tempfile
 from typing import Any
 
@@ -72,6 +75,8 @@ from megatron_kd.integration.hf_convert import (
 )
 
 __all__ = [
+    "HF_FILES_DIR",
+    "HF_SIDE_FILES",
     "TOKENIZER_FILE",
     "HFCheckpoint",
     "TokenizerMismatchError",
@@ -89,6 +94,14 @@ __all__ = [
 ]
 
 TOKENIZER_FILE = "tokenizer.json"
+HF_FILES_DIR = "hf"
+"""The subdirectory of an imported checkpoint that keeps the source's own files
+(:data:`HF_SIDE_FILES`)."""
+HF_SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json",
+                 "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                 "chat_template.jinja", "chat_template.json", "tokenizer.model", "vocab.json",
+                 "merges.txt")
+"""A Hugging Face model directory's files besides the weights that a text model carries."""
 
 
 
@@ -293,10 +306,13 @@ def import_hf(path: str | os.PathLike, save_dir: str | os.PathLike, *,
                  "make_vocab_size_divisible_by": make_vocab_size_divisible_by,
                  "padded_for_tp": pad_for_tp,
                  "hf_arch": hf_arch.to_dict(),
-                 "tokenizer": TOKENIZER_FILE if ckpt.tokenizer is not None else None}
+                 "tokenizer": TOKENIZER_FILE if ckpt.tokenizer is not None else None,
+                 "hf_files": HF_FILES_DIR}
         save_model_checkpoint(model, arch, save_dir, extra=extra)
-        if ckpt.tokenizer is not None and (not dist.is_initialized() or dist.get_rank() == 0):
-            ckpt.tokenizer.save(os.path.join(save_dir, TOKENIZER_FILE))
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            if ckpt.tokenizer is not None:
+                ckpt.tokenizer.save(os.path.join(save_dir, TOKENIZER_FILE))
+            _keep_hf_files(ckpt, os.path.join(save_dir, HF_FILES_DIR))
         if dist.is_initialized():
             dist.barrier()
     finally:
@@ -306,6 +322,19 @@ def import_hf(path: str | os.PathLike, save_dir: str | os.PathLike, *,
             dist.destroy_process_group()
             tmp.cleanup()
     return arch
+
+
+def _keep_hf_files(ckpt: HFCheckpoint, directory: str) -> None:
+    """The source's :data:`HF_SIDE_FILES` copied byte for byte into ``directory`` (a GGUF
+    source: its config as transformers read it)."""
+    os.makedirs(directory, exist_ok=True)
+    source = ckpt.source if os.path.isdir(ckpt.source) else None
+    for name in HF_SIDE_FILES:
+        if source is not None and os.path.isfile(os.path.join(source, name)):
+            shutil.copyfile(os.path.join(source, name), os.path.join(directory, name))
+    if source is None:
+        with open(os.path.join(directory, "config.json"), "w", encoding="utf-8") as f:
+            json.dump(ckpt.config, f, indent=2, sort_keys=True)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -11,7 +11,8 @@ from __future__ import annotations
 import contextlib
 
 import torch
-import torch.distributed as dist
+
+from megatron_kd.collectives import all_gather_into
 
 __all__ = ["bypass_output_layer", "gather_sequence", "output_layer_bypassed",
            "output_layer_weight", "to_sbh", "unwrap_model"]
@@ -89,5 +90,5 @@ def gather_sequence(hidden: torch.Tensor, tp_group) -> torch.Tensor:
         return hidden
     full = hidden.new_empty((hidden.shape[0] * tp_group.size(), *hidden.shape[1:]))
     # each rank holds its contiguous slice of the sequence (Megatron's sequence split)
-    dist.all_gather_into_tensor(full, hidden.contiguous(), group=tp_group)
+    all_gather_into(full, hidden.contiguous(), group=tp_group)
     return full

@@ -200,22 +200,29 @@ def teacher_identity(teacher_dir: str, arch: GPTArchConfig, dtype: str) -> dict:
 
 def connect_teacher(kd, arch: GPTArchConfig, *, run: int, dp_rank: int, tp_group,
                     micro_batch_size: int, seq_length: int, schedule, device: torch.device,
-                    max_samples: int, log, sequence_parallel: bool = False) -> TeacherClient:
+                    max_samples: int, log, sequence_parallel: bool = False,
+                    cp_group=None, tp_cp_group=None) -> TeacherClient:
     """The started teacher client of one last-stage student rank, for the replicas at
-    ``kd.teacher_endpoint`` (``kd`` a :class:`~megatron_kd.integration.args.KDArgs`). TP rank 0
-    sends the requests of ``schedule`` (``(step, microbatch, sample_ids, tokens)``); every TP
-    rank receives its chunk of the hidden states over ``tp_group`` (and, unless
-    ``sequence_parallel``, all-gathers the whole sequence)."""
+    ``kd.teacher_endpoint`` (``kd`` a :class:`~megatron_kd.integration.args.KDArgs`). The first
+    rank of a data-parallel rank's TP (x CP) group sends the requests of ``schedule`` (``(step,
+    microbatch, sample_ids, tokens)``, the whole sequence); every rank receives its part of the
+    hidden states (its TP slice of its CP rank's positions) and, unless ``sequence_parallel``,
+    all-gathers its CP rank's positions over ``tp_group``. ``cp_group`` / ``tp_cp_group``:
+    context parallelism's group and the TP x CP group (None: no context parallelism)."""
     tp = tp_group.size() if tp_group is not None else 1
     tp_rank = tp_group.rank() if tp_group is not None else 0
+    cp = cp_group.size() if cp_group is not None else 1
+    member = (cp_group.rank() if cp_group is not None else 0) * tp + tp_rank
+    group = tp_cp_group if cp > 1 else tp_group
     client = TeacherClient(
         endpoint=parse_endpoint(kd.teacher_endpoint),
         expected=teacher_identity(kd.teacher_load, arch, kd.teacher_dtype), run=run,
-        dp_rank=dp_rank, tp_group=tp_group if tp > 1 else None, tp_rank=tp_rank, tp_size=tp,
-        micro_batch_size=micro_batch_size, seq_length=seq_length, hidden_size=arch.hidden_size,
-        dtype=kd.teacher_torch_dtype, wire_dtype=kd.wire, depth=kd.prefetch_depth,
-        timeout_s=kd.teacher_timeout, device=device,
-        schedule=schedule if tp_rank == 0 else None, max_samples=max_samples,
-        log=log if tp_rank == 0 else None, sequence_parallel=sequence_parallel)
+        dp_rank=dp_rank, tp_group=group if tp * cp > 1 else None, tp_rank=member,
+        tp_size=tp * cp, micro_batch_size=micro_batch_size, seq_length=seq_length,
+        hidden_size=arch.hidden_size, dtype=kd.teacher_torch_dtype, wire_dtype=kd.wire,
+        depth=kd.prefetch_depth, timeout_s=kd.teacher_timeout, device=device,
+        schedule=schedule if member == 0 else None, max_samples=max_samples,
+        log=log if member == 0 else None, sequence_parallel=sequence_parallel, cp_size=cp,
+        gather_group=tp_group if tp > 1 else None)
     client.start()
     return client

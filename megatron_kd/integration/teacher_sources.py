@@ -72,6 +72,10 @@ class Microbatch:
     """``[b, s]`` token ids, or a function that reads them (a schedule collates only the
     microbatches a source asks the tokens of)."""
 
+    positions: torch.Tensor | None = None
+    """The sequence positions this rank trains on, in its order (context parallelism: its
+    load-balanced chunks); None: the whole sequence."""
+
     model_inputs: tuple[tuple, dict] | Callable[[], tuple[tuple, dict]] | None = None
     """The positional and keyword arguments to call a model with on this microbatch (the
     student's own, where it had them), or a function that makes them (only a colocated
@@ -246,9 +250,10 @@ class Remote(TeacherSource):
     def __init__(self, kd: KDArgs, arch: GPTArchConfig, *, weight: torch.Tensor, run: int,
                  tp_group, dp_rank: int, dp_size: int, micro_batch_size: int, seq_length: int,
                  max_samples: int, active: bool, log: Callable[[str], None] | None,
-                 sequence_parallel: bool = False) -> None:
+                 sequence_parallel: bool = False, cp_group=None, tp_cp_group=None) -> None:
         self.kd, self.arch, self.weight, self.run = kd, arch, weight, run
         self.sequence_parallel = sequence_parallel
+        self.cp_group, self.tp_cp_group = cp_group, tp_cp_group
         self.tp_group, self.dp_rank, self.dp_size = tp_group, dp_rank, dp_size
         self.micro_batch_size, self.seq_length = micro_batch_size, seq_length
         self.max_samples, self.active, self.log = max_samples, active, log
@@ -256,8 +261,11 @@ class Remote(TeacherSource):
         self._events_seen = 0
 
     @property
-    def tp_rank(self) -> int:
-        return self.tp_group.rank() if self.tp_group is not None else 0
+    def member(self) -> int:
+        """This rank's place among the student ranks a connection answers (0 sends)."""
+        tp_rank = self.tp_group.rank() if self.tp_group is not None else 0
+        tp = self.tp_group.size() if self.tp_group is not None else 1
+        return (self.cp_group.rank() if self.cp_group is not None else 0) * tp + tp_rank
 
     def start(self, schedule: Iterable[Microbatch]) -> None:
         if not self.active:
@@ -269,7 +277,8 @@ class Remote(TeacherSource):
             micro_batch_size=self.micro_batch_size, seq_length=self.seq_length,
             schedule=((mb.step, mb.index, mb.sample_ids, mb.token_ids()) for mb in schedule),
             device=collective_device(), max_samples=self.max_samples, log=self.log,
-            sequence_parallel=self.sequence_parallel)
+            sequence_parallel=self.sequence_parallel, cp_group=self.cp_group,
+            tp_cp_group=self.tp_cp_group)
 
     def inputs(self, mb: Microbatch, *, training: bool) -> TeacherInputs:
         if not training:
@@ -279,16 +288,16 @@ class Remote(TeacherSource):
                              what=f"teacher hidden states received from {self.client.replica}")
 
     def step_stats(self, group: Any) -> StepStats:
-        """Hidden-state bytes received, token-id bytes sent (counted by the client, TP ranks 0
-        send), seconds a receiving rank waited (mean over them), the prefetch ring's fill when a
-        response was asked for (mean over the sending ranks), live replicas (as data-parallel
-        rank 0's TP rank 0 sees them), failovers (each also an event) and tokens answered by
+        """Hidden-state bytes received, token-id bytes sent (counted by the client: the first
+        rank of each data-parallel rank's TP x CP group sends), seconds a receiving rank waited
+        (mean over them), the prefetch ring's fill when a response was asked for (mean over the
+        sending ranks), live replicas (as data-parallel rank 0's sending rank sees them), failovers (each also an event) and tokens answered by
         each replica. Over ``group``: one all-reduce and one object gather; with ``group`` None
         this rank's own (events and live replicas as its client saw them)."""
         client = self.client
         stats = client.take_step_stats() if client is not None else {
             "bytes": 0, "bytes_sent": 0, "wait_s": 0.0, "occupancy": None}
-        head = client is not None and (self.tp_rank == 0 or group is None)
+        head = client is not None and (self.member == 0 or group is None)
         events = []
         if head:
             events, self._events_seen = (client.failovers[self._events_seen:],
@@ -356,6 +365,9 @@ class Cached(TeacherSource):
             raise FloatingPointError(f"non-finite teacher values (NaN or inf) at step "
                                      f"{mb.step + 1}, microbatch {mb.index}: {e}; no optimizer "
                                      f"step was taken") from e
+        if mb.positions is not None:  # a cache is per sequence: this rank's positions of it
+            rows = mb.positions.to(ids.device)
+            ids, logprobs = ids.index_select(0, rows), logprobs.index_select(0, rows)
         return TeacherInputs(topk_ids=ids, topk_logprobs=logprobs,
                              what=f"top-K log-probs of samples {list(mb.sample_ids)} read from "
                                   f"the cache {self.directory}")
@@ -401,14 +413,17 @@ def build_teacher_source(kd: KDArgs, teacher_arch: GPTArchConfig | None, *, acti
                          seq_length: int, topk_cache=None, pg_collection=None,
                          own_groups: bool = True, max_samples: int | None = None,
                          log: Callable[[str], None] | None = None,
-                         sequence_parallel: bool = False) -> TeacherSource:
+                         sequence_parallel: bool = False, cp_group=None,
+                         tp_cp_group=None) -> TeacherSource:
     """The run's teacher source (the one place the KD mode is read); collective over the
     world. ``active``: this rank computes the loss (the student's last pipeline stage).
     ``topk_cache``: offline, the opened and checked cache reader. ``max_samples``: sample ids a
     request header holds (default: the micro-batch size). ``sequence_parallel``: the student's
     loss takes this TP rank's slice of the sequence (a dense teacher's hidden states come so:
     a colocated teacher runs sequence-parallel too, a remote one's chunks are not gathered;
-    top-K targets cover the whole sequence either way)."""
+    top-K targets cover the whole sequence either way). ``cp_group`` / ``tp_cp_group``: context
+    parallelism's group and the TP x CP group (a remote teacher answers each CP rank its
+    positions; a colocated one runs in the student's groups, context parallelism included)."""
     if kd.mode == "offline":
         device = None if on_cpu() else torch.device("cuda", torch.cuda.current_device())
         return Cached(topk_cache, directory=kd.topk_cache, depth=kd.prefetch_depth,
@@ -425,7 +440,8 @@ def build_teacher_source(kd: KDArgs, teacher_arch: GPTArchConfig | None, *, acti
                       tp_group=tp_group, dp_rank=dp_rank, dp_size=dp_size,
                       micro_batch_size=micro_batch_size, seq_length=seq_length,
                       max_samples=max_samples or micro_batch_size, active=active,
-                      log=log or log_event, sequence_parallel=sequence_parallel)
+                      log=log or log_event, sequence_parallel=sequence_parallel,
+                      cp_group=cp_group, tp_cp_group=tp_cp_group)
     return colocated(kd, teacher_arch, keep=active, pg_collection=pg_collection,
                      own_groups=own_groups, sequence_parallel=sequence_parallel)
 

@@ -17,6 +17,7 @@ import math
 import torch
 import torch.distributed as dist
 
+from megatron_kd.collectives import all_gather_into
 from megatron_kd.loss.config import KDLossConfig
 from megatron_kd.loss.window import Shard, Window
 from megatron_kd.parallel.vocab import vocab_shard
@@ -133,7 +134,7 @@ def exchange_sizes(student_weight: torch.Tensor, student_hidden: torch.Tensor,
     else:
         sizes = torch.empty(tp_world_size * 3, dtype=torch.int64, device=student_hidden.device)
         # Shard offsets come from every rank's shard size; errors must stop all ranks together.
-        dist.all_gather_into_tensor(sizes, mine, group=tp_group)
+        all_gather_into(sizes, mine, group=tp_group)
         sizes = sizes.view(tp_world_size, 3)
     if local_error is not None:
         raise ValueError(local_error)

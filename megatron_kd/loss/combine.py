@@ -19,6 +19,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megatron_kd.collectives import all_gather_into, reduce_scatter_into
+
 __all__ = ["ShardMax", "ShardSum", "gather_sequence", "reduce_hidden_grad"]
 
 
@@ -93,7 +95,7 @@ def gather_sequence(hidden: torch.Tensor, tp_group: dist.ProcessGroup | None,
     """All-gather sequence-parallel hidden states ``[s/tp, ...]`` into ``[s, ...]``."""
     out = hidden.new_empty((hidden.shape[0] * tp_world_size, *hidden.shape[1:]))
     # Forward of sequence parallelism: every rank needs every token for its vocab shard.
-    dist.all_gather_into_tensor(out, hidden.contiguous(), group=tp_group)
+    all_gather_into(out, hidden.contiguous(), group=tp_group)
     return out
 
 
@@ -108,7 +110,7 @@ def reduce_hidden_grad(grad_x: torch.Tensor, tp_group: dist.ProcessGroup | None,
         full = grad_x.view(*lead, h_s)
         out = full.new_empty((lead[0] // tp_world_size, *lead[1:], h_s))
         # Each rank keeps the gradient of its own sequence chunk, summed over vocab shards.
-        dist.reduce_scatter_tensor(out, full.contiguous(), group=tp_group)
+        reduce_scatter_into(out, full.contiguous(), group=tp_group)
         return out
     # Every vocab shard contributes to every token's hidden gradient.
     dist.all_reduce(grad_x, group=tp_group)

@@ -22,7 +22,6 @@ tried.
 from __future__ import annotations
 
 import collections
-import datetime
 import json
 import time
 from collections.abc import Callable, Iterator
@@ -30,16 +29,19 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.distributed as dist
 
+from megatron_kd.collectives import all_gather_into
 from megatron_kd.teacher.endpoint import Endpoint, ReplicaRecord
 from megatron_kd.teacher.protocol import (
     ConnectionMeta,
     Tag,
     TeacherMismatchError,
     announce_connection,
+    group_device,
     identity_differences,
     link_device,
     read_identity,
     replica_load,
+    replica_store,
     request_prefix,
     response_prefix,
 )
@@ -73,7 +75,9 @@ class TeacherClient:
         expected: the teacher identity this run needs (checked against each replica's).
         run: this run's id (the same on every rank of the run).
         dp_rank: the student data-parallel rank of this TP group.
-        tp_group / tp_rank / tp_size: the student's TP group (``tp_group`` None when 1 rank).
+        tp_group / tp_rank / tp_size: the student ranks one connection answers (the TP group;
+            with context parallelism the TP x CP group, member ``c * tp + t``), this rank's
+            place in them and their number (``tp_group`` None when 1 rank).
         micro_batch_size / seq_length / hidden_size: the shapes of a response.
         dtype: the teacher hidden states' dtype for the loss (the output-layer shard's).
         wire_dtype: ``fp32``, ``bf16`` or ``fp8``.
@@ -85,6 +89,9 @@ class TeacherClient:
         log: where failover events go (one JSON line each), or None.
         sequence_parallel: hand each TP rank its own chunk of the sequence (what a
             sequence-parallel loss takes) instead of all-gathering the whole sequence.
+        cp_size / gather_group: context parallelism: each CP rank receives its load-balanced
+            positions; without sequence parallelism the TP ranks of one CP rank all-gather
+            over ``gather_group`` (without context parallelism: ``tp_group``).
     """
 
     def __init__(self, *, endpoint: Endpoint, expected: dict, run: int, dp_rank: int, tp_group,
@@ -93,14 +100,16 @@ class TeacherClient:
                  timeout_s: float, device: torch.device,
                  schedule: Iterator | None = None, max_samples: int = 64,
                  log: Callable[[str], None] | None = None, rebalance_every: int = 8,
-                 sequence_parallel: bool = False) -> None:
-        if seq_length % tp_size:
-            raise ValueError(f"--seq-length {seq_length} must be divisible by the student's "
-                             f"tensor-parallel size {tp_size} (each TP rank receives 1/tp of the "
-                             f"sequence)")
+                 sequence_parallel: bool = False, cp_size: int = 1,
+                 gather_group=None) -> None:
+        if seq_length % (tp_size * (2 if cp_size > 1 else 1)):
+            raise ValueError(f"--seq-length {seq_length} must be divisible by the student ranks "
+                             f"a connection answers, {tp_size} (x 2 with context parallelism: "
+                             f"each receives its part of the sequence)")
         self.endpoint, self.expected, self.run, self.dp_rank = endpoint, expected, run, dp_rank
         self.tp_group, self.tp_rank, self.tp_size = tp_group, tp_rank, tp_size
-        self.sequence_parallel = sequence_parallel
+        self.sequence_parallel, self.cp_size = sequence_parallel, cp_size
+        self.gather_group = tp_group if gather_group is None and cp_size == 1 else gather_group
         self.shape = (seq_length // tp_size, micro_batch_size, hidden_size)
         self.seq_length, self.dtype, self.wire_dtype = seq_length, dtype, wire_dtype
         self.depth, self.timeout_s = depth, timeout_s
@@ -149,7 +158,7 @@ class TeacherClient:
         record = ReplicaRecord.from_json(record_json)
         self.replica, self.conn = record, conn
         device = link_device(self.device.type, record.layout.get("device", "cpu"))
-        store = _store(record, self.timeout_s)
+        store = replica_store(record, self.timeout_s)
         peer = str(record)
         self._peer_ids[peer] = record.replica
         self._links = []
@@ -177,7 +186,7 @@ class TeacherClient:
             records = [r for r in records if r.replica not in self._dead] or records
             for record in records:
                 try:
-                    store = _store(record, min(_PROBE_S, self.timeout_s))
+                    store = replica_store(record, min(_PROBE_S, self.timeout_s))
                     candidates.append((replica_load(store), record, store))
                 except (RuntimeError, OSError, ValueError) as e:
                     reasons.append(f"{record}: {str(e).splitlines()[0]}")
@@ -203,7 +212,8 @@ class TeacherClient:
             time.sleep(0.5)
 
     def _meta(self) -> ConnectionMeta:
-        return ConnectionMeta(run=self.run, dp_rank=self.dp_rank, tp=self.tp_size,
+        return ConnectionMeta(run=self.run, dp_rank=self.dp_rank, tp=self.tp_size // self.cp_size,
+                              cp=self.cp_size,
                               micro_batch_size=self.shape[1], seq_length=self.seq_length,
                               max_samples=self.max_samples, wire_dtype=self.wire_dtype,
                               device=self.device.type)
@@ -330,6 +340,7 @@ class TeacherClient:
                             sample_ids=response.sample_ids if self.tp_rank else head.sample_ids,
                             fingerprint=response.fingerprint if self.tp_rank else
                             head.fingerprint, chunk=self.tp_rank, num_chunks=self.tp_size,
+                            cp_size=self.cp_size,
                             shape=self.shape, wire_dtype=self.wire_dtype)
         response.check_against(expected, replica=link.peer,
                                student_rank=dist.get_rank() if dist.is_initialized() else 0)
@@ -349,9 +360,9 @@ class TeacherClient:
         mine = torch.tensor([0 if failure else 1, head.request,
                              r.step if r else -1, r.microbatch if r else -1,
                              r.fingerprint if r else -1], dtype=torch.int64,
-                            device=_group_device(self.tp_group))
+                            device=group_device(self.tp_group))
         every = torch.empty(self.tp_size * 5, dtype=torch.int64, device=mine.device)
-        dist.all_gather_into_tensor(every, mine, group=self.tp_group)
+        all_gather_into(every, mine, group=self.tp_group)
         rows = every.view(self.tp_size, 5).cpu().tolist()
         if not all(row[0] for row in rows):
             return False
@@ -361,11 +372,12 @@ class TeacherClient:
         return True
 
     def _gather(self, chunk: torch.Tensor) -> torch.Tensor:
-        if self.tp_size == 1 or self.sequence_parallel:
+        group = self.gather_group
+        if group is None or group.size() == 1 or self.sequence_parallel:
             return chunk.clone()
-        full = chunk.new_empty((self.seq_length, *chunk.shape[1:]))
+        full = chunk.new_empty((chunk.shape[0] * group.size(), *chunk.shape[1:]))
         # The sequence chunks of the TP group's ranks make the whole microbatch (intra-node).
-        dist.all_gather_into_tensor(full, chunk.contiguous(), group=self.tp_group)
+        all_gather_into(full, chunk.contiguous(), group=group)
         return full
 
     def _failover(self, head: Outstanding, failure: str | None, t0: float) -> None:
@@ -411,7 +423,8 @@ class TeacherClient:
     def _less_loaded(self) -> str | None:
         """TP rank 0: the id of a live replica loaded at least 2 less than ours, if any."""
         try:
-            mine = replica_load(_store(self.replica, min(_PROBE_S, self.timeout_s))) - 1  # but ours
+            # but ours
+            mine = replica_load(replica_store(self.replica, min(_PROBE_S, self.timeout_s))) - 1
         except (RuntimeError, OSError, ValueError):
             return None  # ours is unreachable: the next response will say so
         best = None
@@ -419,7 +432,7 @@ class TeacherClient:
             if record.replica == self.replica.replica or record.replica in self._dead:
                 continue
             try:
-                load = replica_load(_store(record, min(_PROBE_S, self.timeout_s)))
+                load = replica_load(replica_store(record, min(_PROBE_S, self.timeout_s)))
             except (RuntimeError, OSError, ValueError):
                 self._dead.add(record.replica)
                 continue
@@ -478,17 +491,6 @@ class TeacherClient:
         for link in self._links + self._draining:
             link.abort()
         self._links, self._draining = [], []
-
-
-def _store(record: ReplicaRecord, timeout_s: float):
-    return dist.TCPStore(record.host, record.port, is_master=False, wait_for_workers=False,
-                         timeout=datetime.timedelta(seconds=timeout_s))
-
-
-def _group_device(group) -> torch.device:
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def _remember(names: list[str], name: str) -> None:

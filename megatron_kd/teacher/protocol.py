@@ -21,9 +21,10 @@ Messages on a link are told apart by :class:`Tag`; where a link's buffers live i
 
 from __future__ import annotations
 
+import datetime
 import enum
 import json
-from dataclasses import asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, fields
 
 import torch
 import torch.distributed as dist
@@ -31,9 +32,9 @@ import torch.distributed as dist
 from megatron_kd.teacher.wire import WIRE_DTYPES
 
 __all__ = ["CLOSED_COUNTER_KEY", "CONN_COUNTER_KEY", "ConnectionMeta", "IDENTITY_KEY",
-           "PENDING_KEY", "Tag", "TeacherMismatchError", "announce_connection",
+           "PENDING_KEY", "Tag", "TeacherMismatchError", "announce_connection", "group_device",
            "identity_differences", "link_device", "meta_key", "publish_identity", "read_identity",
-           "replica_load", "request_prefix", "response_prefix"]
+           "replica_load", "replica_store", "request_prefix", "response_prefix"]
 
 #: The replica's identity (JSON, keys sorted).
 IDENTITY_KEY = "identity"
@@ -83,8 +84,7 @@ class ConnectionMeta:
     dp_rank: int
     """The student data-parallel rank whose TP group this connection is."""
     tp: int
-    """The student's tensor-parallel size: the replica sends each response in ``tp`` sequence
-    chunks, chunk ``i`` to student TP rank ``i``."""
+    """The student's tensor-parallel size."""
     micro_batch_size: int
     seq_length: int
     max_samples: int
@@ -93,10 +93,20 @@ class ConnectionMeta:
     """The responses' element type (a key of :data:`~megatron_kd.teacher.wire.WIRE_DTYPES`)."""
     device: str
     """The student's device type (``cuda`` or ``cpu``), for :func:`link_device`."""
+    cp: int = 1
+    """The student's context-parallel size: the replica sends each response in ``tp * cp``
+    parts, part ``c * tp + t`` to student (CP rank ``c``, TP rank ``t``): the rows
+    :func:`~megatron_kd.parallel.sequence.member_rows` names (absent from a student that
+    predates context parallelism: 1)."""
+
+    @property
+    def members(self) -> int:
+        """Student ranks the connection answers (``tp * cp``)."""
+        return self.tp * self.cp
 
     def __post_init__(self) -> None:
         for name, low in (("run", 0), ("dp_rank", 0), ("tp", 1), ("micro_batch_size", 1),
-                          ("seq_length", 1), ("max_samples", 1)):
+                          ("seq_length", 1), ("max_samples", 1), ("cp", 1)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"connection metadata: {name} must be an integer >= {low}, "
@@ -109,7 +119,12 @@ class ConnectionMeta:
                              f"'cpu' or 'cuda', got {self.device!r}")
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), sort_keys=True)
+        """The JSON form; ``cp`` only when above 1 (what a student without context parallelism
+        writes stays what a replica that predates it reads)."""
+        d = asdict(self)
+        if d["cp"] == 1:
+            del d["cp"]
+        return json.dumps(d, sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str | bytes) -> "ConnectionMeta":
@@ -121,7 +136,8 @@ class ConnectionMeta:
         if not isinstance(d, dict):
             raise ValueError(f"connection metadata must be a JSON object, got {d!r}")
         names = {f.name for f in fields(cls)}
-        missing, unknown = sorted(names - set(d)), sorted(set(d) - names)
+        required = {f.name for f in fields(cls) if f.default is MISSING}
+        missing, unknown = sorted(required - set(d)), sorted(set(d) - names)
         if missing or unknown:
             raise ValueError(f"connection metadata: missing fields {missing}, unknown fields "
                              f"{unknown}")
@@ -153,6 +169,19 @@ def identity_differences(teacher: dict, expected: dict) -> list[str]:
     """``"field: teacher has X, this run expects Y"`` for every field that differs."""
     return [f"{k}: teacher has {teacher.get(k)!r}, this run expects {expected.get(k)!r}"
             for k in sorted(set(teacher) | set(expected)) if teacher.get(k) != expected.get(k)]
+
+
+def replica_store(record, timeout_s: float):
+    """A client of the store a replica (its endpoint ``record``) serves."""
+    return dist.TCPStore(record.host, record.port, is_master=False, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def group_device(group) -> torch.device:
+    """Where a collective on ``group`` wants its tensors: the GPU for NCCL, else the CPU."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def replica_load(store) -> int:

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from megatron_kd.parallel.sequence import member_rows, route_name
 from megatron_kd.teacher.endpoint import Endpoint, ReplicaRecord
 from megatron_kd.teacher.protocol import (
     CLOSED_COUNTER_KEY,
@@ -278,17 +279,18 @@ class TeacherService:
                 state.request_link = Link(self.store, request_prefix(conn), 0, device=device,
                                           timeout_s=self.timeout_s, peer=peer)
                 self.front.read_requests(conn, state.request_link, meta.max_samples)
-            for chunk in range(meta.tp):
+            for chunk in range(meta.members):
                 if self.last_stage_ranks[chunk % len(self.last_stage_ranks)] == self.rank:
                     link = Link(self.store, response_prefix(conn, chunk), 0, device=device,
-                                timeout_s=self.timeout_s, peer=f"{peer} tp {chunk}")
+                                timeout_s=self.timeout_s,
+                                peer=f"{peer} {route_name(chunk, meta.tp, meta.cp)}")
                     state.senders[chunk] = _Sender(link, self.timeout_s)
         except LinkDown as e:
             self._say({"event": "connect_failed", "conn": conn, "reason": str(e)})
         self.conns[conn] = state
         self.stats.connected(meta)
         self._say({"event": "connected", "conn": conn, "run": meta.run, "dp_rank": meta.dp_rank,
-                   "tp": meta.tp, "wire_dtype": meta.wire_dtype})
+                   "tp": meta.tp, "cp": meta.cp, "wire_dtype": meta.wire_dtype})
 
     def _close(self, conn: int) -> None:
         state = self.conns.pop(conn, None)
@@ -315,17 +317,21 @@ class TeacherService:
         self.stats.forward_s += time.perf_counter() - t0
 
     def _respond(self, state: _Conn, req: Request, hidden: torch.Tensor) -> None:
+        """Each student rank's rows of ``hidden [s, b, h]``: a contiguous slice of the
+        sequence per TP rank, and with context parallelism the TP slice of its CP rank's
+        load-balanced positions (:func:`~megatron_kd.parallel.sequence.member_rows`)."""
         meta = state.meta
-        num_chunks = meta.tp
-        size = hidden.shape[0] // num_chunks
         for chunk, sender in state.senders.items():
             if sender.dead:
                 continue
-            part = hidden[chunk * size:(chunk + 1) * size]
+            rows = member_rows(hidden.shape[0], chunk, meta.tp, meta.cp)
+            part = (hidden[rows[0]:rows[-1] + 1] if rows == list(range(rows[0], rows[-1] + 1))
+                    else hidden.index_select(0, torch.tensor(rows, device=hidden.device)))
             header = Response(run=req.run, conn=req.conn, request=req.request, step=req.step,
                               microbatch=req.microbatch, sample_ids=req.sample_ids,
-                              fingerprint=req.fingerprint, chunk=chunk, num_chunks=num_chunks,
-                              shape=tuple(part.shape), wire_dtype=meta.wire_dtype)
+                              fingerprint=req.fingerprint, chunk=chunk, num_chunks=meta.members,
+                              shape=tuple(part.shape), wire_dtype=meta.wire_dtype,
+                              cp_size=meta.cp)
             parts = [p.to(sender.link.device) for p in encode_hidden(part, meta.wire_dtype)]
             sender.queue.put((header.encode(meta.max_samples).to(sender.link.device), parts))
 

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron_kd.parallel.sequence import route_name
+
 __all__ = ["HeaderMismatchError", "Request", "Response", "TeacherUnavailableError",
            "WIRE_DTYPES", "WireError", "decode_hidden", "encode_hidden", "header_size",
            "payload_shapes", "token_fingerprint", "wire_bytes_per_token"]
@@ -139,18 +141,23 @@ class Request(_Message):
 
 @dataclass(frozen=True, kw_only=True)
 class Response(_Message):
-    """The teacher's answer for one student TP rank: sequence chunk ``chunk`` of
-    ``num_chunks``, ``shape = [s / num_chunks, b, h]`` in ``wire_dtype``."""
+    """The teacher's answer for one student rank: part ``chunk`` of ``num_chunks``, ``shape =
+    [s / num_chunks, b, h]`` in ``wire_dtype``. With context parallelism (``cp_size`` > 1) part
+    ``c * tp + t`` (``tp = num_chunks / cp_size``) is for student CP rank ``c``, TP rank ``t``:
+    its TP slice of CP rank ``c``'s load-balanced positions
+    (:func:`~megatron_kd.parallel.sequence.member_rows`)."""
 
     chunk: int
     num_chunks: int
     shape: tuple[int, int, int]
     wire_dtype: str
+    cp_size: int = 1
 
     KIND = KIND_RESPONSE
 
     def _words(self) -> list[int]:
-        return [self.chunk, self.num_chunks, *self.shape, WIRE_DTYPES[self.wire_dtype]]
+        return [self.chunk, self.num_chunks, *self.shape, WIRE_DTYPES[self.wire_dtype],
+                self.cp_size]
 
     @classmethod
     def _from_words(cls, w: list[int], common: dict) -> "Response":
@@ -160,19 +167,29 @@ class Response(_Message):
             raise WireError(f"response of impossible shape {tuple(w[2:5])}")
         if w[5] not in _WIRE_NAME:
             raise WireError(f"unknown wire dtype code {w[5]}")
+        cp = w[6] or 1  # 0: a sender that predates context parallelism (its one spare word)
+        if not 1 <= cp <= w[1] or w[1] % cp:
+            raise WireError(f"response of {w[1]} parts for context-parallel size {cp} "
+                            f"impossible")
         return cls(chunk=w[0], num_chunks=w[1], shape=(w[2], w[3], w[4]),
-                   wire_dtype=_WIRE_NAME[w[5]], **common)
+                   wire_dtype=_WIRE_NAME[w[5]], cp_size=cp, **common)
+
+    def route(self) -> str:
+        """The student rank the response is for, in words."""
+        return route_name(self.chunk, self.num_chunks // self.cp_size, self.cp_size)
 
     def check_against(self, expected: "Response", *, replica: str, student_rank: int) -> None:
-        """Raise :class:`HeaderMismatchError` naming both sides if anything differs."""
+        """Raise :class:`HeaderMismatchError` naming both sides if anything differs (the
+        student rank's route, its CP rank and chunks with context parallelism, included)."""
         names = ("run", "conn", "request", "step", "microbatch", "chunk", "num_chunks",
-                 "sample_ids", "fingerprint", "shape", "wire_dtype")
+                 "cp_size", "sample_ids", "fingerprint", "shape", "wire_dtype")
         diffs = [f"{n}: teacher {replica} sent {getattr(self, n)!r}, student rank "
                  f"{student_rank} expected {getattr(expected, n)!r}"
                  for n in names if getattr(self, n) != getattr(expected, n)]
         if diffs:
-            raise HeaderMismatchError("teacher response does not answer the request; "
-                                      + "; ".join(diffs))
+            raise HeaderMismatchError(f"teacher response (for {self.route()}) does not answer "
+                                      f"the request of student rank {student_rank} "
+                                      f"({expected.route()}); " + "; ".join(diffs))
 
 
 def payload_shapes(shape: tuple[int, int, int], wire_dtype: str):

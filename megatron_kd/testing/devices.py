@@ -57,7 +57,8 @@ ACCELERATOR = torch.device("cuda", 0)
 #: The ``torch.distributed`` functions whose tensor arguments are checked (those present).
 CHECKED_FUNCTIONS = (
     "all_reduce", "all_reduce_coalesced", "all_gather", "all_gather_into_tensor",
-    "all_gather_coalesced", "_all_gather_base", "reduce_scatter", "reduce_scatter_tensor",
+    "all_gather_single", "all_gather_coalesced", "_all_gather_base", "reduce_scatter",
+    "reduce_scatter_tensor", "reduce_scatter_single",
     "_reduce_scatter_base", "broadcast", "reduce", "gather", "scatter", "all_to_all",
     "all_to_all_single", "send", "recv", "isend", "irecv", "batch_isend_irecv")
 

@@ -59,12 +59,13 @@ class Replica:
     """One running replica (a process, or a torchrun of several), in a session of its own."""
 
     def __init__(self, endpoint: str | os.PathLike, teacher: str, *, log: str | os.PathLike,
-                 tp: int = 1, pp: int = 1, extra: Sequence[str] = (),
+                 tp: int = 1, pp: int = 1, cp: int = 1, extra: Sequence[str] = (),
                  sleep_per_token: float = 0.0, stats_interval: float | None = 1.0,
                  env: Mapping[str, str] | None = None,
                  peak_dir: str | os.PathLike | None = None, wait: bool = True,
                  start_timeout_s: float = START_TIMEOUT_S) -> None:
-        """Start the replica of checkpoint ``teacher`` at ``endpoint`` (``tp`` x ``pp`` ranks),
+        """Start the replica of checkpoint ``teacher`` at ``endpoint`` (``tp`` x ``pp`` x ``cp``
+        ranks),
         logging to ``log`` (its stderr to ``log`` + ``.stderr``); ``extra``: more serve flags.
 
         ``sleep_per_token``: its forward also sleeps that long per token
@@ -79,7 +80,8 @@ class Replica:
         self.stderr_path = Path(str(log) + ".stderr")
         flags = ["--kd-teacher-load", teacher, "--kd-teacher-endpoint", str(endpoint),
                  "--host", "127.0.0.1", "--tensor-model-parallel-size", str(tp),
-                 "--pipeline-model-parallel-size", str(pp), "--log-json", str(log)]
+                 "--pipeline-model-parallel-size", str(pp), "--context-parallel-size", str(cp),
+                 "--log-json", str(log)]
         if stats_interval is not None:
             flags += ["--stats-interval", f"{stats_interval:g}"]
         flags += list(extra)
@@ -91,7 +93,7 @@ class Replica:
         for key in _WORLD_ENV:
             env.pop(key, None)
         with open(self.stderr_path, "w", encoding="utf-8") as stderr:
-            self.proc = subprocess.Popen(command(module, args, tp * pp, peak_dir=peak_dir),
+            self.proc = subprocess.Popen(command(module, args, tp * pp * cp, peak_dir=peak_dir),
                                          env=env, stdout=subprocess.DEVNULL, stderr=stderr,
                                          start_new_session=True)
         if wait:

@@ -39,6 +39,7 @@ from megatron_kd.data.tokenizer import MockTokenizer
 from megatron_kd.flags import add_flags, flag, from_flags
 from megatron_kd.integration.args import KDArgs, add_teacher_flags
 from megatron_kd.integration.checkpoint import checkpoint_hash
+from megatron_kd.integration.context_parallel import cp_positions, gather_positions
 from megatron_kd.integration.cpu_shim import device_context, install_cpu_shim, on_cpu
 from megatron_kd.integration.groups import (
     check_experts_within_tensor_parallel,
@@ -78,7 +79,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_flags(b, CacheBuildSection, exclude=("micro_batch_size",))
     add_flags(b, ParallelSection, use_groups=False, only=(
         "tensor_model_parallel_size", "expert_model_parallel_size",
-        "expert_tensor_parallel_size", "sequence_parallel"))
+        "expert_tensor_parallel_size", "sequence_parallel", "context_parallel_size"))
     add_teacher_flags(b, help={"teacher_dtype": "parameter dtype of the teacher (the top-K "
                                                 "maths runs in fp32 either way)"})
     add_flags(b, CacheBuildSection, only=("micro_batch_size",))
@@ -116,7 +117,8 @@ def _build(args: argparse.Namespace) -> int:
     try:
         with model_parallel(parallel.tensor_model_parallel_size, 1,
                             parallel.expert_model_parallel_size,
-                            parallel.expert_tensor_parallel_size), device_context():
+                            parallel.expert_tensor_parallel_size,
+                            cp=parallel.context_parallel_size), device_context():
             stats = _build_in_model_parallel(build, data, parallel, kd, codec)
         if dist.get_rank() == 0:
             print(json.dumps({"shards_written": len(stats.shards_written),
@@ -144,10 +146,19 @@ def _build_in_model_parallel(build: CacheBuildSection, data: DataSection,
     dataset, _ = build_datasets(data, arch.vocab_size, tokenizer, data.global_batch_size,
                                 need_valid=False)
     sp = parallel.sequence_parallel and tp > 1
-    if sp and data.seq_length % tp:
-        raise ValueError(f"--sequence-parallel splits the sequence over the tensor-parallel "
-                         f"ranks: --seq-length {data.seq_length} is not divisible by "
-                         f"--tensor-model-parallel-size {tp}")
+    cp = parallel.context_parallel_size
+    split = (2 * cp if cp > 1 else 1) * (tp if sp else 1)
+    if data.seq_length % split:
+        raise ValueError(f"--seq-length {data.seq_length} is not divisible by "
+                         f"{split} (2 x --context-parallel-size {cp} x, with "
+                         f"--sequence-parallel, --tensor-model-parallel-size {tp}): each "
+                         f"sequence is split over those ranks")
+    if cp > 1 and arch.linear_attention_layers:
+        raise ValueError(f"--context-parallel-size {cp} with a Gated DeltaNet teacher (layers "
+                         f"{arch.linear_attention_layers}): its recurrence does not split over "
+                         f"context-parallel ranks (megatron-core 0.16.1 and 0.19.2 local "
+                         f"layers); build the cache at --context-parallel-size 1")
+    cp_group = ps.get_context_parallel_group() if cp > 1 else None
     # seeded only so Megatron's model-parallel RNG exists; the weights are loaded next
     teacher = build_frozen_teacher(arch, teacher_dir, dtype=kd.teacher_torch_dtype,
                                    seed=data.seed, sequence_parallel=sp)
@@ -170,13 +181,19 @@ def _build_in_model_parallel(build: CacheBuildSection, data: DataSection,
         batch = collate([dataset[i] for i in indices])
         tokens = batch["tokens"].to(weight.device)
         position_ids = batch["position_ids"].to(weight.device)
-        hidden = to_sbh(teacher(tokens, position_ids, None))  # [s, b, h] ([s/tp, b, h] with SP)
-        # the top-K needs the whole sequence on every TP rank
-        return gather_sequence(hidden, tp_group) if sp else hidden
+        if cp_group is not None:  # this rank's load-balanced positions of each sequence
+            rows = cp_positions(tokens.shape[1], cp_group.rank(), cp, tokens.device)
+            tokens, position_ids = tokens[:, rows], position_ids[:, rows]
+        hidden = to_sbh(teacher(tokens, position_ids, None))  # [s/cp (/tp with SP), b, h]
+        # the top-K needs the whole sequence, in order, on every rank of a replica
+        hidden = gather_sequence(hidden, tp_group) if sp else hidden
+        return gather_positions(hidden, cp_group) if cp_group is not None else hidden
 
-    log = print if ps.get_tensor_model_parallel_rank() == 0 else None
+    log = print if ps.get_tensor_and_context_parallel_rank() == 0 else None
     return build_cache(build.out, spec, teacher_forward_fn=teacher_forward, output_weight=weight,
                        micro_batch_size=build.micro_batch_size, window_size=build.window_size,
                        tp_group=tp_group,
+                       replica_group=(ps.get_tensor_and_context_parallel_group() if cp > 1
+                                      else None),
                        dp_rank=ps.get_data_parallel_rank(),
                        dp_world_size=ps.get_data_parallel_world_size(), log=log)

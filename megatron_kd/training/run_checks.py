@@ -72,6 +72,8 @@ class CheckedRun:
     """Offline mode: ``(train, valid)``, built once by :func:`check_run` to check the cache."""
     sequence_parallel: bool = False
     """Sequence parallelism (``--sequence-parallel`` at a tensor-parallel size above 1)."""
+    cp: int = 1
+    """Context-parallel size."""
     vp: int | None = None
     """Model chunks per pipeline rank (interleaved schedule); None: one."""
     pretrained: str | None = None
@@ -140,7 +142,7 @@ def _check_flags(config: RunConfig, world_size: int) -> tuple[int, int, int, int
         raise ValueError(f"--eval-iters must be >= 0, got {data.eval_iters}")
     tp, pp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size
     dp = check_parallel_sizes(world_size, tp, pp, par.expert_model_parallel_size,
-                              par.expert_tensor_parallel_size)
+                              par.expert_tensor_parallel_size, par.context_parallel_size)
     gbs = data.global_batch_size or mbs * dp
     if gbs % (mbs * dp):
         raise ValueError(f"--global-batch-size {gbs} is not divisible by --micro-batch-size "
@@ -226,10 +228,27 @@ def _check_layout(config: RunConfig, run: CheckedRun) -> None:
     if par.sequence_parallel and tp == 1:
         run.notes.append("--sequence-parallel is off at --tensor-model-parallel-size 1 (as in "
                          "Megatron-LM: there is no sequence to split)")
-    if run.sequence_parallel and seq % tp:
-        raise ValueError(f"--sequence-parallel splits the sequence over the tensor-parallel "
-                         f"ranks: --seq-length {seq} is not divisible by "
-                         f"--tensor-model-parallel-size {tp}")
+    cp = run.cp = par.context_parallel_size
+    split = (2 * cp if cp > 1 else 1) * (tp if run.sequence_parallel else 1)
+    if split > 1 and seq % split:
+        parts = (([f"2 x --context-parallel-size {cp}"] if cp > 1 else [])
+                 + ([f"--tensor-model-parallel-size {tp} (--sequence-parallel)"]
+                    if run.sequence_parallel else []))
+        raise ValueError(f"--seq-length {seq} is not divisible by {' x '.join(parts)} = "
+                         f"{split}: each sequence is split over those ranks")
+    if cp > 1 and run.student_arch.linear_attention_layers:
+        raise ValueError(f"--context-parallel-size {cp} with a Gated DeltaNet student (layers "
+                         f"{run.student_arch.linear_attention_layers}): its recurrence runs "
+                         f"over the whole sequence and does not split over context-parallel "
+                         f"ranks here (megatron-core 0.16.1 and 0.19.2 local layers); use "
+                         f"--context-parallel-size 1")
+    teacher = run.teacher_arch if run.kd.mode == "colocated" else None
+    if cp > 1 and teacher is not None and teacher.linear_attention_layers:
+        raise ValueError(f"--context-parallel-size {cp} with a colocated Gated DeltaNet teacher "
+                         f"(layers {teacher.linear_attention_layers}): a colocated teacher runs "
+                         f"with the student's context parallelism, which its recurrence does not "
+                         f"split (megatron-core 0.16.1 and 0.19.2 local layers); serve it "
+                         f"(--kd-mode disaggregated) or cache it (--kd-mode offline)")
     vp = par.virtual_stages(run.student_arch.num_layers)
     if vp is not None:
         if vp < 1:

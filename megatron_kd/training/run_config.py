@@ -159,6 +159,9 @@ class ParallelSection:
     bf16: bool = flag(
         False, "bf16 student parameters, fp32 main weights (GPU only: Megatron-Core's "
                "mixed-precision optimizer requires CUDA tensors)", group=_PARALLEL)
+    context_parallel_size: int = flag(
+        1, "context parallelism: each sequence split over this many ranks (Megatron's "
+           "load-balanced 2 x cp chunks), for long sequences", group=_PARALLEL)
     sequence_parallel: bool = flag(
         False, "sequence parallelism: the activations outside attention and the MLP (norms, "
                "dropout, the hidden states the loss takes) split along the sequence over the "

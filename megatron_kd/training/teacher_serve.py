@@ -41,9 +41,9 @@ from megatron_kd.integration.groups import (
     init_distributed_from_env,
     model_parallel,
 )
+from megatron_kd.integration.context_parallel import cp_positions, gather_positions
 from megatron_kd.integration.output_layer import gather_sequence, to_sbh
 from megatron_kd.integration.teacher import build_frozen_teacher, check_teacher, teacher_identity
-from megatron_kd.parallel import Layout
 from megatron_kd.teacher.endpoint import parse_endpoint
 from megatron_kd.teacher.service import TeacherService
 from megatron_kd.training.metrics import MetricsSection, MetricWriters, service_scalars
@@ -62,7 +62,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                                 "teacher registry`"})
     add_flags(s, ParallelSection, use_groups=False, only=(
         "tensor_model_parallel_size", "pipeline_model_parallel_size",
-        "expert_model_parallel_size", "expert_tensor_parallel_size", "sequence_parallel"))
+        "expert_model_parallel_size", "expert_tensor_parallel_size", "sequence_parallel",
+        "context_parallel_size"))
     add_teacher_flags(s, only=("teacher_args", "teacher_dtype"),
                       help={"teacher_dtype": "parameter dtype of the teacher"})
     s.add_argument("--max-batch-size", type=int, default=16,
@@ -116,17 +117,24 @@ def _registry(args: argparse.Namespace) -> int:
 def _check(args: argparse.Namespace, world: int):
     for name, value in (("tensor_model_parallel_size", args.tensor_model_parallel_size),
                         ("pipeline_model_parallel_size", args.pipeline_model_parallel_size),
+                        ("context_parallel_size", args.context_parallel_size),
                         ("max_batch_size", args.max_batch_size)):
         if value < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    if world != tp * pp:
-        raise ValueError(f"a teacher replica's world is its TP x PP ({tp} x {pp} = {tp * pp}), "
-                         f"got {world} ranks: launch one `teacher serve` per replica (a replica "
-                         f"is never a data-parallel rank of another: each must be able to fail "
-                         f"alone)")
+    cp = args.context_parallel_size
+    if world != tp * pp * cp:
+        raise ValueError(f"a teacher replica's world is its TP x PP x CP ({tp} x {pp} x {cp} = "
+                         f"{tp * pp * cp}), got {world} ranks: launch one `teacher serve` per "
+                         f"replica (a replica is never a data-parallel rank of another: each "
+                         f"must be able to fail alone)")
     teacher_dir, arch = check_teacher(args.kd_teacher_load, seq_length=args.max_seq_length or 1,
                                       tp_sizes=(tp,), pp_size=pp, teacher_args=args.kd_teacher_args)
+    if cp > 1 and arch.linear_attention_layers:
+        raise ValueError(f"--context-parallel-size {cp} with a Gated DeltaNet teacher (layers "
+                         f"{arch.linear_attention_layers}): its recurrence does not split over "
+                         f"context-parallel ranks (megatron-core 0.16.1 and 0.19.2 local "
+                         f"layers); serve it at --context-parallel-size 1")
     check_experts_within_tensor_parallel(arch, tp, args.expert_model_parallel_size,
                                          args.expert_tensor_parallel_size)
     return teacher_dir, arch
@@ -142,7 +150,8 @@ def _serve(args: argparse.Namespace) -> int:
         teacher_dir, arch = _check(args, dist.get_world_size())
         tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
         with model_parallel(tp, pp, args.expert_model_parallel_size,
-                            args.expert_tensor_parallel_size), device_context():
+                            args.expert_tensor_parallel_size,
+                            cp=args.context_parallel_size), device_context():
             service = _service(args, teacher_dir, arch, tp, pp)
             service.serve(stop.is_set)
         return 0
@@ -158,8 +167,10 @@ def _service(args: argparse.Namespace, teacher_dir: str, arch, tp: int, pp: int)
                                  dtype=teacher_torch_dtype(args.kd_teacher_dtype),
                                  pre_process=is_first, post_process=is_last, seed=args.seed,
                                  sequence_parallel=sp)
-    layout = Layout(world_size=tp * pp, tp=tp, pp=pp)
-    last_stage = [layout.rank_of(tp_rank=t, dp_rank=0, pp_rank=pp - 1) for t in range(tp)]
+    # the ranks of the last pipeline stage (TP x CP of them), each with the whole answer
+    stages = [None] * dist.get_world_size()
+    dist.all_gather_object(stages, is_last)
+    last_stage = [r for r, last in enumerate(stages) if last]
     device = torch.device("cpu") if on_cpu() else torch.device("cuda", torch.cuda.current_device())
     log_file = open(args.log_json, "a", encoding="utf-8") if (  # noqa: SIM115 - lives as long
             args.log_json and dist.get_rank() == 0) else None   # as the process
@@ -184,23 +195,28 @@ def _service(args: argparse.Namespace, teacher_dir: str, arch, tp: int, pp: int)
                                                                args.kd_teacher_dtype),
         endpoint=parse_endpoint(args.kd_teacher_endpoint),
         host=args.host or socket.gethostname(), port=args.port,
-        forward=_forward_fn(model, is_last, ps.get_tensor_model_parallel_group() if sp else None),
+        forward=_forward_fn(model, is_last, ps.get_tensor_model_parallel_group() if sp else None,
+                            ps.get_context_parallel_group() if args.context_parallel_size > 1
+                            else None),
         device=device, timeout_s=args.kd_teacher_timeout,
         max_batch=args.max_batch_size, log=log, stats_interval_s=args.stats_interval,
-        layout={"world_size": tp * pp, "tp": tp, "pp": pp,
+        layout={"world_size": dist.get_world_size(), "tp": tp, "pp": pp,
+                "cp": args.context_parallel_size,
                 "ep": args.expert_model_parallel_size, "pid": os.getpid(),
                 "started": round(time.time(), 3)})
 
 
-def _forward_fn(model, is_last: bool, sp_group=None):
+def _forward_fn(model, is_last: bool, sp_group=None, cp_group=None):
     """``forward(tokens [B, s]) -> [s, B, h]`` on the last stage (None elsewhere): Megatron-Core's
     forward-only pipeline schedule over one microbatch of the whole batch. ``sp_group``: the
-    model is sequence-parallel over this TP group; its slices are gathered (the replica's
-    senders cut the sequence for the student's own TP ranks), and a sequence the TP size does
-    not divide is padded at its end for the forward (causal: the padding changes no earlier
-    position) and cut back after."""
+    model is sequence-parallel over this TP group; ``cp_group``: context-parallel over this
+    group (each rank runs its load-balanced positions). The slices are gathered into the whole
+    sequence (the replica's senders cut it for the student's own ranks), and a sequence the
+    split does not divide is padded at its end for the forward (causal: the padding changes no
+    earlier position) and cut back after."""
     forward_backward = get_forward_backward_func()
-    split = sp_group.size() if sp_group is not None else 1
+    cp = cp_group.size() if cp_group is not None else 1
+    split = (sp_group.size() if sp_group is not None else 1) * (2 * cp if cp > 1 else 1)
 
     def forward(tokens: torch.Tensor):
         batch, given = tokens.shape
@@ -208,6 +224,9 @@ def _forward_fn(model, is_last: bool, sp_group=None):
             tokens = torch.nn.functional.pad(tokens, (0, split - given % split))
         seq = tokens.shape[1]
         position_ids = torch.arange(seq, device=tokens.device).unsqueeze(0).expand(batch, -1)
+        if cp > 1:  # this rank's load-balanced positions of every sequence
+            rows = cp_positions(seq, cp_group.rank(), cp, tokens.device)
+            tokens, position_ids = tokens[:, rows], position_ids[:, rows]
         out = []
 
         def forward_step(data_iterator, model):
@@ -215,7 +234,8 @@ def _forward_fn(model, is_last: bool, sp_group=None):
             output = model(item["tokens"], item["position_ids"], None)
 
             def keep(output_tensor):
-                out.append(gather_sequence(to_sbh(output_tensor).detach(), sp_group))
+                hidden = gather_sequence(to_sbh(output_tensor).detach(), sp_group)
+                out.append(gather_positions(hidden, cp_group) if cp > 1 else hidden)
                 return torch.zeros((), device=output_tensor.device), {}
 
             return output, keep

@@ -43,7 +43,7 @@ def train(args: argparse.Namespace | RunConfig, *, loss_fn=None) -> dict:
     created = init_distributed_from_env()
     try:
         run = check_run(config, dist.get_world_size())  # every check before any model is built
-        with model_parallel(run.tp, run.pp, run.ep, run.etp, run.vp), device_context():
+        with model_parallel(run.tp, run.pp, run.ep, run.etp, run.vp, run.cp), device_context():
             trainer = Trainer(config, run, loss_fn=loss_fn)
             try:
                 return trainer.fit()

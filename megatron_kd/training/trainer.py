@@ -41,31 +41,21 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import time
 
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
-from megatron.core.distributed import (
-    DistributedDataParallel,
-    DistributedDataParallelConfig,
-    finalize_model_grads,
-)
-from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megatron_kd.data.datasets import BatchPlan, collate
 from megatron_kd.integration.checkpoint import latest_iteration, load_model_checkpoint
+from megatron_kd.integration.context_parallel import cp_positions
 from megatron_kd.integration.cpu_shim import device_context, on_cpu
-from megatron_kd.integration.gpt import build_gpt_model
 from megatron_kd.integration.groups import collective_device
 from megatron_kd.integration.loss_func import make_kd_loss_func
-from megatron_kd.integration.output_layer import (
-    bypass_output_layer,
-    output_layer_weight,
-    unwrap_model,
-)
+from megatron_kd.integration.output_layer import output_layer_weight, unwrap_model
 from megatron_kd.integration.teacher_sources import (
     Microbatch,
     build_teacher_source,
@@ -81,6 +71,7 @@ from megatron_kd.training.logs import JsonLog, Progress, RunRecord, peak_memory,
 from megatron_kd.training.metrics import MetricWriters, StepTimers, eval_scalars, step_scalars
 from megatron_kd.training.run_checks import CheckedRun, build_datasets
 from megatron_kd.training.run_config import RunConfig
+from megatron_kd.training.student import build_student
 
 __all__ = ["Trainer"]
 
@@ -89,13 +80,6 @@ def _mean(pair: torch.Tensor | None) -> float | None:
     if pair is None or pair[1] <= 0:
         return None
     return float(pair[0] / pair[1])
-
-
-def _moe_recipe(coeff: float, arch) -> dict:
-    """Megatron-Core's load-balancing auxiliary loss for a mixture-of-experts student."""
-    if not arch.num_experts or not coeff:
-        return {}
-    return {"moe_router_load_balancing_type": "aux_loss", "moe_aux_loss_coeff": coeff}
 
 
 class Trainer:
@@ -118,6 +102,10 @@ class Trainer:
         self.dp_rank = ps.get_data_parallel_rank()
         self.pp_rank = ps.get_pipeline_model_parallel_rank()
         self.log_rank = self.rank == 0
+        # context parallelism: the positions of each sequence this rank holds
+        self.positions = (cp_positions(config.data.seq_length,
+                                       ps.get_context_parallel_rank(), run.cp)
+                          if run.cp > 1 else None)
         # The output-layer weight gradient straight into DDP's fp32 main_grad (Megatron's
         # gradient-accumulation fusion, in the loss: no [V/tp, h] gradient tensor).
         self.loss_config = run.kd.loss_config(vocab_size=run.student_arch.vocab_size,
@@ -140,64 +128,17 @@ class Trainer:
             tp_group=self.tp_group if run.tp > 1 else None, dp_rank=self.dp_rank,
             dp_size=run.dp, micro_batch_size=config.optimizer.micro_batch_size,
             seq_length=config.data.seq_length, topk_cache=run.topk_cache,
-            sequence_parallel=run.sequence_parallel)
+            sequence_parallel=run.sequence_parallel,
+            cp_group=ps.get_context_parallel_group() if run.cp > 1 else None,
+            tp_cp_group=ps.get_tensor_and_context_parallel_group() if run.cp > 1 else None)
         self._build_data()
 
     # -- models -----------------------------------------------------------------------------
     def _build_student(self) -> None:
-        """The student's model chunks on this rank (one, or one per virtual pipeline stage),
-        each wrapped in Megatron-Core's DDP, and one optimizer over them."""
-        cfg, run, opt = self.cfg, self.run, self.cfg.optimizer
-        chunks = []
-        for vp_stage in range(run.vp or 1):
-            stage = vp_stage if run.vp else None
-            model = build_gpt_model(
-                run.student_arch, pre_process=ps.is_pipeline_first_stage(
-                    ignore_virtual=False, vp_stage=stage),
-                post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
-                # Megatron-LM's rule: each pipeline stage its own seed (else stages' layers
-                # would start identical), seeded once before its chunks are built.
-                params_dtype=run.params_dtype,
-                seed=cfg.data.seed + 100 * self.pp_rank if vp_stage == 0 else None,
-                vp_stage=stage, hidden_dropout=cfg.arch.hidden_dropout,
-                attention_dropout=cfg.arch.attention_dropout, calculate_per_token_loss=True,
-                **run.model_overrides, **_moe_recipe(cfg.arch.moe_aux_loss_coeff,
-                                                     run.student_arch))
-            bypass_output_layer(model)
-            chunks.append(model)
-        config = chunks[0].config
-        distributed = cfg.parallel.use_distributed_optimizer
-        ddp_config = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-            use_distributed_optimizer=distributed, average_in_collective=False)
-        # Megatron-LM's wrapping: bucketing for the first chunk only
-        self.chunks = [DistributedDataParallel(config=model.config, ddp_config=ddp_config,
-                                               module=model, disable_bucketing=i > 0)
-                       for i, model in enumerate(chunks)]
-        config.finalize_model_grads_func = finalize_model_grads
-        no_sync = [chunk.no_sync for chunk in self.chunks]
-        config.no_sync_func = no_sync if run.vp else no_sync[0]
-        if run.vp and collective_device().type == "cpu":
-            # Interleaved schedules with batched p2p gave wrong losses for later microbatches
-            # on gloo (2 stages x 2 virtual stages, megatron-core 0.16.1): one op at a time.
-            config.batch_p2p_comm = False
-        self.config = config
-        opt_config = OptimizerConfig(
-            optimizer="adam", lr=opt.lr, min_lr=opt.min_lr, weight_decay=opt.weight_decay,
-            adam_beta1=opt.adam_beta1, adam_beta2=opt.adam_beta2, adam_eps=opt.adam_eps,
-            clip_grad=opt.clip_grad, bf16=run.params_dtype == torch.bfloat16,
-            params_dtype=run.params_dtype, use_distributed_optimizer=distributed)
-        self.optimizer = get_megatron_optimizer(opt_config, self.chunks)
-        train_iters = cfg.data.train_iters
-        decay_iters = opt.lr_decay_iters or train_iters
-        self.scheduler = OptimizerParamScheduler(
-            self.optimizer, init_lr=0.0, max_lr=opt.lr, min_lr=opt.min_lr,
-            lr_warmup_steps=opt.lr_warmup_iters,
-            lr_decay_steps=max(decay_iters, opt.lr_warmup_iters + 1),
-            lr_decay_style=opt.lr_decay_style, start_wd=opt.weight_decay,
-            end_wd=opt.weight_decay, wd_incr_steps=max(1, train_iters),
-            wd_incr_style="constant")
-        self.num_params = sum(p.numel() for model in chunks for p in model.parameters())
+        student = build_student(self.cfg, self.run, self.pp_rank)
+        self.chunks, self.config = student.chunks, student.config
+        self.optimizer, self.scheduler = student.optimizer, student.scheduler
+        self.num_params = student.num_params
 
     # -- data -------------------------------------------------------------------------------
     def _build_data(self) -> None:
@@ -227,6 +168,9 @@ class Trainer:
         if not on_cpu():
             device = torch.cuda.current_device()
             batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+        if self.positions is not None:  # context parallelism: this rank's chunks of each
+            batch = {k: v.index_select(1, self.positions.to(v.device))
+                     for k, v in batch.items()}
         tokens, position_ids = batch["tokens"], batch["position_ids"]
         output = model(tokens, position_ids, None)
         if not unwrap_model(model).post_process:  # not the chunk with the loss
@@ -249,7 +193,7 @@ class Trainer:
         ids = () if self._evaluating else tuple(
             self.batches.sample_ids(self._consumed, m, len(self.train_ds)))
         mb = Microbatch(step=step, index=m, sample_ids=ids, tokens=tokens,
-                        model_inputs=((tokens, position_ids, None), {}))
+                        positions=self.positions, model_inputs=((tokens, position_ids, None), {}))
         source = self.teacher
         with self.timers.time(source.timer) if source.timer else contextlib.nullcontext():
             inputs = source.inputs(mb, training=not self._evaluating)
@@ -379,7 +323,9 @@ class Trainer:
         if not save:
             return
         extra = {"kind": "student", "teacher": run.kd.teacher_load,
-                 **self.teacher.checkpoint_record()}
+                 # where its first weights came from (export-hf follows it to the HF config)
+                 "pretrained_checkpoint": os.path.abspath(run.pretrained) if run.pretrained
+                 else None, **self.teacher.checkpoint_record()}
         save_training_checkpoint(save, iteration=iteration, consumed_samples=consumed,
                                  model=self.chunks, optimizer=self.optimizer,
                                  scheduler=self.scheduler, arch=run.student_arch, extra=extra)
@@ -491,7 +437,7 @@ class Trainer:
             "kd_mode": run.kd.mode,
             "topk_wait_s": None,
             **self.teacher.summary(),
-            "tp": run.tp, "pp": run.pp, "dp": run.dp, "vp": run.vp,
+            "tp": run.tp, "pp": run.pp, "dp": run.dp, "vp": run.vp, "cp": run.cp,
             "sequence_parallel": run.sequence_parallel,
         }
 

@@ -14,7 +14,7 @@ from support.hf_models import tiny_qwen3, tiny_qwen3_moe, tiny_qwen35
 from support.train_cases import (
     cache_build_argv,
     case_cache_build,
-    case_import,
+    import_hf_model,
     case_train,
     check_flags,
     step_losses,
@@ -33,10 +33,7 @@ PP2_VP2 = ["--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-para
 
 
 def _import(pool, tmp, make, **kw):
-    hf_path, _, _ = make(tmp, vocab=VOCAB, **kw)
-    save_dir = str(tmp / "megatron")
-    pool.run(case_import, hf_path, save_dir)
-    return save_dir
+    return import_hf_model(pool, tmp, make, VOCAB, **kw)
 
 
 @pytest.fixture(scope="module")

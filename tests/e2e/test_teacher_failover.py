@@ -12,12 +12,10 @@ gloo, tiny models, replicas as processes of their own (``megatron-kd teacher ser
   stay exact.
 """
 
-import json
 import signal
-import threading
-import time
 
 import pytest
+from support.background import Background, log_records, steps_done, wait_for
 from support.train_cases import (
     STUDENT,
     case_train,
@@ -37,47 +35,6 @@ def colocated(pool, teacher):
     return step_losses(pool.run(case_train, BASE + ["--kd-teacher-load", teacher])[0])
 
 
-class Background:
-    """``pool.run`` on a thread, so the test can kill and start replicas meanwhile."""
-
-    def __init__(self, pool, *args):
-        self.result, self.error = None, None
-        self.thread = threading.Thread(target=self._run, args=(pool, args), daemon=True)
-        self.thread.start()
-
-    def _run(self, pool, args):
-        try:
-            self.result = pool.run(*args)
-        except BaseException as e:  # noqa: BLE001 - re-raised by join
-            self.error = e
-
-    def join(self, timeout=600):
-        self.thread.join(timeout)
-        assert not self.thread.is_alive(), "the run did not finish"
-        if self.error is not None:
-            raise self.error
-        return self.result
-
-
-def _log(path):
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def _wait_for(predicate, timeout_s=300):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.2)
-    raise AssertionError("timed out waiting")
-
-
-def _steps_done(path):
-    return len([r for r in _log(path) if "loss" in r])
-
-
 def _argv(teacher, tmp_path, timeout_s):
     return BASE + ["--kd-teacher-load", teacher, "--kd-mode", "disaggregated",
                    "--kd-teacher-endpoint", str(tmp_path / "endpoint"), "--kd-teacher-timeout",
@@ -89,19 +46,19 @@ def test_killed_replica_fails_over_and_a_restarted_one_takes_work(pool, teacher,
     first, second = replicas(teacher, count=2)
     log, hold = tmp_path / "run.jsonl", tmp_path / "hold"
     run = Background(pool, case_train_slowly, _argv(teacher, tmp_path, 10), 0.3, str(hold))
-    _wait_for(lambda: _steps_done(log) >= 3)
+    wait_for(lambda: steps_done(log) >= 3)
     first.kill(signal.SIGKILL)
-    _wait_for(lambda: any(r.get("event") == "failover" for r in _log(log)))
+    wait_for(lambda: any(r.get("event") == "failover" for r in log_records(log)))
     # the student waits while the restart comes up (a replica's start-up on a loaded machine
     # may outlast the run), then has >= 2 rebalance checks left (every 8 requests)
     hold.touch()
     served_at_restart = second.requests_served()
     third = replicas(teacher)  # the restart: a new process at the same endpoint
-    assert _steps_done(log) <= STEPS - 16
+    assert steps_done(log) <= STEPS - 16
     hold.unlink()
     summary = run.join()[0]
     assert step_losses(summary) == pytest.approx(colocated, rel=1e-5)
-    events = [r for r in _log(log) if r.get("event") == "failover"]
+    events = [r for r in log_records(log) if r.get("event") == "failover"]
     assert len(events) == 1
     event = events[0]
     assert first.replica in event["replica_lost"] and second.replica in event["replica_taken"]
@@ -118,12 +75,12 @@ def test_only_replica_killed_and_replaced_within_the_timeout(pool, teacher, colo
     only = replicas(teacher)
     log = tmp_path / "run.jsonl"
     run = Background(pool, case_train_slowly, _argv(teacher, tmp_path, 120), 0.2)
-    _wait_for(lambda: _steps_done(log) >= 3)
+    wait_for(lambda: steps_done(log) >= 3)
     only.kill(signal.SIGKILL)
     replacement = replicas(teacher)
     summary = run.join()[0]
     assert step_losses(summary) == pytest.approx(colocated, rel=1e-5)
-    events = [r for r in _log(log) if r.get("event") == "failover"]
+    events = [r for r in log_records(log) if r.get("event") == "failover"]
     assert events and all(replacement.replica in e["replica_taken"] for e in events)
 
 
@@ -132,11 +89,11 @@ def test_stalled_replica_is_dropped_and_cannot_deliver_stale_data(pool, teacher,
     first, _second = replicas(teacher, count=2)
     log = tmp_path / "run.jsonl"
     run = Background(pool, case_train_slowly, _argv(teacher, tmp_path, 3), 0.3)
-    _wait_for(lambda: _steps_done(log) >= 3)
+    wait_for(lambda: steps_done(log) >= 3)
     first.kill(signal.SIGSTOP)
-    _wait_for(lambda: any(r.get("event") == "failover" for r in _log(log)))
+    wait_for(lambda: any(r.get("event") == "failover" for r in log_records(log)))
     first.kill(signal.SIGCONT)  # awake: its responses are for connections that are gone
     summary = run.join()[0]
     assert step_losses(summary) == pytest.approx(colocated, rel=1e-5)
-    event = [r for r in _log(log) if r.get("event") == "failover"][0]
+    event = [r for r in log_records(log) if r.get("event") == "failover"][0]
     assert first.replica in event["replica_lost"] and "no answer within 3 s" in event["reason"]

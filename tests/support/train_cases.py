@@ -68,6 +68,15 @@ def case_import(ctx, hf_path, save_dir, pad_for_tp=1):
         parallel_state.destroy_model_parallel()
 
 
+def import_hf_model(pool, tmp, make, vocab: int, **kw) -> str:
+    """A tiny model of transformers' own class ``make`` (``support.hf_models``), imported by
+    ``pool`` at TP 1 into ``tmp/megatron``; returns that directory."""
+    hf_path, _, _ = make(tmp, vocab=vocab, **kw)
+    save_dir = str(tmp / "megatron")
+    pool.run(case_import, hf_path, save_dir)
+    return save_dir
+
+
 def cache_build_argv(out, teacher, *, topk, seq, iters, global_batch, encoding="fp32",
                      samples_per_shard=4, tp=1, data=("--mock-data",), extra=()):
     """``megatron-kd cache build`` flags for a tiny run at micro-batch 2: the cache of ``iters``

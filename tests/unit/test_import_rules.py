@@ -25,7 +25,8 @@ def test_no_import_cycles(modules):
 
 
 def test_loss_imports_only_itself_and_parallel(modules):
-    assert arch.check_allowed_imports(modules, "loss", {"parallel"},
+    # collectives: torch's gather / scatter under this torch's names
+    assert arch.check_allowed_imports(modules, "loss", {"parallel", "collectives"},
                                       ("megatron", "transformer_engine")) == []
 
 
@@ -40,18 +41,30 @@ def test_parallel_has_no_megatron(modules):
 
 def test_teacher_service_needs_no_megatron(modules):
     # the model and its schedule are handed in: a replica's transport works without Megatron
-    assert arch.check_allowed_imports(modules, "teacher", {"parallel"}, ("megatron",)) == []
+    assert arch.check_allowed_imports(modules, "teacher", {"parallel", "collectives"},
+                                      ("megatron",)) == []
 
 
 def test_integration_imports_only_the_layers_below(modules):
-    # cache: the offline teacher source (the top-K prefetcher); flags: the --kd-* flags' fields
+    # cache: the offline teacher source (the top-K prefetcher); flags: the --kd-* flags' fields;
+    # known_warnings: the Megatron-LM hooks install its filters
     assert arch.check_allowed_imports(modules, "integration",
                                       {"loss", "parallel", "data", "teacher", "cache",
-                                       "flags"}) == []
+                                       "flags", "known_warnings", "collectives"}) == []
+
+
+def test_collectives_import_nothing_of_the_project(modules):
+    assert arch.check_allowed_imports(modules, "collectives", set(), ("megatron",)) == []
 
 
 def test_flags_import_nothing_of_the_project(modules):
     assert arch.check_allowed_imports(modules, "flags", set(), ("torch", "megatron")) == []
+
+
+def test_known_warnings_import_nothing_of_the_project(modules):
+    # its filters go in before torch and Megatron-Core load, and `megatron-kd plan` needs no torch
+    assert arch.check_allowed_imports(modules, "known_warnings", set(),
+                                      ("torch", "megatron", "transformer_engine")) == []
 
 
 def test_cache_does_not_import_the_teacher(modules):

@@ -54,6 +54,14 @@ def test_meta_round_trips():
     assert json.loads(meta.to_json()) == META
 
 
+def test_meta_of_a_context_parallel_student():
+    meta = ConnectionMeta(**META, cp=2)
+    assert json.loads(meta.to_json()) == {**META, "cp": 2}
+    assert ConnectionMeta.from_json(meta.to_json()) == meta and meta.members == 2 * META["tp"]
+    with pytest.raises(ValueError, match="cp must be an integer >= 1, got 0"):
+        ConnectionMeta.from_json(json.dumps({**META, "cp": 0}))
+
+
 @pytest.mark.parametrize("text, field", [
     ("{not json", "not JSON"),
     ("[1, 2]", "JSON object"),
