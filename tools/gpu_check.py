@@ -43,12 +43,12 @@ TESTS = os.path.join(ROOT, "tests")
 SCRIPT = os.path.abspath(__file__)
 
 STEPS = ("make_teacher", "parity", "bench_loss", "train_step_bf16_te", "train_step_tp2_sp",
-         "cache_build")
+         "train_step_cp2_te", "cache_build")
 # the benchmark last: it takes what is left of the time budget
-RUN_ORDER = ("make_teacher", "parity", "train_step_bf16_te", "train_step_tp2_sp", "cache_build",
-             "bench_loss")
-GPU_ONLY = ("train_step_bf16_te", "train_step_tp2_sp")
-NEEDS_TEACHER = ("train_step_bf16_te", "train_step_tp2_sp", "cache_build")
+RUN_ORDER = ("make_teacher", "parity", "train_step_bf16_te", "train_step_tp2_sp",
+             "train_step_cp2_te", "cache_build", "bench_loss")
+GPU_ONLY = ("train_step_bf16_te", "train_step_tp2_sp", "train_step_cp2_te")
+NEEDS_TEACHER = ("train_step_bf16_te", "train_step_tp2_sp", "train_step_cp2_te", "cache_build")
 NO_GPU = "skipped: no GPU"
 
 TOLERANCE = {"fp32": 1e-5, "bf16": 2e-2}
@@ -75,9 +75,11 @@ TRAIN_PRECISION = ("--bf16", "--use-distributed-optimizer")
 OWN_VARIANTS = ("floor", "fused", "dense")
 # seconds: per-step timeouts, the benchmark's budget, the whole run's budget
 LIMITS = {"cuda": dict(make_teacher=120, parity=180, train_step_bf16_te=240,
-                       train_step_tp2_sp=240, cache_build=180, bench=300, point=120, total=440),
+                       train_step_tp2_sp=240, train_step_cp2_te=240, cache_build=180, bench=300,
+                       point=120, total=440),
           "cpu": dict(make_teacher=150, parity=150, train_step_bf16_te=240,
-                      train_step_tp2_sp=240, cache_build=180, bench=150, point=120, total=600)}
+                      train_step_tp2_sp=240, train_step_cp2_te=240, cache_build=180, bench=150,
+                      point=120, total=600)}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -495,6 +497,19 @@ def step_train_tp2_sp(ctx: Ctx, step: dict) -> None:
                                             "--sequence-parallel"], nproc=2)
 
 
+def step_train_cp2_te(ctx: Ctx, step: dict) -> None:
+    """One colocated run at context parallelism 2: Transformer Engine's attention takes the
+    load-balanced sequence chunks and exchanges keys and values itself (on the CPU the
+    project's own context-parallel attention does). Two ranks, two GPUs."""
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        step["status"] = (f"skipped: CP 2 needs two GPUs, this machine has "
+                          f"{torch.cuda.device_count()}")
+        return
+    _train(ctx, step, "train_step_cp2_te", ["--context-parallel-size", "2"], nproc=2)
+
+
 def _train(ctx: Ctx, step: dict, name: str, layout: list[str], nproc: int = 1) -> None:
     from support.train_cases import student_argv
 
@@ -580,6 +595,7 @@ def _cache_figures(figures: dict, name: str, text: str) -> None:
 STEP_FUNCS = {"make_teacher": step_make_teacher, "parity": step_parity,
               "bench_loss": step_bench_loss, "train_step_bf16_te": step_train,
               "train_step_tp2_sp": step_train_tp2_sp,
+              "train_step_cp2_te": step_train_cp2_te,
               "cache_build": step_cache_build}
 
 

@@ -17,7 +17,10 @@ second run skips straight to training):
 4. prints a table of both students' validation LM loss at equal steps next to the teacher's
    (measured by the KD run on the same validation batches), the tokens/s of each run, and
    writes ``loss_curves.png``, ``results.json`` and ``report/`` (``megatron-kd report`` of the
-   two runs: loss, throughput and memory plots, a summary table).
+   two runs: loss, throughput and memory plots, a summary table);
+5. exports both students as Hugging Face models (``megatron-kd export-hf`` into ``hf/ce`` and
+   ``hf/kd``), loads each with transformers, scores the held-out samples the trainer evaluated
+   (the same loss as the trainer's, shown side by side) and continues a held-out opening.
 
 The training itself is :func:`megatron_kd.training.train.train`, called in-process with
 ``megatron-kd train`` flags (printed, so the runs can be repeated by hand).
@@ -95,8 +98,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def student_train_argv(args: argparse.Namespace, *, data_prefix: str, tokenizer_file: str,
-                       teacher_dir: str | None, log_json: str, cache_dir: str) -> list[str]:
-    """``megatron-kd train`` flags of one student run (KD when ``teacher_dir`` is given)."""
+                       teacher_dir: str | None, log_json: str, cache_dir: str,
+                       save: str | None = None) -> list[str]:
+    """``megatron-kd train`` flags of one student run (KD when ``teacher_dir`` is given; its
+    last checkpoint in ``save``)."""
     argv = [
         "--num-layers", str(args.num_layers),
         "--hidden-size", str(args.hidden_size),
@@ -127,6 +132,8 @@ def student_train_argv(args: argparse.Namespace, *, data_prefix: str, tokenizer_
         "--log-json", log_json,
         "--log-interval", "10",
     ]
+    if save is not None:
+        argv += ["--save", save]
     if teacher_dir is not None:
         dtype = args.teacher_dtype
         if dtype == "auto":  # measured here unless run() already chose
@@ -324,9 +331,11 @@ def run(args: argparse.Namespace) -> int:
     common = {"data_prefix": data_prefix, "tokenizer_file": tokenizer_file,
               "cache_dir": os.path.join(out, "data", "cache")}
     ce_argv = student_train_argv(args, teacher_dir=None,
-                                 log_json=os.path.join(runs_dir, "ce.jsonl"), **common)
+                                 log_json=os.path.join(runs_dir, "ce.jsonl"),
+                                 save=os.path.join(runs_dir, "ce_ckpt"), **common)
     kd_argv = student_train_argv(args, teacher_dir=teacher_dir,
-                                 log_json=os.path.join(runs_dir, "kd.jsonl"), **common)
+                                 log_json=os.path.join(runs_dir, "kd.jsonl"),
+                                 save=os.path.join(runs_dir, "kd_ckpt"), **common)
     jobs = [("ce", "CE only", ce_argv)] + ([] if args.skip_kd else [("kd", "KD", kd_argv)])
     for _, label, argv in jobs:
         log(f"student, {label}: megatron-kd train {' '.join(argv)}")
@@ -341,20 +350,67 @@ def run(args: argparse.Namespace) -> int:
             return json.load(f)
 
     ce, kd = load("ce"), load("kd")
+    exported = _export_students(out, runs_dir, ce_argv, [n for n, _, _ in jobs], log)
     results = {"ce": ce, "kd": kd, "teacher_eval_lm_loss": kd and teacher_eval_lm_loss(kd),
-               "argv": {"ce": ce_argv, "kd": kd_argv}, "wall_s": time.perf_counter() - t_start}
+               "exported": exported, "argv": {"ce": ce_argv, "kd": kd_argv},
+               "wall_s": time.perf_counter() - t_start}
     with open(os.path.join(out, RESULTS_FILE), "w", encoding="utf-8") as f:
         json.dump(results, f, indent=1)
     if kd is None:
         log(f"CE-only student: validation LM loss {ce['final_eval_lm_loss']:.3f} "
             f"(KD run skipped)")
         return 0
-    _print_results(args, kd, ce, out, runs_dir, t_start)
+    _print_results(args, kd, ce, out, runs_dir, t_start, exported)
     return 0
 
 
+PROMPT_TOKENS = 24
+
+
+def _export_students(out: str, runs_dir: str, argv: list[str], names: list[str], log) -> dict:
+    """``megatron-kd export-hf`` of each run's last checkpoint into ``OUTPUT_DIR/hf/<name>``;
+    transformers loads each, scores the held-out samples the trainer evaluated and continues
+    the first one's opening."""
+    from megatron_kd.demo.exported import export_and_score, held_out_microbatches
+
+    held_out = held_out_microbatches(argv)  # the same samples for both runs
+    prompt = held_out[0]["tokens"][0, :PROMPT_TOKENS].tolist()
+    results = {}
+    for name in names:
+        target = os.path.join(out, "hf", name)
+        log(f"megatron-kd export-hf --load {os.path.join(runs_dir, name + '_ckpt')} "
+            f"--save {target}; transformers: held-out loss, greedy continuation")
+        results[name] = export_and_score(os.path.join(runs_dir, name + "_ckpt"), target,
+                                         held_out, prompt=prompt)
+    from megatron_kd.data.tokenizer import HFTokenizer
+
+    tokenizer = HFTokenizer(os.path.join(out, "hf", names[0]))
+    return {"prompt": tokenizer.detokenize(prompt), "students": results}
+
+
+def format_exported(kd: dict, ce: dict, exported: dict) -> str:
+    """The exported students beside the trainer: transformers' loss on the held-out samples
+    against the trainer's final validation LM loss, and each one's continuation."""
+    students = exported["students"]
+    lines = [("| student | trainer, validation LM loss | transformers, same tokens | "
+              "relative difference |"), "|---|---:|---:|---:|"]
+    rows = [("KD", kd, students.get("kd")), ("CE only", ce, students.get("ce"))]
+    for label, summary, hf in rows:
+        if hf is None:
+            continue
+        trainer = summary["final_eval_lm_loss"]
+        lines.append(f"| {label} | {trainer:.5f} | {hf['lm_loss']:.5f} | "
+                     f"{abs(hf['lm_loss'] - trainer) / trainer:.1e} |")
+    lines.append("")
+    lines.append(f"Greedy continuations of the held-out opening {exported['prompt']!r}:")
+    for label, _, hf in rows:
+        if hf is not None:
+            lines.append(f"- {label}: {hf['continuation']!r}")
+    return "\n".join(lines)
+
+
 def _print_results(args: argparse.Namespace, kd: dict, ce: dict, out: str, runs_dir: str,
-                   t_start: float) -> None:
+                   t_start: float, exported: dict) -> None:
     """The curves, the report and the table of the two runs."""
     tp = args.tensor_model_parallel_size
     table, ahead = format_table(kd, ce)
@@ -371,6 +427,10 @@ def _print_results(args: argparse.Namespace, kd: dict, ce: dict, out: str, runs_
     print("Validation LM loss (nats/token), same initialisation, same batches:\n")
     print(table)
     print(f"\nKD ahead at every evaluated step: {'yes' if ahead else 'NO'}")
+    tokens = exported["students"]["kd"]["tokens"]
+    print(f"\nExported (megatron-kd export-hf -> {os.path.join(out, 'hf')}), loaded by "
+          f"transformers' AutoModelForCausalLM, on the trainer's {tokens:,} held-out tokens:\n")
+    print(format_exported(kd, ce, exported))
     print(f"curves: {plot_path}\nreport: {report_dir}\n"
           f"results: {os.path.join(out, RESULTS_FILE)}\n"
           f"total wall time: {time.perf_counter() - t_start:.0f} s")

@@ -85,9 +85,11 @@ def _model_states(chunks: list) -> dict:
 
 
 def save_training_checkpoint(root: str, *, iteration: int, consumed_samples: int, model,
-                             optimizer, scheduler, arch: GPTArchConfig, extra: dict) -> str:
+                             optimizer, scheduler, arch: GPTArchConfig, extra: dict,
+                             tokenizer_file: str | None = None) -> str:
     """Save everything needed to resume at ``iteration`` (collective over all ranks); ``model``:
-    this rank's model chunks (a list), or one model.
+    this rank's model chunks (a list), or one model. ``tokenizer_file``: the run's
+    ``tokenizer.json``, copied in beside the weights (what ``export-hf`` writes out with them).
 
     Written into ``iter_N.partial`` and renamed to ``iter_N`` only once every rank's shards and
     ``model_config.json`` are on disk, then :data:`LATEST_FILE` is replaced: a save killed or
@@ -116,13 +118,17 @@ def save_training_checkpoint(root: str, *, iteration: int, consumed_samples: int
         raise CheckpointWriteError(_write_failure(partial, needed, e)) from e
     payload = {"format_version": CHECKPOINT_FORMAT_VERSION, "arch": arch.to_dict(),
                "extra": {**extra, "iteration": iteration, "consumed_samples": consumed_samples}}
-    _on_rank0(lambda: _publish(root, partial, directory, iteration, payload), "finish",
-              partial, needed)
+    _on_rank0(lambda: _publish(root, partial, directory, iteration, payload, tokenizer_file),
+              "finish", partial, needed)
     return directory
 
 
-def _publish(root: str, partial: str, directory: str, iteration: int, payload: dict) -> None:
-    """Rank 0, after every rank wrote its shards: the config, then the renames."""
+def _publish(root: str, partial: str, directory: str, iteration: int, payload: dict,
+             tokenizer_file: str | None) -> None:
+    """Rank 0, after every rank wrote its shards: the config (and tokenizer), then the
+    renames."""
+    if tokenizer_file is not None:
+        shutil.copyfile(tokenizer_file, os.path.join(partial, "tokenizer.json"))
     _write_synced(os.path.join(partial, MODEL_CONFIG_FILE),
                   json.dumps(payload, indent=2, sort_keys=True))
     old = directory + ".old"

@@ -41,8 +41,8 @@ from megatron_kd.integration.cpu_shim import on_cpu
 from megatron_kd.integration.groups import check_expert_biases
 from megatron_kd.integration.teacher import check_teacher
 from megatron_kd.parallel import check_parallel_sizes, pad_vocab_size
-from megatron_kd.training.student_arch import student_arch as build_student_arch
 from megatron_kd.training.run_config import ArchitectureSection, DataSection, RunConfig
+from megatron_kd.training.student_arch import student_arch as build_student_arch
 
 __all__ = ["CheckedRun", "build_datasets", "check_run", "resolve_tokenizer"]
 
@@ -274,15 +274,32 @@ def _check_layout(config: RunConfig, run: CheckedRun) -> None:
     run.model_overrides = overrides
 
 
-def _pretrained_dir(path: str) -> str:
-    """The model directory of ``--pretrained-checkpoint`` (a training checkpoint root gives its
-    newest iteration)."""
+def _weights_source(logging) -> tuple[str, str] | None:
+    """``(directory, flag)`` the student's first weights come from: ``--pretrained-checkpoint``,
+    or with ``--finetune`` the checkpoint in ``--load``; None: a random start (or a resume)."""
+    if logging.finetune:
+        if logging.pretrained_checkpoint:
+            raise ValueError(f"--finetune takes the weights of --load {logging.load!r}; "
+                             f"--pretrained-checkpoint {logging.pretrained_checkpoint!r} names "
+                             f"another source: give one of them")
+        if not logging.load:
+            raise ValueError("--finetune needs --load DIR (the checkpoint whose weights it "
+                             "starts from)")
+        return logging.load, "--load (with --finetune)"
+    if logging.pretrained_checkpoint:
+        return logging.pretrained_checkpoint, "--pretrained-checkpoint"
+    return None
+
+
+def _pretrained_dir(path: str, flag: str = "--pretrained-checkpoint") -> str:
+    """The model directory of ``path`` (a training checkpoint root gives its newest
+    iteration)."""
     if not os.path.isdir(path):
-        raise ValueError(f"--pretrained-checkpoint {path!r} is not a directory")
+        raise ValueError(f"{flag} {path!r} is not a directory")
     try:
         return resolve_model_dir(path)
     except ValueError as e:
-        raise ValueError(f"--pretrained-checkpoint: {e}") from None
+        raise ValueError(f"{flag}: {e}") from None
 
 
 def _recompute(par, layers: int) -> dict:
@@ -332,8 +349,9 @@ def check_run(config: RunConfig, world_size: int) -> CheckedRun:
         # Only the manifest here (the student's vocabulary); the full check follows below.
         cache_spec = CacheSpec.from_json(load_manifest(kd.topk_cache))
     pretrained_dir = pretrained = None
-    if config.logging.pretrained_checkpoint:
-        pretrained_dir = _pretrained_dir(config.logging.pretrained_checkpoint)
+    source = _weights_source(config.logging)
+    if source is not None:
+        pretrained_dir = _pretrained_dir(*source)
         pretrained = read_checkpoint_arch(pretrained_dir)
     tokenizer = resolve_tokenizer(data, kd.teacher_load)
     vocab, padded = _vocabulary(config.arch, teacher_arch, cache_spec, tokenizer, tp,

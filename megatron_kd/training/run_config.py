@@ -262,6 +262,10 @@ class LoggingSection:
         None, "initial student weights (model only: an `import-hf` directory, a `megatron-kd "
               "train` checkpoint), at any TP / PP / EP of this run; used only when --load holds "
               "no checkpoint, so a resumed run takes its own", metavar="DIR", group=_LOGGING)
+    finetune: bool = flag(
+        False, "with --load: its newest checkpoint's model weights only, from iteration 0 with "
+               "a new optimizer and learning-rate schedule (Megatron-LM's flag; drop it to "
+               "resume the fine-tuning run itself)", group=_LOGGING)
     save_interval: int | None = flag(
         None, "save every N iterations (and at the end) when --save is given", type=int,
         group=_LOGGING)

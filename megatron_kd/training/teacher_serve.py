@@ -35,13 +35,13 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megatron_kd.flags import add_flags, from_flags
 from megatron_kd.integration.args import add_teacher_flags, teacher_torch_dtype
+from megatron_kd.integration.context_parallel import cp_positions, gather_positions
 from megatron_kd.integration.cpu_shim import device_context, install_cpu_shim, on_cpu
 from megatron_kd.integration.groups import (
     check_experts_within_tensor_parallel,
     init_distributed_from_env,
     model_parallel,
 )
-from megatron_kd.integration.context_parallel import cp_positions, gather_positions
 from megatron_kd.integration.output_layer import gather_sequence, to_sbh
 from megatron_kd.integration.teacher import build_frozen_teacher, check_teacher, teacher_identity
 from megatron_kd.teacher.endpoint import parse_endpoint

@@ -289,11 +289,12 @@ class Trainer:
         started from there."""
         load = self.cfg.logging.load
         start_iter, consumed = 0, 0
-        if load and latest_iteration(load) is not None:
+        if load and latest_iteration(load) is not None and not self.cfg.logging.finetune:
             start_iter, consumed = load_training_checkpoint(
                 load, model=self.chunks, optimizer=self.optimizer, scheduler=self.scheduler,
                 arch=self.run.student_arch)
-        elif self.run.pretrained:  # initial weights: only when --load holds no checkpoint
+        elif self.run.pretrained:  # first weights: --pretrained-checkpoint (unless --load
+            # holds a checkpoint: a resumed run takes its own), or --finetune's --load
             load_model_checkpoint(self.chunks, self.run.pretrained)
             self.optimizer.reload_model_params()  # main weights (bf16) from the loaded ones
         self.teacher.start(self._schedule(start_iter, self._stop_at(start_iter)))
@@ -308,13 +309,14 @@ class Trainer:
         line = self.teacher.announcement()
         if line and self.log_rank:
             progress.message(line)
-        if load and self.log_rank:
+        if load and self.log_rank and not self.cfg.logging.finetune:
             progress.message(f"megatron-kd: resumed from iteration {start_iter}" if start_iter
                              else f"megatron-kd: no checkpoint in --load {load!r}; "
                                   f"starting from iteration 0")
         if self.run.pretrained and not start_iter and self.log_rank:
-            progress.message(f"megatron-kd: student weights from --pretrained-checkpoint "
-                             f"{self.run.pretrained}")
+            progress.message(f"megatron-kd: student weights from {self.run.pretrained}"
+                             + (" (--finetune: iteration 0, a new optimizer)"
+                                if self.cfg.logging.finetune else ""))
         for note in self.run.notes if self.log_rank else ():
             progress.message(f"megatron-kd: {note}")
 
@@ -328,7 +330,8 @@ class Trainer:
                  else None, **self.teacher.checkpoint_record()}
         save_training_checkpoint(save, iteration=iteration, consumed_samples=consumed,
                                  model=self.chunks, optimizer=self.optimizer,
-                                 scheduler=self.scheduler, arch=run.student_arch, extra=extra)
+                                 scheduler=self.scheduler, arch=run.student_arch, extra=extra,
+                                 tokenizer_file=run.tokenizer.path if run.tokenizer else None)
 
     def _evaluate_and_log(self, iteration: int, log: JsonLog, progress: Progress,
                           evals: list) -> None:

@@ -228,7 +228,8 @@ def test_kd_run_reports_the_teacher_loss_transformers_computes(tmp_path, dist_po
                            lr=1e-3, seed=5, eval_interval=2, eval_iters=2, teacher_dtype="fp32",
                            kd_weight=0.5, kd_temperature=1.0),
         data_prefix=prefix, tokenizer_file=str(tok_file), teacher_dir=teacher_dir,
-        log_json=str(tmp_path / "kd.jsonl"), cache_dir=str(tmp_path / "cache"))
+        log_json=str(tmp_path / "kd.jsonl"), cache_dir=str(tmp_path / "cache"),
+        save=str(tmp_path / "kd_ckpt"))
     argv[argv.index("--split") + 1] = "70,30,0"
     (summary, reference, count), _ = pool.run(case_kd_run, argv, hf_path)
     assert count == 2 * 2 * 16
@@ -238,3 +239,18 @@ def test_kd_run_reports_the_teacher_loss_transformers_computes(tmp_path, dist_po
     assert abs(teacher - reference) < 1e-5, (teacher, reference)
     table, _ = demo.format_table(summary, summary)
     assert f"| teacher | {reference:.3f} |" in table
+
+    # the demo's last step: the student exported, transformers' loss on the held-out samples
+    # is the trainer's, and it continues an opening with the tokenizer the checkpoint carries
+    from megatron_kd.demo.exported import export_and_score, held_out_microbatches
+
+    held_out = held_out_microbatches(argv)
+    assert sum(int(mb["loss_mask"].sum()) for mb in held_out) == count
+    student = export_and_score(str(tmp_path / "kd_ckpt"), str(tmp_path / "hf_kd"), held_out,
+                               prompt=held_out[0]["tokens"][0, :4].tolist(), new_tokens=5)
+    assert student["lm_loss"] == pytest.approx(summary["final_eval_lm_loss"], rel=1e-5)
+    assert student["tokens"] == count
+    words = student["continuation"].split()
+    assert len(words) == 5 and all(w.startswith("w") or w == "<|endoftext|>" for w in words)
+    text = demo.format_exported(summary, summary, {"prompt": "w1 w2", "students": {"kd": student}})
+    assert f"| KD | {summary['final_eval_lm_loss']:.5f} | {student['lm_loss']:.5f} |" in text

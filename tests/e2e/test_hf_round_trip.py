@@ -231,3 +231,44 @@ def test_refusals_before_anything_is_written(pool, tmp_path):
     open(os.path.join(out, "x"), "w").close()
     with pytest.raises(ValueError, match="not empty"):
         main(["export-hf", "--load", imported, "--save", out])
+
+
+def test_trained_student_exports_with_the_trainers_evaluation_loss(dist_pool_factory, teacher,
+                                                                   tmp_path):
+    """A Qwen3 student distilled 20 steps at TP 2 / PP 2 (vocabulary 500 padded to 512), then
+    exported: transformers' language-model loss on the held-out samples the trainer evaluated
+    equals the trainer's final ``eval_lm_loss`` (fp32, 1e-5 relative)."""
+    from support.train_cases import import_hf_model
+
+    from megatron_kd.data.datasets import MockGPTDataset, collate
+
+    pool4 = dist_pool_factory(4)
+    seq, gbs, eval_iters = 32, 4, 3
+    imported = import_hf_model(pool4, tmp_path, tiny_qwen3, 500, layers=4)
+    run = str(tmp_path / "run")
+    summary = pool4.run(case_train, [
+        "--seq-length", str(seq), "--micro-batch-size", "1", "--global-batch-size", str(gbs),
+        "--train-iters", "20", "--lr", "3e-3", "--lr-warmup-iters", "2", "--mock-data",
+        "--seed", "5", "--eval-iters", str(eval_iters), "--eval-interval", "20",
+        "--no-progress", "--kd-teacher-load", teacher, "--kd-ce-weight", "0.2",
+        "--pretrained-checkpoint", imported, "--save", run,
+        "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"])[0]
+    trainer_loss = summary["final_eval_lm_loss"]
+    out = str(tmp_path / "exported")
+    assert main(["export-hf", "--load", run, "--save", out]) == 0
+    # the trainer's validation samples: --mock-data's held-out set (seed + 1), from index 0
+    held_out = MockGPTDataset(vocab_size=500, seq_length=seq, num_samples=eval_iters * gbs,
+                              seed=6)
+    batch = collate([held_out[i] for i in range(eval_iters * gbs)])
+
+    def lm_loss(path):
+        model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        assert model.config.vocab_size == 500
+        with torch.no_grad():
+            logits = model.eval()(batch["tokens"]).logits
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, 500),
+                                                 batch["labels"].reshape(-1)).item()
+
+    assert lm_loss(out) == pytest.approx(trainer_loss, rel=1e-5)
+    # the student learned: the original's loss is not the trained one's
+    assert abs(lm_loss(str(tmp_path / "qwen3")) - trainer_loss) > 0.05

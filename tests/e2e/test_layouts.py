@@ -14,9 +14,9 @@ from support.hf_models import tiny_qwen3, tiny_qwen3_moe, tiny_qwen35
 from support.train_cases import (
     cache_build_argv,
     case_cache_build,
-    import_hf_model,
     case_train,
     check_flags,
+    import_hf_model,
     step_losses,
 )
 
@@ -155,6 +155,33 @@ def test_resume_gives_the_uninterrupted_losses(pool, argv, tmp_path, layout):
     second = pool.run(case_train, flags)[0]
     assert second["start_iteration"] == 3
     assert first + step_losses(second) == straight  # bit for bit
+
+
+def test_finetune_starts_from_the_load_checkpoint_weights(pool, argv, teacher, reference,
+                                                         tmp_path):
+    """``--load DIR --finetune``: the weights of DIR's newest checkpoint, from iteration 0 with
+    a new optimizer, which is what ``--pretrained-checkpoint DIR`` gives (a plain ``--load``
+    resumes instead: test_resume_gives_the_uninterrupted_losses)."""
+    ckpt = str(tmp_path / "ckpt")
+    pool.run(case_train, argv(None, *TP2_SP, "--save", ckpt, "--exit-after-iters", "3"))
+    run = RUN + ["--kd-teacher-load", teacher, *TP2_SP]
+    finetuned = pool.run(case_train, run + ["--load", ckpt, "--finetune"])[0]
+    assert finetuned["start_iteration"] == 0
+    assert len(step_losses(finetuned)) == ITERS
+    restarted = pool.run(case_train, run + ["--pretrained-checkpoint", ckpt])[0]
+    assert step_losses(finetuned) == step_losses(restarted)  # bit for bit
+    # the trained weights, not the import's: already lower than the first run's first loss
+    assert step_losses(finetuned)[0] < reference[0] * (1 - 1e-3)
+
+
+def test_finetune_needs_one_weights_source(argv, teacher, tmp_path):
+    run = RUN + ["--kd-teacher-load", teacher]
+    with pytest.raises(ValueError, match="--finetune needs --load DIR"):
+        check_flags(run + ["--finetune"], 2)
+    with pytest.raises(ValueError, match="--pretrained-checkpoint .* names another source"):
+        check_flags(argv(None, "--load", str(tmp_path), "--finetune"), 2)
+    with pytest.raises(ValueError, match="--load \\(with --finetune\\): .*"):
+        check_flags(run + ["--load", str(tmp_path), "--finetune"], 2)
 
 
 # --- refused before any step, naming the flags ------------------------------------------------
