@@ -252,4 +252,7 @@ def show_all() -> None:
     if _user_chose():
         return
     os.environ["PYTHONWARNINGS"] = "default"
-    warnings.simplefilter("default")
+    warnings.simplefilter("default")  # ahead of any filter install() added before
+    for known in KNOWN_LOG_RECORDS:  # and the log records again, if install() ran before
+        logger = logging.getLogger(known.logger)
+        logger.filters[:] = [f for f in logger.filters if not isinstance(f, _DropKnown)]

@@ -1,16 +1,23 @@
 #!/usr/bin/env python
 """Plans for the README: Qwen3.5-35B-A3B -> Qwen3.5-9B and larger pairs, and whether the published
-claims are reproduced by the planner's model.
+claims are reproduced by the planner's model; and the long-context cases (8K and 32K tokens, the
+layouts that fit per mode, context parallelism among them).
 
 Claims checked (from the papers behind megatron_kd):
 
 1. the Qwen3.5-35B-A3B -> 9B pair trains colocated with the fused loss, but disaggregated is faster;
 2. larger pairs OOM colocated even with the fused loss, yet fit disaggregated.
 
+Long-context cases (Multiverse Computing's published figures are theirs, quoted beside the table in
+the README, not computed here): Llama-3.1-8B -> Llama-3.2-3B on one H200 at 8K and 32K tokens
+(top-100 cache, as theirs); gpt-oss-120b into gpt-oss-20b at 32K tokens, 4 sequences a step, one
+node of H200; Qwen3.5-35B-A3B -> Qwen3.5-9B at 32K tokens, one node of H200.
+
 Usage::
 
-    python tools/plan_examples.py              # every plan's tables, then the markdown block
-    python tools/plan_examples.py --markdown   # only the markdown block
+    python tools/plan_examples.py              # every plan's tables, then the markdown blocks
+    python tools/plan_examples.py --markdown   # only the markdown blocks
+    python tools/plan_examples.py --markdown --json plans.json   # and every plan as JSON
 
 Pure Python (no torch); runs in about a second.
 """
@@ -18,12 +25,13 @@ Pure Python (no torch); runs in about a second.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from megatron_kd.planner.cli import format_report, report_options
-from megatron_kd.planner.memory import GIB
+from megatron_kd.planner.cli import format_report, report_options, to_json
+from megatron_kd.planner.memory import GIB, total_bytes
 from megatron_kd.planner.plan import Mode, ModePlan, PlanOptions, PlanResult
 from megatron_kd.planner.presets import MODEL_PRESETS, get_gpu, get_link
 from megatron_kd.planner.search import plan_all
@@ -35,37 +43,51 @@ class Scenario:
     student: str
     gpu: str
     nodes: int
-    claim: int  # which claim the scenario tests (1 or 2)
+    claim: int  # which claim the scenario tests (1 or 2; 0: a long-context case)
     seq_length: int = 8192
     global_batch_size: int = 64
+    gpus_per_node: int = 8
+    topk: int | None = None  # the offline cache's K (None: the planner's default)
 
     def options(self) -> PlanOptions:
         gpu = get_gpu(self.gpu)
+        extra = {} if self.topk is None else {"topk": self.topk}
         return PlanOptions(
             student=MODEL_PRESETS[self.student],
             teacher=MODEL_PRESETS[self.teacher],
             gpu=gpu,
             inter_node_link=get_link("ib-400g", gpu),
+            gpus_per_node=self.gpus_per_node,
             nodes=self.nodes,
             seq_length=self.seq_length,
             micro_batch_size=1,
             global_batch_size=self.global_batch_size,
             use_distributed_optimizer=True,
+            **extra,
         )
+
+    @property
+    def gpus(self) -> str:
+        return f"{self.nodes} x {self.gpus_per_node} {self.gpu}"
 
     @property
     def title(self) -> str:
         return (
-            f"{self.teacher} -> {self.student}, {self.nodes} x 8 {self.gpu}, s={self.seq_length}, "
+            f"{self.teacher} -> {self.student}, {self.gpus}, s={self.seq_length}, "
             f"G={self.global_batch_size}"
         )
 
     def command(self) -> str:
-        return (
+        text = (
             f"megatron-kd plan --teacher {self.teacher} --student {self.student} --gpu {self.gpu} "
             f"--nodes {self.nodes} --seq-length {self.seq_length} --global-batch-size "
             f"{self.global_batch_size} --use-distributed-optimizer"
         )
+        if self.gpus_per_node != 8:
+            text += f" --gpus-per-node {self.gpus_per_node}"
+        if self.topk is not None:
+            text += f" --kd-topk {self.topk}"
+        return text
 
 
 SCENARIOS = [
@@ -76,6 +98,58 @@ SCENARIOS = [
     Scenario("qwen3-235b-a22b", "qwen3-32b", "h100-80g", 2, claim=2),
     Scenario("gpt-oss-120b", "gpt-oss-20b", "h100-80g", 1, claim=2),
 ]
+
+LONG_CONTEXT = [
+    Scenario("llama-3.1-8b", "llama-3.2-3b", "h200-141g", 1, claim=0, seq_length=8192,
+             global_batch_size=1, gpus_per_node=1, topk=100),
+    Scenario("llama-3.1-8b", "llama-3.2-3b", "h200-141g", 1, claim=0, seq_length=32768,
+             global_batch_size=1, gpus_per_node=1, topk=100),
+    Scenario("gpt-oss-120b", "gpt-oss-20b", "h200-141g", 1, claim=0, seq_length=32768,
+             global_batch_size=4),
+    Scenario("qwen3.5-35b-a3b", "qwen3.5-9b", "h200-141g", 1, claim=0, seq_length=32768,
+             global_batch_size=64),
+]
+
+
+def layout_cell(plan: ModePlan) -> str:
+    """A mode's layout and peak in one cell: ``tp1 cp2 (a2a) ep8 dp4, 117 GiB, 97k tok/s``."""
+    lay = plan.layout
+    parts = [f"tp{lay.tp}"]
+    if lay.pp > 1:
+        parts.append(f"pp{lay.pp}" + (f"x{lay.vp}" if lay.vp > 1 else ""))
+    if lay.cp > 1:
+        parts.append(f"cp{lay.cp} ({lay.cp_comm_type})")
+    if lay.ep > 1:
+        parts.append(f"ep{lay.ep}")
+    parts.append(f"dp{lay.dp}")
+    if lay.recompute != "none":
+        parts.append(f"recompute {lay.recompute_label}")
+    text = " ".join(parts)
+    if not plan.fits:
+        return f"OOM ({plan.total_bytes / GIB:.0f} GiB, {text})"
+    text += f", {plan.total_bytes / GIB:.0f} GiB, {plan.student_tokens_per_s / 1e3:.1f}k tok/s"
+    if plan.mode is Mode.DISAGGREGATED:
+        tl = plan.teacher_layout
+        text += (f", + {plan.teacher_replicas} x {tl.world_size}-GPU replica "
+                 f"({total_bytes(plan.teacher_terms) / GIB:.0f} GiB)")
+    return text
+
+
+def long_context_markdown(results: list[tuple[Scenario, PlanResult]]) -> str:
+    lines = [
+        ("| teacher -> student | GPUs | tokens, sequences/step | colocated dense | colocated fused "
+         "| offline cache | disaggregated |"),
+        "|---|---|---|---|---|---|---|",
+    ]
+    for sc, result in results:
+        lines.append(
+            f"| {sc.teacher} -> {sc.student} | {sc.gpus} | {sc.seq_length // 1024}K, "
+            f"{sc.global_batch_size} | " + " | ".join(layout_cell(result.plans[m]) for m in Mode)
+            + " |"
+        )
+    lines += ["", "Reproduce: `python tools/plan_examples.py` (each row is one `megatron-kd plan` "
+              "command, e.g. `" + results[-1][0].command() + "`)."]
+    return "\n".join(lines)
 
 
 def _cell(plan: ModePlan) -> str:
@@ -169,17 +243,35 @@ def markdown(results: list[tuple[Scenario, PlanResult]]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--markdown", action="store_true", help="print only the markdown block")
+    parser.add_argument("--json", metavar="PATH", default=None,
+                        help="also write every scenario's plan (megatron-kd plan --json's "
+                        "document, with its command) and the markdown blocks there")
     args = parser.parse_args(argv)
-    results = []
-    for sc in SCENARIOS:
-        opts = sc.options()
-        result = plan_all(opts)
-        results.append((sc, result))
-        if not args.markdown:
-            print(f"################ {sc.title}\n$ {sc.command()}\n")
-            print(format_report(result, opts, [], report_options(result, opts)))
-            print()
-    print(markdown(results))
+    results, long_results = [], []
+    documents: dict[str, list[dict]] = {"claims": [], "long_context": []}
+    for scenarios, out, key in ((SCENARIOS, results, "claims"),
+                                (LONG_CONTEXT, long_results, "long_context")):
+        for sc in scenarios:
+            opts = sc.options()
+            result = plan_all(opts)
+            out.append((sc, result))
+            options = report_options(result, opts)
+            if not args.markdown:
+                print(f"################ {sc.title}\n$ {sc.command()}\n")
+                print(format_report(result, opts, [], options))
+                print()
+            if args.json:
+                documents[key].append({"title": sc.title, "command": sc.command(),
+                                       "plan": to_json(result, opts, [], options)})
+    claims, long_context = markdown(results), long_context_markdown(long_results)
+    print(claims)
+    print()
+    print(long_context)
+    if args.json:
+        documents["markdown"] = {"claims": claims, "long_context": long_context}
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(documents, f, indent=1)
+        print(f"\nwrote {args.json}")
     return 0
 
 

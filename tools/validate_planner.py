@@ -76,6 +76,9 @@ Usage::
     # checkpoint, its top-K cache (megatron-kd cache build), colocated, offline and disaggregated
     # runs (a replica of 1 rank + a student of 1 or 2 ranks); a few minutes on two idle CPU cores
     python tools/validate_planner.py --builtin --run [--terms]
+    # only some of them: the context-parallel cases (CP 2, one sequence of 1K and 4K tokens a
+    # step, colocated and disaggregated; about 3 minutes)
+    python tools/validate_planner.py --builtin --run --only cp2
 
 Needs torch and megatron-core (it uses the training code's own argument parsing); the planner itself
 does not. The script is one piece: its built-in cases, running them and comparing them are the
@@ -94,6 +97,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 
+from megatron_kd.planner.memory import total_bytes
 from megatron_kd.planner.plan import Mode
 from megatron_kd.teacher.endpoint import DirectoryEndpoint, parse_endpoint
 from megatron_kd.testing.replicas import Replica, command, read_rank_peak
@@ -139,7 +143,7 @@ _TEACHER_ARCH = dict(
     ffn_hidden_size=2048,
     vocab_size=32000,
     padded_vocab_size=32000,
-    max_position_embeddings=512,
+    max_position_embeddings=4096,  # the longest built-in case's sequence
     tie_embeddings=False,
 )
 _STUDENT_FLAGS = (
@@ -195,6 +199,19 @@ BUILTIN_CASES = [
         2,
         _REPLICA_1,
     ),
+    # context parallelism: one sequence a step split over two ranks (the CPU's attention keeps
+    # [heads, s/2, s] scores, so the sequences stay within a few GiB per rank)
+    *(
+        (
+            f"{name} cp2 b1 s{seq}",
+            _STUDENT_FLAGS + _WITH_TEACHER + f" --seq-length {seq} --micro-batch-size 1 "
+            "--global-batch-size 1 --context-parallel-size 2" + extra,
+            2,
+            replica,
+        )
+        for name, extra, replica in (("colocated", "", None), ("disagg", _DISAGG, _REPLICA_1))
+        for seq in (1024, 4096)
+    ),
 ]
 
 _MAKE_TEACHER_CODE = (
@@ -214,10 +231,12 @@ _MAKE_TEACHER_CODE = (
 )
 
 
-def make_random_teacher(directory: str) -> None:
-    """A megatron_kd checkpoint of a randomly initialised teacher (``_TEACHER_ARCH``)."""
+def make_random_teacher(directory: str, arch: dict | None = None) -> None:
+    """A megatron_kd checkpoint of a randomly initialised teacher (``arch``: ``GPTArchConfig``
+    fields, default ``_TEACHER_ARCH``), made in a process of its own."""
     subprocess.run(
-        [sys.executable, "-c", _MAKE_TEACHER_CODE, directory, json.dumps(_TEACHER_ARCH)], check=True
+        [sys.executable, "-c", _MAKE_TEACHER_CODE, directory,
+         json.dumps(_TEACHER_ARCH if arch is None else arch)], check=True
     )
 
 
@@ -460,7 +479,7 @@ def _mode_label(mode: Mode | str | None) -> str:
 def _memory_row(name, mode, kind, terms, measured, baseline, on_cpu) -> dict:
     """One row: ``terms`` (by :class:`~megatron_kd.planner.memory.Term`) against the measured
     peak."""
-    predicted = sum(terms.values())
+    predicted = total_bytes(terms)
     row = {
         "name": name,
         "mode": _mode_label(mode),
@@ -631,6 +650,12 @@ def main(argv: list[str] | None = None) -> int:
         "the offline case's top-K cache are made first)",
     )
     parser.add_argument(
+        "--only",
+        nargs="+",
+        default=None,
+        help="the built-in cases whose names contain one of these words (e.g. cp2)",
+    )
+    parser.add_argument(
         "--teacher-dir",
         help="teacher checkpoint of the built-in cases (default: made in the temp dir)",
     )
@@ -666,12 +691,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.builtin:
         if not args.run:
             parser.error("--builtin needs --run (for finished runs use --cases)")
-        teacher = args.teacher_dir
-        if teacher is None:
-            teacher = os.path.join(tmp, "teacher")
-            make_random_teacher(teacher)
+        teacher = args.teacher_dir or os.path.join(tmp, "teacher")
         cache = args.cache_dir or os.path.join(tmp, "topk_cache")
         cases = builtin_cases(teacher, cache, os.path.join(tmp, "teacher_endpoint"))
+        if args.only:
+            cases = [c for c in cases if any(word in c.name for word in args.only)]
+            if not cases:
+                parser.error(f"--only {' '.join(args.only)}: no built-in case's name has them")
+        if args.teacher_dir is None:
+            make_random_teacher(teacher)
         offline = [c for c in cases if "--kd-topk-cache" in c.train_args]
         if args.cache_dir is None and offline:
             # One cache for every offline case: they read the same samples (data, length, seed,

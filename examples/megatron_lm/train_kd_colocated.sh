@@ -15,8 +15,8 @@
 #                   imported from): student and teacher must tokenize alike
 #   more flags      appended to the command line (they win over the ones below)
 #
-# Multi-node: set NUM_NODES, NODE_RANK, MASTER_ADDR (and MASTER_PORT) on every node. TP, PP and
-# VP_LAYERS (layers per virtual pipeline stage) set the layout.
+# Multi-node: set NUM_NODES, NODE_RANK, MASTER_ADDR (and MASTER_PORT) on every node. TP, PP, CP
+# (context parallelism) and VP_LAYERS (layers per virtual pipeline stage) set the layout.
 set -euo pipefail
 
 CHECKPOINT_DIR=${1:?checkpoint directory}
@@ -33,6 +33,7 @@ MASTER_ADDR=${MASTER_ADDR:-localhost}
 MASTER_PORT=${MASTER_PORT:-6000}
 TP=${TP:-2}
 PP=${PP:-1}
+CP=${CP:-1}
 
 export CUDA_DEVICE_MAX_CONNECTIONS=1
 
@@ -87,10 +88,12 @@ TRAINING_ARGS=(
 # Sequence parallelism: the student's and the teacher's norms and activations split along the
 # sequence over the TP ranks (Megatron-LM turns it off at TP 1). VP_LAYERS (optional): layers per
 # virtual pipeline stage, the interleaved schedule (PP > 1; the microbatches of a step must be a
-# multiple of PP). --context-parallel-size > 1 is refused with --kd-* (for now).
+# multiple of PP). CP: each sequence in 2 x CP load-balanced chunks, two a rank (Transformer
+# Engine's attention; the teacher runs on the same chunks); --seq-length must divide by 2 x CP x TP.
 MODEL_PARALLEL_ARGS=(
     --tensor-model-parallel-size "$TP"
     --pipeline-model-parallel-size "$PP"
+    --context-parallel-size "$CP"
     --sequence-parallel
     --make-vocab-size-divisible-by $((TEACHER_PADDED_VOCAB / TP))
 )

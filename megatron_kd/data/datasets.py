@@ -14,7 +14,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+from megatron.core.datasets.blended_megatron_dataset_config import (
+    convert_split_vector_to_split_matrix,
+    parse_and_normalize_split,
+)
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+SPLIT_NAMES = ("training", "validation", "test")
 
 
 def parse_data_path(data_path: list[str]) -> tuple[list[str], list[float] | None]:
@@ -51,12 +58,31 @@ def check_data_prefixes(prefixes: list[str], tokenizer=None) -> None:
                                  f"{sha[:12]}... of --tokenizer-model)")
 
 
+def check_split_sizes(prefixes: list[str], split: str) -> None:
+    """ValueError when ``--split`` gives a split of nonzero weight no document of a prefix.
+    Megatron-Core cuts each prefix's documents at ``round(edge * documents)``, as here, and its
+    ``GPTDataset`` then loops forever on the empty split (it adds epochs of zero tokens until
+    they hold one token: megatron-core 0.16.1 and 0.19.2 ``_get_num_epochs``), the test split
+    included, which no run reads."""
+    matrix = convert_split_vector_to_split_matrix(parse_and_normalize_split(split))
+    for prefix in prefixes:
+        documents = len(IndexedDataset(prefix))
+        for name, edges in zip(SPLIT_NAMES, matrix):
+            if edges is not None and (int(round(edges[1] * documents))
+                                      == int(round(edges[0] * documents))):
+                raise ValueError(
+                    f"--split {split!r} gives the {name} split none of the {documents} "
+                    f"documents of {prefix!r} (Megatron-Core's dataset would never finish "
+                    f"building it): give that split weight 0 or more documents")
+
+
 def build_gpt_datasets(*, data_path: list[str], split: str, seq_length: int, seed: int,
                        tokenizer, train_samples: int, valid_samples: int,
                        cache_path: str | None = None):
     """``(train, valid)`` ``GPTDataset``s through ``BlendedMegatronDatasetBuilder`` (collective)."""
     prefixes, weights = parse_data_path(data_path)
     check_data_prefixes(prefixes, tokenizer)
+    check_split_sizes(prefixes, split)
     config = GPTDatasetConfig(
         random_seed=seed,
         sequence_length=seq_length,

@@ -134,6 +134,7 @@ class MockTokenizer:
         self.vocab_size = vocab_size
         self.eod = vocab_size - 1
         self.pad = NO_PAD
+        self.path = None  # no tokenizer file: checkpoints of a mock run carry none
         self.unique_identifiers = OrderedDict([("class", "MockTokenizer"),
                                                ("vocab_size", vocab_size)])
 

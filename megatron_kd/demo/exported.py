@@ -8,6 +8,16 @@ sums run in another order), so the table shows the exported model is the trained
 from __future__ import annotations
 
 import os
+import shutil
+
+import torch
+
+from megatron_kd.data.datasets import BatchPlan
+from megatron_kd.data.tokenizer import HFTokenizer
+from megatron_kd.integration.hf_export import export_hf
+from megatron_kd.training.run_checks import build_datasets
+from megatron_kd.training.run_config import RunConfig
+from megatron_kd.training.train import parse_args
 
 __all__ = ["ExportedStudent", "export_and_score", "held_out_microbatches", "lm_loss"]
 
@@ -16,12 +26,6 @@ def held_out_microbatches(argv: list[str]) -> list[dict]:
     """The validation samples each evaluation of ``megatron-kd train argv`` reads (every
     data-parallel rank's share), as microbatches of ``--micro-batch-size``. Builds the run's
     datasets (collective when ``torch.distributed`` is initialised)."""
-    from megatron_kd.data.datasets import BatchPlan
-    from megatron_kd.data.tokenizer import HFTokenizer
-    from megatron_kd.training.run_checks import build_datasets
-    from megatron_kd.training.run_config import RunConfig
-    from megatron_kd.training.train import parse_args
-
     config = RunConfig.from_args(parse_args(argv))
     data, mbs = config.data, config.optimizer.micro_batch_size
     if data.mock_data or data.global_batch_size is None:
@@ -35,8 +39,6 @@ def held_out_microbatches(argv: list[str]) -> list[dict]:
 def lm_loss(model, microbatches: list[dict]) -> tuple[float, int]:
     """``(mean cross-entropy over the loss-masked tokens, their count)`` of a transformers
     causal LM, accumulated in fp64 as the trainer does (a sum and a count)."""
-    import torch
-
     total = count = 0.0
     with torch.no_grad():
         for mb in microbatches:
@@ -58,14 +60,8 @@ def export_and_score(checkpoint: str, out_dir: str, microbatches: list[dict], *,
     """Export ``checkpoint`` to ``out_dir`` (replacing it), load it with transformers, score
     ``microbatches`` and continue ``prompt`` greedily by ``new_tokens`` tokens (decoded with the
     tokenizer the export carries)."""
-    import shutil
-
-    import torch
-    from transformers import AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
-
-    from megatron_kd.data.tokenizer import HFTokenizer
-    from megatron_kd.integration.hf_export import export_hf
+    from transformers import AutoModelForCausalLM  # optional: the demo and test extras
+    from transformers.utils import logging as hf_logging  # the same
 
     if os.path.isdir(out_dir):
         shutil.rmtree(out_dir)

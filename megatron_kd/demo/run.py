@@ -371,7 +371,11 @@ def _export_students(out: str, runs_dir: str, argv: list[str], names: list[str],
     """``megatron-kd export-hf`` of each run's last checkpoint into ``OUTPUT_DIR/hf/<name>``;
     transformers loads each, scores the held-out samples the trainer evaluated and continues
     the first one's opening."""
-    from megatron_kd.demo.exported import export_and_score, held_out_microbatches
+    from megatron_kd.demo.exported import (  # it loads Megatron-Core: after the GPUs are hidden
+        HFTokenizer,
+        export_and_score,
+        held_out_microbatches,
+    )
 
     held_out = held_out_microbatches(argv)  # the same samples for both runs
     prompt = held_out[0]["tokens"][0, :PROMPT_TOKENS].tolist()
@@ -382,8 +386,6 @@ def _export_students(out: str, runs_dir: str, argv: list[str], names: list[str],
             f"--save {target}; transformers: held-out loss, greedy continuation")
         results[name] = export_and_score(os.path.join(runs_dir, name + "_ckpt"), target,
                                          held_out, prompt=prompt)
-    from megatron_kd.data.tokenizer import HFTokenizer
-
     tokenizer = HFTokenizer(os.path.join(out, "hf", names[0]))
     return {"prompt": tokenizer.detokenize(prompt), "students": results}
 

@@ -53,7 +53,13 @@ sequence inside, while labels and loss mask stay the whole sequence, as Megatron
 / ``--virtual-pipeline-model-parallel-size``): Megatron-LM gives each model chunk its own data
 iterator, the KD state sits on the chunk with the output layer and reads that chunk's
 iterator, whose microbatches the interleaved schedule runs in order, ``get_num_microbatches()``
-to a step, as the non-interleaved one does.
+to a step, as the non-interleaved one does; ``--context-parallel-size`` (``get_batch`` hands
+the model, labels and loss mask this rank's load-balanced chunks of each sequence; the
+colocated teacher runs in the student's context-parallel group on the same inputs, and on a
+last stage called without tokens on the data iterator's tokens cut to those chunks; a
+disaggregated teacher's replica answers each rank its positions; :func:`loss_func` sums over
+this rank's tokens, and Megatron-LM reduces sums, token counts and gradients over data x
+context parallelism as for its own loss).
 
 Megatron-LM's checks of the loss stay on: :func:`loss_func` hands its loss to Megatron-Core's
 rerun state machine exactly as Megatron-LM's own ``pretrain_gpt.loss_func`` does
@@ -62,11 +68,12 @@ rerun state machine exactly as Megatron-LM's own ``pretrain_gpt.loss_func`` does
 
 Not supported here (each refused with ``ValueError`` before anything is built):
 ``--kd-mode offline`` (Megatron-LM's data iterator gives no sample indices to read the cache
-by: use ``megatron-kd train``), ``--context-parallel-size > 1`` (the teacher would see a
-sequence shard), ``--init-model-with-meta-device``, multi-token prediction,
-``--overlap-moe-expert-parallel-comm`` schedule plans, and the Megatron-LM flags of
-:data:`~megatron_kd.integration.megatron_lm_flags.CONFLICTING_FLAGS` (another distillation, or
-a second build of the model); see
+by: use ``megatron-kd train``), a ``--seq-length`` that the context-parallel (and
+sequence-parallel) split does not divide, ``--hybrid-context-parallel``, ``--sft`` or a
+colocated Gated DeltaNet teacher with context parallelism, ``--init-model-with-meta-device``,
+multi-token prediction, ``--overlap-moe-expert-parallel-comm`` schedule plans, and the
+Megatron-LM flags of :data:`~megatron_kd.integration.megatron_lm_flags.CONFLICTING_FLAGS`
+(another distillation, or a second build of the model); see
 :func:`~megatron_kd.integration.megatron_lm_flags.check_megatron_args`.
 
 Nothing here imports Megatron-LM (``megatron.training``) at import time (only megatron-core):
@@ -86,6 +93,7 @@ from typing import Any
 import torch
 from megatron.core import parallel_state as ps
 
+from megatron_kd import known_warnings
 from megatron_kd.integration.args import KDArgs, add_kd_args
 from megatron_kd.integration.loss_func import make_kd_loss_func
 from megatron_kd.integration.megatron_lm_flags import (
@@ -107,6 +115,10 @@ from megatron_kd.integration.output_layer import (
     unwrap_model,
 )
 from megatron_kd.integration.teacher_sources import NoTeacher, TeacherSource, build_teacher_source
+
+# Megatron-LM imports this module before it builds a model: from here on the known third-party
+# warnings are hidden (megatron_kd/known_warnings.py; PYTHONWARNINGS=default shows them)
+known_warnings.install()
 
 __all__ = [
     "MEGATRON_LM_MAIN_COMMIT",
@@ -182,6 +194,10 @@ class KDState:
     tp_group: Any
     """The tensor-parallel group the vocabulary is sharded over."""
 
+    cp_group: Any = None
+    """The context-parallel group (None: none); Megatron-LM's ``get_batch`` hands this rank its
+    load-balanced chunks of each sequence."""
+
     source: TeacherSource = field(default_factory=NoTeacher)
     """The run's teacher (:mod:`megatron_kd.integration.teacher_sources`)."""
 
@@ -231,6 +247,19 @@ def _tp_group(pg_collection):
     if pg_collection is not None and getattr(pg_collection, "tp", None) is not None:
         return pg_collection.tp
     return ps.get_tensor_model_parallel_group()
+
+
+def _cp_groups(pg_collection) -> tuple[Any, Any]:
+    """``(cp_group, tp_cp_group)``: context parallelism's group and the TP x CP group, or
+    ``(None, None)`` at context-parallel size 1."""
+    if pg_collection is not None and getattr(pg_collection, "cp", None) is not None:
+        cp, tp_cp = pg_collection.cp, getattr(pg_collection, "tp_cp", None)
+    else:
+        cp = ps.get_context_parallel_group()
+        tp_cp = None
+    if cp.size() == 1:
+        return None, None
+    return cp, tp_cp if tp_cp is not None else ps.get_tensor_and_context_parallel_group()
 
 
 def model_provider(base_model_provider: Callable, pre_process: bool = True,
@@ -287,12 +316,18 @@ def _prepare_teacher(args, kd: KDArgs, teacher_arch, pg_collection) -> None:
     """The run's teacher source, built on every rank (collective: a colocated teacher's load,
     a disaggregated one's output layer and run id) and kept on the last pipeline stage."""
     last = _on_last_pipeline_stage(pg_collection)
+    # Context parallelism: a colocated teacher runs in the student's groups (its CP group too)
+    # on the CP-sliced inputs; a disaggregated one's look-ahead sends the whole sequence from
+    # the TP x CP group's first rank and each rank receives its positions. The data-parallel
+    # rank and size leave context parallelism out (its ranks share one data-parallel rank).
+    cp_group, tp_cp_group = _cp_groups(pg_collection)
     source = build_teacher_source(
         kd, teacher_arch, active=last, tp_group=_tp_group(pg_collection),
         dp_rank=ps.get_data_parallel_rank(), dp_size=ps.get_data_parallel_world_size(),
         micro_batch_size=args.micro_batch_size, seq_length=args.seq_length,
         pg_collection=pg_collection, own_groups=False, max_samples=1, log=print,
-        sequence_parallel=bool(args.sequence_parallel))
+        sequence_parallel=bool(args.sequence_parallel), cp_group=cp_group,
+        tp_cp_group=tp_cp_group)
     if last:
         _pending_teacher["source"] = source
 
@@ -313,8 +348,9 @@ def _attach_kd_state(model, args, kd: KDArgs, teacher_arch, pg_collection) -> No
         kd=kd, config=kd.loss_config(vocab_size=vocab_size,
                                      gradient_accumulation_fusion=args.gradient_accumulation_fusion,
                                      sequence_parallel=bool(args.sequence_parallel)),
-        tp_group=_tp_group(pg_collection), source=source or NoTeacher(),
-        teacher_arch=teacher_arch, checks=LossChecks.from_args(args))
+        tp_group=_tp_group(pg_collection), cp_group=_cp_groups(pg_collection)[0],
+        source=source or NoTeacher(), teacher_arch=teacher_arch,
+        checks=LossChecks.from_args(args))
 
 
 def kd_state(model) -> KDState | None:
@@ -364,7 +400,8 @@ def forward_step(base_forward_step: Callable, data_iterator, model, *args: Any, 
 
     Returns ``(output_tensor, loss_func)``. On the chunk with the output layer the output is
     the student's final hidden states ``[b, s, h_s]`` (``[b, s/tp, h_s]`` with
-    ``--sequence-parallel``) and the loss function is ``partial(loss_func, loss_mask, ...)``
+    ``--sequence-parallel``; ``s`` this rank's chunks of the sequence with context
+    parallelism) and the loss function is ``partial(loss_func, loss_mask, ...)``
     (see :func:`loss_func`); elsewhere both come from ``base_forward_step`` unchanged. With
     virtual stages Megatron-LM hands each chunk its own data iterator: the one seen here is
     the last chunk's, whose microbatches the schedule runs in order.
@@ -412,7 +449,8 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor, *, labels: t
 
     Args:
         loss_mask: ``[b, s]`` per-token weights (Megatron-LM's batch layout; the whole
-            sequence, with sequence parallelism too).
+            sequence, with sequence parallelism too; with context parallelism ``s`` is this
+            rank's chunks of it, as ``get_batch`` cut them).
         output_tensor: ``[b, s, h_s]`` the bypassed student's final hidden states
             (``[b, s/tp, h_s]``, this TP rank's slice, with ``config.sequence_parallel``).
         labels: ``[b, s]`` next-token ids.
@@ -429,7 +467,9 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor, *, labels: t
             (:func:`~megatron_kd.integration.megatron_lm_flags.validate_loss`).
 
     Returns:
-        ``(loss_sum, num_tokens, report)``: ``sum(loss_mask * (kd_weight*KD + ce_weight*CE))``
+        ``(loss_sum, num_tokens, report)`` over this rank's tokens, as Megatron-LM's own
+        ``loss_func`` (which it reduces over data x context parallelism):
+        ``sum(loss_mask * (kd_weight*KD + ce_weight*CE))``
         with gradients, ``loss_mask.sum()`` as an int tensor, and ``report`` mapping
         ``"total loss"``, ``"kd loss"``, ``"lm loss"`` (and ``"teacher lm loss"``) to detached
         ``[sum, num_tokens]`` pairs.

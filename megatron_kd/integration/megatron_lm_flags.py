@@ -91,15 +91,8 @@ def check_megatron_args(args: argparse.Namespace):
             given = conflict.flag if value is True else f"{conflict.flag} {value!r}"
             raise ValueError(f"{given} cannot be combined with --kd-*: {conflict.why}")
     tp = args.tensor_model_parallel_size or 1
-    # Megatron-LM's validate_args turns --sequence-parallel off at TP 1 itself
-    if args.sequence_parallel and tp > 1 and (args.seq_length or 0) % tp:
-        raise ValueError(f"--sequence-parallel splits the sequence over the tensor-parallel "
-                         f"ranks: --seq-length {args.seq_length} is not divisible by "
-                         f"--tensor-model-parallel-size {tp}")
     cp = args.context_parallel_size or 1
-    if cp > 1:
-        raise ValueError(f"--context-parallel-size {cp} is not supported with --kd-* yet "
-                         f"(the teacher would see a sequence shard); use 1")
+    _check_sequence_split(args, tp, cp)
     if args.init_model_with_meta_device:
         raise ValueError("--init-model-with-meta-device is not supported with --kd-*: the "
                          "teacher must be built with real weights to load its checkpoint")
@@ -121,7 +114,44 @@ def check_megatron_args(args: argparse.Namespace):
             f"(true vocabulary {arch.vocab_size}): both output layers must have the same rows; "
             f"use the teacher's tokenizer and a --make-vocab-size-divisible-by that gives "
             f"{arch.padded_vocab_size}")
+    if cp > 1 and kd.mode == "colocated" and arch.linear_attention_layers:
+        raise ValueError(f"--context-parallel-size {cp} with a colocated Gated DeltaNet teacher "
+                         f"(layers {arch.linear_attention_layers}): a colocated teacher runs "
+                         f"with the student's context parallelism, which its recurrence (the "
+                         f"local Gated DeltaNet layer) does not split; serve it (--kd-mode "
+                         f"disaggregated)")
     return kd, arch
+
+
+def _check_sequence_split(args: argparse.Namespace, tp: int, cp: int) -> None:
+    """Each sequence split over ``2 x cp`` context-parallel chunks and, with sequence
+    parallelism, ``tp`` slices of those: refused where the split is not even (the same rule and
+    words as ``megatron-kd train``), and the context-parallel splits the teacher is not given
+    (Megatron-LM's own ``validate_args`` has asserted ``--seq-length`` divisible by
+    ``2 x cp`` already; this names both flags, and sequence parallelism)."""
+    # Megatron-LM's validate_args turns --sequence-parallel off at TP 1 itself
+    sequence_parallel = bool(args.sequence_parallel) and tp > 1
+    seq = args.seq_length or 0
+    split = (2 * cp if cp > 1 else 1) * (tp if sequence_parallel else 1)
+    if split > 1 and seq % split:
+        parts = (([f"2 x --context-parallel-size {cp}"] if cp > 1 else [])
+                 + ([f"--tensor-model-parallel-size {tp} (--sequence-parallel)"]
+                    if sequence_parallel else []))
+        raise ValueError(f"--seq-length {seq} is not divisible by {' x '.join(parts)} = "
+                         f"{split}: each sequence is split over those ranks")
+    if cp == 1:
+        return
+    # both flags exist in both patched trees; getattr: absent elsewhere is not given
+    if getattr(args, "hybrid_context_parallel", False):
+        raise ValueError(f"--hybrid-context-parallel cannot be combined with --kd-*: it gives "
+                         f"each packed sequence its own context-parallel group and split, while "
+                         f"the teacher is given the load-balanced split of the "
+                         f"--context-parallel-size {cp} group")
+    if getattr(args, "sft", False):
+        raise ValueError(f"--sft with --context-parallel-size {cp} cannot be combined with "
+                         f"--kd-*: Megatron-LM splits each packed document over the "
+                         f"context-parallel ranks, while the teacher is given the load-balanced "
+                         f"split of the whole sequence")
 
 
 @dataclass(frozen=True, kw_only=True)

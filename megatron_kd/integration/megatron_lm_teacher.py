@@ -1,8 +1,9 @@
 """The teacher's side of the Megatron-LM entry points (:mod:`megatron_kd.integration.megatron_lm`):
 Megatron-LM's data iterator read ahead, each microbatch as the run's
 :class:`~megatron_kd.integration.teacher_sources.TeacherSource` takes it (the tokens of a last
-pipeline stage that Megatron-LM calls without them included), and the source's statistics in
-Megatron-LM's own writers.
+pipeline stage that Megatron-LM calls without them included, cut to this context-parallel
+rank's chunks as ``get_batch`` cuts the rest), and the source's statistics in Megatron-LM's own
+writers.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 import torch.distributed as dist
 from megatron.core.num_microbatches_calculator import get_num_microbatches
 
+from megatron_kd.integration.context_parallel import cp_positions
 from megatron_kd.integration.teacher_sources import Microbatch, TeacherInputs, kd_scalars
 from megatron_kd.teacher.lookahead import Lookahead
 
@@ -39,34 +41,51 @@ def lookahead(state, data_iterator, training: bool) -> Lookahead:
 
 
 def _microbatch_tokens(state, recorder, current) -> torch.Tensor:
-    """The microbatch's token ids on every TP rank of this stage. On the last of several
-    pipeline stages Megatron-LM calls the model without them and only TP rank 0 reads the data
-    iterator: its item's tokens are broadcast over the TP group."""
-    shape = tuple(recorder.labels.shape)
+    """The microbatch's ``[b, s]`` token ids (the whole sequence) on every TP rank of this
+    stage. On the last of several pipeline stages Megatron-LM calls the model without them and
+    only TP rank 0 reads the data iterator: its item's tokens are broadcast over the TP group.
+    ``s`` is the sequence of the labels Megatron-LM's ``get_batch`` gave, times the
+    context-parallel size (it gave this rank's chunks of it)."""
+    cp = state.cp_group.size() if state.cp_group is not None else 1
+    shape = (recorder.labels.shape[0], recorder.labels.shape[1] * cp)
+    device = recorder.labels.device
     tokens = current["tokens"] if current is not None else None
     group = state.tp_group
     if group is None or group.size() == 1:
         if tokens is None:
             raise RuntimeError("no tokens for the teacher: the model was called without them and "
                                "there is no data iterator on this rank")
-        return tokens
-    buf = tokens if tokens is not None and group.rank() == 0 else \
-        torch.empty(shape, dtype=torch.int64, device=recorder.labels.device)
-    buf = buf.to(device=recorder.labels.device, dtype=torch.int64).contiguous()
-    dist.broadcast(buf, src=dist.get_global_rank(group, 0), group=group)
-    return buf
+        buf = tokens
+    else:
+        buf = tokens if tokens is not None and group.rank() == 0 else \
+            torch.empty(shape, dtype=torch.int64, device=device)
+        buf = buf.to(device=device, dtype=torch.int64).contiguous()
+        dist.broadcast(buf, src=dist.get_global_rank(group, 0), group=group)
+    if tuple(buf.shape) != shape:
+        raise RuntimeError(f"the data iterator's tokens {tuple(buf.shape)} are not the "
+                           f"microbatch's sequence {shape} (labels {tuple(recorder.labels.shape)}"
+                           f" x context-parallel size {cp})")
+    # the item is on the host where Megatron-LM's get_batch moves its copy to the GPU
+    return buf.to(device=device, dtype=torch.int64)
 
 
 def _model_inputs(state, recorder, look: Lookahead | None):
     """The teacher's call: the model's own inputs (first stage, or no PP), else the data
-    iterator's tokens (broadcast over TP) with their positions."""
+    iterator's tokens (broadcast over TP), this context-parallel rank's chunks of them
+    (Megatron-LM's ``get_batch_on_this_cp_rank`` split), with their positions."""
     args, kwargs = recorder.inputs
     if args and args[0] is not None:
         return args, kwargs
     current = look.current if look is not None else None
     tokens = _microbatch_tokens(state, recorder, current)
-    position_ids = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
-    return (tokens, position_ids, None), {}
+    cp_group = state.cp_group
+    if cp_group is None or cp_group.size() == 1:
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+    else:
+        positions = cp_positions(tokens.shape[1], cp_group.rank(), cp_group.size(),
+                                 tokens.device)
+        tokens = tokens.index_select(1, positions)
+    return (tokens, positions.expand_as(tokens), None), {}
 
 
 def teacher_inputs(state, recorder, training: bool,

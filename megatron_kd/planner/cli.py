@@ -24,9 +24,11 @@ tensor-parallel size, ``--num-query-groups`` equal to the head count without
 Sequence parallelism, interleaved pipelines (``--num-layers-per-virtual-pipeline-stage``,
 ``--num-virtual-stages-per-pipeline-rank`` or the older ``--virtual-pipeline-model-parallel-size``)
 and recompute (``--recompute-granularity`` selective, or full with ``--recompute-method`` uniform
-or block and any ``--recompute-num-layers``) are read into the plan's layout. Launch settings the
-planner does not model, or that Megatron-Core would refuse, are refused with a ``ValueError``
-(context parallelism, a non-default ``--microbatch-group-size-per-virtual-pipeline-stage``, one
+or block and any ``--recompute-num-layers``) are read into the plan's layout. Context parallelism
+(``--context-parallel-size``, ``--cp-comm-type`` with one type for every layer) is read too. Launch
+settings the planner does not model, or that Megatron-Core would refuse, are refused with a
+``ValueError`` (``--cp-comm-type a2a+p2p`` or one type per layer, a non-default
+``--microbatch-group-size-per-virtual-pipeline-stage``, one
 virtual stage per rank given explicitly, full recompute without a method or a layer count, a layer
 count with selective recompute, ``--fp16`` with ``--bf16``), never approximated.
 
@@ -43,12 +45,15 @@ import sys
 from dataclasses import asdict, dataclass, field
 
 from megatron_kd.planner.memory import (
+    CP_COMM_TYPES,
     GIB,
+    PHASES,
     RECOMPUTE_CHOICES,
     RECOMPUTE_METHODS,
     ActivationOptions,
     ParallelLayout,
     Precision,
+    total_bytes,
 )
 from megatron_kd.planner.models import ModelConfig
 from megatron_kd.planner.options import layout_options
@@ -64,9 +69,9 @@ DEFAULT_LINK = "ib-400g"
 #: :class:`PlanOptions` fields taken as given (from the command line or ``--from-args``), else
 #: left to their defaults.
 _AS_GIVEN = ("gpus_per_node", "nodes", "seq_length", "micro_batch_size", "global_batch_size",
-             "sequence_parallel", "use_distributed_optimizer", "window_size", "prefetch_depth",
-             "topk", "cache_entry_bytes", "wire_dtype", "teacher_replicas", "mfu", "teacher_mfu",
-             "link_efficiency")
+             "cp_comm_type", "sequence_parallel", "use_distributed_optimizer", "window_size",
+             "prefetch_depth", "topk", "cache_entry_bytes", "wire_dtype", "teacher_replicas", "mfu",
+             "teacher_mfu", "link_efficiency")
 
 
 def _default(name: str):
@@ -110,6 +115,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--pipeline-model-parallel-size", dest="pp", type=_size)
     g.add_argument("--expert-model-parallel-size", dest="ep", type=_size)
     g.add_argument("--expert-tensor-parallel-size", dest="etp", type=int)
+    g.add_argument("--context-parallel-size", dest="cp", type=_size,
+                   help="context parallelism: each sequence split over N ranks (default: search, "
+                   "taken only where nothing without it fits without full recompute)")
+    g.add_argument("--cp-comm-type", dest="cp_comm_type", choices=CP_COMM_TYPES,
+                   help="its K/V exchange (default: p2p, or a2a for models with attention sinks "
+                   "or sliding windows, as Transformer Engine requires)")
     g.add_argument("--num-virtual-stages-per-pipeline-rank", dest="vp", type=_size,
                    help="virtual pipeline stages per rank: interleaved 1F1B when > 1")
     g.add_argument("--num-layers-per-virtual-pipeline-stage", dest="layers_per_virtual_stage",
@@ -230,6 +241,7 @@ def build_options(args: argparse.Namespace) -> tuple[PlanOptions, list[str]]:
         tp=size("tp"),
         pp=size("pp"),
         vp=size("vp"),
+        cp=size("cp"),
         ep=size("ep") if student.is_moe else None,
         recompute=None if recompute in (None, "search") else recompute,
         teacher_tp=size("teacher_tp"),
@@ -265,7 +277,9 @@ def _parse_modes(text: str | None) -> tuple[Mode, ...]:
 
 def _layout_line(layout: ParallelLayout, prefix: str) -> str:
     return (
-        f"{prefix}: tp={layout.tp} pp={layout.pp} vp={layout.vp} dp={layout.dp} ep={layout.ep} "
+        f"{prefix}: tp={layout.tp} pp={layout.pp} vp={layout.vp}"
+        + (f" cp={layout.cp} ({layout.cp_comm_type})" if layout.cp > 1 else "")
+        + f" dp={layout.dp} ep={layout.ep} "
         f"sp={'on' if layout.sequence_parallel else 'off'} recompute={layout.recompute_label} "
         f"dist-opt={'on' if layout.use_distributed_optimizer else 'off'}"
     )
@@ -294,8 +308,12 @@ def format_plan(plan: ModePlan, opts: PlanOptions) -> str:
         f"   {'total':<40}{plan.total_bytes / GIB:>9.2f}  of {plan.capacity_bytes / GIB:.1f} "
         f"({opts.gpu.name}): {status}"
     )
+    phases = [phase for phase in PHASES if any(plan.terms.get(t) for t in phase)]
+    if len(phases) > 1:
+        lines.append("   (the teacher's forward and the attention backward never overlap: the "
+                     "total counts the larger)")
     if plan.teacher_terms:
-        total = sum(plan.teacher_terms.values())
+        total = total_bytes(plan.teacher_terms)
         parts = ", ".join(f"{t.label} {v / GIB:.2f}" for t, v in plan.teacher_terms.items())
         lines.append(f"   teacher GPU: {total / GIB:.2f} GiB ({parts})")
     lines.append(
@@ -323,10 +341,11 @@ def format_options(mode: Mode, rows: list[LayoutOption]) -> str:
     """The "what the options buy" table of ``mode``'s chosen student layout."""
     chosen = rows[0]
     title = (f"what the options buy ({mode.value} student; one change to the chosen layout at a "
-             f"time; the step time counts the pipeline bubble; the TP collectives and the "
-             f"pipeline's p2p sends are their time at link speed, not in the step):")
+             f"time; the step time counts the pipeline bubble; the TP collectives, the "
+             f"pipeline's p2p sends and context parallelism's K/V exchange are their time at "
+             f"link speed, not in the step):")
     header = (f"   {'option':<44}{'peak GiB':>9}{'Δ GiB':>8}{'step s':>8}{'Δ step':>8}"
-              f"{'bubble':>8}{'TP s':>7}{'p2p s':>7}  fits")
+              f"{'bubble':>8}{'TP s':>7}{'p2p s':>7}{'CP s':>7}  fits")
     lines = [title, header]
     for row in rows:
         # (+ 0.0: a saving that rounds to nothing prints as +0.0, not -0.0)
@@ -337,7 +356,8 @@ def format_options(mode: Mode, rows: list[LayoutOption]) -> str:
         lines.append(
             f"   {row.label:<44}{row.total_bytes / GIB:>9.1f}{delta_gib:>8}"
             f"{row.step_time_s:>8.2f}{delta_step:>8}{row.bubble:>8.1%}"
-            f"{row.tp_collective_s:>7.2f}{row.p2p_s:>7.2f}  {'yes' if row.fits else 'OOM'}"
+            f"{row.tp_collective_s:>7.2f}{row.p2p_s:>7.2f}{row.cp_exchange_s:>7.2f}  "
+            f"{'yes' if row.fits else 'OOM'}"
         )
     return "\n".join(lines)
 
@@ -389,7 +409,8 @@ def to_json(
             k: getattr(opts, k)
             for k in (
                 "gpus_per_node", "nodes", "seq_length", "micro_batch_size",
-                "global_batch_size", "tp", "pp", "vp", "layers_per_virtual_stage", "ep", "etp",
+                "global_batch_size", "tp", "pp", "vp", "layers_per_virtual_stage", "cp",
+                "cp_comm_type", "ep", "etp",
                 "recompute", "recompute_method", "recompute_num_layers", "sequence_parallel",
                 "use_distributed_optimizer", "teacher_tp", "teacher_pp", "teacher_ep",
                 "window_size", "prefetch_depth", "topk", "cache_entry_bytes",
@@ -438,6 +459,7 @@ _RENAMED = {
     "pipeline_model_parallel_size": "pp",
     "expert_model_parallel_size": "ep",
     "expert_tensor_parallel_size": "etp",
+    "context_parallel_size": "cp",
     "num_layers_per_virtual_pipeline_stage": "layers_per_virtual_stage",
     "kd_teacher_tensor_model_parallel_size": "teacher_tp",
     "kd_teacher_pipeline_model_parallel_size": "teacher_pp",
@@ -483,6 +505,8 @@ def _parser() -> argparse.ArgumentParser:
     for name in ("hidden-dropout", "attention-dropout"):
         p.add_argument(f"--{name}", type=float, default=None)
     p.add_argument("--kd-wire-dtype", choices=list(WIRE_ELEMENT_BYTES), default=None)
+    # Megatron-LM: one type, or one per layer
+    p.add_argument("--cp-comm-type", nargs="+", default=None)
     for name in ("recompute-granularity", "recompute-method", "kd-teacher-load"):
         p.add_argument(f"--{name}", default=None)
     for name in (
@@ -515,11 +539,18 @@ def parse_launch_args(text: str) -> LaunchArgs:
 
 def _refuse_unmodelled(ns: argparse.Namespace) -> None:
     """Raise ``ValueError`` for launch settings the planner does not model."""
-    if ns.context_parallel_size not in (None, 1):
-        raise ValueError(
-            f"--context-parallel-size={ns.context_parallel_size}: context parallelism is "
-            f"not modelled by the planner"
-        )
+    if ns.cp_comm_type is not None:
+        kinds = set(ns.cp_comm_type)
+        if len(kinds) > 1:
+            raise ValueError(
+                f"--cp-comm-type {' '.join(ns.cp_comm_type)}: the planner models one exchange "
+                f"for every layer"
+            )
+        if not kinds <= set(CP_COMM_TYPES):
+            raise ValueError(
+                f"--cp-comm-type={ns.cp_comm_type[0]!r}: the planner models "
+                f"{', '.join(CP_COMM_TYPES)} (a2a+p2p is not modelled)"
+            )
     pp = ns.pipeline_model_parallel_size or 1
     group = ns.microbatch_group_size_per_virtual_pipeline_stage
     if group is not None and group != pp:
@@ -562,6 +593,9 @@ def _planner_values(ns: argparse.Namespace) -> dict:
     # Megatron defaults for what the launch leaves out
     v.setdefault("tp", 1)
     v.setdefault("pp", 1)
+    v.setdefault("cp", 1)
+    if ns.cp_comm_type is not None:
+        v["cp_comm_type"] = ns.cp_comm_type[0]
     if "etp" not in v:
         # Megatron: expert_tensor_parallel_size defaults to tensor_model_parallel_size
         v["etp"] = v["tp"]

@@ -79,7 +79,55 @@ terms marked S are always divided by ``t``:
   source: what PyTorch autograd saves for the decomposed ops): each norm also keeps its normalised
   output ``+2h`` (R), SwiGLU keeps ``silu(a)`` ``+2f`` (S), and unfused attention keeps one
   persistent ``[b, a/t, s, s]`` score buffer per rank (Megatron's global memory buffer).
+  The local attention also keeps, per layer, the keys and values repeated to every query head
+  (``repeat_interleave`` before the batched matmuls, which save them): ``2ad`` each instead of
+  ``2gd``; with the torch softmax (no fused kernels) the boolean mask it applies in place,
+  ``s_q * s_k`` bytes a micro-batch (the causal mask Megatron-Core's torch softmax builds each
+  forward, or the context-parallel one); and in one layer's backward two more score-sized tensors
+  live at once (the gradient of the probabilities, then of the scores: ``torch.bmm`` and
+  ``_softmax_backward_data``), :attr:`Term.ATTENTION_BACKWARD`.
 * fp32 activations (CPU runs without ``--bf16``): every count above times ``activation_bytes / 2``.
+
+Context parallelism (``cp`` ranks share each sequence; Megatron-Core 0.16.1 with Transformer Engine
+on a GPU)
+---------------------------------------------------------------------------------------------------
+Sources: ``megatron/core/utils.py`` ``get_batch_on_this_cp_rank`` (each sequence cut in ``2 cp``
+chunks, rank ``r`` keeps chunks ``r`` and ``2cp-1-r``: ``s/cp`` tokens); ``megatron/core/
+extensions/transformer_engine.py`` ``TEDotProductAttention`` (``cp_group``, ``cp_stream`` and
+``cp_comm_type``, ``"p2p"`` when none is given); ``transformer_config.py`` ``cp_comm_type``
+(``p2p``: K/V chunks passed around a ring, overlapped with attention; ``all_gather``: K/V all-
+gathered before attention; ``a2a``: heads scattered, the sequence gathered, DeepSpeed-Ulysses
+style); Transformer Engine ``pytorch/attention/dot_product_attention/context_parallel.py``
+(``AttnFuncWithCPAndKVP2P``, ``AttnFuncWithCPAndKVAllGather``, ``AttnFuncWithCPAndQKVOA2A``);
+its ``tests/pytorch/attention/test_attention_with_cp.py`` (sliding windows are not supported with
+``p2p``, non-vanilla softmax such as attention sinks only with ``a2a``, ``a2a`` needs heads and
+groups divisible by ``cp``); ``megatron/core/optimizer/__init__.py`` and
+``distributed/distributed_data_parallel.py`` (gradients reduced and the distributed optimizer
+sharded over the data-parallel x context-parallel group ``dp_cp``).
+
+* every per-token count above is taken over the rank's ``s*b/cp`` tokens: activations, the
+  output layer's input, the loss's rows (the fused loss's ``n``, its statistics, its hidden-state
+  gradient), a colocated teacher's working set and final hidden states (it runs in the student's
+  groups), and a disaggregated student's receive slots and gathered buffer (a replica answers each
+  context-parallel rank its positions only). Attention keeps no ``s x s`` tensor with flash
+  attention; unfused, its scores are ``[b, a/t, s/cp, s]`` (local queries against every key).
+* what a layer saves for backward is the non-CP count over the local tokens: ``p2p`` saves the
+  local queries, output and softmax statistics and the last K/V chunk it received (a chunk is the
+  size of the local K/V); ``all_gather`` saves the local K/V and gathers again in backward; ``a2a``
+  saves the whole sequence's Q, K, V and output for ``a/(t*cp)`` heads, the same bytes.
+* the exchange's working set, one layer at a time (:func:`cp_exchange_bytes`): ``p2p``: the
+  backward's two send/receive buffers of K/V and dK/dV, four local K/V chunks ``4 * 2(s/cp)b(g/t)d``
+  bytes; ``all_gather``: the gathered K and V and their gradients, ``4 * 2 s b (g/t) d``; ``a2a``:
+  the sequence-gathered Q, K, V ``2 s b (a+2g)/(t cp) d``.
+* on the CPU (no Transformer Engine) megatron_kd's ``ContextParallelAttention`` all-gathers K and
+  V and runs Megatron-Core's local attention on them: the repeated keys and values it saves are
+  the whole sequence's (``cp`` times the local count per token), its mask is ``[s/cp, s]``.
+* model state: weights and gradients are replicated over ``cp``; the distributed optimizer shards
+  over ``dp * cp`` ranks; experts over the expert-data-parallel size ``t*cp*dp/(e*et)``.
+* refused: Gated DeltaNet layers (Megatron-Core 0.16.1's ``ssm/gated_delta_net.py`` has no context
+  parallelism: its import of ``GatedDeltaNetContextParallel`` is commented out), a sequence that
+  does not split in ``2 cp`` chunks (``s/cp`` a multiple of ``t`` with sequence parallelism), and
+  the comm types Transformer Engine does not run for the model.
 
 Pipeline (same paper, section 4.2.3): which layers a rank holds and how many micro-batches of
 them it keeps, for 1F1B and for the interleaved schedule with ``v`` virtual stages per rank, are
@@ -117,12 +165,20 @@ The loss (one micro-batch at a time, on the last stage)
   working set of one no-grad teacher layer (nothing is saved for backward), and on the last stage
   its final hidden states ``2*n*h_t`` (fused) or its logits (counted in the dense loss).
 
+Phases: a colocated teacher's forward working set and the student's attention backward working
+set (unfused gradients of the scores, Transformer Engine's context-parallel exchange buffers) are
+never live together (the teacher runs after the student's forward and is freed before its
+backward); a GPU's total counts the larger of the two (:data:`PHASES`, :func:`total_bytes`).
+Every other term is added as if live at once (the loss's window buffers too, though they are
+freed before the backward: an overestimate of a window's size).
+
 A fixed reserve (CUDA context, NCCL buffers, allocator fragmentation) is added to every plan; the
 default is stated where it is set (``plan.PlanOptions.reserve_bytes``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import Enum
 from functools import lru_cache
@@ -142,6 +198,8 @@ class Term(Enum):
     STUDENT_GRADS = "student grads (main_grad)"
     OPTIMIZER = "optimizer (Adam)"
     ACTIVATIONS = "activations"
+    ATTENTION_BACKWARD = "attention backward (unfused, 1 layer)"
+    CP_EXCHANGE = "context-parallel K/V exchange (1 layer)"
     TEACHER_WEIGHTS = "teacher weights"
     TEACHER_FORWARD = "teacher forward (no grad)"
     DENSE_LOGITS = "loss: dense logits"
@@ -169,7 +227,28 @@ class Term(Enum):
 LOSS_TERMS = frozenset({Term.DENSE_LOGITS, Term.LOSS_WINDOW, Term.LOSS_GRADIENTS,
                         Term.LOSS_GATHERED, Term.LOSS_ROW_STATISTICS})
 
+#: Working sets of phases of a step that never overlap: a colocated teacher's forward runs after
+#: the student's forward and is freed before the student's backward, whose attention working set
+#: (unfused scores' gradients, the context-parallel exchange's buffers) exists only then. A GPU's
+#: peak counts the larger phase (:func:`total_bytes`); every other term is live throughout.
+PHASES = (
+    frozenset({Term.TEACHER_FORWARD}),
+    frozenset({Term.ATTENTION_BACKWARD, Term.CP_EXCHANGE}),
+)
+
+
+def total_bytes(terms: Mapping[Term, float]) -> float:
+    """A GPU's peak from its terms: every term, except that of the :data:`PHASES` only the
+    largest phase counts."""
+    phased = set().union(*PHASES)
+    steady = sum(v for t, v in terms.items() if t not in phased)
+    return steady + max(sum(terms.get(t, 0.0) for t in phase) for phase in PHASES)
+
+
 RECOMPUTE_CHOICES = ("none", "selective", "full")
+#: ``--cp-comm-type`` of context parallelism (Megatron-Core's ``cp_comm_type``; ``a2a+p2p`` is not
+#: modelled).
+CP_COMM_TYPES = ("p2p", "all_gather", "a2a")
 #: ``--recompute-method`` of full recompute (Megatron-Core's ``recompute_method``).
 RECOMPUTE_METHODS = ("uniform", "block")
 
@@ -190,6 +269,15 @@ class ParallelLayout:
 
     dp: int = 1
     """Data-parallel size (replicas of the model)."""
+
+    cp: int = 1
+    """Context-parallel size: each sequence is split over ``cp`` ranks (Megatron's load-balanced
+    ``2 cp`` chunks), each holding ``s/cp`` of its tokens."""
+
+    cp_comm_type: str = "p2p"
+    """How attention exchanges keys and values over the context-parallel ranks (``p2p``,
+    ``all_gather`` or ``a2a``; Megatron-Core's ``cp_comm_type``, ``p2p`` by default). Read only
+    when ``cp > 1``."""
 
     ep: int = 1
     """Expert-parallel size ``e`` (MoE only)."""
@@ -220,13 +308,15 @@ class ParallelLayout:
     default too: ``tests/unit/test_planner_copies.py`` compares them)."""
 
     def __post_init__(self) -> None:
-        for name in ("tp", "pp", "vp", "dp", "ep", "etp", "recompute_num_layers",
+        for name in ("tp", "pp", "vp", "dp", "cp", "ep", "etp", "recompute_num_layers",
                      "make_vocab_size_divisible_by"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"ParallelLayout.{name} must be a positive int, got {value!r}")
         if self.recompute not in RECOMPUTE_CHOICES:
             raise ValueError(f"recompute={self.recompute!r}; choose from {RECOMPUTE_CHOICES}")
+        if self.cp_comm_type not in CP_COMM_TYPES:
+            raise ValueError(f"cp_comm_type={self.cp_comm_type!r}; choose from {CP_COMM_TYPES}")
         if self.recompute_method not in RECOMPUTE_METHODS:
             raise ValueError(
                 f"recompute_method={self.recompute_method!r}; choose from {RECOMPUTE_METHODS}"
@@ -240,10 +330,11 @@ class ParallelLayout:
             )
         if self.vp > 1 and self.pp == 1:
             raise ValueError(f"vp={self.vp} needs pp > 1 (interleaving splits pipeline stages)")
-        if (self.tp * self.dp) % (self.ep * self.etp):
+        if (self.tp * self.cp * self.dp) % (self.ep * self.etp):
             raise ValueError(
-                f"ep*etp={self.ep}*{self.etp} must divide tp*dp={self.tp}*{self.dp} (Megatron's "
-                f"expert grid folds expert parallelism into tensor x data parallelism)"
+                f"ep*etp={self.ep}*{self.etp} must divide tp*cp*dp={self.tp}*{self.cp}*{self.dp} "
+                f"(Megatron's expert grid folds expert parallelism into tensor x context x data "
+                f"parallelism)"
             )
 
     @property
@@ -260,11 +351,21 @@ class ParallelLayout:
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.pp * self.cp * self.dp
 
     @property
     def expert_data_parallel_size(self) -> int:
-        return self.tp * self.dp // (self.ep * self.etp)
+        return self.tp * self.cp * self.dp // (self.ep * self.etp)
+
+    @property
+    def optimizer_shards(self) -> int:
+        """Ranks the distributed optimizer shards dense parameters over: Megatron-Core's data-
+        parallel group with context parallelism (``dp_cp``)."""
+        return self.dp * self.cp
+
+    def local_tokens(self, seq_length: int, micro_batch_size: int) -> float:
+        """Tokens of one micro-batch on one rank: ``s*b/cp``."""
+        return seq_length * micro_batch_size / self.cp
 
     def padded_vocab(self, vocab_size: int) -> int:
         """Megatron's padded vocabulary: a multiple of ``make_vocab_size_divisible_by * tp`` (as
@@ -294,10 +395,57 @@ class Precision:
                 raise ValueError(f"Precision.{name} must be a positive int, got {value!r}")
 
 
+def default_cp_comm_type(model: ModelConfig) -> str:
+    """The context-parallel exchange Megatron-Core runs for ``model`` when none is given:
+    ``p2p``, or ``a2a`` where Transformer Engine runs nothing else (attention sinks, sliding
+    windows: see the module docstring)."""
+    return "a2a" if model.attention_sinks or model.sliding_window else "p2p"
+
+
+def _validate_context_parallel(model: ModelConfig, layout: ParallelLayout, role: str) -> None:
+    """``ValueError`` when Megatron-Core with Transformer Engine cannot split ``model``'s
+    sequence over ``layout.cp`` ranks with ``layout.cp_comm_type``."""
+    cp, comm = layout.cp, layout.cp_comm_type
+    if model.linear_attention_freq:
+        raise ValueError(
+            f"{role} {model.name}: cp={cp} with Gated DeltaNet layers: Megatron-Core 0.16.1's "
+            f"GatedDeltaNet has no context parallelism (ssm/gated_delta_net.py)"
+        )
+    if comm != "a2a" and (model.attention_sinks or model.sliding_window):
+        raise ValueError(
+            f"{role} {model.name}: cp={cp} with cp_comm_type={comm!r}: Transformer Engine runs "
+            f"attention sinks and sliding windows with context parallelism only as 'a2a'"
+        )
+    if comm == "a2a":
+        heads = model.num_attention_heads // layout.tp
+        groups = max(1, model.num_query_groups // layout.tp)
+        if heads % cp or groups % cp:
+            raise ValueError(
+                f"{role} {model.name}: cp_comm_type='a2a' scatters heads over cp={cp} ranks: the "
+                f"{heads} heads and {groups} key/value groups per tensor-parallel rank must divide "
+                f"by it"
+            )
+
+
+def validate_sequence_split(layout: ParallelLayout, seq_length: int) -> None:
+    """``ValueError`` when a sequence of ``seq_length`` tokens does not split as Megatron splits
+    it: ``2 cp`` equal chunks, each rank's ``s/cp`` tokens divisible by ``t`` with sequence
+    parallelism."""
+    parts = (2 * layout.cp if layout.cp > 1 else 1) * (
+        layout.tp if layout.sequence_parallel else 1)
+    if seq_length % parts:
+        raise ValueError(
+            f"seq_length={seq_length} does not split over {parts} parts (2 x cp={layout.cp} "
+            f"chunks, x tp={layout.tp} with sequence parallelism)"
+        )
+
+
 def validate_layout(model: ModelConfig, layout: ParallelLayout, role: str) -> None:
     """Raise ``ValueError`` when ``layout`` cannot hold ``model`` the way Megatron would."""
     if layout.pp > model.num_layers:
         raise ValueError(f"{role} {model.name}: pp={layout.pp} > num_layers={model.num_layers}")
+    if layout.cp > 1:
+        _validate_context_parallel(model, layout, role)
     if layout.vp > 1 and model.num_layers % (layout.pp * layout.vp):
         raise ValueError(
             f"{role} {model.name}: num_layers={model.num_layers} is not a multiple of pp*vp="
@@ -401,7 +549,7 @@ def model_state_bytes(
         return ModelState(weights=weights)
     if layout.use_distributed_optimizer:
         opt = (
-            precision.optimizer_bytes * dense / layout.dp
+            precision.optimizer_bytes * dense / layout.optimizer_shards
             + precision.optimizer_bytes * expert / layout.expert_data_parallel_size
         )
     else:
@@ -435,6 +583,11 @@ class ActivationOptions:
     """Fused SwiGLU keeps only its input; the unfused ``silu(a) * b`` also keeps ``silu(a)``:
     ``+2f`` (S) per gated MLP."""
 
+    fused_softmax: bool = True
+    """Without flash attention: Megatron's fused masked-softmax kernels keep only the
+    probabilities; the torch fallback (the local spec on CPU) also keeps, per layer, the boolean
+    ``[s/cp, s]`` mask it applied (built each forward), ``s_q * s_k`` bytes a micro-batch."""
+
     activation_bytes: int = 2
     """Bytes of an activation element: 2 (bf16 / fp16); 4 for fp32 runs (CPU). The formulas count
     16-bit activations and are scaled by ``activation_bytes / 2`` (fp32 statistics included: an
@@ -446,10 +599,12 @@ class ActivationOptions:
 
 
 def _mixer_terms(
-    model: ModelConfig, full_attention: bool, keys: int, recompute: str, opts: ActivationOptions
+    model: ModelConfig, full_attention: bool, keys: int, recompute: str, opts: ActivationOptions,
+    cp: int = 1,
 ) -> tuple[float, float]:
-    """(R, S) bytes per token of a token mixer (attention seeing ``keys`` keys, or Gated DeltaNet),
-    before dividing by ``t``."""
+    """(R, S) bytes per (local) token of a token mixer (attention seeing ``keys`` keys, or Gated
+    DeltaNet), before dividing by ``t``; ``cp``: the context-parallel size (the unfused attention
+    keeps the gathered keys and values of the whole sequence)."""
     h = model.hidden_size
     if not full_attention:
         kd = model.linear_num_key_heads * model.linear_key_head_dim
@@ -460,7 +615,11 @@ def _mixer_terms(
         return r, s
     a, g, d = model.num_attention_heads, model.num_query_groups, model.head_dim
     r = 2 * h + 2 * h + (h if opts.hidden_dropout else 0) + (0 if opts.fused_norm else 2 * h)
-    s = 2 * a * d + 2 * g * d + 2 * g * d + 2 * a * d
+    unfused = not opts.flash_attention and recompute != "selective"
+    # K and V: the local attention saves them repeated to every query head and, with context
+    # parallelism, gathered over the whole sequence (cp x the local tokens)
+    kv = 2 * 2 * (a * cp if unfused else g) * d
+    s = 2 * a * d + kv + 2 * a * d
     if model.qk_layernorm:
         s += 2 * (a + g) * d
     if model.attention_output_gate:
@@ -520,14 +679,23 @@ def _layer_bytes_of_kind(
     opts: ActivationOptions,
     recompute: str,
 ) -> float:
-    n = seq_length * micro_batch_size
+    n = layout.local_tokens(seq_length, micro_batch_size)
     t = layout.tp
     r_div = t if layout.sequence_parallel else 1
     if recompute == "full":
         return n * 2 * model.hidden_size / r_div * opts.activation_bytes / 2
-    r1, s1 = _mixer_terms(model, kind[0], kind[1], recompute, opts)
+    full_attention, window = kind
+    # the local (unfused) attention scores every key and masks: its scores see the sequence
+    keys = window if opts.flash_attention else seq_length
+    r1, s1 = _mixer_terms(model, full_attention, keys, recompute, opts, layout.cp)
     r2, s2 = _mlp_terms(model, layout, opts)
-    return n * ((r1 + r2) / r_div + (s1 + s2) / t) * opts.activation_bytes / 2
+    saved = n * ((r1 + r2) / r_div + (s1 + s2) / t) * opts.activation_bytes / 2
+    if (full_attention and not opts.flash_attention and not opts.fused_softmax
+            and recompute != "selective"):
+        # the boolean [s/cp, s] mask masked_fill_ keeps (one per micro-batch, broadcast over b
+        # and the heads)
+        saved += seq_length / layout.cp * seq_length
+    return saved
 
 
 def checkpoint_groups(chunk: range, layout: ParallelLayout) -> list[range]:
@@ -605,21 +773,48 @@ def stage_activation_bytes(
     total += max(recomputed for _, recomputed in per_chunk)
     opts = opts or ActivationOptions()
     if not opts.flash_attention and any(model.is_full_attention(i) for c in chunks for i in c):
-        total += attention_score_buffer_bytes(model, layout, seq_length, micro_batch_size, opts)
+        total += attention_score_bytes(model, layout, seq_length, micro_batch_size, opts)
     return total
 
 
-def attention_score_buffer_bytes(
+def attention_score_bytes(
     model: ModelConfig,
     layout: ParallelLayout,
     seq_length: int,
     micro_batch_size: int,
     opts: ActivationOptions,
 ) -> float:
-    """Unfused attention (Megatron's local ``DotProductAttention``) keeps one persistent
-    ``[b * a/t, s, s]`` score buffer (the global memory buffer ``baddbmm`` writes into) per rank."""
+    """One ``[b * a/t, s/cp, s]`` score tensor of unfused attention: the persistent score buffer
+    Megatron's local ``DotProductAttention`` keeps per rank (the global memory buffer ``baddbmm``
+    writes into) is one; the backward of one layer holds two more at once
+    (:attr:`Term.ATTENTION_BACKWARD`: the gradient of the probabilities, then of the scores)."""
     heads = model.num_attention_heads // layout.tp
-    return micro_batch_size * heads * seq_length * seq_length * opts.activation_bytes
+    return micro_batch_size * heads * seq_length / layout.cp * seq_length * opts.activation_bytes
+
+
+def cp_exchange_bytes(
+    model: ModelConfig, layout: ParallelLayout, seq_length: int, micro_batch_size: int,
+    activation_bytes: int = 2,
+) -> float:
+    """Transformer Engine's context-parallel exchange buffers of one attention layer (one layer
+    runs at a time; 0 without context parallelism): ``p2p``, the backward's K/V and dK/dV send
+    and receive buffers, four local K/V chunks; ``all_gather``, the gathered K and V and their
+    gradients, four of the whole sequence's; ``a2a``, the sequence-gathered Q, K and V of
+    ``1/cp`` of the heads."""
+    if layout.cp == 1:
+        return 0.0
+    n = seq_length * micro_batch_size  # the whole sequence's tokens
+    groups = max(1, model.num_query_groups // layout.tp)
+    heads = model.num_attention_heads // layout.tp
+    d = model.head_dim
+    kv_local = n / layout.cp * 2 * groups * d  # one local K/V chunk, elements
+    if layout.cp_comm_type == "p2p":
+        elements = 4 * kv_local
+    elif layout.cp_comm_type == "all_gather":
+        elements = 4 * n * 2 * groups * d
+    else:  # a2a
+        elements = n * (heads + 2 * groups) * d / layout.cp
+    return elements * activation_bytes
 
 
 def teacher_forward_working_bytes(
@@ -631,9 +826,12 @@ def teacher_forward_working_bytes(
     flash_attention: bool = True,
 ) -> float:
     """Peak live bytes of one no-grad teacher layer forward (nothing saved): the residual stream and
-    the norm output (R), plus the larger of the mixer's and the MLP's intermediates (S); without
-    flash attention, the scores and probabilities ``[b, a/t, s, s]`` of one layer as well."""
-    n = seq_length * micro_batch_size
+    the norm output (R), plus the larger of the mixer's and the MLP's intermediates (S), over the
+    rank's ``s*b/cp`` tokens; without flash attention, the scores and probabilities
+    ``[b, a/t, s/cp, s]`` of one layer as well (with context parallelism, and the gathered keys
+    and values repeated to every head); with it and context parallelism, the exchange's buffers
+    (:func:`cp_exchange_bytes`)."""
+    n = layout.local_tokens(seq_length, micro_batch_size)
     h = model.hidden_size
     t = layout.tp
     r_div = t if layout.sequence_parallel else 1
@@ -652,10 +850,16 @@ def teacher_forward_working_bytes(
         mlp += 6 * model.moe_shared_expert_ffn_hidden_size
     else:
         mlp = 6 * model.ffn_hidden_size
-    scores = 0.0
+    attention = 0.0
     if not flash_attention:
-        scores = 2 * micro_batch_size * (a // t) * seq_length * seq_length * activation_bytes
-    return n * (4 * h / r_div + max(mixer, mlp) / t) * activation_bytes / 2 + scores
+        attention = (2 * micro_batch_size * (a // t) * seq_length / layout.cp * seq_length
+                     * activation_bytes)
+        if layout.cp > 1:  # the gathered K and V, repeated to every head
+            attention += 2 * seq_length * micro_batch_size * (a // t) * d * activation_bytes
+    else:
+        attention = cp_exchange_bytes(model, layout, seq_length, micro_batch_size,
+                                      activation_bytes)
+    return n * (4 * h / r_div + max(mixer, mlp) / t) * activation_bytes / 2 + attention
 
 
 #: The fused loss's default window: rows such that one ``[rows, local_vocab]`` fp32 buffer holds at
@@ -692,7 +896,8 @@ def output_layer_activation_bytes(
     forward)."""
     r_div = layout.tp if layout.sequence_parallel else 1
     per_token = (4 if dense_output_layer else 2) * model.hidden_size
-    return seq_length * micro_batch_size * per_token / r_div * activation_bytes / 2
+    n = layout.local_tokens(seq_length, micro_batch_size)
+    return n * per_token / r_div * activation_bytes / 2
 
 
 def dense_loss_bytes(
@@ -703,8 +908,8 @@ def dense_loss_bytes(
     micro_batch_size: int,
 ) -> float:
     """Dense KD loss: bf16 logits + fp32 copy + fp32 softmax, student and teacher: ``10`` bytes per
-    local logit each."""
-    n = seq_length * micro_batch_size
+    local logit each (the rank's ``s*b/cp`` rows)."""
+    n = layout.local_tokens(seq_length, micro_batch_size)
     v_s = layout.padded_vocab(student.vocab_size) // layout.tp
     v_t = layout.padded_vocab(teacher.vocab_size) // layout.tp
     return n * (10 * v_s + 10 * v_t)
@@ -753,8 +958,10 @@ def fused_loss_bytes(
     * ``gathered``: with sequence parallelism, the all-gathered student (and teacher) hidden states
       ``n*(h_s + h_t)`` in the activation dtype.
     * ``row_statistics``: eight fp32 values per row, ``32n``.
+
+    ``n`` is the rank's rows, ``s*b/cp`` with context parallelism.
     """
-    n = seq_length * micro_batch_size
+    n = seq_length * micro_batch_size // layout.cp
     w = min(window_rows(student, layout, window_size), n)
     v = layout.padded_vocab(student.vocab_size) // layout.tp
     h = student.hidden_size
@@ -782,15 +989,19 @@ DECODED_TOPK_ENTRY_BYTES = 12
 
 
 def cache_reader_bytes(
-    seq_length: int, micro_batch_size: int, topk: int, resident_microbatches: int = 1
+    seq_length: int, micro_batch_size: int, topk: int, resident_microbatches: int = 1,
+    cp: int = 1,
 ) -> float:
     """Decoded top-K targets in device memory: ``resident_microbatches * n * K * 12`` (one
-    micro-batch on a GPU; see the module docstring for CPU runs)."""
+    micro-batch on a GPU; see the module docstring for CPU runs), whole sequences (a cache is per
+    sequence); with context parallelism also the rank's ``1/cp`` of the one in use, selected."""
     if topk <= 0 or resident_microbatches <= 0:
         raise ValueError(
             f"topk={topk} and resident_microbatches={resident_microbatches} must be > 0"
         )
-    return resident_microbatches * seq_length * micro_batch_size * topk * DECODED_TOPK_ENTRY_BYTES
+    per_microbatch = seq_length * micro_batch_size * topk * DECODED_TOPK_ENTRY_BYTES
+    selected = per_microbatch / cp if cp > 1 else 0.0
+    return resident_microbatches * per_microbatch + selected
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -813,14 +1024,15 @@ def ring_bytes(
     hidden_bytes: int = 2,
     wire_bytes_per_token: int | None = None,
 ) -> RingBytes:
-    """Disaggregated receive side on one student TP rank: ``D`` slots of ``1/t`` of the sequence
-    (``wire_bytes_per_token`` each token, default ``h_t * hidden_bytes``) and the one gathered
-    ``[s, b, h_t]`` buffer in use."""
+    """Disaggregated receive side on one student rank: ``D`` slots of ``1/t`` of its ``s/cp``
+    positions (``wire_bytes_per_token`` each token, default ``h_t * hidden_bytes``) and the one
+    gathered ``[s/cp, b, h_t]`` buffer in use (a replica answers each context-parallel rank its
+    positions)."""
     if prefetch_depth <= 0:
         raise ValueError(
             f"prefetch_depth must be >= 1 for the disaggregated ring, got {prefetch_depth}"
         )
-    n = seq_length * micro_batch_size
+    n = layout.local_tokens(seq_length, micro_batch_size)
     per_token = (teacher.hidden_size * hidden_bytes if wire_bytes_per_token is None
                  else wire_bytes_per_token)
     slot = n * per_token / layout.tp

@@ -6,15 +6,19 @@ collectives and of the pipeline's point-to-point sends, which the step time does
 The alternatives: every recompute setting on the chosen split (none, selective, full uniform x1,
 full block with half of a chunk's layers); every number of virtual stages per pipeline rank the
 chosen pipeline allows (with ``p = 1``: a two-stage pipeline, with each ``v`` it allows); twice the
-tensor-parallel size, with sequence parallelism. An alternative Megatron-Core would refuse (a
-recompute group that does not divide a chunk, micro-batches the interleaved schedule cannot take,
-experts that do not divide) is left out of the table, not approximated.
+tensor-parallel size, with sequence parallelism; twice the context-parallel size, and without
+context parallelism where the chosen layout has it (each trading data-parallel ranks). An
+alternative Megatron-Core would refuse (a recompute group that does not divide a chunk, micro-
+batches the interleaved schedule cannot take, experts that do not divide, context parallelism for
+Gated DeltaNet layers or a sequence that does not split) is left out of the table, not
+approximated.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
 
+from megatron_kd.planner import memory as mem
 from megatron_kd.planner import schedule
 from megatron_kd.planner.memory import ParallelLayout
 from megatron_kd.planner.plan import LayoutOption, Mode, ModePlan, PlanOptions
@@ -29,6 +33,8 @@ def layout_label(layout: ParallelLayout) -> str:
         text += f" vp={layout.vp}"
     if layout.sequence_parallel and layout.tp > 1:
         text += " +SP"
+    if layout.cp > 1:
+        text += f" cp={layout.cp}"
     return f"{text} recompute={layout.recompute_label}"
 
 
@@ -43,6 +49,9 @@ def layout_options(opts: PlanOptions, plan: ModePlan) -> list[LayoutOption]:
             if layout in seen:
                 continue
             seen.add(layout)
+            if layout.cp != plan.layout.cp:
+                mem.validate_layout(opts.student, layout, "student")
+                mem.validate_sequence_split(layout, opts.seq_length)
             alternative = evaluate(opts, plan.mode, layout, teacher_search)
         except ValueError:
             continue  # Megatron-Core would refuse it: not an option
@@ -53,7 +62,7 @@ def layout_options(opts: PlanOptions, plan: ModePlan) -> list[LayoutOption]:
 def _option(label: str, plan: ModePlan) -> LayoutOption:
     total = plan.total_bytes
     if plan.teacher_terms and not plan.fits:  # a disaggregated teacher replica may be what OOMs
-        total = max(total, sum(plan.teacher_terms.values()))
+        total = max(total, mem.total_bytes(plan.teacher_terms))
     return LayoutOption(
         label=label,
         layout=plan.layout,
@@ -64,6 +73,7 @@ def _option(label: str, plan: ModePlan) -> LayoutOption:
         student_tokens_per_s=plan.student_tokens_per_s,
         tp_collective_s=plan.wire.get(Traffic.TP_COLLECTIVE_SECONDS, 0.0),
         p2p_s=plan.wire.get(Traffic.P2P_SECONDS, 0.0),
+        cp_exchange_s=plan.wire.get(Traffic.CP_EXCHANGE_SECONDS, 0.0),
     )
 
 
@@ -92,6 +102,10 @@ def _alternatives(opts: PlanOptions, base: ParallelLayout) -> list[tuple[str, di
     if base.tp * 2 <= opts.gpus_per_node and base.dp % 2 == 0:
         out.append((f"tp={base.tp * 2} +SP",
                     {"tp": base.tp * 2, "dp": base.dp // 2, "sequence_parallel": True}))
+    if base.cp > 1:
+        out.append(("cp=1", {"cp": 1, "dp": base.dp * base.cp}))
+    if base.dp % 2 == 0:
+        out.append((f"cp={base.cp * 2}", {"cp": base.cp * 2, "dp": base.dp // 2}))
     return out
 
 

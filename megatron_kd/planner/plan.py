@@ -18,6 +18,7 @@ from enum import Enum
 from types import MappingProxyType
 
 from megatron_kd.planner.memory import (
+    CP_COMM_TYPES,
     GIB,
     RECOMPUTE_CHOICES,
     RECOMPUTE_METHODS,
@@ -99,6 +100,16 @@ class PlanOptions:
 
     etp: int = 1
     """Student expert-tensor-parallel size."""
+
+    cp: int | None = None
+    """Student context-parallel size (each sequence split over ``cp`` ranks); None = search:
+    context parallelism only where no layout without it fits without full recompute (see
+    :mod:`.search`)."""
+
+    cp_comm_type: str | None = None
+    """Context parallelism's K/V exchange: ``p2p``, ``all_gather`` or ``a2a`` (Megatron's
+    ``--cp-comm-type``); None = Megatron-Core's default ``p2p``, or ``a2a`` where Transformer
+    Engine runs nothing else (attention sinks, sliding windows)."""
 
     vp: int | None = None
     """Student virtual pipeline stages per pipeline rank (interleaved 1F1B when > 1); None =
@@ -227,6 +238,12 @@ class PlanOptions:
                 raise ValueError(
                     f"PlanOptions.{name} must be a positive int or None, got {value!r}"
                 )
+        if self.cp is not None and (
+                not isinstance(self.cp, int) or isinstance(self.cp, bool) or self.cp <= 0):
+            raise ValueError(f"PlanOptions.cp must be a positive int or None, got {self.cp!r}")
+        if self.cp_comm_type is not None and self.cp_comm_type not in CP_COMM_TYPES:
+            raise ValueError(f"PlanOptions.cp_comm_type={self.cp_comm_type!r}; choose from "
+                             f"{list(CP_COMM_TYPES)}")
         if self.prefetch_depth < 1:
             raise ValueError(f"prefetch_depth must be >= 1, got {self.prefetch_depth}")
         if self.global_batch_size % self.micro_batch_size:
@@ -447,6 +464,8 @@ class LayoutOption:
     time)."""
     p2p_s: float
     """The pipeline's point-to-point sends per step at link speed (not in the step time)."""
+    cp_exchange_s: float = 0.0
+    """Context parallelism's K/V exchange per step at link speed (not in the step time)."""
 
     def to_dict(self) -> dict:
         out = asdict(self)

@@ -14,13 +14,18 @@ A parallel size left as ``None`` is searched, and so are virtual pipeline stages
 every ``v`` that gives each virtual stage the same whole number of layers, where the micro-batches
 allow Megatron-Core's interleaved schedule) and recompute (none, selective, and full recompute
 with method ``uniform`` in groups of any ``N`` dividing a chunk's layers or ``block`` with any ``N``
-below them). Among the layouts that fit, the planner picks the layouts without full recompute
-(up to a third more compute), then the smallest model-parallel size ``t * p``, then the least
+below them), and context parallelism (every ``cp`` dividing the GPUs of a tensor x pipeline
+group whose ``2 cp`` chunks split the sequence; none for Gated DeltaNet students, which Megatron-
+Core 0.16.1 does not split). Among the layouts that fit, the planner picks the layouts without
+full recompute (up to a third more compute), then the smallest model-parallel size ``t * p * cp``
+(context parallelism shards activations only, pipeline stages shard weights too: each competes
+on its time below), then the least
 recompute compute (none < selective < full block x1 < ... < full uniform), then the smaller ``t``,
-then the least pipeline time (the bubble, smaller with more virtual stages, plus the point-to-point
-sends, more with more virtual stages, counted at link speed as if not overlapped; more virtual
-stages also cost activation memory on the first stages, which is why they are tried in turn),
-then the smaller uniform group, then the larger expert-parallel size. Sequence parallelism, when
+then the least pipeline and exchange time (the bubble, smaller with more virtual stages, plus the
+point-to-point sends, more with more virtual stages, plus context parallelism's K/V exchange, each
+counted at link speed as if not overlapped; more virtual stages also cost activation memory on the
+first stages, which is why they are tried in turn), then the smaller uniform group, then the
+larger expert-parallel size. Sequence parallelism, when
 not given, is on whenever ``t > 1``. A colocated teacher's expert-parallel size, when not given,
 is the largest that divides both its expert count and ``t * dp`` (the least memory). A
 disaggregated teacher replica is the smallest ``t_t * p_t * dp_t`` (``dp_t`` only as wide as its
@@ -88,18 +93,19 @@ def plan_mode(opts: PlanOptions, mode: Mode) -> ModePlan:
 def _search_key(opts: PlanOptions, layout: ParallelLayout) -> tuple:
     """Sort key of the student layouts, preferred first (the order of the module docstring)."""
     # full recompute (up to a third more compute) only when nothing else fits; then the smallest
-    # t*p; then the least recompute compute
+    # t*p*cp; then the least recompute compute
     recomputed = mem.recomputed_layers(opts.student.num_layers, layout)
     flops = tr.training_flops_per_token(opts.student, opts.seq_length, layout.recompute,
                                         recomputed)
-    # the pipeline's cost, as a fraction of the step's compute: bubble + point-to-point time
+    # the pipeline's and the context-parallel exchange's cost, as a fraction of the step's
+    # compute: bubble + point-to-point time + K/V exchange time
     compute_s = (opts.global_batch_size * opts.seq_length * flops
                  / (layout.world_size * opts.gpu.bf16_flops * opts.mfu))
     pipeline = (schedule.bubble_fraction(layout.pp, layout.vp, num_microbatches(opts, layout))
-                + _p2p_seconds(opts, layout) / compute_s)
+                + (_p2p_seconds(opts, layout) + _cp_seconds(opts, layout)) / compute_s)
     return (
         layout.recompute == "full",
-        layout.tp * layout.pp,
+        layout.tp * layout.pp * layout.cp,
         flops,
         layout.tp,
         pipeline,
@@ -124,6 +130,7 @@ def student_candidates(opts: PlanOptions) -> list[ParallelLayout]:
     tps = [opts.tp] if opts.tp else _divisors(opts.gpus_per_node)
     reasons: list[str] = []  # why candidates were dropped, for the error when none is left
     out = []
+    comm = opts.cp_comm_type or mem.default_cp_comm_type(model)
     for t in tps:
         pps = (
             [opts.pp]
@@ -136,46 +143,18 @@ def student_candidates(opts: PlanOptions) -> list[ParallelLayout]:
             if world % (t * p):
                 reasons.append(f"tp*pp={t}*{p} does not divide {world} GPUs")
                 continue
-            dp = world // (t * p)
-            if opts.global_batch_size % (opts.micro_batch_size * dp):
-                reasons.append(
-                    f"global_batch_size={opts.global_batch_size} is not a multiple of "
-                    f"micro_batch_size*dp={opts.micro_batch_size}*{dp}"
-                )
-                continue
-            sp = (t > 1) if opts.sequence_parallel is None else opts.sequence_parallel
-            if model.is_moe:
-                eps = (
-                    [opts.ep]
-                    if opts.ep
-                    else [e for e in _divisors(model.num_experts) if (t * dp) % (e * opts.etp) == 0]
-                )
-            else:
-                eps = [1]
-            m = opts.global_batch_size // (opts.micro_batch_size * dp)
-            for v in _virtual_stages(opts, p, m, reasons):
-                for e in eps:
-                    for rc, method, n in _recomputes(opts, p, v):
-                        try:
-                            layout = ParallelLayout(
-                                tp=t,
-                                pp=p,
-                                vp=v,
-                                dp=dp,
-                                ep=e,
-                                etp=opts.etp if model.is_moe else 1,
-                                sequence_parallel=sp,
-                                use_distributed_optimizer=opts.use_distributed_optimizer,
-                                recompute=rc,
-                                recompute_method=method,
-                                recompute_num_layers=n,
-                            )
-                            mem.validate_layout(model, layout, "student")
-                            schedule.check_microbatches(p, v, m)
-                        except ValueError as exc:
-                            reasons.append(str(exc))
-                            continue
-                        out.append(layout)
+            for c in _context_parallel_sizes(opts, world // (t * p)):
+                if world % (t * p * c):
+                    reasons.append(f"tp*pp*cp={t}*{p}*{c} does not divide {world} GPUs")
+                    continue
+                dp = world // (t * p * c)
+                if opts.global_batch_size % (opts.micro_batch_size * dp):
+                    reasons.append(
+                        f"global_batch_size={opts.global_batch_size} is not a multiple of "
+                        f"micro_batch_size*dp={opts.micro_batch_size}*{dp}"
+                    )
+                    continue
+                out += _split_candidates(opts, t, p, c, dp, comm, reasons)
     if not out:
         distinct = list(dict.fromkeys(reasons))
         raise ValueError(
@@ -184,6 +163,64 @@ def student_candidates(opts: PlanOptions) -> list[ParallelLayout]:
             + "; ".join(distinct[:3])
             + (" ..." if len(distinct) > 3 else "")
         )
+    return out
+
+
+def _context_parallel_sizes(opts: PlanOptions, ranks: int) -> list[int]:
+    """Context-parallel sizes to try on ``ranks`` GPUs per tensor x pipeline group: as given,
+    else 1 and (models Megatron-Core splits over context-parallel ranks: no Gated DeltaNet
+    layers) every divisor whose ``2 cp`` chunks divide the sequence."""
+    if opts.cp is not None:
+        return [opts.cp]
+    if opts.student.linear_attention_freq:
+        return [1]
+    return [c for c in _divisors(ranks) if c == 1 or opts.seq_length % (2 * c) == 0]
+
+
+def _split_candidates(
+    opts: PlanOptions, t: int, p: int, c: int, dp: int, comm: str, reasons: list[str]
+) -> list[ParallelLayout]:
+    """Every valid layout of one tensor x pipeline x context x data split: its virtual stages,
+    expert-parallel sizes and recompute settings."""
+    model = opts.student
+    sp = (t > 1) if opts.sequence_parallel is None else opts.sequence_parallel
+    if model.is_moe:
+        eps = (
+            [opts.ep]
+            if opts.ep
+            else [e for e in _divisors(model.num_experts)
+                  if (t * c * dp) % (e * opts.etp) == 0]
+        )
+    else:
+        eps = [1]
+    m = opts.global_batch_size // (opts.micro_batch_size * dp)
+    out = []
+    for v in _virtual_stages(opts, p, m, reasons):
+        for e in eps:
+            for rc, method, n in _recomputes(opts, p, v):
+                try:
+                    layout = ParallelLayout(
+                        tp=t,
+                        pp=p,
+                        vp=v,
+                        dp=dp,
+                        cp=c,
+                        cp_comm_type=comm,
+                        ep=e,
+                        etp=opts.etp if model.is_moe else 1,
+                        sequence_parallel=sp,
+                        use_distributed_optimizer=opts.use_distributed_optimizer,
+                        recompute=rc,
+                        recompute_method=method,
+                        recompute_num_layers=n,
+                    )
+                    mem.validate_layout(model, layout, "student")
+                    mem.validate_sequence_split(layout, opts.seq_length)
+                    schedule.check_microbatches(p, v, m)
+                except ValueError as exc:
+                    reasons.append(str(exc))
+                    continue
+                out.append(layout)
     return out
 
 
@@ -235,16 +272,17 @@ def _recomputes(opts: PlanOptions, p: int, v: int) -> list[tuple[str, str, int]]
 def colocated_teacher_layout(
     opts: PlanOptions, layout: ParallelLayout, mode: Mode
 ) -> ParallelLayout | None:
-    """The teacher on the student's ranks: same t, dp, SP, its own expert-parallel size; pipelined
-    like the student with the dense loss (ModelOpt), whole on the last stage with the fused loss
-    (``megatron-kd train``)."""
+    """The teacher on the student's ranks: same t, cp, dp, SP, its own expert-parallel size;
+    pipelined like the student with the dense loss (ModelOpt), whole on the last stage with the
+    fused loss (``megatron-kd train``)."""
     teacher = opts.teacher
     if teacher.is_moe:
         eps = (
             [opts.teacher_ep]
             if opts.teacher_ep
             else sorted(
-                (e for e in _divisors(teacher.num_experts) if (layout.tp * layout.dp) % e == 0),
+                (e for e in _divisors(teacher.num_experts)
+                 if (layout.tp * layout.cp * layout.dp) % e == 0),
                 reverse=True,
             )
         )
@@ -256,6 +294,8 @@ def colocated_teacher_layout(
                 tp=layout.tp,
                 pp=layout.pp if mode is Mode.COLOCATED_DENSE else 1,
                 dp=layout.dp,
+                cp=layout.cp,
+                cp_comm_type=opts.cp_comm_type or mem.default_cp_comm_type(teacher),
                 ep=e,
                 etp=1,
                 sequence_parallel=layout.sequence_parallel,
@@ -347,12 +387,24 @@ def _student_model_terms(
             dense_output_layer=mode is Mode.COLOCATED_DENSE,
             activation_bytes=opts.activation.activation_bytes,
         )
-    return {
+    terms = {
         Term.STUDENT_WEIGHTS: state.weights,
         Term.STUDENT_GRADS: state.grads,
         Term.OPTIMIZER: state.optimizer,
         Term.ACTIVATIONS: activations,
     }
+    layers = schedule.rank_layers(student.num_layers, layout.pp, layout.vp, stage)
+    if any(student.is_full_attention(i) for i in layers):
+        if not opts.activation.flash_attention:
+            # one layer's backward: the gradients of the probabilities and of the scores
+            terms[Term.ATTENTION_BACKWARD] = 2 * mem.attention_score_bytes(
+                student, layout, s, b, opts.activation)
+        elif layout.cp > 1:
+            # Transformer Engine's K/V exchange buffers, one layer at a time (the CPU's
+            # gathered K/V are saved activations)
+            terms[Term.CP_EXCHANGE] = mem.cp_exchange_bytes(student, layout, s, b,
+                                                            opts.activation.activation_bytes)
+    return terms
 
 
 def _colocated_teacher_terms(
@@ -411,14 +463,14 @@ def _teacher_input_terms(
     s, b = opts.seq_length, opts.micro_batch_size
     teacher = opts.teacher
     if mode is Mode.COLOCATED_FUSED:
-        n = s * b
+        n = layout.local_tokens(s, b)
         sp_div = layout.tp if layout.sequence_parallel else 1
         act_bytes = opts.activation.activation_bytes
         return {Term.TEACHER_FINAL_HIDDEN: n * teacher.hidden_size * act_bytes / sp_div}
     if mode is Mode.OFFLINE_CACHE:
         return {
             Term.CACHE_READER: mem.cache_reader_bytes(
-                s, b, opts.topk, opts.cache_resident_microbatches
+                s, b, opts.topk, opts.cache_resident_microbatches, layout.cp
             )
         }
     if mode is Mode.DISAGGREGATED:
@@ -440,7 +492,7 @@ def _peak(
     best = (0, {}, -1.0)
     for stage in range(layout.pp):
         terms = student_stage_terms(opts, mode, layout, teacher_layout, stage)
-        total = sum(terms.values())
+        total = mem.total_bytes(terms)
         if total > best[2]:
             best = (stage, terms, total)
     return best
@@ -484,9 +536,9 @@ def search_teacher(opts: PlanOptions) -> TeacherSearch:
     for tl in teacher_candidates(opts):
         worst = max(
             (teacher_inference_terms(opts, tl, st) for st in range(tl.pp)),
-            key=lambda d: sum(d.values()),
+            key=mem.total_bytes,
         )
-        total = sum(worst.values())
+        total = mem.total_bytes(worst)
         scored.append((total <= opts.gpu.memory_bytes, tl, worst, total))
     fitting = [x for x in scored if x[0]]
     if fitting:
@@ -526,10 +578,11 @@ def evaluate(
     plan = _student_plan(opts, mode, layout, teacher_layout)
     if mode is Mode.OFFLINE_CACHE:
         wire = {**_cache_traffic(opts, layout, plan.step_time_s), **_tp_traffic(opts, layout),
-                **_pipeline_traffic(opts, layout)}
+                **_cp_traffic(opts, layout), **_pipeline_traffic(opts, layout)}
         return replace(plan, wire=wire, notes=(_CACHE_NOTE,))
     plan = replace(plan, wire={**_loss_allreduce(opts, mode, layout, plan.step_time_s),
-                               **_tp_traffic(opts, layout), **_pipeline_traffic(opts, layout)})
+                               **_tp_traffic(opts, layout), **_cp_traffic(opts, layout),
+                               **_pipeline_traffic(opts, layout)})
     if mode is Mode.DISAGGREGATED:
         plan = _with_disaggregated_teacher(plan, opts, layout,
                                            teacher_search or search_teacher(opts))
@@ -586,7 +639,7 @@ def _p2p_bytes(opts: PlanOptions, layout: ParallelLayout) -> float:
     return tr.p2p_bytes_per_step_per_rank(
         num_microbatches(opts, layout), opts.seq_length, opts.micro_batch_size,
         opts.student.hidden_size, layout.tp, layout.sequence_parallel, layout.pp, layout.vp,
-        opts.activation.activation_bytes)
+        opts.activation.activation_bytes, layout.cp)
 
 
 def _p2p_seconds(opts: PlanOptions, layout: ParallelLayout) -> float:
@@ -596,6 +649,41 @@ def _p2p_seconds(opts: PlanOptions, layout: ParallelLayout) -> float:
     one_node = layout.world_size <= opts.gpus_per_node
     link = opts.gpu.nvlink_bytes_per_s if one_node else opts.inter_node_link.bytes_per_s
     return _p2p_bytes(opts, layout) / (link * opts.link_efficiency)
+
+
+def _cp_bytes(opts: PlanOptions, layout: ParallelLayout) -> float:
+    """Context parallelism's K/V exchange per step, on a first-stage rank (the most layers)."""
+    student = opts.student
+    return tr.cp_exchange_bytes_per_step_per_rank(
+        student,
+        schedule.rank_layers(student.num_layers, layout.pp, layout.vp, 0),
+        mem.recomputed_layers(student.num_layers, layout),
+        num_microbatches(opts, layout),
+        opts.seq_length,
+        opts.micro_batch_size,
+        layout.tp,
+        layout.cp,
+        layout.cp_comm_type,
+        opts.activation.activation_bytes,
+    )
+
+
+def _cp_seconds(opts: PlanOptions, layout: ParallelLayout) -> float:
+    """The K/V exchange per step at link speed: NVLink when a TP x CP group fits one node
+    (Megatron-Core's rank order puts ``cp`` next to ``tp``), else the link between nodes."""
+    if layout.cp == 1:
+        return 0.0
+    one_node = layout.tp * layout.cp <= opts.gpus_per_node
+    link = opts.gpu.nvlink_bytes_per_s if one_node else opts.inter_node_link.bytes_per_s
+    return _cp_bytes(opts, layout) / (link * opts.link_efficiency)
+
+
+def _cp_traffic(opts: PlanOptions, layout: ParallelLayout) -> dict[Traffic, float]:
+    """The K/V exchange per step and its time; nothing with ``cp = 1``."""
+    if layout.cp == 1:
+        return {}
+    return {Traffic.CP_EXCHANGE_BYTES: _cp_bytes(opts, layout),
+            Traffic.CP_EXCHANGE_SECONDS: _cp_seconds(opts, layout)}
 
 
 def _pipeline_traffic(opts: PlanOptions, layout: ParallelLayout) -> dict[Traffic, float]:
@@ -623,6 +711,7 @@ def _tp_traffic(opts: PlanOptions, layout: ParallelLayout) -> dict[Traffic, floa
         layout.tp,
         layout.sequence_parallel,
         opts.activation.activation_bytes,
+        layout.cp,
     )
     return {
         Traffic.TP_COLLECTIVE_BYTES: moved,
@@ -638,10 +727,10 @@ def _loss_allreduce(
     s, b, t = opts.seq_length, opts.micro_batch_size, layout.tp
     # the dense loss (ModelOpt) all-reduces each model's max and sum of exponentials: 4 per row
     stats = opts.loss_stats if mode is not Mode.COLOCATED_DENSE else 4
-    ar = tr.loss_allreduce_bytes_per_step_per_rank(m, s, b, t, stats)
+    ar = tr.loss_allreduce_bytes_per_step_per_rank(m, s, b, t, stats, layout.cp)
     calls = (
         tr.loss_allreduce_count_per_step(
-            m, s, b, mem.window_rows(opts.student, layout, opts.window_size)
+            m, s, b, mem.window_rows(opts.student, layout, opts.window_size), cp=layout.cp
         )
         if mode is not Mode.COLOCATED_DENSE
         else 2 * m
@@ -698,7 +787,7 @@ def _with_disaggregated_teacher(
     if not tfits:
         notes.append(
             f"no teacher replica layout fits {opts.gpu.name}: lowest peak "
-            f"{sum(tterms.values()) / GIB:.1f} GiB"
+            f"{mem.total_bytes(tterms) / GIB:.1f} GiB"
         )
     teacher_gpus = replicas * tl.world_size
     return replace(
@@ -733,12 +822,13 @@ def _hidden_traffic(
     per_dp = tr.hidden_bytes_per_step_per_dp_rank(
         opts.teacher, opts.global_batch_size, layout.dp, s, opts.wire_dtype
     )
-    per_tp = per_dp / t
+    per_tp = per_dp / (t * layout.cp)  # a TP x CP rank receives its positions' 1/t
     need = per_tp / step_time_s
     sender = tokens_per_s / replicas * tr.wire_bytes_per_token(
         opts.teacher.hidden_size, opts.wire_dtype)
     sender /= tl.tp * tl.dp
-    ag = tr.allgather_bytes_per_step_per_rank(opts.teacher, m, s, b, t, opts.hidden_elem_bytes)
+    ag = tr.allgather_bytes_per_step_per_rank(opts.teacher, m, s, b, t, opts.hidden_elem_bytes,
+                                              layout.cp)
     wire = {
         Traffic.TOKEN_ID_BYTES: tr.token_bytes_per_step_per_dp_rank(
             opts.global_batch_size, layout.dp, s),

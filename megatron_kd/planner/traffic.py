@@ -35,27 +35,38 @@ Traffic per optimizer step (the quantities a run can count)
   their own nodes): every token a student data-parallel rank trains on arrives once, as ``h_t``
   elements of the wire's type (``--kd-wire-dtype``: fp32 4 bytes, bf16 2, fp8 1 plus one fp32
   scale per token): exactly ``(G / dp) * s * wire_bytes_per_token`` bytes per student DP rank,
-  each of its ``t`` last-stage TP ranks receiving ``1/t`` of it.
+  each of its ``t * cp`` last-stage TP x CP ranks receiving ``1/(t*cp)`` of it (a context-parallel
+  rank only its positions).
 * student -> teacher token ids: 4 bytes (int32) per token, ``(G / dp) * s * 4`` per student DP
   rank, sent by its last-stage TP rank 0.
 * intra-node all-gather of the received shards inside the student TP group: each TP rank receives
-  ``(t-1)/t`` of every micro-batch's ``[s, b, h_t]``: ``m * (t-1)/t * s*b*h_t*elem_bytes``.
+  ``(t-1)/t`` of every micro-batch's ``[s/cp, b, h_t]``: ``m * (t-1)/t * (s/cp)*b*h_t*elem_bytes``.
 * tensor-parallel collectives of the student's layers (Korthikanti et al. 2023, section 4.2.2;
   Megatron-Core's ``LinearWithGradAccumulationAndAsyncCommunication``): every tensor-parallel
   sub-layer (a token mixer; a dense MLP or a shared expert: a routed-expert MLP with expert-tensor
   parallelism 1 keeps its tokens on their rank and talks all-to-all over expert parallelism, not
-  counted) moves, per micro-batch, ``(t-1)/t * s*b*h*2`` bytes per rank in each all-gather or
+  counted) moves, per micro-batch, ``(t-1)/t * (s/cp)*b*h*2`` bytes per rank in each all-gather or
   reduce-scatter: with sequence parallelism two in forward and three in backward (the input is
   gathered again for the weight gradient), without it one all-reduce (two of them) each way; full
   recompute runs the forward's two again for the layers it recomputes.
-* pipeline point-to-point (Megatron-Core ``p2p_communication``, tensor shape ``[s/t, b, h]`` with
-  sequence parallelism, ``[s, b, h]`` without): a rank sends each micro-batch's activations on at
-  the end of each of its ``v`` chunks and its gradients back at the start of each: ``2v`` sends of
-  ``s*b*h*2`` bytes (``/t`` with sequence parallelism) per micro-batch (one fewer on the first
-  and the last rank; a middle rank's count).
+* pipeline point-to-point (Megatron-Core ``p2p_communication``, tensor shape ``[s/(cp t), b, h]``
+  with sequence parallelism, ``[s/cp, b, h]`` without): a rank sends each micro-batch's
+  activations on at the end of each of its ``v`` chunks and its gradients back at the start of
+  each: ``2v`` sends of ``(s/cp)*b*h*2`` bytes (``/t`` with sequence parallelism) per micro-batch
+  (one fewer on the first and the last rank; a middle rank's count).
+* context parallelism's K/V exchange (Transformer Engine; sources in :mod:`.memory`'s docstring),
+  per full-attention layer and micro-batch, bytes one rank sends, with a local K/V chunk of
+  ``c = 2 (s/cp) b (g/t) d`` elements: ``p2p`` forward passes ``cp-1`` chunks around the ring,
+  backward ``cp-1`` K/V chunks and ``cp-1`` dK/dV chunks (``AttnFuncWithCPAndKVP2P.backward``):
+  ``3(cp-1) c``; ``all_gather`` receives the same (an all-gather forward, an all-gather and a
+  reduce-scatter backward); ``a2a`` sends ``(cp-1)/cp`` of its Q, K, V and output forward and of
+  their gradients backward: ``2 (cp-1)/cp (s/cp) b (2a + 2g)/t d``. Full recompute runs the
+  forward's share again. Reported, not added to the step time (``p2p`` overlaps attention
+  compute, on its own CUDA stream); at NVLink speed when ``t*cp`` GPUs fit a node (Megatron's rank
+  order puts ``cp`` next to ``tp``), else at the inter-node link's.
 * TP all-reduces of the fused loss: ``loss_stats`` fp32 values per row and window (running maxima,
   sums of exponentials, the cross term), none in backward; a ring all-reduce moves
-  ``2 (t-1)/t`` of the payload per rank: ``m * s*b * loss_stats * 4 * 2(t-1)/t`` bytes.
+  ``2 (t-1)/t`` of the payload per rank: ``m * (s/cp)*b * loss_stats * 4 * 2(t-1)/t`` bytes.
 * offline cache reads from storage: ``(G/dp) * s * (K*entry_bytes + 4)`` bytes per student DP rank.
 
 "The wire never stalls the student" when the bytes a receiving GPU needs per step arrive within the
@@ -100,11 +111,13 @@ class Traffic(Enum):
     CACHE_BUILD_GPU_HOURS = "cache build teacher GPU-hours per 1B tokens"
     TOKEN_ID_BYTES = "token id bytes/step/student DP rank (to teacher)"
     HIDDEN_BYTES_PER_DP_RANK = "hidden bytes/step/student DP rank"
-    HIDDEN_BYTES_PER_TP_RANK = "hidden bytes/step/student TP rank"
+    HIDDEN_BYTES_PER_TP_RANK = "hidden bytes/step/student TP x CP rank"
     TP_COLLECTIVE_BYTES = "TP collective bytes/step/rank (NVLink)"
     TP_COLLECTIVE_SECONDS = "TP collective s/step at NVLink (not in step)"
     P2P_BYTES = "pipeline p2p bytes/step/rank"
     P2P_SECONDS = "pipeline p2p s/step at link speed (not in step)"
+    CP_EXCHANGE_BYTES = "CP K/V exchange bytes/step/rank"
+    CP_EXCHANGE_SECONDS = "CP K/V exchange s/step at link speed (not in step)"
     HIDDEN_RATE_STUDENT = "hidden GB/s needed per student GPU"
     LINK_RATE = "inter-node link GB/s (x efficiency)"
     HIDDEN_RATE_TEACHER = "hidden GB/s needed per teacher sending GPU"
@@ -220,14 +233,16 @@ def tp_collective_bytes_per_step_per_rank(
     tp: int,
     sequence_parallel: bool,
     elem_bytes: int = 2,
+    cp: int = 1,
 ) -> float:
     """Bytes one TP rank moves in its layers' tensor-parallel collectives per step (see the module
     docstring): per sub-layer and micro-batch 5 (sequence parallel) or 4 all-gather / reduce-
-    scatter volumes of ``(t-1)/t * s*b*h*elem_bytes``, 2 more where full recompute runs it
+    scatter volumes of ``(t-1)/t * (s/cp)*b*h*elem_bytes``, 2 more where full recompute runs it
     again."""
     if tp == 1:
         return 0.0
-    per_volume = (tp - 1) / tp * seq_length * micro_batch_size * model.hidden_size * elem_bytes
+    per_volume = ((tp - 1) / tp * seq_length / cp * micro_batch_size * model.hidden_size
+                  * elem_bytes)
     # the mixer, and a dense MLP or a shared expert (a routed-expert MLP stays on its rank)
     sub_layers = 1 + (not model.is_moe or model.moe_shared_expert_ffn_hidden_size > 0)
     again = set(recomputed)
@@ -246,15 +261,50 @@ def p2p_bytes_per_step_per_rank(
     pp: int,
     vp: int,
     elem_bytes: int = 2,
+    cp: int = 1,
 ) -> float:
     """Bytes a middle pipeline rank sends per step: ``m * 2v`` activations and gradients of
-    ``s*b*h*elem_bytes`` (``/t`` with sequence parallelism); none without a pipeline."""
+    ``(s/cp)*b*h*elem_bytes`` (``/t`` with sequence parallelism); none without a pipeline."""
     if pp == 1:
         return 0.0
-    per_send = seq_length * micro_batch_size * hidden_size * elem_bytes
+    per_send = seq_length / cp * micro_batch_size * hidden_size * elem_bytes
     if sequence_parallel:
         per_send /= tp
     return num_microbatches * 2 * vp * per_send
+
+
+def cp_exchange_bytes_per_step_per_rank(
+    model: ModelConfig,
+    layers: Iterable[int],
+    recomputed: Iterable[int],
+    num_microbatches: int,
+    seq_length: int,
+    micro_batch_size: int,
+    tp: int,
+    cp: int,
+    cp_comm_type: str,
+    elem_bytes: int = 2,
+) -> float:
+    """Bytes one rank sends in context parallelism's K/V exchange per step over its full-
+    attention ``layers`` (see the module docstring), forward again for the ``recomputed`` ones;
+    0 without context parallelism."""
+    if cp == 1:
+        return 0.0
+    local = seq_length / cp * micro_batch_size
+    groups = max(1, model.num_query_groups // tp)
+    heads = model.num_attention_heads // tp
+    d = model.head_dim
+    if cp_comm_type in ("p2p", "all_gather"):
+        chunk = local * 2 * groups * d * elem_bytes
+        forward, backward = (cp - 1) * chunk, 2 * (cp - 1) * chunk
+    elif cp_comm_type == "a2a":
+        forward = backward = (cp - 1) / cp * local * (2 * heads + 2 * groups) * d * elem_bytes
+    else:
+        raise ValueError(f"cp_comm_type={cp_comm_type!r}; choose from p2p, all_gather, a2a")
+    again = set(recomputed)
+    total = sum(forward + backward + (forward if i in again else 0.0)
+                for i in layers if model.is_full_attention(i))
+    return num_microbatches * total
 
 
 def tokens_per_step_per_dp_rank(global_batch_size: int, dp: int, seq_length: int) -> int:
@@ -285,13 +335,16 @@ def allgather_bytes_per_step_per_rank(
     micro_batch_size: int,
     tp: int,
     elem_bytes: int = 2,
+    cp: int = 1,
 ) -> float:
-    """Bytes one TP rank receives from its peers in the intra-node all-gathers of a step."""
+    """Bytes one TP rank receives from its peers in the intra-node all-gathers of a step (its
+    ``s/cp`` positions)."""
     return (
         num_microbatches
         * (tp - 1)
         / tp
         * seq_length
+        / cp
         * micro_batch_size
         * teacher.hidden_size
         * elem_bytes
@@ -299,17 +352,21 @@ def allgather_bytes_per_step_per_rank(
 
 
 def loss_allreduce_bytes_per_step_per_rank(
-    num_microbatches: int, seq_length: int, micro_batch_size: int, tp: int, loss_stats: int
+    num_microbatches: int, seq_length: int, micro_batch_size: int, tp: int, loss_stats: int,
+    cp: int = 1,
 ) -> float:
-    """Ring all-reduce bytes per TP rank for the fused loss's per-row fp32 statistics."""
-    return num_microbatches * seq_length * micro_batch_size * loss_stats * 4 * 2 * (tp - 1) / tp
+    """Ring all-reduce bytes per TP rank for the fused loss's per-row fp32 statistics (the rank's
+    ``s*b/cp`` rows)."""
+    return (num_microbatches * seq_length / cp * micro_batch_size * loss_stats * 4 * 2
+            * (tp - 1) / tp)
 
 
 def loss_allreduce_count_per_step(
-    num_microbatches: int, seq_length: int, micro_batch_size: int, window_size: int, rounds: int = 2
+    num_microbatches: int, seq_length: int, micro_batch_size: int, window_size: int,
+    rounds: int = 2, cp: int = 1,
 ) -> int:
     """All-reduce calls per step: ``rounds`` (maxima, then sums) per window."""
-    rows = seq_length * micro_batch_size
+    rows = seq_length * micro_batch_size // cp
     return num_microbatches * math.ceil(rows / min(window_size, rows)) * rounds
 
 

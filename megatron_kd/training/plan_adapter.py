@@ -11,11 +11,13 @@ as the vocabulary (the layouts then pad by 1); precision follows ``--bf16`` (fp3
 ``--kd-teacher-dtype`` (the planner has one precision; a mismatch is refused); the streamed hidden
 states take the run's wire dtype on the wire (``--kd-wire-dtype``, default the teacher's) and the
 teacher's element size once decoded; one teacher replica; ``--kd-prefetch-depth`` sets the ring
-slots; on CPU the local layer spec runs unfused attention, norms and SwiGLU (``flash_attention``,
-``fused_norm``, ``fused_swiglu`` off), the loss works through a window in cache-sized blocks
-(where the loss does: without TP, unless its CPU tuning says so with TP too), and the top-K
-prefetcher's host queue is device memory (``cache_resident_microbatches = D + 2``). No reserve:
-the measured peaks do not see it.
+slots; the run's context-parallel size (``CheckedRun.cp``) is the student's and a colocated
+teacher's; on CPU the local layer spec runs unfused attention, softmax, norms and SwiGLU
+(``flash_attention``, ``fused_softmax``, ``fused_norm``, ``fused_swiglu`` off; with context
+parallelism ``ContextParallelAttention``, which all-gathers keys and values), the loss works
+through a window in cache-sized blocks (where the loss does: without TP, unless its CPU tuning
+says so with TP too), and the top-K prefetcher's host queue is device memory
+(``cache_resident_microbatches = D + 2``). No reserve: the measured peaks do not see it.
 
 The trainer's resolved run is read in one place, :func:`run_shape`; everything after it works on
 the :class:`RunShape` it returns.
@@ -98,6 +100,8 @@ class RunShape:
     window_size: int | None
     """The loss's rows per window; None: its default."""
     sequence_parallel: bool = False
+    cp: int = 1
+    """Context-parallel size (``CheckedRun.cp``)."""
     vp: int = 1
     """Model chunks per pipeline rank (interleaved schedule)."""
     recompute: str = "none"
@@ -137,6 +141,7 @@ def run_shape(args: argparse.Namespace, plan: CheckedRun) -> RunShape:
         wire_dtype=plan.kd.wire,
         window_size=plan.kd.loss.window_size,
         sequence_parallel=plan.sequence_parallel,
+        cp=plan.cp,
         vp=plan.vp or 1,
         recompute=plan.model_overrides.get("recompute_granularity") or "none",
         recompute_method=plan.model_overrides.get("recompute_method") or "uniform",
@@ -154,7 +159,8 @@ class Prediction:
     """Memory of the logging rank, bytes (no reserve)."""
     wire: dict[str, float] | None
     """Disaggregated: the teacher -> student bytes per step by scope (``tp-rank``: one
-    last-stage TP rank; ``dp-rank``: one student DP rank; ``all-ranks``: the whole student)."""
+    last-stage TP x CP rank, ``1/(tp*cp)`` of its DP rank's; ``dp-rank``: one student DP rank;
+    ``all-ranks``: the whole student)."""
     wire_to_teacher: dict[str, float] | None = None
     """Disaggregated: the student -> teacher token-id bytes per step by scope (``dp-rank``,
     ``all-ranks``: what ``kd_wire_bytes_to_teacher`` counts)."""
@@ -182,6 +188,7 @@ def _options(run: RunShape, on_cpu: bool, teacher_tp: int | None,
         flash_attention=not on_cpu,
         fused_norm=not on_cpu,
         fused_swiglu=not on_cpu,
+        fused_softmax=not on_cpu,
         hidden_dropout=run.hidden_dropout,
         attention_dropout=run.attention_dropout,
         activation_bytes=4 if run.fp32 else 2,
@@ -202,7 +209,7 @@ def _options(run: RunShape, on_cpu: bool, teacher_tp: int | None,
         teacher=run.teacher if run.teacher is not None else run.student,
         gpu=gpu,
         inter_node_link=LinkSpec(name="measured", bytes_per_s=1e9),
-        gpus_per_node=max(run.tp * run.pp * run.dp, teacher_tp or 1),
+        gpus_per_node=max(run.tp * run.pp * run.cp * run.dp, teacher_tp or 1),
         nodes=1,
         seq_length=run.seq_length,
         micro_batch_size=run.micro_batch_size,
@@ -210,6 +217,7 @@ def _options(run: RunShape, on_cpu: bool, teacher_tp: int | None,
         tp=run.tp,
         pp=run.pp,
         vp=run.vp,
+        cp=run.cp,
         recompute=run.recompute,
         recompute_method=run.recompute_method if run.recompute == "full" else None,
         recompute_num_layers=run.recompute_num_layers if run.recompute == "full" else None,
@@ -235,12 +243,13 @@ def predict(args, plan, on_cpu: bool) -> Prediction:
     run = run_shape(args, plan)
     opts = _options(run, on_cpu, None, None)
     mode = run.mode
-    layout = ParallelLayout(tp=run.tp, pp=run.pp, vp=run.vp, dp=run.dp,
+    layout = ParallelLayout(tp=run.tp, pp=run.pp, vp=run.vp, dp=run.dp, cp=run.cp,
                             sequence_parallel=run.sequence_parallel, recompute=run.recompute,
                             recompute_method=run.recompute_method,
                             recompute_num_layers=run.recompute_num_layers,
                             make_vocab_size_divisible_by=1)
-    teacher_layout = ParallelLayout(tp=run.tp, pp=1, dp=run.dp,
+    # a colocated teacher runs in the student's groups, context parallelism included
+    teacher_layout = ParallelLayout(tp=run.tp, pp=1, dp=run.dp, cp=run.cp,
                                     sequence_parallel=run.sequence_parallel,
                                     make_vocab_size_divisible_by=1)
     colocated = mode is not None and mode.colocated
@@ -255,7 +264,9 @@ def predict(args, plan, on_cpu: bool) -> Prediction:
         gbs, dp, s = run.global_batch_size, run.dp, run.seq_length
         per_dp = traffic.hidden_bytes_per_step_per_dp_rank(opts.teacher, gbs, dp, s,
                                                           opts.wire_dtype)
-        wire = {"tp-rank": per_dp / run.tp, "dp-rank": per_dp, "all-ranks": per_dp * dp}
+        # a student rank receives 1/tp of its context-parallel rank's positions
+        wire = {"tp-rank": per_dp / (run.tp * run.cp), "dp-rank": per_dp,
+                "all-ranks": per_dp * dp}
         ids = traffic.token_bytes_per_step_per_dp_rank(gbs, dp, s)
         to_teacher = {"dp-rank": ids, "all-ranks": ids * dp}
     return Prediction(mode=mode, terms=terms, wire=wire, wire_to_teacher=to_teacher)

@@ -89,16 +89,23 @@ def _positive(**values: int | None) -> None:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
 
 
-def resolve_tokenizer(data: DataSection, teacher_dir: str | None):
+def resolve_tokenizer(data: DataSection, teacher_dir: str | None, *,
+                      student_dir: str | None = None):
     """The run's tokenizer (None with ``--mock-data``), with its data prefixes checked.
 
-    ``--tokenizer-model`` defaults to the teacher's own ``tokenizer.json``; a tokenizer that is
-    not the teacher's (vocabulary, merges or the teacher's recorded sha256) is refused.
+    ``--tokenizer-model`` defaults to the teacher's own ``tokenizer.json``, else (no teacher
+    in this process: offline, or a served teacher) to the one the student's
+    ``--pretrained-checkpoint`` / ``--load`` directory ``student_dir`` carries; a tokenizer that
+    is not the teacher's (vocabulary, merges or the teacher's recorded sha256) is refused (an
+    offline run's cache checks it against its own record).
     """
     tokenizer_model = data.tokenizer_model
     teacher_tok_file = os.path.join(teacher_dir, "tokenizer.json") if teacher_dir else None
+    student_tok_file = os.path.join(student_dir, "tokenizer.json") if student_dir else None
     if tokenizer_model is None and teacher_tok_file and os.path.isfile(teacher_tok_file):
         tokenizer_model = teacher_tok_file  # the teacher's own
+    elif tokenizer_model is None and student_tok_file and os.path.isfile(student_tok_file):
+        tokenizer_model = student_tok_file  # the one the student's weights came with
     if data.mock_data:
         return None
     if not data.data_path:
@@ -106,7 +113,8 @@ def resolve_tokenizer(data: DataSection, teacher_dir: str | None):
                          "`megatron-kd preprocess`) or --mock-data")
     if not tokenizer_model:
         raise ValueError("--data-path needs --tokenizer-model (the tokenizer.json used by "
-                         "`megatron-kd preprocess`)")
+                         "`megatron-kd preprocess`): neither the teacher's nor the student's "
+                         "checkpoint directory holds a tokenizer.json")
     tokenizer = HFTokenizer(tokenizer_model, eod_token=data.eod_token)
     check_data_prefixes(parse_data_path(data.data_path)[0], tokenizer)
     if teacher_dir is None:
@@ -353,7 +361,7 @@ def check_run(config: RunConfig, world_size: int) -> CheckedRun:
     if source is not None:
         pretrained_dir = _pretrained_dir(*source)
         pretrained = read_checkpoint_arch(pretrained_dir)
-    tokenizer = resolve_tokenizer(data, kd.teacher_load)
+    tokenizer = resolve_tokenizer(data, kd.teacher_load, student_dir=pretrained_dir)
     vocab, padded = _vocabulary(config.arch, teacher_arch, cache_spec, tokenizer, tp,
                                 pretrained)
     if tokenizer is None:

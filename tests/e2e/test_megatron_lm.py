@@ -5,11 +5,13 @@ its tiers share one stand-in for Megatron-LM (``get_args``, its writers) and one
    applies cleanly to a Megatron-LM checkout at the pinned commit when ``MEGATRON_LM_DIR``
    points to one (skipped otherwise, with the reason).
 2. The flags: ``with_kd_args`` adds exactly the ``--kd-*`` flags ``megatron-kd train`` accepts.
-3. The patched entry points on megatron-core, on CPU, over 2 gloo ranks: ``model_provider``,
-   ``forward_step`` and ``loss_func`` against ``vocab_parallel_kd_loss`` called directly (and a
-   dense reference), through megatron-core's own pipeline schedule too (the last stage called
-   without tokens, as Megatron-LM's ``get_batch`` does), and ``--kd-mode disaggregated``
-   against a real ``megatron-kd teacher serve`` replica (the losses of colocated training).
+3. The patched entry points on megatron-core, on CPU, over 2 (and 4) gloo ranks:
+   ``model_provider``, ``forward_step`` and ``loss_func`` against ``vocab_parallel_kd_loss``
+   called directly (and a dense reference), through megatron-core's own pipeline schedule too
+   (the last stage called without tokens, as Megatron-LM's ``get_batch`` does), and
+   ``--kd-mode disaggregated`` against a real ``megatron-kd teacher serve`` replica (the losses
+   of colocated training); ``--context-parallel-size 2`` (colocated, PP 2 x CP 2 with the last
+   stage called without tokens, disaggregated) against CP 1.
 
 Megatron-LM itself (``megatron.training``, ``pretrain_gpt.py``) is not installable here. The
 stand-ins below replace only what megatron-core lacks, and play Megatron-LM's part as the
@@ -19,13 +21,15 @@ patched ``pretrain_gpt.py`` would call it:
   the Megatron-LM arguments the integration reads;
 * Megatron-LM's model provider (``partial(model_provider, gpt_builder)``) -- builds the student
   ``GPTModel`` with megatron_kd's builder;
-* Megatron-LM's forward step -- reads a batch and calls the model as ``pretrain_gpt.py`` does
+* Megatron-LM's forward step -- reads a batch, cuts it for this context-parallel rank with
+  Megatron-Core's ``get_batch_on_this_cp_rank`` and calls the model as ``pretrain_gpt.py`` does
   (``labels=`` and ``loss_mask=`` keywords, ``get_attr_wrapped_model(model, "vp_stage")``);
   its own loss function must never be called.
 """
 
 import argparse
 import contextlib
+import inspect
 import os
 import re
 import subprocess
@@ -180,9 +184,21 @@ def _lm_args(kd_argv=(), **megatron_lm_fields):
      "--kd-mode disaggregated needs --kd-teacher-endpoint"),
     (["--kd-weight", "0", "--kd-ce-weight", "1"],
      {"sequence_parallel": True, "tensor_model_parallel_size": 3},
-     "--seq-length 32 is not divisible by --tensor-model-parallel-size 3"),
-    (["--kd-weight", "0", "--kd-ce-weight", "1"], {"context_parallel_size": 2},
-     "--context-parallel-size 2 is not supported"),
+     ("--seq-length 32 is not divisible by --tensor-model-parallel-size 3 (--sequence-parallel) "
+      "= 3: each sequence is split over those ranks")),
+    # context parallelism: 2 x cp chunks of each sequence (x TP slices of those with SP)
+    (["--kd-weight", "0", "--kd-ce-weight", "1"], {"context_parallel_size": 3},
+     "--seq-length 32 is not divisible by 2 x --context-parallel-size 3 = 6"),
+    (["--kd-weight", "0", "--kd-ce-weight", "1"],  # 36 splits in 2 x 2, not in 2 x 2 x 2
+     {"context_parallel_size": 2, "seq_length": 36, "sequence_parallel": True,
+      "tensor_model_parallel_size": 2},
+     ("--seq-length 36 is not divisible by 2 x --context-parallel-size 2 x "
+      "--tensor-model-parallel-size 2 (--sequence-parallel) = 8")),
+    (["--kd-weight", "0", "--kd-ce-weight", "1"],
+     {"context_parallel_size": 2, "hybrid_context_parallel": True},
+     "--hybrid-context-parallel cannot be combined with --kd-*"),
+    (["--kd-weight", "0", "--kd-ce-weight", "1"], {"context_parallel_size": 2, "sft": True},
+     "--sft with --context-parallel-size 2 cannot be combined with --kd-*"),
     # Megatron-LM's own flags that conflict with --kd-* (each absent from some trees)
     (["--kd-teacher-load", "/t"], {"export_kd_teacher_load": "/modelopt_teacher"},
      ("--export-kd-teacher-load '/modelopt_teacher' cannot be combined with --kd-*: it turns on "
@@ -201,6 +217,46 @@ def _lm_args(kd_argv=(), **megatron_lm_fields):
 def test_unsupported_settings_refused(argv, fields, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         check_megatron_args(_lm_args(argv, **fields))
+
+
+def test_context_parallel_settings_pass():
+    """Context parallelism with a sequence that splits (with sequence parallelism too), at
+    Megatron-LM's defaults of its other context-parallel flags, is accepted."""
+    for fields in ({"context_parallel_size": 2},
+                   {"context_parallel_size": 4, "hybrid_context_parallel": False, "sft": False},
+                   {"context_parallel_size": 2, "sequence_parallel": True,
+                    "tensor_model_parallel_size": 2},
+                   # Megatron-LM turns --sequence-parallel off at TP 1: 2 x 2 chunks of 36
+                   {"context_parallel_size": 2, "seq_length": 36, "sequence_parallel": True}):
+        kd, arch = check_megatron_args(_lm_args(["--kd-weight", "0", "--kd-ce-weight", "1"],
+                                                **fields))
+        assert arch is None and kd.loss.ce_weight == 1, fields
+    # --sft without context parallelism is not this check's business
+    check_megatron_args(_lm_args(["--kd-weight", "0", "--kd-ce-weight", "1"], sft=True))
+
+
+def test_context_parallel_gated_deltanet_teacher_refused(monkeypatch):
+    """A colocated teacher with Gated DeltaNet layers runs in the student's context-parallel
+    group, which its recurrence does not split: refused, pointing to a served teacher; the same
+    teacher served (disaggregated) or at CP 1 is accepted."""
+    import dataclasses
+
+    from support.train_cases import TEACHER_ARCH
+
+    from megatron_kd.integration import megatron_lm_flags
+    from megatron_kd.integration.arch import GPTArchConfig
+
+    arch = dataclasses.replace(GPTArchConfig(**TEACHER_ARCH), linear_attention_layers=[0],
+                               linear_num_key_heads=2, linear_num_value_heads=4,
+                               linear_key_head_dim=8, linear_value_head_dim=8)
+    # the checkpoint's own checks (tensors against the architecture) are not this test's
+    monkeypatch.setattr(megatron_lm_flags, "check_teacher", lambda load, **kw: (load, arch))
+    with pytest.raises(ValueError, match=re.escape(
+            "--context-parallel-size 2 with a colocated Gated DeltaNet teacher (layers [0])")):
+        check_megatron_args(_lm_args(["--kd-teacher-load", "/t"], context_parallel_size=2))
+    check_megatron_args(_lm_args(["--kd-teacher-load", "/t"]))
+    check_megatron_args(_lm_args(["--kd-teacher-load", "/t", "--kd-mode", "disaggregated",
+                                  "--kd-teacher-endpoint", "/e"], context_parallel_size=2))
 
 
 def test_conflicting_flags_unset_pass():
@@ -378,12 +434,24 @@ def megatron_lm_forward_step(data_iterator, model, drop_inputs_off_first_stage=F
         # Megatron-LM's get_batch reads nothing there (that chunk has no data iterator)
         return model(None, None, None, labels=None, loss_mask=None), None
     batch = next(data_iterator)
-    tokens, position_ids = batch["tokens"], batch["position_ids"]
     if drop_inputs_off_first_stage and not first:
-        tokens = position_ids = None
-    output = model(tokens, position_ids, None, labels=batch["labels"],
+        batch["tokens"] = batch["position_ids"] = None  # rewrites the item, as get_batch does
+    batch = on_this_cp_rank(batch)
+    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"],
                    loss_mask=batch["loss_mask"])
     return output, partial(megatron_lm_loss_func, batch["loss_mask"], model=model)
+
+
+def on_this_cp_rank(batch):
+    """``batch`` cut to this context-parallel rank's chunks by Megatron-Core's own
+    ``get_batch_on_this_cp_rank`` (what Megatron-LM's ``get_batch`` calls; in place, as there;
+    its signature grew a hybrid-CP switch after 0.16)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
+    kw = ({"is_hybrid_cp": False}
+          if "is_hybrid_cp" in inspect.signature(get_batch_on_this_cp_rank).parameters else {})
+    return get_batch_on_this_cp_rank(batch, cp_group=ps.get_context_parallel_group(), **kw)
 
 
 def make_batch(seed):
@@ -472,11 +540,49 @@ def case_forward_and_loss(ctx, teacher_dir, kd_argv):
     return out
 
 
+def cp_summed_reports(reports):
+    """Loss reports (``{name: [sum, tokens]}`` tensors) summed over the context-parallel group
+    as Megatron-LM's ``train_step`` sums them (over data x context parallelism): the whole
+    sequences' sums and counts, as at context-parallel size 1."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    group = ps.get_context_parallel_group()
+    summed = []
+    for report in reports:
+        summed.append({})
+        for key, pair in report.items():
+            pair = pair.detach().clone()
+            if group.size() > 1:
+                dist.all_reduce(pair, group=group)
+            summed[-1][key] = pair.tolist()
+    return summed
+
+
+def cp_summed_grads(model):
+    """``{name: gradient}`` summed over the context-parallel group, as Megatron-LM's
+    ``finalize_model_grads`` sums them: the gradients of the whole sequences' loss sums."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    group = ps.get_context_parallel_group()
+    grads = {}
+    for name, p in model.named_parameters():
+        if p.grad is not None:
+            grads[name] = p.grad.clone()
+            if group.size() > 1:
+                dist.all_reduce(grads[name], group=group)
+    return grads
+
+
 def case_pipeline_schedule(ctx, teacher_dir, kd_argv, drop_inputs=False, tp=1,
-                           sequence_parallel=False):
-    """PP=2 (x ``tp``) through megatron-core's schedule: the teacher only on the last stage,
-    gradients reaching the first. ``drop_inputs``: the last stage's model is called without
-    tokens."""
+                           sequence_parallel=False, cp=1, per_token_loss=False):
+    """PP=2 (x ``tp`` x ``cp``) through megatron-core's schedule: the teacher only on the last
+    stage, gradients reaching the first. ``drop_inputs``: the last stage's model is called
+    without tokens. Reports and gradients summed over the context-parallel ranks
+    (:func:`cp_summed_reports`, :func:`cp_summed_grads`). ``per_token_loss``: the schedule
+    leaves the loss sums undivided (Megatron-LM's ``--calculate-per-token-loss``; otherwise it
+    divides each by this rank's token count and the microbatches)."""
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -485,8 +591,8 @@ def case_pipeline_schedule(ctx, teacher_dir, kd_argv, drop_inputs=False, tp=1,
 
     args = _lm_args(["--kd-teacher-load", teacher_dir, *kd_argv],
                     pipeline_model_parallel_size=2, tensor_model_parallel_size=tp,
-                    sequence_parallel=sequence_parallel)
-    with megatron_lm_stub(args), model_parallel(tp=tp, pp=2), device_context():
+                    sequence_parallel=sequence_parallel, context_parallel_size=cp)
+    with megatron_lm_stub(args), model_parallel(tp=tp, pp=2, cp=cp), device_context():
         from megatron.core.process_groups_config import ProcessGroupCollection
 
         first, last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
@@ -494,33 +600,35 @@ def case_pipeline_schedule(ctx, teacher_dir, kd_argv, drop_inputs=False, tp=1,
         model = kd_lm.model_provider(megatron_lm_model_provider, pre_process=first,
                                      post_process=last, config=None,
                                      pg_collection=ProcessGroupCollection.use_mpu_process_groups())
+        model.config.calculate_per_token_loss = per_token_loss
         reports = get_forward_backward_func()(
             forward_step_func=partial(kd_lm.forward_step, partial(
                 megatron_lm_forward_step, drop_inputs_off_first_stage=drop_inputs)),
             data_iterator=iter([make_batch(seed=11), make_batch(seed=12)]), model=[model],
             num_microbatches=2, seq_length=SEQ, micro_batch_size=MBS, forward_only=False)
-        grad_norm = sum(float(p.grad.norm()) for p in model.parameters() if p.grad is not None)
+        reports, grads = cp_summed_reports(reports), cp_summed_grads(model)
         return {"last": last, "state": kd_lm.kd_state(model) is not None,
-                "pending": dict(kd_lm._pending_teacher),
-                "reports": [{k: v.tolist() for k, v in r.items()} for r in reports],
-                "grad_norm": grad_norm}
+                "pending": dict(kd_lm._pending_teacher), "reports": reports, "grads": grads,
+                "grad_norm": sum(float(g.norm()) for g in grads.values())}
 
 
-def case_train_microbatches(ctx, teacher_dir, kd_argv, n=3, tensorboard_dir=None):
-    """TP=2: ``n`` training microbatches through the patched forward step and loss function
-    (one data iterator, as Megatron-LM's), then one evaluation microbatch; per-microbatch loss
-    reports and the summed gradients. ``tensorboard_dir``: the last rank has Megatron-LM's
-    TensorBoard writer, writing there."""
+def case_train_microbatches(ctx, teacher_dir, kd_argv, n=3, tensorboard_dir=None, tp=2, cp=1):
+    """TP ``tp`` x CP ``cp``: ``n`` training microbatches through the patched forward step and
+    loss function (one data iterator, as Megatron-LM's), then one evaluation microbatch;
+    per-microbatch loss reports and the summed gradients, both summed over the
+    context-parallel ranks (:func:`cp_summed_reports`, :func:`cp_summed_grads`).
+    ``tensorboard_dir``: the last rank has Megatron-LM's TensorBoard writer, writing there."""
     from megatron_kd.integration.cpu_shim import device_context
     from megatron_kd.integration.groups import model_parallel
 
-    args = _lm_args(["--kd-teacher-load", teacher_dir, *kd_argv], tensor_model_parallel_size=2)
+    args = _lm_args(["--kd-teacher-load", teacher_dir, *kd_argv], tensor_model_parallel_size=tp,
+                    context_parallel_size=cp)
     writer = None
     if tensorboard_dir is not None and ctx.rank == ctx.world_size - 1:
         from torch.utils.tensorboard import SummaryWriter
 
         writer = SummaryWriter(log_dir=tensorboard_dir)
-    with megatron_lm_stub(args, writer), model_parallel(tp=2), device_context():
+    with megatron_lm_stub(args, writer), model_parallel(tp=tp, cp=cp), device_context():
         model = kd_lm.model_provider(megatron_lm_model_provider, pre_process=True,
                                      post_process=True)
         state = kd_lm.kd_state(model)
@@ -531,19 +639,20 @@ def case_train_microbatches(ctx, teacher_dir, kd_argv, n=3, tensorboard_dir=None
                 output, loss_fn = kd_lm.forward_step(megatron_lm_forward_step, data, model)
                 loss, _, report = loss_fn(output)
                 loss.backward()
-                reports.append({k: v.tolist() for k, v in report.items()})
-            grad_norm = sum(float(p.grad.norm()) for p in model.parameters())
+                reports.append(report)
+            reports, grads = cp_summed_reports(reports), cp_summed_grads(model)
+            grad_norm = sum(float(g.norm()) for g in grads.values())
             model.eval()
             with torch.no_grad():
                 output, loss_fn = kd_lm.forward_step(megatron_lm_forward_step,
                                                      iter([make_batch(seed=99)]), model)
-                eval_report = {k: v.tolist() for k, v in loss_fn(output)[2].items()}
+                eval_report = cp_summed_reports([loss_fn(output)[2]])[0]
         finally:
             if state.client is not None:
                 state.client.close()
             if writer is not None:
                 writer.close()
-        return {"reports": reports, "grad_norm": grad_norm, "eval": eval_report,
+        return {"reports": reports, "grad_norm": grad_norm, "grads": grads, "eval": eval_report,
                 "teacher_built": state.teacher is not None,
                 "client": state.client is not None}
 
@@ -858,3 +967,107 @@ def test_disaggregated_scalars_in_megatron_lm_writer(pool, teacher_dir, replicas
     assert scalars["kd/failovers"] == {1: 0, 2: 0, 3: 0}
     assert set(scalars["kd/teacher-wait-s"]) == {1, 2, 3}
     assert all(v >= 0 for v in scalars["kd/teacher-wait-s"].values())
+
+
+# --- context parallelism -----------------------------------------------------------------------
+# Megatron-LM's get_batch cuts each sequence with Megatron-Core's get_batch_on_this_cp_rank (the
+# stand-in forward step calls it); on the CPU the student's and the teacher's attention is
+# megatron_kd's ContextParallelAttention. Summed over the CP ranks as Megatron-LM sums them, the
+# losses and gradients are those of CP 1: the same sums of fp32 terms in another order (the
+# attention's keys gathered, the loss's tokens split), measured <= 1.1e-7 relative on the losses
+# and <= 6.4e-7 of each gradient's largest entry (absolute, per entry: small entries are sums
+# that cancel).
+CP_LOSS_REL, CP_GRAD_REL = 1e-6, 1e-5
+
+
+def _assert_reports_close(got, want, rel):
+    assert len(got) == len(want)
+    for rep_got, rep_want in zip(got, want):
+        assert set(rep_got) == set(rep_want)
+        for key, (loss_sum, tokens) in rep_want.items():
+            assert rep_got[key][1] == tokens, key  # every token counted once
+            assert rep_got[key][0] == pytest.approx(loss_sum, rel=rel), key
+
+
+def _assert_grads_close(got, want):
+    assert got.keys() == want.keys()
+    for name, grad in want.items():
+        atol = CP_GRAD_REL * float(grad.abs().max())
+        torch.testing.assert_close(got[name], grad, rtol=0, atol=atol,
+                                   msg=lambda m, name=name: f"{name}: {m}")
+
+
+def _diffs(got, want):
+    loss = max((abs(g[k][0] - w[k][0]) / abs(w[k][0]) for g, w in
+                zip(got["reports"], want["reports"]) for k in w if w[k][0]), default=0.0)
+    grad = max(float((got["grads"][n] - w).abs().max() / w.abs().max())
+               for n, w in want["grads"].items())
+    return {"loss_rel": loss, "grad_rel_to_max": grad}
+
+
+@pytest.fixture(scope="module")
+def cp2_colocated(pool, teacher_dir):
+    """TP 1 x CP 2, colocated: 3 training microbatches and an evaluation one."""
+    return pool.run(case_train_microbatches, teacher_dir, ["--kd-ce-weight", "0.3"], tp=1, cp=2)
+
+
+def test_context_parallel_matches_cp1(pool, teacher_dir, cp2_colocated):
+    """``--context-parallel-size 2`` through the patched entry points: the student gets this
+    rank's chunks of each sequence, the colocated teacher runs in the student's CP group on the
+    same inputs; the losses (training and evaluation, with the teacher's own) and every
+    gradient are those of CP 1 (the pool's 2 ranks as data-parallel replicas of one batch)."""
+    cp1 = pool.run(case_train_microbatches, teacher_dir, ["--kd-ce-weight", "0.3"], tp=1, cp=1)
+    for ref, got in zip(cp1, cp2_colocated):
+        assert got["teacher_built"] and not got["client"]
+        _assert_reports_close(got["reports"], ref["reports"], CP_LOSS_REL)
+        _assert_reports_close([got["eval"]], [ref["eval"]], CP_LOSS_REL)
+        assert set(got["eval"]) == {"total loss", "kd loss", "lm loss", "teacher lm loss"}
+        _assert_grads_close(got["grads"], ref["grads"])
+        if os.environ.get("MEGATRON_KD_PRINT_DIFFS"):  # how close (for the tolerances above)
+            print("cp2 vs cp1", _diffs(got, ref))
+
+
+def test_context_parallel_last_stage_without_tokens(pool, pool4, teacher_dir):
+    """PP 2 x CP 2 through megatron-core's schedule: Megatron-LM calls the last stage without
+    tokens and the teacher takes the whole sequence from the data iterator's item, cut to this
+    rank's chunks; the losses and gradients are those of the last stage called with its
+    chunks (exactly), and of PP 2 at CP 1."""
+    argv = ["--kd-ce-weight", "0.2"]
+    # the loss sums left undivided: the gradients of the whole sequences' sums, summed over
+    # the CP ranks (otherwise Megatron-Core divides each rank's by its own token count)
+    ref = pool.run(case_pipeline_schedule, teacher_dir, argv, True, per_token_loss=True)
+    without = pool4.run(case_pipeline_schedule, teacher_dir, argv, True, cp=2,
+                        per_token_loss=True)
+    with_tokens = pool4.run(case_pipeline_schedule, teacher_dir, argv, False, cp=2,
+                            per_token_loss=True)
+    assert [r["last"] for r in without] == [False, False, True, True]  # TP, CP, then PP
+    for rank, (w, t) in enumerate(zip(without, with_tokens)):
+        assert w["reports"] == t["reports"]
+        for name, grad in t["grads"].items():
+            assert torch.equal(w["grads"][name], grad), name
+        want = ref[rank // 2]  # the same stage at CP 1
+        _assert_reports_close(w["reports"], want["reports"], CP_LOSS_REL)
+        _assert_grads_close(w["grads"], want["grads"])
+        if os.environ.get("MEGATRON_KD_PRINT_DIFFS"):
+            print("pp2 cp2 vs cp1", rank, _diffs(w, want))
+    assert all(rep["kd loss"][0] > 0 for r in without[2:] for rep in r["reports"])
+
+
+def test_context_parallel_disaggregated(pool, teacher_dir, replicas, cp2_colocated):
+    """``--kd-mode disaggregated`` at CP 2: CP rank 0 (the TP x CP group's first rank) sends
+    each microbatch's whole sequence once, the replica (``megatron-kd teacher serve``, CP 1)
+    answers each CP rank its chunks; fp32 on the wire, the losses and gradients of the
+    colocated teacher at CP 2."""
+    replica = replicas(teacher_dir)
+    remote = pool.run(case_train_microbatches, teacher_dir,
+                      ["--kd-ce-weight", "0.3", "--kd-mode", "disaggregated",
+                       "--kd-teacher-endpoint", str(replica.endpoint), "--kd-wire-dtype", "fp32"],
+                      tp=1, cp=2)
+    for c, r in zip(cp2_colocated, remote):
+        assert r["client"] and not r["teacher_built"]
+        _assert_reports_close(r["reports"], c["reports"], CP_LOSS_REL)
+        _assert_grads_close(r["grads"], c["grads"])
+        assert set(r["eval"]) == {"total loss", "lm loss"}
+        assert r["eval"]["lm loss"] == pytest.approx(c["eval"]["lm loss"], rel=1e-6)
+    replica.stop()
+    assert replica.requests_served() == 3  # one request a microbatch for both CP ranks

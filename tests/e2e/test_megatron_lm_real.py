@@ -12,17 +12,27 @@ its ``megatron/core/datasets`` with that interpreter first on ``PATH``); each ch
 first on its ``PYTHONPATH``, so its own ``megatron.core`` runs it. Each checkout's patch
 (``patches/README.md``) is applied to a copy of its ``pretrain_gpt.py`` in a temporary
 directory, unless the checkout has it applied already. ``tests/support/megatron_lm_cpu.py``
-(test-only) replaces Megatron-LM's CUDA-only start-up. The same tiny configuration then runs
-through Megatron-LM and through ``megatron-kd train`` (this interpreter, its installed
-megatron-core) on each of :data:`LAYOUTS` (TP1, TP2, PP2, TP2 with ``--sequence-parallel``, a
-mixture-of-experts student at TP2 with ``--sequence-parallel`` and its experts over 2
-expert-parallel ranks, PP2 with 2 virtual stages a rank), for 5 iterations on the same indexed
-text and the same teacher: fp32, the per-iteration total, KD and LM losses equal within 1e-5
-relative (Megatron-LM prints 7 digits; ``-s`` prints both sides), Megatron-LM's printed
-arguments show the layout it ran, and the evaluation at iteration 5 runs through the teacher on
-every layout (PP2: the last stage gets no tokens from Megatron-LM's ``get_batch``). Evaluation
-values are not compared: Megatron-LM evaluates on the validation batches that follow the
-previous evaluation's, ``megatron-kd train`` on the first ``--eval-iters`` batches each time.
+(test-only) replaces Megatron-LM's CUDA-only start-up; with ``--context-parallel-size > 1`` it
+builds megatron_kd's ``ContextParallelAttention``
+(:class:`megatron_kd.integration.context_parallel.ContextParallelAttention`) where Megatron-LM's
+local spec builds Megatron-Core's ``DotProductAttention`` (which asserts context-parallel size 1;
+on a GPU Transformer Engine's attention splits the sequence), and those layouts run with
+``--no-create-attention-mask-in-dataloader`` (the stand-in takes causal masks only). The same
+tiny configuration then runs through Megatron-LM and through ``megatron-kd train`` (this
+interpreter, its installed megatron-core) on each of :data:`LAYOUTS` (TP1, TP2, PP2, TP2 with
+``--sequence-parallel``, a mixture-of-experts student at TP2 with ``--sequence-parallel`` and its
+experts over 2 expert-parallel ranks, CP2, PP2 x CP2, TP2 x CP2 with ``--sequence-parallel``,
+PP2 with 2 virtual stages a rank), for 5
+iterations on the same indexed text and the same teacher: fp32, the per-iteration total, KD and
+LM losses equal within 1e-5 relative (Megatron-LM prints 7 digits; ``-s`` prints both sides),
+Megatron-LM's printed arguments show the layout it ran, and the evaluation at iteration 5 runs
+through the teacher on every layout (PP2: the last stage gets no tokens from Megatron-LM's
+``get_batch``; CP2: each rank's teacher takes its chunks of each sequence). Evaluation values
+are not compared: Megatron-LM evaluates on the validation batches that follow the previous
+evaluation's, ``megatron-kd train`` on the first ``--eval-iters`` batches each time. CP2 with
+``--kd-mode disaggregated`` (a ``megatron-kd teacher serve`` replica at CP 1 and at CP 2, fp32
+on the wire) gives the same losses as ``megatron-kd train``'s colocated CP2, with one request a
+microbatch for both CP ranks.
 """
 
 import json
@@ -81,6 +91,9 @@ TP2 = ("--tensor-model-parallel-size", "2")
 # megatron-kd train routes: dropless top 2, all-to-all dispatch, no load-balancing loss.
 MOE_TP2_SP = ("--num-experts", "4", "--moe-ffn-hidden-size", "16", "--moe-router-topk", "2",
               "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1")
+CP2 = ("--context-parallel-size", "2")
+NO_MASK = ("--no-create-attention-mask-in-dataloader",)
+CP2_ARGS = (("context_parallel_size", "2"), ("create_attention_mask_in_dataloader", "False"))
 LAYOUTS = {
     "tp1": Layout(1),
     "tp2": Layout(2, TP2),
@@ -96,6 +109,14 @@ LAYOUTS = {
                          (("sequence_parallel", "True"), ("num_experts", "4"),
                           ("expert_model_parallel_size", "2"),
                           ("moe_token_dispatcher_type", "alltoall"))),
+    # context parallelism: each rank holds 2 of the 4 chunks of each sequence; the launcher's
+    # ContextParallelAttention takes causal masks only (no dataloader mask)
+    "cp2": Layout(2, CP2, NO_MASK, CP2_ARGS),
+    # and on the last of 2 stages, which Megatron-LM's get_batch calls without tokens
+    "pp2_cp2": Layout(4, (*CP2, "--pipeline-model-parallel-size", "2"), NO_MASK, CP2_ARGS),
+    # and with sequence parallelism: each rank's chunks split again over the 2 TP ranks
+    "tp2_sp_cp2": Layout(4, (*TP2, "--sequence-parallel", *CP2), NO_MASK,
+                         (*CP2_ARGS, ("sequence_parallel", "True"))),
     # 4 layers, one a virtual stage: each rank holds two chunks (interleaved schedule)
     "pp2_vp2": Layout(2, ("--pipeline-model-parallel-size", "2", "--num-layers", "4",
                           "--num-layers-per-virtual-pipeline-stage", "1"),
@@ -233,28 +254,71 @@ def test_real_pretrain_gpt_matches_megatron_kd_train(inputs, reference, layout, 
     assert want_valid["teacher lm loss"] > 0
     assert sorted(want_steps) == list(range(1, ITERS + 1))
     for root in _checkouts():
-        script = _patched_script(root, tmp_path)
-        # CUDA_DEVICE_MAX_CONNECTIONS: Megatron-LM asserts it for TP > 1 (a CUDA setting)
-        env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
-                   CUDA_DEVICE_MAX_CONNECTIONS="1",
-                   PYTHONPATH=os.pathsep.join([root, os.path.join(REPO, "tests"), REPO]),
-                   PATH=os.pathsep.join([os.path.dirname(python), os.environ["PATH"]]))
-        log = _torchrun(python, spec.nproc, [
-            LAUNCHER, script, *COMMON, *MEGATRON_LM_ONLY, *spec.flags, *spec.megatron_lm_flags,
-            "--data-path", inputs["data"], "--kd-teacher-load", inputs["teacher"]], env)
+        log = _pretrain_gpt(python, root, tmp_path, spec.nproc, [
+            *COMMON, *MEGATRON_LM_ONLY, *spec.flags, *spec.megatron_lm_flags,
+            "--data-path", inputs["data"], "--kd-teacher-load", inputs["teacher"]])
         got_steps, got_valid = megatron_lm_losses(log)
-        assert sorted(got_steps) == list(range(1, ITERS + 1)), (root, log[-3000:])
         for name, value in spec.megatron_lm_args:
             assert re.search(rf"^\s*{name} \.+ {re.escape(value)}$", log, re.MULTILINE), (
                 root, name, value)
-        for it in range(1, ITERS + 1):
-            print(f"{layout} {_git(root, 'rev-parse', '--short', 'HEAD')} iteration {it}: "
-                  + ", ".join(f"{key} {got_steps[it][key]:.7g} (megatron-kd train "
-                              f"{want_steps[it][key]:.8g})" for key in KEYS))
-            for key in KEYS:
-                assert got_steps[it][key] == pytest.approx(want_steps[it][key], rel=1e-5), (
-                    root, layout, it, key, got_steps[it][key], want_steps[it][key])
+        _assert_steps_match(got_steps, want_steps,
+                            f"{layout} {_git(root, 'rev-parse', '--short', 'HEAD')}")
         assert set(got_valid) == set(want_valid) and all(v > 0 for v in got_valid.values())
+
+
+def _pretrain_gpt(python, root, tmp_path, nproc, argv):
+    """The log of checkout ``root``'s patched ``pretrain_gpt.py`` run over ``nproc`` CPU ranks
+    through the test-only launcher."""
+    # CUDA_DEVICE_MAX_CONNECTIONS: Megatron-LM asserts it for TP > 1 (a CUDA setting)
+    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
+               CUDA_DEVICE_MAX_CONNECTIONS="1",
+               PYTHONPATH=os.pathsep.join([root, os.path.join(REPO, "tests"), REPO]),
+               PATH=os.pathsep.join([os.path.dirname(python), os.environ["PATH"]]))
+    log = _torchrun(python, nproc, [LAUNCHER, _patched_script(root, tmp_path), *argv], env)
+    assert sorted(megatron_lm_losses(log)[0]) == list(range(1, ITERS + 1)), (root, log[-3000:])
+    return log
+
+
+def _assert_steps_match(got_steps, want_steps, label):
+    """Every iteration's total, KD and LM loss within 1e-5 relative (printed with ``-s``)."""
+    for it in range(1, ITERS + 1):
+        print(f"{label} iteration {it}: "
+              + ", ".join(f"{key} {got_steps[it][key]:.7g} (megatron-kd train "
+                          f"{want_steps[it][key]:.8g})" for key in KEYS))
+        for key in KEYS:
+            assert got_steps[it][key] == pytest.approx(want_steps[it][key], rel=1e-5), (
+                label, it, key, got_steps[it][key], want_steps[it][key])
+
+
+@pytest.mark.parametrize("replica_cp", [1, 2])
+def test_real_pretrain_gpt_context_parallel_disaggregated(inputs, reference, replicas, tmp_path,
+                                                          replica_cp):
+    """``--context-parallel-size 2 --kd-mode disaggregated`` inside the real ``pretrain_gpt.py``:
+    CP rank 0 sends each microbatch's whole sequence, the replica (``megatron-kd teacher
+    serve`` at CP ``replica_cp``: the two CP sizes are independent) answers each CP rank its
+    chunks; fp32 on the wire, every iteration's losses are ``megatron-kd train``'s with the
+    colocated teacher at CP 2, 1e-5 relative. Evaluation has no teacher there (the replicas
+    stream training microbatches only)."""
+    python = _megatron_lm_python()
+    want_steps, _ = reference("cp2")
+    replica = replicas(inputs["teacher"], cp=replica_cp)
+    spec = LAYOUTS["cp2"]
+    for root in _checkouts():
+        log = _pretrain_gpt(python, root, tmp_path, spec.nproc, [
+            *COMMON, *MEGATRON_LM_ONLY, *spec.flags, *spec.megatron_lm_flags, "--data-path",
+            inputs["data"], "--kd-teacher-load", inputs["teacher"], "--kd-mode",
+            "disaggregated", "--kd-teacher-endpoint", str(replica.endpoint),
+            "--kd-wire-dtype", "fp32"])
+        got_steps, got_valid = megatron_lm_losses(log)
+        _assert_steps_match(got_steps, want_steps,
+                            f"cp2 disaggregated (replica cp {replica_cp}) "
+                            f"{_git(root, 'rev-parse', '--short', 'HEAD')}")
+        assert set(got_valid) == {"total loss", "lm loss"}, got_valid
+    replica.stop()
+    # one request a training microbatch (2 a step) for both CP ranks together, and at most
+    # --kd-prefetch-depth (2) more that went ahead of the last step: not one per CP rank
+    runs = len(_checkouts())
+    assert 2 * ITERS * runs <= replica.requests_served() <= (2 * ITERS + 2) * runs
 
 
 # The tiny teacher (support.train_cases.TEACHER_ARCH) in Megatron-LM's flags.

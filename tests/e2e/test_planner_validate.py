@@ -4,7 +4,8 @@ measure; no model is built and nothing trains (the runs themselves are
 ``python tools/validate_planner.py --builtin --run``, minutes on CPU).
 
 The teacher checkpoint is its ``model_config.json`` alone: ``check_checkpoint_tensors`` (which
-reads the dist_checkpointing metadata of a real checkpoint, covered by e2e/test_train.py) is stubbed.
+reads the dist_checkpointing metadata of a real checkpoint, covered by e2e/test_train.py) is
+stubbed.
 The offline cases' cache is real and complete: it is written with the spec that ``megatron-kd
 cache build`` gets from the tool's own ``cache_build_argv``, so ``check_run`` checking it against
 the run also checks that the tool builds the cache the run reads.
@@ -20,7 +21,7 @@ import sys
 import numpy as np
 import pytest
 
-from megatron_kd.planner.memory import Term
+from megatron_kd.planner.memory import Term, total_bytes
 from megatron_kd.planner.plan import Mode
 from megatron_kd.training.plan_adapter import (
     parse_train_args,
@@ -113,6 +114,8 @@ def test_builtin_disaggregated_cases_have_a_replica(vp, cases, tmp_path):
     assert [(c.name, c.nproc) for c in disagg] == [
         ("disagg tp1 b4 s512", 1),
         ("disagg tp2 b2 s512", 2),
+        ("disagg cp2 b1 s1024", 2),
+        ("disagg cp2 b1 s4096", 2),
     ]
     for case in disagg:
         # the student's world is its own ranks only; the replica is a world of its own
@@ -156,13 +159,14 @@ def test_builtin_cases_resolve_and_predict(vp, cases, tmp_path):
         return tmp_path / "endpoint"
 
     gib = 1 << 30
-    # the teacher: h_t=768, V=32000, fp32; every case: G=4 sequences of s=512 tokens
-    wire_per_dp_rank = 4 * 512 * 768 * 4  # G/dp * s * h_t * 4 bytes, dp = 1 in every case
-    ids_per_dp_rank = 4 * 512 * 4  # G/dp * s token ids of 4 bytes
     for case in cases:
         args, plan = resolve_run(case.train_args, case.nproc)
+        # the teacher: h_t=768, V=32000, fp32; G sequences of s tokens, dp = 1 in every case
+        gbs, seq = args.global_batch_size, args.seq_length
+        wire_per_dp_rank = gbs * seq * 768 * 4  # G/dp * s * h_t * 4 bytes
+        ids_per_dp_rank = gbs * seq * 4  # G/dp * s token ids of 4 bytes
         pred = predict(args, plan, on_cpu=True)
-        total = sum(pred.terms.values())
+        total = total_bytes(pred.terms)
         # well above the ~0.35 GiB framework baseline, as the tool's docstring asks
         assert total > 0.5 * gib, (case.name, total)
         assert Term.RESERVE not in pred.terms
@@ -181,9 +185,10 @@ def test_builtin_cases_resolve_and_predict(vp, cases, tmp_path):
             assert pred.mode is Mode.DISAGGREGATED
             # the wire is the teacher's dtype (fp32: no --kd-wire-dtype)
             assert plan.kd.wire == "fp32"
+            # a student rank receives 1/tp of its context-parallel rank's s/cp positions
             assert pred.wire == {
                 "dp-rank": wire_per_dp_rank,
-                "tp-rank": wire_per_dp_rank / plan.tp,
+                "tp-rank": wire_per_dp_rank / (plan.tp * plan.cp),
                 "all-ranks": wire_per_dp_rank,
             }
             # kd_wire_bytes_to_teacher sums the student's ranks: dp x (G/dp * s * 4), dp = 1
@@ -206,7 +211,7 @@ def test_builtin_cases_resolve_and_predict(vp, cases, tmp_path):
             assert teacher[Term.REPLICA_OUTPUT_LAYER] == 32000 * 768 * 4
             # its D = 2 send slots: whole micro-batches (replica TP 1), fp32 on the wire
             b = args.micro_batch_size
-            assert teacher[Term.SEND_SLOTS] == 2 * 512 * b * 768 * 4
+            assert teacher[Term.SEND_SLOTS] == 2 * seq * b * 768 * 4
             assert Term.RESERVE not in teacher
 
 
@@ -217,7 +222,7 @@ def test_rows_and_table(vp, cases):
     baseline = 1 << 28
     row = vp._memory_row(case.name, pred.mode, "cpu_max_rss", pred.terms, 1 << 31, baseline, True)
     # ratio = predicted / (measured - baseline)
-    assert row["ratio"] == sum(pred.terms.values()) / ((1 << 31) - baseline)
+    assert row["ratio"] == total_bytes(pred.terms) / ((1 << 31) - baseline)
     row.update(
         wire_predicted=pred.wire["dp-rank"],
         wire_counted=[6291456],
@@ -263,7 +268,7 @@ def test_compare_disaggregated_run(vp, cases, tmp_path):
     teacher = rows[1]
     assert teacher["terms"] == predict_teacher(args, plan, True, 1, 1)
     assert teacher["measured_bytes"] == 2 << 30 and teacher["kind"].endswith("(tp1 pp1)")
-    assert teacher["ratio"] == sum(teacher["terms"].values()) / ((2 << 30) - baseline)
+    assert teacher["ratio"] == total_bytes(teacher["terms"]) / ((2 << 30) - baseline)
     # no teacher row without the replica's flags (its layout is not known)
     assert (
         len(
@@ -306,3 +311,36 @@ def test_teacher_dtype_mismatch_is_refused(vp, cases):
     args, plan = resolve_run(case.train_args + " --kd-teacher-dtype bf16", case.nproc)
     with pytest.raises(ValueError, match="--kd-teacher-dtype bf16 with fp32"):
         predict(args, plan, on_cpu=True)
+
+
+def test_context_parallel_cases_halve_a_ranks_share(vp, cases):
+    """CP 2 against the same run at CP 1 on one rank: each rank holds half of each sequence
+    (its activations less than 0.6x, its share of the hidden states exactly 0.5x)."""
+    for case in (c for c in cases if "--context-parallel-size 2" in c.train_args):
+        split = predict(*resolve_run(case.train_args, 2), on_cpu=True)
+        whole = predict(*resolve_run(case.train_args.replace(
+            "--context-parallel-size 2", "--context-parallel-size 1"), 1), on_cpu=True)
+        assert split.terms[Term.ACTIVATIONS] < 0.6 * whole.terms[Term.ACTIVATIONS], case.name
+        # the unfused attention's backward: [heads, s/cp, s] scores
+        assert split.terms[Term.ATTENTION_BACKWARD] == whole.terms[Term.ATTENTION_BACKWARD] / 2
+        if split.wire is not None:
+            assert split.wire["tp-rank"] == whole.wire["tp-rank"] / 2
+            assert split.wire["all-ranks"] == whole.wire["all-ranks"]
+            assert split.wire_to_teacher == whole.wire_to_teacher  # tokens go once a sequence
+
+
+def test_only_selects_builtin_cases_before_anything_runs(vp, monkeypatch, capsys, tmp_path):
+    """``--only`` keeps the built-in cases whose names hold one of its words; a word no case has
+    is refused before a teacher is made or a run starts."""
+    monkeypatch.setattr(vp.tempfile, "mkdtemp", lambda prefix: str(tmp_path))  # no leftover
+    made = []
+    monkeypatch.setattr(vp, "make_random_teacher", lambda *a, **k: made.append(a))
+    with pytest.raises(SystemExit):
+        vp.main(["--builtin", "--run", "--only", "cp3"])
+    assert "--only cp3: no built-in case's name has them" in capsys.readouterr().err
+    assert made == []
+    names = [name for name, *_ in vp.BUILTIN_CASES]
+    assert [n for n in names if "cp2" in n] == [
+        "colocated cp2 b1 s1024", "colocated cp2 b1 s4096",
+        "disagg cp2 b1 s1024", "disagg cp2 b1 s4096",
+    ]

@@ -27,6 +27,14 @@ checkout's code, unchanged):
   module, its weights marked ``sequence_parallel`` as Transformer Engine marks its own, so
   Megatron-LM's ``finalize_model_grads`` sums their gradients over the TP group); off, it is
   untouched;
+* ``--context-parallel-size > 1`` with ``--transformer-impl local``: Megatron-Core's local
+  ``DotProductAttention`` asserts context-parallel size 1, where on a GPU Transformer Engine's
+  attention splits the sequence; with context parallelism on it builds megatron_kd's
+  :class:`~megatron_kd.integration.context_parallel.ContextParallelAttention` instead (the same
+  attention over the context-parallel group's gathered keys and values, under the causal mask of
+  the true positions); off, it is untouched. It takes causal masks only: run with
+  ``--no-create-attention-mask-in-dataloader`` (Transformer Engine's causal attention ignores the
+  dataloader's mask too);
 * Megatron-Core's own CUDA assumptions: megatron_kd's CPU shim
   (:mod:`megatron_kd.integration.cpu_shim`) and its device context around the whole run.
 
@@ -127,6 +135,7 @@ def _stand_ins() -> None:
     if hasattr(initialize, "_warmup_jit_function"):
         initialize._warmup_jit_function = lambda *args, **kwargs: None
     _sequence_parallel_norm()
+    _context_parallel_attention()
 
 
 def _sequence_parallel_norm() -> None:
@@ -144,6 +153,26 @@ def _sequence_parallel_norm() -> None:
         return original(cls, config, *args, **kwargs)
 
     WrappedTorchNorm.__new__ = new
+
+
+def _context_parallel_attention() -> None:
+    """``DotProductAttention`` (the local spec's attention) builds a context-parallel attention
+    when the config asks for context parallelism, instead of asserting it away."""
+    # here, not at the top: the launcher patches torch.cuda before megatron is imported
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    from megatron_kd.integration.context_parallel import ContextParallelAttention
+
+    original = DotProductAttention.__new__
+
+    def new(cls, *args, **kwargs):
+        config = kwargs["config"] if "config" in kwargs else args[0]
+        if cls is DotProductAttention and config.context_parallel_size > 1:
+            # a subclass: Python then runs ContextParallelAttention.__init__ with these arguments
+            return original(ContextParallelAttention)
+        return original(cls)
+
+    DotProductAttention.__new__ = new
 
 
 def main() -> None:

@@ -96,6 +96,12 @@ def test_gpt_dataset_splits(tokenizer_file, corpus, tmp_path):
     other = write_tokenizer(tmp_path / "other.json", vocab_size=280)
     with pytest.raises(ValueError, match="another tokenizer"):
         check_data_prefixes([prefix], HFTokenizer(other))
+    # Megatron's default split on a small corpus: its test split has no document, which
+    # GPTDataset never finishes building (a hang; here refused, naming the split and counts)
+    with pytest.raises(ValueError, match=r"--split '969,30,1' gives the test split none of the "
+                                         r"\d+ documents"):
+        build_gpt_datasets(data_path=[prefix], split="969,30,1", seq_length=16, seed=1,
+                           tokenizer=tok, train_samples=40, valid_samples=8)
 
 
 def test_mock_dataset_is_deterministic():

@@ -27,6 +27,8 @@ def clean(monkeypatch):
     monkeypatch.setattr(kw, "gpu_visible", lambda: False)
     loggers = [logging.getLogger(k.logger) for k in kw.KNOWN_LOG_RECORDS]
     before = [list(lg.filters) for lg in loggers]
+    for lg in loggers:  # a clean start: an earlier test in this process may have installed them
+        lg.filters[:] = [f for f in lg.filters if not isinstance(f, kw._DropKnown)]
     with warnings.catch_warnings():
         yield
     for lg, filters in zip(loggers, before):
@@ -172,3 +174,12 @@ def test_the_source_check_finds_a_use(tmp_path, monkeypatch):
                                    "dist.all_gather_into_tensor(a, b)\n")
     monkeypatch.setattr(sys.modules[__name__], "PACKAGE", str(tmp_path))
     assert _our_uses(_NOT_OURS) == ["m.py:2: all_gather_into_tensor"]
+
+
+def test_verbose_after_an_earlier_install_shows_the_log_records_again(clean):
+    # one process running two commands (the tests do; so may a user's script)
+    assert kw.install()
+    known = kw.KNOWN_LOG_RECORDS[0]
+    assert not _logged(known.logger, known.message)
+    kw.show_all()
+    assert _logged(known.logger, known.message)

@@ -634,3 +634,114 @@ def test_wire_bytes():
     assert tr.loss_allreduce_bytes_per_step_per_rank(4, 16, 1, 1, 6) == 0  # tp=1: no peers
     with pytest.raises(ValueError, match="global_batch_size=7"):
         tr.hidden_bytes_per_step_per_dp_rank(tea, 7, 2, 16)
+
+
+# --- context parallelism -------------------------------------------------------------------------
+
+UNFUSED_TORCH = ActivationOptions(flash_attention=False, fused_softmax=False)
+
+
+def test_context_parallel_activations():
+    # TINY with flash attention, per token: R 2h+2h (attention) + 2h+2h (MLP) = 64; S Q 2ad 16 +
+    # K 2gd 8 + V 8 + O 16 + lse 4a 8 + SwiGLU 6f 96 = 152 -> 216; s=8, b=1
+    assert mem.layer_activation_bytes(TINY, ParallelLayout(), 0, 8, 1) == 8 * 216
+    # CP 2: each rank holds 4 of the 8 tokens
+    assert mem.layer_activation_bytes(TINY, ParallelLayout(cp=2), 0, 8, 1) == 4 * 216
+    # the local attention with the torch softmax, CP 1: K and V repeated to a=2 heads 2*2ad = 32,
+    # scores 2*a*s = 32: S 16 + 32 + 16 + 32 + 96 = 192, + R 64 -> 256 a token; the mask s*s = 64
+    assert mem.layer_activation_bytes(TINY, ParallelLayout(), 0, 8, 1, UNFUSED_TORCH) == (
+        8 * 256 + 64)
+    # CP 2: the gathered K and V of the whole sequence, 2*2ad*cp = 64; scores of local queries
+    # against every key, 2*a*s = 32: S 16 + 64 + 16 + 32 + 96 = 224, + R 64 -> 288 a local
+    # token; the mask [s/cp, s] = 4*8
+    assert mem.layer_activation_bytes(TINY, ParallelLayout(cp=2), 0, 8, 1, UNFUSED_TORCH) == (
+        4 * 288 + 32)
+    # one [b, a, s/cp, s] score tensor: 1 * 2 * 4 * 8 * 2 bytes
+    assert mem.attention_score_bytes(TINY, ParallelLayout(cp=2), 8, 1, UNFUSED_TORCH) == 128
+
+
+def test_context_parallel_model_state_and_world():
+    layout = ParallelLayout(cp=2, dp=2, use_distributed_optimizer=True)
+    assert layout.world_size == 4 and layout.optimizer_shards == 4
+    # TINY's parameters on one rank: 2 layers * (attention 64+32+32+64 + SwiGLU 3*8*16 + norms
+    # 16) = 1184, embedding 128*8 (V padded to 128), final norm 8, output layer 128*8 -> 3240;
+    # weights and gradients are replicated over cp, Adam's 12 bytes shard over dp*cp = 4
+    state = mem.model_state_bytes(TINY, layout, 0, Precision(), trainable=True)
+    assert state == ModelState(weights=2 * 3240, grads=4 * 3240, optimizer=12 * 3240 // 4)
+    # experts fold context parallelism into their grid: ep*etp must divide tp*cp*dp
+    assert ParallelLayout(cp=2, dp=1, ep=2).expert_data_parallel_size == 1
+    with pytest.raises(ValueError, match="must divide tp\\*cp\\*dp=1\\*2\\*1"):
+        ParallelLayout(cp=2, dp=1, ep=4)
+
+
+def test_context_parallel_refusals():
+    from megatron_kd.planner.presets import MODEL_PRESETS
+
+    with pytest.raises(ValueError, match="GatedDeltaNet has no context parallelism"):
+        mem.validate_layout(MODEL_PRESETS["qwen3.5-9b"], ParallelLayout(cp=2), "student")
+    gpt_oss = MODEL_PRESETS["gpt-oss-20b"]
+    assert mem.default_cp_comm_type(gpt_oss) == "a2a" and mem.default_cp_comm_type(TINY) == "p2p"
+    with pytest.raises(ValueError, match="attention sinks and sliding windows .* only as 'a2a'"):
+        mem.validate_layout(gpt_oss, ParallelLayout(cp=2), "student")
+    mem.validate_layout(gpt_oss, ParallelLayout(cp=2, cp_comm_type="a2a"), "student")
+    # a2a scatters heads: TINY's single key/value group does not split over 2 ranks
+    with pytest.raises(ValueError, match="2 heads and 1 key/value groups"):
+        mem.validate_layout(TINY, ParallelLayout(cp=2, cp_comm_type="a2a"), "student")
+    with pytest.raises(ValueError, match="cp_comm_type='ring'"):
+        ParallelLayout(cp=2, cp_comm_type="ring")
+    # 2*cp chunks, each rank's s/cp a multiple of t with sequence parallelism
+    mem.validate_sequence_split(ParallelLayout(cp=2), 8)
+    with pytest.raises(ValueError, match="seq_length=6 does not split over 4 parts"):
+        mem.validate_sequence_split(ParallelLayout(cp=2), 6)
+    with pytest.raises(ValueError, match="seq_length=12 does not split over 8 parts"):
+        mem.validate_sequence_split(ParallelLayout(cp=2, tp=2, sequence_parallel=True), 12)
+
+
+def test_context_parallel_exchange():
+    # a local K/V chunk: 8/2 tokens * 2 (K, V) * g=1 * d=4 = 32 elements
+    # memory, one layer's buffers: p2p four chunks, 128 elements * 2 bytes
+    assert mem.cp_exchange_bytes(TINY, ParallelLayout(cp=2), 8, 1) == 256
+    # all_gather: the whole sequence's K, V and their gradients: 4 * 8 * 2 * 4 = 256 elements
+    assert mem.cp_exchange_bytes(TINY, ParallelLayout(cp=2, cp_comm_type="all_gather"), 8,
+                                 1) == 512
+    # a2a: the sequence-gathered Q, K, V of 1/cp of the heads: 8 * (2 + 2*1) * 4 / 2 elements
+    assert mem.cp_exchange_bytes(TINY, ParallelLayout(cp=2, cp_comm_type="a2a"), 8, 1) == 128
+    assert mem.cp_exchange_bytes(TINY, ParallelLayout(), 8, 1) == 0
+    # traffic, p2p: 3 (cp-1) chunks of 64 bytes per layer: 2 layers * 192; layer 1 recomputed
+    # sends its forward chunk again (+64); m=1
+    args = (1, 8, 1, 1, 2)
+    assert tr.cp_exchange_bytes_per_step_per_rank(TINY, [0, 1], [], *args, "p2p") == 384
+    assert tr.cp_exchange_bytes_per_step_per_rank(TINY, [0, 1], [1], *args, "p2p") == 448
+    assert tr.cp_exchange_bytes_per_step_per_rank(TINY, [0, 1], [], *args, "all_gather") == 384
+    # a2a: (cp-1)/cp of 4 local tokens * (2a + 2g) * d * 2 bytes = 96 each way, per layer
+    assert tr.cp_exchange_bytes_per_step_per_rank(TINY, [0, 1], [], *args, "a2a") == 384
+    assert tr.cp_exchange_bytes_per_step_per_rank(TINY, [0, 1], [], 1, 8, 1, 1, 1, "p2p") == 0
+    # a teacher's forward over its 4 local tokens: 4 * (4h 32 + SwiGLU 6f 96) + the p2p buffers
+    assert mem.teacher_forward_working_bytes(TINY, ParallelLayout(cp=2), 8, 1) == 4 * 128 + 256
+
+
+def test_context_parallel_loss_ring_and_cache():
+    stu = dataclasses.replace(TINY, vocab_size=200)
+    tea = dataclasses.replace(TINY, hidden_size=16, vocab_size=250)
+    layout = ParallelLayout(tp=2, cp=2)  # local vocabulary 128; 2 of the 4 rows on each rank
+    # window w=2 rows: 2*128*(2 + 8) + a block of the elementwise temporaries 2*128*8; gradients
+    # 4*2*8 (hidden, the rank's rows) + 4*128*8 (output layer); 8 statistics * 4 bytes * 2 rows
+    fused = mem.fused_loss_bytes(stu, layout, 4, 1, 2, dense_teacher=True, teacher_hidden_size=16)
+    assert fused == FusedLossBytes(window=4608, gradients=4160, gathered=0.0, row_statistics=64)
+    # the dense loss over the rank's 2 rows: 2 * (10*128 + 10*128)
+    assert mem.dense_loss_bytes(stu, tea, layout, 4, 1) == 2 * 2560
+    # ring D=3: each rank receives 1/t of its 2 positions: 3 * 2 * 16 * 2 / 2; gathered 2*16*2
+    assert mem.ring_bytes(tea, layout, 4, 1, 3) == RingBytes(slots=96, gathered_hidden=64)
+    # cache: the whole micro-batch decoded (4 * 3 * 12) and the rank's half of it selected
+    assert mem.cache_reader_bytes(4, 1, 3, cp=2) == 144 + 72
+    # loss all-reduces over the rank's rows: m=4 * 8 rows * 6 stats * 4 bytes * 2*3/4
+    assert tr.loss_allreduce_bytes_per_step_per_rank(4, 16, 1, 4, 6, cp=2) == 1152
+
+
+def test_total_bytes_counts_the_larger_phase():
+    terms = {Term.ACTIVATIONS: 10.0, Term.TEACHER_FORWARD: 5.0, Term.ATTENTION_BACKWARD: 3.0,
+             Term.CP_EXCHANGE: 4.0}
+    # the teacher's forward (5) and the attention backward (3 + 4) never overlap
+    assert mem.total_bytes(terms) == 10 + 7
+    assert mem.total_bytes({Term.ACTIVATIONS: 10.0, Term.TEACHER_FORWARD: 5.0}) == 15
+    assert mem.total_bytes({Term.ACTIVATIONS: 10.0}) == 10

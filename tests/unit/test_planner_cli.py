@@ -1,7 +1,9 @@
 """Planner presets, plans, the ``megatron-kd plan`` command and ``--from-args`` (no torch)."""
 
 import dataclasses
+import importlib.util
 import json
+import pathlib
 import re
 import subprocess
 import sys
@@ -10,12 +12,18 @@ import pytest
 
 from megatron_kd.cli import main
 from megatron_kd.planner import memory as mem
-from megatron_kd.planner.cli import parse_launch_args
+from megatron_kd.planner.cli import parse_launch_args, to_json
 from megatron_kd.planner.memory import LOSS_TERMS, Term
 from megatron_kd.planner.models import from_hf_config
 from megatron_kd.planner.plan import Mode, PlanOptions
 from megatron_kd.planner.presets import MODEL_PRESETS, get_gpu, get_link, load_model
-from megatron_kd.planner.search import evaluate, plan_all, plan_mode, student_stage_terms
+from megatron_kd.planner.search import (
+    evaluate,
+    plan_all,
+    plan_mode,
+    student_candidates,
+    student_stage_terms,
+)
 from megatron_kd.planner.traffic import Traffic
 
 # --- presets
@@ -252,6 +260,44 @@ def test_search_weighs_bubble_against_p2p_for_virtual_stages():
     assert plan_mode(opts, Mode.DISAGGREGATED).layout.vp == 4
 
 
+def test_search_takes_context_parallelism_for_long_sequences():
+    # gpt-oss-20b at 32K tokens, 4 sequences a step on one H200 node: dp <= 4, so two GPUs share
+    # each sequence. Context parallelism (a2a: sinks and sliding windows) idles nothing; a
+    # two-stage pipeline would have m = 4/4 = 1 micro-batch, a bubble (p-1)/m of 100%.
+    opts = dataclasses.replace(_opts("gpt-oss-20b", "gpt-oss-120b"), seq_length=32768,
+                               global_batch_size=4)
+    plan = plan_mode(opts, Mode.OFFLINE_CACHE)
+    layout = plan.layout
+    assert plan.fits and (layout.tp, layout.pp, layout.cp, layout.dp) == (1, 1, 2, 4)
+    assert layout.cp_comm_type == "a2a" and plan.bubble == 0
+    assert plan.wire[Traffic.CP_EXCHANGE_BYTES] > 0
+    pipelined = evaluate(opts, Mode.OFFLINE_CACHE,
+                         dataclasses.replace(layout, cp=1, pp=2, ep=layout.ep // 2))
+    assert pipelined.bubble == 1.0
+    assert pipelined.student_tokens_per_s < plan.student_tokens_per_s
+    # the same layout without context parallelism holds each rank's whole sequence
+    whole = evaluate(opts, Mode.OFFLINE_CACHE,
+                     dataclasses.replace(layout, cp=1, ep=layout.ep // 2))
+    assert plan.terms[Term.ACTIVATIONS] == whole.terms[Term.ACTIVATIONS] / 2
+    # a Gated DeltaNet student is never split over context-parallel ranks
+    qwen = dataclasses.replace(_opts("qwen3.5-9b", "qwen3.5-35b-a3b"), seq_length=32768)
+    assert all(c.cp == 1 for c in student_candidates(qwen))
+
+
+def test_from_args_reads_context_parallelism(capsys):
+    launch = parse_launch_args(LAUNCH + " --context-parallel-size 2 --cp-comm-type all_gather")
+    assert launch.values["cp"] == 2 and launch.values["cp_comm_type"] == "all_gather"
+    assert parse_launch_args(LAUNCH).values["cp"] == 1  # Megatron's default
+    out = _run_json(capsys, "--teacher", "llama-3.1-8b", "--from-args",
+                    LAUNCH + " --context-parallel-size 2", "--modes", "disaggregated")
+    plan = out["plans"]["disaggregated"]
+    # tp 2 x cp 2 on 8 GPUs: dp 2; the hidden states of a DP rank's 32 sequences split over
+    # its 4 TP x CP ranks
+    assert (plan["layout"]["tp"], plan["layout"]["cp"], plan["layout"]["dp"]) == (2, 2, 2)
+    assert plan["layout"]["cp_comm_type"] == "p2p"
+    assert plan["wire"][Traffic.HIDDEN_BYTES_PER_TP_RANK.label] == 32 * 4096 * 4096 * 2 / 4
+
+
 def test_published_claims():
     # Qwen3.5-35B-A3B -> 9B on one H200 node: colocated with the fused loss fits; disaggregated is
     # faster.
@@ -391,7 +437,8 @@ def test_from_args_parsing():
 @pytest.mark.parametrize(
     "bad, match",
     [
-        ("--context-parallel-size 2", "context parallelism"),
+        ("--context-parallel-size 2 --cp-comm-type a2a+p2p", "a2a\\+p2p is not modelled"),
+        ("--context-parallel-size 2 --cp-comm-type p2p a2a", "one exchange for every layer"),
         ("--pipeline-model-parallel-size 2 --microbatch-group-size-per-virtual-pipeline-stage 3",
          "models Megatron-Core's default group of pipeline-model-parallel-size \\(2\\)"),
         ("--num-layers-per-virtual-pipeline-stage 2 --num-virtual-stages-per-pipeline-rank 4",
@@ -493,6 +540,8 @@ def test_cli_launch_args_map_into_the_layout(capsys, flag):
          "recompute_num_layers=3 needs it to divide the layers of every model chunk \\(32\\)"),
         (["--recompute-method", "block"],
          "need recompute='full' \\(Megatron's --recompute-granularity full\\)"),
+        # Megatron-Core 0.16.1 splits no Gated DeltaNet layer over context-parallel ranks
+        (["--context-parallel-size", "2"], "GatedDeltaNet has no context parallelism"),
         (["--num-virtual-stages-per-pipeline-rank", "2",
           "--num-layers-per-virtual-pipeline-stage", "4"], "give one of them"),
         (["--num-virtual-stages-per-pipeline-rank", "2", "--pipeline-model-parallel-size", "1"],
@@ -518,7 +567,7 @@ DISAGGKD_PAIR = ["plan", "--teacher", "qwen3.5-35b-a3b", "--student", "qwen3.5-9
 #: The columns of the "what the options buy" table: (name, end) after the 3-space indent and the
 #: 44-wide label, as ``cli.format_options`` prints them.
 _COLUMNS = (("peak", 56), ("delta_gib", 64), ("step", 72), ("delta_step", 80), ("bubble", 88),
-            ("tp_s", 95), ("p2p_s", 102), ("fits", None))
+            ("tp_s", 95), ("p2p_s", 102), ("cp_s", 109), ("fits", None))
 
 
 def _options_table(text: str) -> dict[str, dict[str, str]]:
@@ -604,3 +653,49 @@ def test_planner_never_imports_torch():
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
+
+
+def _plan_examples():
+    path = pathlib.Path(__file__).resolve().parents[2] / "tools" / "plan_examples.py"
+    spec = importlib.util.spec_from_file_location("plan_examples", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.modules.pop(spec.name, None)
+    return module
+
+
+def test_long_context_examples_are_the_cli_plans(capsys):
+    """tools/plan_examples.py's long-context rows: each is its printed `megatron-kd plan`
+    command's plan, and the layouts say what the README says of them."""
+    pe = _plan_examples()
+    rows = {}
+    for sc in pe.LONG_CONTEXT:
+        opts = sc.options()
+        rows[(sc.student, sc.seq_length)] = {"command": sc.command(),
+                                             "plan": to_json(plan_all(opts), opts, [])}
+    assert set(rows) == {("llama-3.2-3b", 8192), ("llama-3.2-3b", 32768),
+                         ("gpt-oss-20b", 32768), ("qwen3.5-9b", 32768)}
+    # the gpt-oss row through the CLI itself: the same peak and layout in every mode
+    row = rows[("gpt-oss-20b", 32768)]
+    argv = row["command"].split()[2:]  # after "megatron-kd plan"
+    cli = _run_json(capsys, *argv)
+    for mode, plan in row["plan"]["plans"].items():
+        assert cli["plans"][mode]["total_bytes"] == plan["total_bytes"], mode
+        assert cli["plans"][mode]["layout"] == plan["layout"], mode
+    plans = row["plan"]["plans"]
+    # 4 sequences a step on 8 GPUs: the fused, offline and disaggregated students share each
+    # sequence over context-parallel ranks with a2a (attention sinks and sliding windows)
+    for mode in ("colocated-fused", "offline-cache", "disaggregated"):
+        assert plans[mode]["fits"] and plans[mode]["layout"]["cp"] > 1, mode
+        assert plans[mode]["layout"]["cp_comm_type"] == "a2a", mode
+    # one H200 at 32K: the dense loss does not fit the 3B student even with full recompute
+    llama = rows[("llama-3.2-3b", 32768)]["plan"]["plans"]
+    assert not llama["colocated-dense"]["fits"]
+    assert llama["colocated-dense"]["layout"]["recompute"] == "full"
+    assert all(p["layout"]["cp"] == 1 for p in llama.values())  # one GPU: nothing to split over
+    # a Gated DeltaNet student is never split over context-parallel ranks
+    qwen = rows[("qwen3.5-9b", 32768)]["plan"]["plans"]
+    assert all(p["layout"]["cp"] == 1 for p in qwen.values())
