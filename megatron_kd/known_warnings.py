@@ -127,6 +127,13 @@ KNOWN_WARNINGS: tuple[KnownWarning, ...] = (
         seen_in="megatron-core 0.19.2",
         why="TransformerConfig's own default cuda_graph_modules='full'; CUDA graphs are off"),
     KnownWarning(
+        message="Could not determine rank from torch.distributed, RANK, or SLURM_PROCID. "
+                "Defaulting to rank 0.",
+        category=UserWarning, modules=("megatron.core._rank_utils",),
+        seen_in="megatron-core 0.19.2",
+        why="its rank-0-only logging called in a process with no process group (the demo's "
+            "driver reading the held-out samples): that process is rank 0"),
+    KnownWarning(
         message="MimoModelConfig is experimental and still under active development.",
         category=UserWarning, modules=("megatron.core.models.mimo.config.base_configs",),
         seen_in="megatron-core 0.19.2",
@@ -183,7 +190,8 @@ KNOWN_LOG_RECORDS: tuple[KnownLogRecord, ...] = (
         logger="megatron.core.models.gpt.gpt_model",
         message="GPTModel IS DEPRECATED. GPTModel is only accepting critical bug fixes",
         seen_in="megatron-core 0.19.2",
-        why="logged for every GPTModel built; the README (CI legs) says why we still build it"),
+        why="logged for every GPTModel built; docs/testing.md (CI legs) says why we still "
+            "build it"),
     KnownLogRecord(
         logger="megatron.core.dist_checkpointing.strategies.common",
         message="load_common is deprecated and will be removed in a future release.",

@@ -40,7 +40,7 @@ Targets (the issue's): at the longest sequence CP 2 holds at most 0.6 x CP 1's a
 rank, in both modes; the wire bytes per student rank at CP 2 are half CP 1's.
 
     python tools/bench_long_context.py --out docs/bench_long_context.json \
-        --plot docs/bench_long_context.png    # the README table (about 8 min on 2 cores)
+        --plot docs/bench_long_context.png    # docs/benchmarks.md's table (8 min, 2 cores)
     python tools/bench_long_context.py --seq-lengths 512 1024 --skip-loss   # a quick look
 """
 

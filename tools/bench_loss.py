@@ -31,7 +31,7 @@ forward+backward time of ``--repeats`` runs after one untimed warm-up run (Liger
 happens there). A variant that runs out of memory is reported as OOM; a peer that is not
 installed as n/a.
 
-    python tools/bench_loss.py --tokens 2048 4096 --tp 1 2   # the README table (about 40 min)
+    python tools/bench_loss.py --tokens 2048 4096 --tp 1 2   # docs/benchmarks.md's table (40 min)
     python tools/bench_loss.py --tokens 1024 --tp 1 --variants floor fused_fkl liger_fkl
 """
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
-"""Plans for the README: Qwen3.5-35B-A3B -> Qwen3.5-9B and larger pairs, and whether the published
-claims are reproduced by the planner's model; and the long-context cases (8K and 32K tokens, the
-layouts that fit per mode, context parallelism among them).
+"""Plans for docs/planner.md: Qwen3.5-35B-A3B -> Qwen3.5-9B and larger pairs, and whether the
+published claims are reproduced by the planner's model; and the long-context cases (8K and 32K
+tokens, the layouts that fit per mode, context parallelism among them).
 
 Claims checked (from the papers behind megatron_kd):
 
@@ -9,7 +9,7 @@ Claims checked (from the papers behind megatron_kd):
 2. larger pairs OOM colocated even with the fused loss, yet fit disaggregated.
 
 Long-context cases (Multiverse Computing's published figures are theirs, quoted beside the table in
-the README, not computed here): Llama-3.1-8B -> Llama-3.2-3B on one H200 at 8K and 32K tokens
+docs/planner.md, not computed here): Llama-3.1-8B -> Llama-3.2-3B on one H200 at 8K and 32K tokens
 (top-100 cache, as theirs); gpt-oss-120b into gpt-oss-20b at 32K tokens, 4 sequences a step, one
 node of H200; Qwen3.5-35B-A3B -> Qwen3.5-9B at 32K tokens, one node of H200.
 

@@ -5,7 +5,7 @@ runs differs. ``torch.compile`` (Inductor) turns each of the two steps between t
 collectives into one kernel: C++/OpenMP on CPU, Triton on a GPU. The eager kind makes a dozen
 passes over a block's ``[rows, V_valid]`` logits and keeps one block temporary; here the logits
 are read three times (the max, the sums, the gradient) and nothing of the block's size is
-allocated. Whether that pays depends on the device (README, loss benchmark).
+allocated. Whether that pays depends on the device (docs/benchmarks.md, the loss).
 """
 
 from __future__ import annotations

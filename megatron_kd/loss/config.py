@@ -34,7 +34,7 @@ class CpuTuning:
     """How the fused loss works through a window on CPU; no effect on other devices.
 
     Speed and memory only: every choice computes the same loss up to rounding (the order of
-    sums). The measurements behind the values are in the README's loss benchmark section.
+    sums). The measurements behind the values are in docs/benchmarks.md (the loss).
     :meth:`for_this_machine` gives the values for the CPU it runs on; a field set by hand
     overrides them (tests, experiments).
     """

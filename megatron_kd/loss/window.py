@@ -11,8 +11,9 @@ window: on gloo the extra synchronisations cost more than the cache saves. The w
 CPU choices as a resolved :class:`~megatron_kd.loss.config.CpuTuning`; it reads no global.
 
 Nothing window- or block-sized is allocated per window: the logits (:meth:`WindowWalker.logits`)
-and the kinds' temporaries go into named buffers (:class:`Scratch`) reused for the whole call. A fresh allocation of that size costs a
-page fault per 4 KiB on CPU (measured in the README's loss benchmark section).
+and the kinds' temporaries go into named buffers (:class:`Scratch`) reused for the whole call.
+A fresh allocation of that size costs a page fault per 4 KiB on CPU (measured in
+docs/benchmarks.md, the loss).
 """
 
 from __future__ import annotations
@@ -242,7 +243,7 @@ class WindowWalker:
 
         In the compute dtype the product goes into the scratch buffer ``name``, reused by
         every window: a fresh window-sized allocation per window costs a page fault per 4 KiB
-        on CPU (about 1 s of a 12 s forward KL at V = 151,936 on 2 cores, README).
+        on CPU (about 1 s of a 12 s forward KL at V = 151,936 on 2 cores, docs/benchmarks.md).
         """
         if x.dtype != self.cdt or w_valid.dtype != self.cdt:
             return (x @ w_valid.t()).to(self.cdt)

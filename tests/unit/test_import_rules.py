@@ -1,4 +1,4 @@
-"""The layout's rules (see the README's layout section), read from the source: no process group,
+"""The layout's rules (see docs/architecture.md), read from the source: no process group,
 nothing of the project imported.
 
 Each rule is also shown to fail on a small made-up tree that breaks it, so none of these checks

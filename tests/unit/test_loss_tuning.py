@@ -25,7 +25,8 @@ def _proc_cpu_vendor() -> str | None:
 
 
 def test_cpu_tuning_is_the_machines_and_the_same_on_every_call():
-    # slabs on AMD only (README, loss benchmark); one value per process (bit-identical resumes)
+    # slabs on AMD only (docs/benchmarks.md, the loss); one value per process (bit-identical
+    # resumes)
     assert CpuTuning.for_cpu_vendor("AuthenticAMD").chunked_projection_rows == 384
     assert CpuTuning.for_cpu_vendor("GenuineIntel").chunked_projection_rows == 0
     assert CpuTuning.for_cpu_vendor("").chunked_projection_rows == 0

@@ -583,7 +583,7 @@ def _options_table(text: str) -> dict[str, dict[str, str]]:
 
 
 def test_disaggkd_pair_plan(capsys):
-    # The README's plan: Qwen3.5-35B-A3B -> Qwen3.5-9B, 8K tokens, one H200 node.
+    # docs/planner.md's plan: Qwen3.5-35B-A3B -> Qwen3.5-9B, 8K tokens, one H200 node.
     assert main(DISAGGKD_PAIR) == 0
     text = capsys.readouterr().out
     assert "recommendation: disaggregated" in text
@@ -669,7 +669,7 @@ def _plan_examples():
 
 def test_long_context_examples_are_the_cli_plans(capsys):
     """tools/plan_examples.py's long-context rows: each is its printed `megatron-kd plan`
-    command's plan, and the layouts say what the README says of them."""
+    command's plan, and the layouts say what docs/planner.md says of them."""
     pe = _plan_examples()
     rows = {}
     for sc in pe.LONG_CONTEXT:
