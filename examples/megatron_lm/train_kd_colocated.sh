@@ -17,11 +17,13 @@
 #
 # Multi-node: set NUM_NODES, NODE_RANK, MASTER_ADDR (and MASTER_PORT) on every node. TP, PP, CP
 # (context parallelism) and VP_LAYERS (layers per virtual pipeline stage) set the layout.
+# KD_MODE=offline (train_kd_offline.sh sets it): the third argument is a top-K cache made by
+# `megatron-kd cache build`, which stands in for the teacher.
 set -euo pipefail
 
 CHECKPOINT_DIR=${1:?checkpoint directory}
 TENSORBOARD_DIR=${2:?tensorboard directory}
-TEACHER_DIR=${3:?teacher checkpoint directory}
+TEACHER_DIR=${3:?teacher checkpoint directory (KD_MODE=offline: the top-K cache)}
 DATA_PREFIX=${4:?data prefix}
 HF_TOKENIZER=${5:?Hugging Face tokenizer of the teacher}
 shift 5
@@ -37,11 +39,21 @@ CP=${CP:-1}
 
 export CUDA_DEVICE_MAX_CONNECTIONS=1
 
-# Student and teacher need one vocabulary partition: pad the student's vocabulary to exactly the
-# teacher's padded size (Megatron-LM pads to a multiple of divisible-by x TP).
-TEACHER_PADDED_VOCAB=$(python -c 'import json, sys
+if [ "${KD_MODE:-colocated}" = offline ]; then
+    # The cache's top-K ids lie in its teacher's true vocabulary, which the student's padded one
+    # must hold (Megatron-LM's own padding does: same tokenizer).
+    VOCAB_ARGS=()
+    KD_SOURCE_ARGS=(--kd-mode offline --kd-topk-cache "$TEACHER_DIR"
+                    --kd-topk-tail "${KD_TOPK_TAIL:-renormalize}")
+else
+    # Student and teacher need one vocabulary partition: pad the student's vocabulary to exactly
+    # the teacher's padded size (Megatron-LM pads to a multiple of divisible-by x TP).
+    TEACHER_PADDED_VOCAB=$(python -c 'import json, sys
 print(json.load(open(sys.argv[1] + "/model_config.json"))["arch"]["padded_vocab_size"])' \
-    "$TEACHER_DIR")
+        "$TEACHER_DIR")
+    VOCAB_ARGS=(--make-vocab-size-divisible-by $((TEACHER_PADDED_VOCAB / TP)))
+    KD_SOURCE_ARGS=(--kd-mode colocated --kd-teacher-load "$TEACHER_DIR" --kd-teacher-dtype bf16)
+fi
 
 DISTRIBUTED_ARGS=(
     --nproc_per_node "$GPUS_PER_NODE"
@@ -95,7 +107,7 @@ MODEL_PARALLEL_ARGS=(
     --pipeline-model-parallel-size "$PP"
     --context-parallel-size "$CP"
     --sequence-parallel
-    --make-vocab-size-divisible-by $((TEACHER_PADDED_VOCAB / TP))
+    "${VOCAB_ARGS[@]}"
 )
 if [ -n "${VP_LAYERS:-}" ]; then
     MODEL_PARALLEL_ARGS+=(--num-layers-per-virtual-pipeline-stage "$VP_LAYERS")
@@ -120,9 +132,7 @@ EVAL_AND_LOGGING_ARGS=(
 
 # The KD flags: the same as `megatron-kd train` accepts.
 KD_ARGS=(
-    --kd-mode colocated
-    --kd-teacher-load "$TEACHER_DIR"
-    --kd-teacher-dtype bf16
+    "${KD_SOURCE_ARGS[@]}"
     --kd-loss forward_kl
     --kd-temperature 1.0
     --kd-weight 1.0

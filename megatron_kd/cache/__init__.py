@@ -9,6 +9,8 @@
 * :mod:`~megatron_kd.cache.identity` -- what ties a cache to a run (dataset, tokenizer).
 * :mod:`~megatron_kd.cache.loader` -- a run's micro-batches as ``[s, b, K]`` torch tensors,
   decoded ahead.
+* :mod:`~megatron_kd.cache.lookup` -- a microbatch's rows found by its tokens' fingerprints
+  (a run that knows no sample indices: Megatron-LM's ``pretrain_gpt.py``).
 
 The ``megatron-kd cache`` command lives with the trainer
 (:mod:`megatron_kd.training.cache_command`): building runs the teacher through Megatron-Core.

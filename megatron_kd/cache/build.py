@@ -22,7 +22,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron_kd.cache.format import CacheSpec
+from megatron_kd.cache.format import CacheSpec, token_fingerprint
 from megatron_kd.cache.topk import vocab_parallel_topk_logprobs
 from megatron_kd.cache.writer import CacheWriter
 
@@ -65,11 +65,30 @@ def _micro_batches(start: int, end: int, size: int) -> list[list[int]]:
     return [list(range(lo, min(end, lo + size))) for lo in range(start, end, size)]
 
 
+def _hidden(teacher_forward_fn, batch: Sequence[int], spec: CacheSpec) -> torch.Tensor:
+    """The teacher's ``[seq_length, b, h]`` hidden states of ``batch``, their shape checked."""
+    hidden = teacher_forward_fn(batch)
+    if hidden.dim() != 3 or hidden.shape[0] != spec.seq_length or hidden.shape[1] != len(batch):
+        raise ValueError(f"teacher_forward_fn must return [seq_length={spec.seq_length}, "
+                         f"b={len(batch)}, h], got {list(hidden.shape)}")
+    return hidden
+
+
+def _fingerprints(tokens, batch: Sequence[int], spec: CacheSpec) -> list[int]:
+    """The token fingerprints of ``tokens [b, seq_length]`` (the samples ``batch``)."""
+    tokens = tokens.cpu().numpy() if isinstance(tokens, torch.Tensor) else np.asarray(tokens)
+    if tokens.shape != (len(batch), spec.seq_length):
+        raise ValueError(f"sample_tokens_fn must return [b={len(batch)}, seq_length="
+                         f"{spec.seq_length}] token ids, got {list(tokens.shape)}")
+    return [token_fingerprint(row) for row in tokens]
+
+
 def build_cache(
     cache_dir: str,
     spec: CacheSpec,
     *,
     teacher_forward_fn: Callable[[Sequence[int]], torch.Tensor],
+    sample_tokens_fn: Callable[[Sequence[int]], torch.Tensor],
     output_weight: torch.Tensor,
     micro_batch_size: int = 1,
     window_size: int = 1024,
@@ -84,6 +103,8 @@ def build_cache(
     Args:
         teacher_forward_fn: ``sample_indices -> hidden [seq_length, b, h]`` (called on every
             TP rank of the replica with the same indices).
+        sample_tokens_fn: ``sample_indices -> tokens [b, seq_length]`` the teacher was given,
+            fingerprinted into the shard (called on the writing rank only).
         output_weight: ``[local_vocab_size, h]`` this TP rank's contiguous output-layer shard.
         micro_batch_size: samples per teacher call.
         window_size: rows projected at a time (bounds the ``[window, local_vocab]`` logits).
@@ -117,15 +138,11 @@ def build_cache(
             continue
         start, end = spec.shard_range(index)
         blobs: list[bytes] = []
+        fingerprints: list[int] = []
         for batch in _micro_batches(start, end, micro_batch_size):
-            hidden = teacher_forward_fn(batch)
-            if hidden.dim() != 3 or hidden.shape[0] != spec.seq_length or \
-                    hidden.shape[1] != len(batch):
-                raise ValueError(f"teacher_forward_fn must return [seq_length={spec.seq_length}, "
-                                 f"b={len(batch)}, h], got {list(hidden.shape)}")
             ids, logprobs = vocab_parallel_topk_logprobs(
-                hidden, output_weight, spec.topk, vocab_size=spec.vocab_size,
-                window_size=window_size, tp_group=tp_group)
+                _hidden(teacher_forward_fn, batch, spec), output_weight, spec.topk,
+                vocab_size=spec.vocab_size, window_size=window_size, tp_group=tp_group)
             stats.tokens += spec.seq_length * len(batch)
             if writer is not None:
                 ids_np = ids.cpu().numpy()
@@ -137,8 +154,9 @@ def build_cache(
                         f"was not written")
                 blobs.extend(writer.encode(ids_np[:, b], logprobs_np[:, b])
                              for b in range(len(batch)))
+                fingerprints.extend(_fingerprints(sample_tokens_fn(batch), batch, spec))
         if writer is not None:
-            entry = writer.write_shard(index, blobs)
+            entry = writer.write_shard(index, blobs, fingerprints)
             if log:
                 log(f"shard {index}: samples [{start}, {end}), {entry['bytes']} bytes, "
                     f"{entry['bytes'] / ((end - start) * spec.seq_length):.1f} B/token")

@@ -13,8 +13,12 @@ any number of builders can each own some shards, and a reader with any micro-bat
 size asks for the sample indices it trains on.
 
 A shard file is a fixed header (:data:`SHARD_HEADER`), a table of ``n + 1`` little-endian
-uint64 byte offsets (absolute, into the file), then one blob per sample
-(:func:`megatron_kd.cache.codec.encode_sample`). Files are memory-mapped by the reader.
+uint64 byte offsets (absolute, into the file), a table of ``n`` little-endian uint64 token
+fingerprints (:func:`token_fingerprint` of each sample's token ids: what ties a row to the tokens
+the teacher saw, so a run that does not know its sample indices -- Megatron-LM's
+``pretrain_gpt.py`` -- finds its rows by its tokens, and a run that does checks them), then one
+blob per sample (:func:`megatron_kd.cache.codec.encode_sample`). Files are memory-mapped by the
+reader. Format version 1 had no fingerprint table: such caches are refused, to be rebuilt.
 
 The writer is :mod:`megatron_kd.cache.writer`, the reader :mod:`megatron_kd.cache.reader`.
 Writes are atomic: a shard goes to a temporary file, is fsynced and renamed into place, then
@@ -42,7 +46,8 @@ import numpy as np
 
 from megatron_kd.cache.codec import RICE_ESCAPE, LogprobCodec, vocab_bits
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""2: each shard holds its samples' token fingerprints (1: none; refused, rebuild)."""
 MANIFEST_NAME = "manifest.json"
 LOCK_NAME = ".manifest.lock"
 SHARD_MAGIC = b"MKDTOPK\x00"
@@ -149,9 +154,15 @@ class CacheSpec:
         if not isinstance(d, dict):
             raise CacheFormatError(f"a manifest is a JSON object, got {type(d).__name__}")
         version = d.get("format_version")
+        if version == 1:
+            raise CacheFormatError(
+                f"cache format_version 1 is not supported (this reader: {FORMAT_VERSION}): it "
+                f"holds no token fingerprints of its samples; build the cache again with "
+                f"`megatron-kd cache build` (same flags)")
         if version != FORMAT_VERSION:
             raise CacheFormatError(
-                f"cache format_version {version!r} is not supported (this reader: {FORMAT_VERSION})")
+                f"cache format_version {version!r} is not supported (this reader: "
+                f"{FORMAT_VERSION})")
         try:
             return cls._from_fields(d)
         except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as e:
@@ -243,7 +254,8 @@ def load_manifest(cache_dir: str | os.PathLike) -> dict:
 
 
 def parse_manifest(data: bytes, where: str = MANIFEST_NAME) -> dict:
-    """A manifest from its bytes, every field and shard entry checked (see :func:`load_manifest`)."""
+    """A manifest from its bytes, every field and shard entry checked (see
+    :func:`load_manifest`)."""
     try:
         manifest = json.loads(data)
     except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
@@ -335,10 +347,35 @@ def sha256_of(data) -> str:
     return digest.hexdigest()
 
 
+def token_fingerprint(tokens) -> int:
+    """A sample's token fingerprint: the first 8 bytes (little-endian) of the BLAKE2b digest of
+    its ``[s]`` token ids as little-endian int64 (any integer array or tensor on the host)."""
+    ids = np.ascontiguousarray(np.asarray(tokens), dtype="<i8")
+    if ids.ndim != 1:
+        raise ValueError(f"a sample's tokens are [s], got shape {list(ids.shape)}")
+    return int.from_bytes(hashlib.blake2b(ids.tobytes(), digest_size=8).digest(), "little")
+
+
+def _tables_end(n: int) -> int:
+    """Where a shard's blobs begin: past the header, the ``n + 1`` offsets and ``n``
+    fingerprints."""
+    return SHARD_HEADER.size + 8 * (n + 1) + 8 * n
+
+
+def fingerprint_table(data, n: int) -> np.ndarray:
+    """The ``[n]`` uint64 token fingerprints of a shard of ``n`` samples (its bytes; checked
+    only as far as they fit: :func:`parse_shard_header` checks the rest)."""
+    if _tables_end(n) > len(data):
+        raise CacheFormatError(f"a shard of {n} samples ({len(data)} bytes) cannot hold its "
+                               f"fingerprint table")
+    return np.frombuffer(data, dtype="<u8", count=n, offset=SHARD_HEADER.size + 8 * (n + 1))
+
+
 def parse_shard_header(data, entry: dict, spec: CacheSpec, where: str) -> np.ndarray:
     """The offset table of a shard's bytes, after checking its header against the manifest
-    ``entry`` and the table against the file: ``n + 1`` ascending offsets inside it, the first
-    just past the table, the last at its end. :class:`CacheFormatError` otherwise."""
+    ``entry`` and the tables against the file: ``n + 1`` ascending offsets inside it, the first
+    just past the fingerprint table, the last at its end. :class:`CacheFormatError`
+    otherwise."""
     if len(data) < SHARD_HEADER.size:
         raise CacheFormatError(f"{where}: {len(data)} bytes, shorter than a shard header")
     magic, version, n, start, seq, k, vocab, _ = SHARD_HEADER.unpack_from(data, 0)
@@ -347,10 +384,10 @@ def parse_shard_header(data, entry: dict, spec: CacheSpec, where: str) -> np.nda
             entry["sample_start"], spec.seq_length, spec.topk, spec.vocab_size)
     if got != want:
         raise CacheFormatError(f"{where}: shard header {got} does not match the manifest {want}")
-    table_end = SHARD_HEADER.size + 8 * (n + 1)
+    table_end = _tables_end(n)
     if table_end > len(data):
-        raise CacheFormatError(f"{where}: offset table of {n + 1} entries does not fit "
-                               f"{len(data)} bytes")
+        raise CacheFormatError(f"{where}: offset and fingerprint tables of {n} samples do not "
+                               f"fit {len(data)} bytes")
     offsets = np.frombuffer(data, dtype="<u8", count=n + 1, offset=SHARD_HEADER.size)
     if (int(offsets[0]) != table_end or int(offsets[-1]) != len(data)
             or bool((np.diff(offsets.astype(np.int64)) < 0).any())):
@@ -361,18 +398,21 @@ def parse_shard_header(data, entry: dict, spec: CacheSpec, where: str) -> np.nda
 
 
 
-def encode_shard(spec: CacheSpec, index: int, blobs: Sequence[bytes]) -> bytes:
-    """A shard file's bytes from its per-sample blobs."""
+def encode_shard(spec: CacheSpec, index: int, blobs: Sequence[bytes],
+                 fingerprints: Sequence[int]) -> bytes:
+    """A shard file's bytes from its per-sample blobs and token fingerprints
+    (:func:`token_fingerprint`)."""
     start, end = spec.shard_range(index)
-    if len(blobs) != end - start:
+    if len(blobs) != end - start or len(fingerprints) != end - start:
         raise ValueError(f"shard {index} holds samples [{start}, {end}): expected "
-                         f"{end - start} blobs, got {len(blobs)}")
+                         f"{end - start} blobs and fingerprints, got {len(blobs)} and "
+                         f"{len(fingerprints)}")
     header = SHARD_HEADER.pack(SHARD_MAGIC, FORMAT_VERSION, len(blobs), start, spec.seq_length,
                                 spec.topk, spec.vocab_size, 0)
-    table_bytes = 8 * (len(blobs) + 1)
     sizes = np.array([len(b) for b in blobs], dtype=np.uint64)
-    offsets = np.concatenate([[0], np.cumsum(sizes)]).astype("<u8") + (len(header) + table_bytes)
-    return b"".join([header, offsets.tobytes(), *blobs])
+    offsets = np.concatenate([[0], np.cumsum(sizes)]).astype("<u8") + _tables_end(len(blobs))
+    table = np.array([int(f) for f in fingerprints], dtype="<u8")
+    return b"".join([header, offsets.tobytes(), table.tobytes(), *blobs])
 
 
 def verify(cache_dir: str | os.PathLike) -> list[str]:

@@ -17,6 +17,7 @@ from megatron_kd.cache.format import (
     CacheCorruptionError,
     CacheFormatError,
     CacheSpec,
+    fingerprint_table,
     load_manifest,
     parse_shard_header,
     sha256_of,
@@ -88,6 +89,37 @@ class TopKCacheReader:
             raise CacheCorruptionError(f"{where}: sha256 mismatch (corrupted): manifest "
                                        f"{entry['sha256']}, file {digest}")
         return data, parse_shard_header(data, entry, self.spec, str(path))
+
+    def fingerprint(self, index: int) -> int:
+        """The token fingerprint the cache holds for sample ``index`` (its shard checked)."""
+        if not 0 <= index < self.spec.num_samples:
+            raise IndexError(f"sample {index} outside [0, {self.spec.num_samples})")
+        shard = index // self.spec.samples_per_shard
+        data, offsets = self._shard(shard)
+        return int(fingerprint_table(data, len(offsets) - 1)[index - shard *
+                                                             self.spec.samples_per_shard])
+
+    def fingerprints(self) -> np.ndarray:
+        """``[num_samples]`` uint64: every sample's token fingerprint, in sample order.
+
+        Reads only each shard's fingerprint table (``8 x samples`` bytes), not its checksum:
+        a row found by these is used only after its shard's sha256 is checked and its
+        fingerprint read again (:meth:`fingerprint`)."""
+        out = np.empty(self.spec.num_samples, dtype=np.uint64)
+        for shard in range(self.spec.num_shards):
+            start, end = self.spec.shard_range(shard)
+            entry = self._entries.get(shard)
+            if entry is None:
+                raise CacheFormatError(f"{self.dir}: samples [{start}, {end}) are not in the "
+                                       f"cache")
+            path = self.dir / entry["file"]
+            try:
+                data = np.memmap(path, dtype=np.uint8, mode="r")
+            except (FileNotFoundError, ValueError):
+                raise CacheCorruptionError(f"{path} (samples [{start}, {end})): shard file "
+                                           f"missing or empty") from None
+            out[start:end] = fingerprint_table(data, end - start)
+        return out
 
     def sample(self, index: int) -> tuple[np.ndarray, np.ndarray]:
         """``(ids [s, K] int64, logprobs [s, K] float32)`` of one sample (checked)."""

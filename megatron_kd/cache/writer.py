@@ -66,9 +66,11 @@ class CacheWriter:
                              f"{list(ids.shape)} and logprobs {list(logprobs.shape)}")
         return encode_sample(ids, logprobs, self.spec.vocab_size, self.spec.logprob_codec)
 
-    def write_shard(self, index: int, blobs: Sequence[bytes]) -> dict:
-        """Write shard ``index`` atomically, then record it in the manifest (atomically)."""
-        data = encode_shard(self.spec, index, blobs)
+    def write_shard(self, index: int, blobs: Sequence[bytes], fingerprints: Sequence[int]) -> dict:
+        """Write shard ``index`` (its samples' blobs and token fingerprints, see
+        :func:`~megatron_kd.cache.format.token_fingerprint`) atomically, then record it in the
+        manifest (atomically)."""
+        data = encode_shard(self.spec, index, blobs, fingerprints)
         name = self.spec.shard_file(index)
         for stale in self.dir.glob(f".{name}.tmp.*"):
             stale.unlink(missing_ok=True)  # left by a killed build of this shard

@@ -66,9 +66,15 @@ rerun state machine exactly as Megatron-LM's own ``pretrain_gpt.loss_func`` does
 (``--check-for-nan-in-loss-and-grad``, ``--check-for-spiky-loss``; see
 :func:`~megatron_kd.integration.megatron_lm_flags.validate_loss`).
 
+Offline (``--kd-mode offline --kd-topk-cache DIR``), the world holds only the student; the cache
+(:func:`~megatron_kd.integration.megatron_lm_flags.open_topk_cache`) records each sample's token
+fingerprint, and the last stage finds each microbatch's rows by its tokens (the data
+iterator's, broadcast over TP; this CP rank's positions kept): any layout or sample order, and
+a sample the cache does not hold is a ``ValueError`` in its forward step naming it and the cache
+(:class:`~megatron_kd.cache.lookup.TokenLookup`).
+
 Not supported here (each refused with ``ValueError`` before anything is built):
-``--kd-mode offline`` (Megatron-LM's data iterator gives no sample indices to read the cache
-by: use ``megatron-kd train``), a ``--seq-length`` that the context-parallel (and
+a ``--seq-length`` that the context-parallel (and
 sequence-parallel) split does not divide, ``--hybrid-context-parallel``, ``--sft`` or a
 colocated Gated DeltaNet teacher with context parallelism, ``--init-model-with-meta-device``,
 multi-token prediction, ``--overlap-moe-expert-parallel-comm`` schedule plans, and the
@@ -99,6 +105,7 @@ from megatron_kd.integration.loss_func import make_kd_loss_func
 from megatron_kd.integration.megatron_lm_flags import (
     LossChecks,
     check_megatron_args,
+    open_topk_cache,
     validate_loss,
 )
 from megatron_kd.integration.megatron_lm_teacher import (
@@ -321,8 +328,11 @@ def _prepare_teacher(args, kd: KDArgs, teacher_arch, pg_collection) -> None:
     # the TP x CP group's first rank and each rank receives its positions. The data-parallel
     # rank and size leave context parallelism out (its ranks share one data-parallel rank).
     cp_group, tp_cp_group = _cp_groups(pg_collection)
+    # Offline: the data iterator gives no sample indices; rows are found by tokens.
+    topk_cache = open_topk_cache(kd, args) if kd.mode == "offline" else None
     source = build_teacher_source(
-        kd, teacher_arch, active=last, tp_group=_tp_group(pg_collection),
+        kd, teacher_arch, active=last, tp_group=_tp_group(pg_collection), topk_cache=topk_cache,
+        rows_by_tokens=True,
         dp_rank=ps.get_data_parallel_rank(), dp_size=ps.get_data_parallel_world_size(),
         micro_batch_size=args.micro_batch_size, seq_length=args.seq_length,
         pg_collection=pg_collection, own_groups=False, max_samples=1, log=print,
@@ -336,10 +346,11 @@ def _attach_kd_state(model, args, kd: KDArgs, teacher_arch, pg_collection) -> No
     """The output layer of ``model`` (the chunk that has it) bypassed, its KD state attached."""
     bypass_output_layer(model)
     source = _pending_teacher.pop("source", None)
-    if teacher_arch is not None and source is None:
+    if (teacher_arch is not None or kd.mode == "offline") and source is None:
         raise RuntimeError("the chunk with the output layer was built before the teacher "
                            "(expected virtual stage 0 first)")
-    vocab_size = teacher_arch.vocab_size if teacher_arch is not None else args.vocab_size
+    vocab_size = (teacher_arch.vocab_size if teacher_arch is not None else
+                  source.reader.spec.vocab_size if kd.mode == "offline" else args.vocab_size)
     # Megatron-LM's --gradient-accumulation-fusion (on by default on a GPU): the output-layer
     # weight gradient goes into its DDP's main_grad, as Megatron's own output layer does.
     # --sequence-parallel: the student's (and a dense teacher's) hidden states are this TP

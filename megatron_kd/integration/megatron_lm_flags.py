@@ -2,7 +2,8 @@
 of the loss its flags ask for.
 
 * :func:`check_megatron_args` validates the ``--kd-*`` flags against Megatron-LM's other flags
-  and the teacher checkpoint (``ValueError`` naming the flag and value): the layouts the
+  and the teacher checkpoint (``ValueError`` naming the flag and value), and
+  :func:`open_topk_cache` an offline run's cache against them: the layouts the
   integration (:mod:`megatron_kd.integration.megatron_lm`) cannot run, and the Megatron-LM
   features of :data:`CONFLICTING_FLAGS` that would distil another way or build the model
   twice.
@@ -22,11 +23,13 @@ from functools import partial
 import torch
 from megatron.core.rerun_state_machine import get_rerun_state_machine
 
+from megatron_kd.cache.format import CacheFormatError
+from megatron_kd.cache.reader import TopKCacheReader
 from megatron_kd.integration.args import KDArgs
 from megatron_kd.integration.teacher import check_teacher
 
 __all__ = ["CONFLICTING_FLAGS", "SPIKY_LOSS_FACTOR", "ConflictingFlag", "LossChecks",
-           "check_megatron_args", "validate_loss"]
+           "check_megatron_args", "open_topk_cache", "validate_loss"]
 
 SPIKY_LOSS_FACTOR = 10
 """A loss more than this many times the largest seen is spiky (Megatron-LM's
@@ -80,10 +83,6 @@ def check_megatron_args(args: argparse.Namespace):
     teacher directory resolved) and the teacher's architecture (None without a teacher).
     """
     kd = KDArgs.from_args(args)
-    if kd.mode == "offline":
-        raise ValueError("--kd-mode offline is not supported in Megatron-LM's pretrain_gpt.py "
-                         "yet (its data iterator does not give sample indices to read the cache "
-                         "by); run `megatron-kd train --kd-mode offline` with the same flags")
     for conflict in CONFLICTING_FLAGS:
         # absent from some trees (see CONFLICTING_FLAGS): absent is not given
         value = getattr(args, conflict.attribute, None)
@@ -93,6 +92,8 @@ def check_megatron_args(args: argparse.Namespace):
     tp = args.tensor_model_parallel_size or 1
     cp = args.context_parallel_size or 1
     _check_sequence_split(args, tp, cp)
+    if kd.loss.kd_weight > 0:
+        _check_whole_sequences(args)
     if args.init_model_with_meta_device:
         raise ValueError("--init-model-with-meta-device is not supported with --kd-*: the "
                          "teacher must be built with real weights to load its checkpoint")
@@ -121,6 +122,28 @@ def check_megatron_args(args: argparse.Namespace):
                          f"local Gated DeltaNet layer) does not split; serve it (--kd-mode "
                          f"disaggregated)")
     return kd, arch
+
+
+def open_topk_cache(kd: KDArgs, args: argparse.Namespace) -> TopKCacheReader:
+    """Offline: the ``--kd-topk-cache`` reader, checked against Megatron-LM's flags
+    (``ValueError`` naming both values). Reads the manifest only. The cache's dataset identity
+    is not compared (Megatron-LM builds its own dataset, maybe with another Megatron-Core):
+    each microbatch's tokens are, against the cache's fingerprints."""
+    try:
+        reader = TopKCacheReader(kd.topk_cache)
+    except CacheFormatError as e:
+        raise ValueError(f"--kd-topk-cache {kd.topk_cache!r}: {e}") from None
+    spec = reader.spec
+    if spec.seq_length != args.seq_length:
+        raise ValueError(f"--kd-topk-cache {kd.topk_cache!r} was built for --seq-length "
+                         f"{spec.seq_length}, this run has --seq-length {args.seq_length}")
+    padded = args.padded_vocab_size
+    if padded is not None and spec.vocab_size > padded:
+        raise ValueError(f"--kd-topk-cache {kd.topk_cache!r} holds a teacher vocabulary of "
+                         f"{spec.vocab_size}, more than the student's padded vocabulary "
+                         f"{padded} (Megatron-LM: tokenizer vocabulary padded to "
+                         f"--make-vocab-size-divisible-by x TP)")
+    return reader
 
 
 def _check_sequence_split(args: argparse.Namespace, tp: int, cp: int) -> None:
@@ -152,6 +175,30 @@ def _check_sequence_split(args: argparse.Namespace, tp: int, cp: int) -> None:
                          f"--kd-*: Megatron-LM splits each packed document over the "
                          f"context-parallel ranks, while the teacher is given the load-balanced "
                          f"split of the whole sequence")
+
+
+DOCUMENT_MASKING_FLAGS = (
+    ("--reset-attention-mask", "reset_attention_mask"),
+    ("--reset-position-ids", "reset_position_ids"),
+    ("--dataloader-inter-document-masking", "dataloader_inter_document_masking"),
+    ("--sft", "sft"),
+)
+"""Megatron-LM flags with which ``get_batch`` hands the student per-document attention masks,
+positions or packed-sequence boundaries: the teacher (colocated, served or cached) is given the
+token ids only and attends over the whole sequence, so its targets would not be the ones of the
+student's documents. Each exists only in some trees: read with ``getattr``."""
+
+
+def _check_whole_sequences(args: argparse.Namespace) -> None:
+    """Refuse the flags of :data:`DOCUMENT_MASKING_FLAGS` when the loss has a KD term (with
+    ``--kd-weight 0`` the teacher is not asked and cross-entropy alone follows the student's
+    masks)."""
+    given = [flag for flag, attribute in DOCUMENT_MASKING_FLAGS if getattr(args, attribute, False)]
+    if given:
+        raise ValueError(f"{' and '.join(given)} cannot be combined with --kd-weight > 0: the "
+                         f"student would attend within each document while the teacher sees "
+                         f"the whole sequence (its token ids only), so the KD targets would not "
+                         f"be the student's documents' (use --kd-weight 0, or drop the flag)")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -93,11 +93,26 @@ def teacher_inputs(state, recorder, training: bool,
     """The teacher's side of this microbatch from the run's source (none without a teacher, or
     in a disaggregated or offline evaluation: the student's CE only). ``look``: the data
     iterator the forward step read this microbatch from (training or evaluation), where this
-    rank has one."""
+    rank has one. An offline source reads the whole sequences' token ids (the data iterator's,
+    broadcast over TP: collective over the TP group, on every TP rank alike) and, with context
+    parallelism, keeps this rank's positions of the cached rows."""
     n, per_step = state.microbatches, microbatches_per_step()
+    current = look.current if look is not None else None
     mb = Microbatch(step=n // per_step, index=n % per_step,
+                    tokens=lambda: _microbatch_tokens(state, recorder, current),
+                    positions=_cp_rank_positions(state, recorder),
                     model_inputs=lambda: _model_inputs(state, recorder, look))
     return state.source.inputs(mb, training=training)
+
+
+def _cp_rank_positions(state, recorder) -> torch.Tensor | None:
+    """This context-parallel rank's positions of the whole sequence, in the order
+    ``get_batch`` gave them (None: no context parallelism)."""
+    cp_group = state.cp_group
+    if cp_group is None or cp_group.size() == 1:
+        return None
+    seq = recorder.labels.shape[1] * cp_group.size()
+    return cp_positions(seq, cp_group.rank(), cp_group.size(), recorder.labels.device)
 
 
 def start_source(state) -> None:

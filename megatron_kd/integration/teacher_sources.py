@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_kd.cache.loader import TopKPrefetcher
+from megatron_kd.cache.lookup import TokenLookup
 from megatron_kd.integration.arch import GPTArchConfig
 from megatron_kd.integration.args import KDArgs
 from megatron_kd.integration.cpu_shim import on_cpu
@@ -291,9 +292,10 @@ class Remote(TeacherSource):
         """Hidden-state bytes received, token-id bytes sent (counted by the client: the first
         rank of each data-parallel rank's TP x CP group sends), seconds a receiving rank waited
         (mean over them), the prefetch ring's fill when a response was asked for (mean over the
-        sending ranks), live replicas (as data-parallel rank 0's sending rank sees them), failovers (each also an event) and tokens answered by
-        each replica. Over ``group``: one all-reduce and one object gather; with ``group`` None
-        this rank's own (events and live replicas as its client saw them)."""
+        sending ranks), live replicas (as data-parallel rank 0's sending rank sees them),
+        failovers (each also an event) and tokens answered by each replica. Over ``group``:
+        one all-reduce and one object gather; with ``group`` None this rank's own (events and
+        live replicas as its client saw them)."""
         client = self.client
         stats = client.take_step_stats() if client is not None else {
             "bytes": 0, "bytes_sent": 0, "wait_s": 0.0, "occupancy": None}
@@ -334,33 +336,49 @@ class Remote(TeacherSource):
 class Cached(TeacherSource):
     """Top-K teacher ids and log-probs from a cache made by ``megatron-kd cache build``, read
     by dataset sample index (so any DP / TP / micro-batch layout reads the same cache),
-    decoded ahead of training on a background thread of each active rank. Evaluation
-    microbatches have no teacher (the cache holds the training samples only)."""
+    decoded ahead of training on a background thread of each active rank. ``by_tokens``
+    (Megatron-LM's ``pretrain_gpt.py``, whose data iterator gives no sample indices): each
+    microbatch's rows are found by its tokens' fingerprints and read in step
+    (:class:`~megatron_kd.cache.lookup.TokenLookup`). Evaluation microbatches have no teacher
+    (the cache holds the training samples only)."""
 
     timer = "teacher-wait"
 
     def __init__(self, reader, *, directory: str, depth: int, active: bool,
                  micro_batch_size: int, device: torch.device | None,
-                 tail: str = "renormalize") -> None:
+                 tail: str = "renormalize", by_tokens: bool = False, dp_rank: int = 0) -> None:
         self.reader, self.directory, self.depth, self.active = reader, directory, depth, active
-        self.tail = tail
+        self.tail, self.by_tokens, self.dp_rank = tail, by_tokens, dp_rank
         self.micro_batch_size, self.device = micro_batch_size, device
         self.prefetcher: TopKPrefetcher | None = None
+        self.lookup: TokenLookup | None = None
         self._waited = 0.0
 
     def start(self, schedule: Iterable[Microbatch]) -> None:
         if not self.active:
+            return
+        if self.by_tokens:
+            self.lookup = TokenLookup(self.reader, self.directory)
             return
         # Decoding threads compete with the CPU's own compute; on a GPU they are spare.
         threads = 1 if self.device is None else min(4, self.micro_batch_size)
         self.prefetcher = TopKPrefetcher(self.reader, (mb.sample_ids for mb in schedule),
                                          depth=self.depth, threads=threads, device=self.device)
 
+    def _targets(self, mb: Microbatch) -> tuple[list[int], torch.Tensor, torch.Tensor]:
+        """``(sample indices, ids [s, b, K], logprobs [s, b, K])`` of ``mb``."""
+        if self.lookup is None:
+            return list(mb.sample_ids), *self.prefetcher.next(mb.sample_ids)
+        rows = self.lookup.rows(mb.token_ids(), lambda b: (
+            f"sample {b} of microbatch {mb.index} of step {mb.step + 1} (counted from the "
+            f"run's start) on data-parallel rank {self.dp_rank}"))
+        return [index for index, _ in rows], *self.lookup.read(rows, self.device)
+
     def inputs(self, mb: Microbatch, *, training: bool) -> TeacherInputs:
         if not training:
             return TeacherInputs()
         try:
-            ids, logprobs = self.prefetcher.next(mb.sample_ids)
+            samples, ids, logprobs = self._targets(mb)
         except FloatingPointError as e:  # decoded NaN / inf: named with the step here
             raise FloatingPointError(f"non-finite teacher values (NaN or inf) at step "
                                      f"{mb.step + 1}, microbatch {mb.index}: {e}; no optimizer "
@@ -369,14 +387,14 @@ class Cached(TeacherSource):
             rows = mb.positions.to(ids.device)
             ids, logprobs = ids.index_select(0, rows), logprobs.index_select(0, rows)
         return TeacherInputs(topk_ids=ids, topk_logprobs=logprobs,
-                             what=f"top-K log-probs of samples {list(mb.sample_ids)} read from "
+                             what=f"top-K log-probs of samples {samples} read from "
                                   f"the cache {self.directory}")
 
     def step_stats(self, group: Any) -> StepStats:
         """This step's seconds waiting for decoded targets (mean over the ranks that read the
         cache) and the decoder's rate so far (tokens decoded over decoding seconds, over those
         ranks: it decodes ahead, so a step may decode nothing); one all-reduce over ``group``."""
-        p = self.prefetcher
+        p = self.prefetcher if self.prefetcher is not None else self.lookup
         wait_s, tokens, decode_s = p.rates() if p is not None else (0.0, 0, 0.0)
         vec = [wait_s - self._waited, tokens, decode_s, p is not None]
         self._waited = wait_s
@@ -414,7 +432,7 @@ def build_teacher_source(kd: KDArgs, teacher_arch: GPTArchConfig | None, *, acti
                          own_groups: bool = True, max_samples: int | None = None,
                          log: Callable[[str], None] | None = None,
                          sequence_parallel: bool = False, cp_group=None,
-                         tp_cp_group=None) -> TeacherSource:
+                         tp_cp_group=None, rows_by_tokens: bool = False) -> TeacherSource:
     """The run's teacher source (the one place the KD mode is read); collective over the
     world. ``active``: this rank computes the loss (the student's last pipeline stage).
     ``topk_cache``: offline, the opened and checked cache reader. ``max_samples``: sample ids a
@@ -423,12 +441,14 @@ def build_teacher_source(kd: KDArgs, teacher_arch: GPTArchConfig | None, *, acti
     a colocated teacher runs sequence-parallel too, a remote one's chunks are not gathered;
     top-K targets cover the whole sequence either way). ``cp_group`` / ``tp_cp_group``: context
     parallelism's group and the TP x CP group (a remote teacher answers each CP rank its
-    positions; a colocated one runs in the student's groups, context parallelism included)."""
+    positions; a colocated one runs in the student's groups, context parallelism included).
+    ``rows_by_tokens``: offline, the trainer knows no sample indices; each microbatch's cache
+    rows are found by its tokens."""
     if kd.mode == "offline":
         device = None if on_cpu() else torch.device("cuda", torch.cuda.current_device())
         return Cached(topk_cache, directory=kd.topk_cache, depth=kd.prefetch_depth,
                       active=active, micro_batch_size=micro_batch_size, device=device,
-                      tail=kd.loss.topk_tail)
+                      tail=kd.loss.topk_tail, by_tokens=rows_by_tokens, dp_rank=dp_rank)
     if teacher_arch is None:
         return NoTeacher()
     if kd.mode == "disaggregated":

@@ -144,7 +144,7 @@ def seeds() -> dict[str, list[bytes]]:
     from megatron_kd.cache.format import manifest_bytes  # only here: seeding needs it
 
     blobs = [_sample_blob(i, _SPEC.logprob_codec) for i in range(_SPEC.num_samples)]
-    shard = encode_shard(_SPEC, 0, blobs)
+    shard = encode_shard(_SPEC, 0, blobs, list(range(_SPEC.num_samples)))
     entry = {"file": _SPEC.shard_file(0), "sample_start": 0, "sample_end": _SPEC.num_samples,
              "bytes": len(shard), "sha256": hashlib.sha256(shard).hexdigest()}
     manifest = manifest_bytes({**_SPEC.to_json(), "shards": [entry], "complete": True})

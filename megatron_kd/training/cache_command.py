@@ -190,7 +190,11 @@ def _build_in_model_parallel(build: CacheBuildSection, data: DataSection,
         return gather_positions(hidden, cp_group) if cp_group is not None else hidden
 
     log = print if ps.get_tensor_and_context_parallel_rank() == 0 else None
-    return build_cache(build.out, spec, teacher_forward_fn=teacher_forward, output_weight=weight,
+    def sample_tokens(indices):  # the whole sequences the teacher saw, fingerprinted
+        return collate([dataset[i] for i in indices])["tokens"]
+
+    return build_cache(build.out, spec, teacher_forward_fn=teacher_forward,
+                       sample_tokens_fn=sample_tokens, output_weight=weight,
                        micro_batch_size=build.micro_batch_size, window_size=build.window_size,
                        tp_group=tp_group,
                        replica_group=(ps.get_tensor_and_context_parallel_group() if cp > 1

@@ -24,7 +24,8 @@ def _case_build_tp_dp(ctx, cache_dir, spec):
     # Padded to a multiple of TP 2: shards of 505 columns, the last one with 1 padding column.
     teacher = TinyTeacher(vocab_size=1009, padded_vocab=1010, seq_length=6)
     shard = teacher.output[505 * tp_rank:505 * (tp_rank + 1)]
-    stats = build_cache(cache_dir, spec, teacher_forward_fn=teacher, output_weight=shard,
+    stats = build_cache(cache_dir, spec, teacher_forward_fn=teacher,
+                sample_tokens_fn=teacher.sample_tokens, output_weight=shard,
                         micro_batch_size=2, window_size=4, tp_group=tp_group,
                         dp_rank=ctx.rank // 2, dp_world_size=2)
     dist.barrier()
@@ -35,6 +36,7 @@ def test_tp2_dp2_build_matches_single_process(dist_pool_factory, tmp_path):
     teacher = TinyTeacher(vocab_size=1009, padded_vocab=1010, seq_length=6)
     spec = cache_spec(teacher, num_samples=9, topk=30, samples_per_shard=2)
     build_cache(str(tmp_path / "one"), spec, teacher_forward_fn=teacher,
+                sample_tokens_fn=teacher.sample_tokens,
                 output_weight=teacher.output)
     pool = dist_pool_factory(4)
     written = pool.run(_case_build_tp_dp, str(tmp_path / "tp_dp"), spec)

@@ -179,6 +179,7 @@ def _case_build(ctx, cache_dir, spec_):
     with simulated_accelerator() as calls:
         shard = teacher.output[505 * rank:505 * (rank + 1)].cuda()
         stats = build_cache(cache_dir, spec_, teacher_forward_fn=lambda b: teacher(b).cuda(),
+                sample_tokens_fn=teacher.sample_tokens,
                             output_weight=shard, micro_batch_size=2, window_size=4,
                             tp_group=group)
     assert "all_gather cache/topk.py" in _functions(calls), calls
@@ -189,6 +190,7 @@ def test_cache_build_collectives_on_device(pool, tmp_path):
     teacher = TinyTeacher(vocab_size=1009, padded_vocab=1010, seq_length=6)
     spec_ = cache_spec(teacher, num_samples=5, topk=30, samples_per_shard=2)
     build_cache(str(tmp_path / "one"), spec_, teacher_forward_fn=teacher,
+                sample_tokens_fn=teacher.sample_tokens,
                 output_weight=teacher.output)
     assert pool.run(_case_build, str(tmp_path / "tp"), spec_) == [[0, 1, 2]] * WORLD
     assert sorted(cache_files(tmp_path / "one")) == sorted(cache_files(tmp_path / "tp"))

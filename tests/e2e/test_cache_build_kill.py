@@ -21,7 +21,8 @@ from support.cache_cases import TinyTeacher, cache_spec
 from megatron_kd.cache.build import build_cache
 teacher = TinyTeacher(vocab_size=1009, padded_vocab=1009, seq_length=12, delay={delay})
 spec = cache_spec(teacher, num_samples=16, topk=25, samples_per_shard=2, codec="log1p-u11")
-build_cache({out!r}, spec, teacher_forward_fn=teacher, output_weight=teacher.output)
+build_cache({out!r}, spec, teacher_forward_fn=teacher,
+                sample_tokens_fn=teacher.sample_tokens, output_weight=teacher.output)
 print("done")
 """
 
@@ -36,6 +37,7 @@ def test_sigkill_mid_build_then_resume_is_byte_identical(tmp_path):
     teacher = TinyTeacher(vocab_size=1009, padded_vocab=1009, seq_length=12)
     spec = cache_spec(teacher, num_samples=16, topk=25, samples_per_shard=2, codec="log1p-u11")
     build_cache(str(tmp_path / "ref"), spec, teacher_forward_fn=teacher,
+                sample_tokens_fn=teacher.sample_tokens,
                 output_weight=teacher.output)
     ref = cache_files(tmp_path / "ref")
 

@@ -11,7 +11,10 @@ its tiers share one stand-in for Megatron-LM (``get_args``, its writers) and one
    (the last stage called without tokens, as Megatron-LM's ``get_batch`` does), and
    ``--kd-mode disaggregated`` against a real ``megatron-kd teacher serve`` replica (the losses
    of colocated training); ``--context-parallel-size 2`` (colocated, PP 2 x CP 2 with the last
-   stage called without tokens, disaggregated) against CP 1.
+   stage called without tokens, disaggregated) against CP 1; ``--kd-mode offline`` on a cache
+   holding the run's rows in another order (TP 2 against the fused loss on the rows the test
+   knows, CP 2, PP 2 without tokens on the last stage, caches without the run's samples
+   refused).
 
 Megatron-LM itself (``megatron.training``, ``pretrain_gpt.py``) is not installable here. The
 stand-ins below replace only what megatron-core lacks, and play Megatron-LM's part as the
@@ -178,8 +181,6 @@ def _lm_args(kd_argv=(), **megatron_lm_fields):
 
 
 @pytest.mark.parametrize("argv, fields, message", [
-    (["--kd-mode", "offline", "--kd-topk-cache", "/c"], {},
-     "--kd-mode offline is not supported in Megatron-LM's pretrain_gpt.py"),
     (["--kd-mode", "disaggregated", "--kd-teacher-load", "/t"], {},
      "--kd-mode disaggregated needs --kd-teacher-endpoint"),
     (["--kd-weight", "0", "--kd-ce-weight", "1"],
@@ -231,8 +232,21 @@ def test_context_parallel_settings_pass():
         kd, arch = check_megatron_args(_lm_args(["--kd-weight", "0", "--kd-ce-weight", "1"],
                                                 **fields))
         assert arch is None and kd.loss.ce_weight == 1, fields
-    # --sft without context parallelism is not this check's business
+    # --sft without context parallelism and without a KD term: cross-entropy alone
     check_megatron_args(_lm_args(["--kd-weight", "0", "--kd-ce-weight", "1"], sft=True))
+
+
+@pytest.mark.parametrize("attribute, flag", [
+    ("reset_attention_mask", "--reset-attention-mask"),
+    ("reset_position_ids", "--reset-position-ids"),
+    ("dataloader_inter_document_masking", "--dataloader-inter-document-masking"),
+    ("sft", "--sft")])
+def test_document_masking_refused_with_a_kd_term(attribute, flag):
+    """Per-document masks, positions or packed sequences for the student while the teacher is
+    given whole sequences: refused whenever the teacher is asked (here colocated at CP 1)."""
+    with pytest.raises(ValueError, match=re.escape(f"{flag} cannot be combined with "
+                                                   f"--kd-weight > 0")):
+        check_megatron_args(_lm_args(["--kd-teacher-load", "/nowhere"], **{attribute: True}))
 
 
 def test_context_parallel_gated_deltanet_teacher_refused(monkeypatch):
@@ -575,6 +589,11 @@ def cp_summed_grads(model):
     return grads
 
 
+def _teacher_argv(teacher_dir):
+    """``--kd-teacher-load teacher_dir`` (None: no teacher flag, as offline)."""
+    return ["--kd-teacher-load", teacher_dir] if teacher_dir is not None else []
+
+
 def case_pipeline_schedule(ctx, teacher_dir, kd_argv, drop_inputs=False, tp=1,
                            sequence_parallel=False, cp=1, per_token_loss=False):
     """PP=2 (x ``tp`` x ``cp``) through megatron-core's schedule: the teacher only on the last
@@ -589,7 +608,7 @@ def case_pipeline_schedule(ctx, teacher_dir, kd_argv, drop_inputs=False, tp=1,
     from megatron_kd.integration.cpu_shim import device_context
     from megatron_kd.integration.groups import model_parallel
 
-    args = _lm_args(["--kd-teacher-load", teacher_dir, *kd_argv],
+    args = _lm_args([*_teacher_argv(teacher_dir), *kd_argv],
                     pipeline_model_parallel_size=2, tensor_model_parallel_size=tp,
                     sequence_parallel=sequence_parallel, context_parallel_size=cp)
     with megatron_lm_stub(args), model_parallel(tp=tp, pp=2, cp=cp), device_context():
@@ -621,7 +640,7 @@ def case_train_microbatches(ctx, teacher_dir, kd_argv, n=3, tensorboard_dir=None
     from megatron_kd.integration.cpu_shim import device_context
     from megatron_kd.integration.groups import model_parallel
 
-    args = _lm_args(["--kd-teacher-load", teacher_dir, *kd_argv], tensor_model_parallel_size=tp,
+    args = _lm_args([*_teacher_argv(teacher_dir), *kd_argv], tensor_model_parallel_size=tp,
                     context_parallel_size=cp)
     writer = None
     if tensorboard_dir is not None and ctx.rank == ctx.world_size - 1:
@@ -1071,3 +1090,186 @@ def test_context_parallel_disaggregated(pool, teacher_dir, replicas, cp2_colocat
         assert r["eval"]["lm loss"] == pytest.approx(c["eval"]["lm loss"], rel=1e-6)
     replica.stop()
     assert replica.requests_served() == 3  # one request a microbatch for both CP ranks
+
+
+# --- offline: the top-K cache inside pretrain_gpt.py -------------------------------------------
+# A cache of the rows of make_batch(seed) for RUN_SEEDS (what case_train_microbatches and
+# case_pipeline_schedule read), stored in reverse order: the run finds its rows by their tokens,
+# not by where the data iterator's order would put them.
+RUN_SEEDS = (20, 21, 22, 11, 12)
+OFFLINE_TOPK = 16
+
+
+def _cache_rows(seeds):
+    return [make_batch(seed)["tokens"][b] for seed in seeds for b in range(MBS)]
+
+
+def case_build_offline_cache(ctx, teacher_dir, cache_dir, seeds):
+    """The top-K cache (K 16, lossless fp32 log-probs) of the teacher over the rows of
+    ``make_batch(seed)`` for ``seeds``, in reverse order; rank 0 writes (every rank builds the
+    teacher: its load may be collective)."""
+    import torch.distributed as dist
+
+    from megatron_kd.cache.build import build_cache
+    from megatron_kd.cache.codec import LogprobCodec
+    from megatron_kd.cache.format import CacheSpec
+    from megatron_kd.integration.cpu_shim import device_context
+    from megatron_kd.integration.groups import model_parallel
+    from megatron_kd.integration.output_layer import output_layer_weight, to_sbh
+
+    samples = _cache_rows(seeds)[::-1]
+    with model_parallel(tp=1), device_context():
+        teacher = _reference_teacher(teacher_dir)
+        if ctx.rank == 0:
+            def tokens(indices):
+                return torch.stack([samples[i] for i in indices])
+
+            @torch.no_grad()
+            def forward(indices):
+                t = tokens(indices)
+                return to_sbh(teacher(t, torch.arange(SEQ).expand_as(t), None))
+
+            spec = CacheSpec(teacher_checkpoint=teacher_dir, teacher_weights_hash="test",
+                             tokenizer="test", vocab_size=STUDENT_ARCH["vocab_size"],
+                             topk=OFFLINE_TOPK, seq_length=SEQ, num_samples=len(samples),
+                             dataset_hash=f"rows of make_batch{tuple(seeds)}",
+                             samples_per_shard=4, logprob_codec=LogprobCodec(name="fp32"))
+            build_cache(cache_dir, spec, teacher_forward_fn=forward, sample_tokens_fn=tokens,
+                        output_weight=output_layer_weight(teacher), micro_batch_size=2)
+        dist.barrier()
+
+
+def case_offline_reference(ctx, cache_dir, kd_argv, seeds, tp=2):
+    """``[[loss sum, tokens]]`` of each ``make_batch(seed)``: the student (the same provider
+    and seed) bypassed by hand, its top-K targets read by sample index from where
+    :func:`case_build_offline_cache` put each row (reverse order), ``vocab_parallel_kd_loss``
+    called directly."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_kd.cache.loader import topk_batch
+    from megatron_kd.cache.reader import TopKCacheReader
+    from megatron_kd.integration.args import KDArgs
+    from megatron_kd.integration.cpu_shim import device_context
+    from megatron_kd.integration.groups import model_parallel
+    from megatron_kd.integration.output_layer import (
+        bypass_output_layer,
+        output_layer_weight,
+        to_sbh,
+    )
+    from megatron_kd.loss import vocab_parallel_kd_loss
+
+    args = _lm_args(["--kd-mode", "offline", "--kd-topk-cache", cache_dir, *kd_argv],
+                    tensor_model_parallel_size=tp)
+    reader = TopKCacheReader(cache_dir)
+    last = len(_cache_rows(RUN_SEEDS)) - 1
+    out = []
+    with megatron_lm_stub(args), model_parallel(tp=tp), device_context():
+        model = bypass_output_layer(megatron_lm_model_provider())
+        config = KDArgs.from_args(args).loss_config(vocab_size=STUDENT_ARCH["vocab_size"])
+        for seed in seeds:
+            batch = make_batch(seed)
+            first = RUN_SEEDS.index(seed) * MBS
+            ids, logprobs = topk_batch(reader, [last - first - b for b in range(MBS)])
+            hidden = to_sbh(model(batch["tokens"], batch["position_ids"], None))
+            loss, tokens = vocab_parallel_kd_loss(
+                hidden, output_layer_weight(model), teacher_topk_ids=ids,
+                teacher_topk_logprobs=logprobs, labels=batch["labels"].t(),
+                loss_mask=batch["loss_mask"].t(), config=config,
+                tp_group=ps.get_tensor_model_parallel_group())
+            out.append([loss.item(), tokens.item()])
+    return out
+
+
+def case_offline_refused(ctx, cache_dir, tp=2, cp=1):
+    """The refusal of :func:`case_train_microbatches` offline on ``cache_dir`` (None: none)."""
+    try:
+        case_train_microbatches(ctx, None, ["--kd-mode", "offline", "--kd-topk-cache",
+                                            cache_dir], tp=tp, cp=cp)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+@pytest.fixture(scope="module")
+def offline_caches(pool, teacher_dir, tmp_path_factory):
+    """``{"run": the run's rows, "other": rows of other batches, "partial": the first two
+    microbatches' rows only}``: cache directories built by the teacher."""
+    root = tmp_path_factory.mktemp("offline_caches")
+    caches = {"run": RUN_SEEDS, "other": (50, 51), "partial": (20, 21)}
+    for name, seeds in caches.items():
+        pool.run(case_build_offline_cache, teacher_dir, str(root / name), seeds)
+    return {name: str(root / name) for name in caches}
+
+
+OFFLINE_ARGV = ("--kd-ce-weight", "0.3", "--kd-topk-tail", "renormalize")
+
+
+def test_offline_cache_in_megatron_lm(pool, offline_caches):
+    """``--kd-mode offline`` through the patched entry points at TP 2 and at CP 2: each
+    microbatch's rows found by its tokens in a cache that holds them in another order; the
+    losses are those of the fused loss called directly on the rows the test knows (the same
+    fp32 operations: 1e-6), CP 2 sums to TP 2's (1e-5, the CP sum order); evaluation has no
+    teacher (the cache holds training samples only)."""
+    argv = ["--kd-mode", "offline", "--kd-topk-cache", offline_caches["run"], *OFFLINE_ARGV]
+    tp2 = pool.run(case_train_microbatches, None, argv)
+    want = pool.run(case_offline_reference, offline_caches["run"], OFFLINE_ARGV, (20, 21, 22))
+    cp2 = pool.run(case_train_microbatches, None, argv, tp=1, cp=2)
+    for got, ref, cp in zip(tp2, want, cp2):
+        assert not got["teacher_built"] and not got["client"]
+        assert [r["total loss"] for r in got["reports"]] == [
+            pytest.approx(pair, rel=1e-6) for pair in ref]
+        assert all(r["kd loss"][0] > 0 for r in got["reports"])
+        assert set(got["eval"]) == {"total loss", "lm loss"}, got["eval"]
+        _assert_reports_close(cp["reports"], got["reports"], 1e-5)
+
+
+def test_offline_cache_last_stage_without_tokens(pool, offline_caches):
+    """PP 2, the last stage called without tokens (Megatron-LM's ``get_batch``): the rows are
+    found from the data iterator's tokens, the losses those of a stage called with them."""
+    argv = ["--kd-mode", "offline", "--kd-topk-cache", offline_caches["run"], *OFFLINE_ARGV]
+    with_tokens = pool.run(case_pipeline_schedule, None, argv)[1]
+    without = pool.run(case_pipeline_schedule, None, argv, True)[1]
+    assert len(without["reports"]) == 2 and all(r["kd loss"][0] > 0 for r in without["reports"])
+    assert without["reports"] == with_tokens["reports"]
+    assert without["grad_norm"] == with_tokens["grad_norm"]
+
+
+@pytest.mark.parametrize("cache, where", [
+    ("other", "sample 0 of microbatch 0 of step 1 (counted from the run's start) on "
+              "data-parallel rank 0"),
+    ("partial", "sample 0 of microbatch 0 of step 3 (counted from the run's start) on "
+                "data-parallel rank 0")])
+def test_offline_cache_without_the_samples_refused(pool, offline_caches, cache, where):
+    """A cache built for other data stops the run at its first sample; one that lacks a later
+    microbatch's samples at that microbatch, before its loss: the sample and the cache named,
+    on every TP rank together."""
+    for msg in pool.run(case_offline_refused, offline_caches[cache]):
+        assert msg is not None and msg.startswith(where), msg
+        assert f"the top-K cache {offline_caches[cache]} holds no sample with its tokens" in msg
+        assert "No optimizer step was taken" in msg
+
+
+def test_offline_cache_checked_against_megatron_lm_flags(offline_caches, tmp_path):
+    """The cache against Megatron-LM's flags, before anything is built: its sequence length,
+    a vocabulary larger than the student's padded one, a directory that is no cache."""
+    from megatron_kd.integration.megatron_lm_flags import open_topk_cache
+
+    def opened(cache_dir, **fields):
+        args = _lm_args(["--kd-mode", "offline", "--kd-topk-cache", cache_dir], **fields)
+        kd, teacher_arch = check_megatron_args(args)
+        assert teacher_arch is None
+        return open_topk_cache(kd, args)
+
+    assert opened(offline_caches["run"]).spec.topk == OFFLINE_TOPK
+    run = offline_caches["run"]
+    with pytest.raises(ValueError, match=re.escape(
+            f"--kd-topk-cache {run!r} was built for --seq-length {SEQ}, this run has "
+            f"--seq-length 64")):
+        opened(run, seq_length=64)
+    with pytest.raises(ValueError, match=re.escape(
+            f"--kd-topk-cache {run!r} holds a teacher vocabulary of 500, more than the "
+            f"student's padded vocabulary 256")):
+        opened(run, padded_vocab_size=256)
+    with pytest.raises(ValueError, match=re.escape(
+            f"--kd-topk-cache {str(tmp_path)!r}: {tmp_path}/manifest.json: no manifest")):
+        opened(str(tmp_path))

@@ -32,7 +32,10 @@ are not compared: Megatron-LM evaluates on the validation batches that follow th
 evaluation's, ``megatron-kd train`` on the first ``--eval-iters`` batches each time. CP2 with
 ``--kd-mode disaggregated`` (a ``megatron-kd teacher serve`` replica at CP 1 and at CP 2, fp32
 on the wire) gives the same losses as ``megatron-kd train``'s colocated CP2, with one request a
-microbatch for both CP ranks.
+microbatch for both CP ranks. ``--kd-mode offline`` on a cache ``megatron-kd cache build``
+made with the run's data flags gives ``megatron-kd train --kd-mode offline``'s losses at DP 2
+and TP 2 (1e-5 relative), and a cache built for other data (``--mock-data``) stops the run
+before its first iteration naming its first sample and the cache.
 """
 
 import json
@@ -433,3 +436,88 @@ def test_real_pretrain_gpt_with_a_moe_teacher(inputs, tmp_path, dist_pool_factor
         for it in range(1, ITERS + 1):
             for key in KEYS:
                 assert got[it][key] == pytest.approx(want[it][key], rel=1e-5), (root, it, key)
+
+
+# --- offline: a cache built by `megatron-kd cache build` inside pretrain_gpt.py -----------------
+OFFLINE_LAYOUTS = {"dp2": Layout(2), "tp2": LAYOUTS["tp2"]}
+CACHE_DATA = ["--split", "90,5,5", "--seed", "1234", "--eval-iters", "1"]
+
+
+def _cache_build(inputs, out, data):
+    """``megatron-kd cache build`` (TP 1, one process, K 16, lossless fp32 log-probs) of the
+    run's samples (``ITERS`` steps of 4) over ``data`` (its data flags)."""
+    from support.train_cases import cache_build_argv
+
+    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    _torchrun(sys.executable, 1, ["-m", "megatron_kd", *cache_build_argv(
+        out, inputs["teacher"], topk=16, seq=32, iters=ITERS, global_batch=4, data=data)], env)
+    return str(out)
+
+
+@pytest.fixture(scope="module")
+def offline_cache(inputs):
+    """The cache of the run's own data: its data flags, as ``megatron-kd train`` takes them."""
+    return _cache_build(inputs, inputs["dir"] / "topk_cache", [
+        "--data-path", inputs["data"], "--tokenizer-model", inputs["tokenizer"], *CACHE_DATA])
+
+
+def _megatron_kd_steps(log_json):
+    """``{step: {total, kd, lm loss}}`` of a ``megatron-kd train --log-json`` file."""
+    with open(log_json, encoding="utf-8") as f:
+        records = [json.loads(line) for line in f if line.strip()]
+    return {r["step"]: {"total loss": r["loss"], "kd loss": r["kd_loss"],
+                        "lm loss": r["lm_loss"]} for r in records if "step_time_s" in r}
+
+
+@pytest.mark.parametrize("layout", list(OFFLINE_LAYOUTS))
+def test_real_pretrain_gpt_offline_matches_megatron_kd_train(inputs, offline_cache, layout,
+                                                             tmp_path):
+    """``--kd-mode offline --kd-topk-cache DIR`` inside the real ``pretrain_gpt.py`` of each
+    checkout, on a cache ``megatron-kd cache build`` made with the run's data flags: every
+    iteration's total, KD and LM losses are ``megatron-kd train --kd-mode offline``'s on the
+    same cache, 1e-5 relative (Megatron-LM's rows found by their tokens, ours by sample
+    index); its evaluation has no teacher (the cache holds training samples only)."""
+    python = _megatron_lm_python()
+    spec = OFFLINE_LAYOUTS[layout]
+    offline = ["--kd-mode", "offline", "--kd-topk-cache", offline_cache]
+    log = str(tmp_path / "kd.jsonl")
+    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    _torchrun(sys.executable, spec.nproc, [
+        "-m", "megatron_kd", "train", *COMMON, *spec.flags, "--data-path", inputs["data"],
+        "--tokenizer-model", inputs["tokenizer"], *offline, "--log-json", log, "--no-progress"],
+        env)
+    want = _megatron_kd_steps(log)
+    assert sorted(want) == list(range(1, ITERS + 1))
+    assert all(v["kd loss"] > 0 for v in want.values())
+    for root in _checkouts():
+        out = _pretrain_gpt(python, root, tmp_path, spec.nproc, [
+            *COMMON, *MEGATRON_LM_ONLY, *spec.flags, "--data-path", inputs["data"], *offline])
+        got_steps, got_valid = megatron_lm_losses(out)
+        _assert_steps_match(got_steps, want,
+                            f"offline {layout} {_git(root, 'rev-parse', '--short', 'HEAD')}")
+        assert set(got_valid) == {"total loss", "lm loss"}, got_valid
+
+
+def test_real_pretrain_gpt_offline_cache_for_other_data_refused(inputs, tmp_path):
+    """A cache built for other data (``--mock-data``, the same sizes) stops ``pretrain_gpt.py``
+    before its first iteration, naming the first sample (step 1, microbatch 0, sample 0 of
+    data-parallel rank 0) and the cache."""
+    python = _megatron_lm_python()
+    other = _cache_build(inputs, tmp_path / "other_cache", ["--mock-data", *CACHE_DATA])
+    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
+               CUDA_DEVICE_MAX_CONNECTIONS="1")
+    for root in _checkouts():
+        run_env = dict(env, PYTHONPATH=os.pathsep.join([root, os.path.join(REPO, "tests"), REPO]),
+                       PATH=os.pathsep.join([os.path.dirname(python), os.environ["PATH"]]))
+        proc = subprocess.run([python, "-m", "torch.distributed.run", "--standalone",
+                               "--nproc-per-node", "2", LAUNCHER,
+                               _patched_script(root, tmp_path), *COMMON, *MEGATRON_LM_ONLY,
+                               "--data-path", inputs["data"], "--kd-mode", "offline",
+                               "--kd-topk-cache", other], capture_output=True, text=True,
+                              env=run_env, timeout=600, check=False)
+        log = proc.stdout + proc.stderr
+        assert proc.returncode != 0, log[-3000:]
+        assert ("ValueError: sample 0 of microbatch 0 of step 1 (counted from the run's start) "
+                f"on data-parallel rank 0: the top-K cache {other} holds no sample with its "
+                f"tokens") in log, (root, log[-6000:])
+        assert not _LINE.search(log), (root, "an iteration ran")

@@ -69,7 +69,7 @@ def cases(vp, tmp_path, monkeypatch):
 
 def _write_cache(vp, case, cache_dir, teacher_dir, vocab_size):
     """A complete cache with the spec `megatron-kd cache build` would record for this argv."""
-    from megatron_kd.cache.format import CacheSpec
+    from megatron_kd.cache.format import CacheSpec, token_fingerprint
     from megatron_kd.cache.identity import dataset_identity, tokenizer_identity
     from megatron_kd.cache.writer import CacheWriter
     from megatron_kd.data.datasets import MockGPTDataset
@@ -99,7 +99,8 @@ def _write_cache(vp, case, cache_dir, teacher_dir, vocab_size):
     writer = CacheWriter(cache_dir, spec)
     ids = np.broadcast_to(np.arange(TOPK), (args.seq_length, TOPK))
     logprobs = np.full((args.seq_length, TOPK), -np.log(TOPK), dtype=np.float32)
-    writer.write_shard(0, [writer.encode(ids, logprobs)] * samples)
+    writer.write_shard(0, [writer.encode(ids, logprobs)] * samples,
+                       [token_fingerprint(dataset[i]["tokens"]) for i in range(samples)])
 
 
 def test_builtin_cases_cover_every_mode(vp, cases):

@@ -28,6 +28,10 @@ class TinyTeacher:
         return torch.randint(self.vocab_size, (self.seq_length,),
                              generator=torch.Generator().manual_seed(10_000 + i))
 
+    def sample_tokens(self, sample_indices):
+        """``[b, s]`` the token ids of these samples (what ``build_cache`` fingerprints)."""
+        return torch.stack([self.tokens(i) for i in sample_indices])
+
     def __call__(self, sample_indices):
         if self.delay:
             time.sleep(self.delay)

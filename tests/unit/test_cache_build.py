@@ -16,6 +16,7 @@ def test_build_matches_reference_large_vocab(tmp_path):
     teacher = TinyTeacher(vocab_size=150_001, padded_vocab=150_016, seq_length=8)
     spec = cache_spec(teacher, num_samples=5, topk=20, samples_per_shard=2)
     stats = build_cache(str(tmp_path), spec, teacher_forward_fn=teacher,
+                sample_tokens_fn=teacher.sample_tokens,
                         output_weight=teacher.output, micro_batch_size=2, window_size=5)
     assert stats.shards_written == [0, 1, 2] and stats.tokens == 40
     assert verify(tmp_path) == []
@@ -32,6 +33,7 @@ def test_build_matches_reference_large_vocab(tmp_path):
     assert ids.max() >= 150_001 - 10
     # Resume of a complete cache: nothing to do.
     again = build_cache(str(tmp_path), spec, teacher_forward_fn=teacher,
+                sample_tokens_fn=teacher.sample_tokens,
                         output_weight=teacher.output)
     assert again.shards_written == [] and again.shards_skipped == [0, 1, 2]
 
@@ -41,15 +43,18 @@ def test_resume_after_torn_writes_is_byte_identical(tmp_path):
     teacher = TinyTeacher(vocab_size=1009, padded_vocab=1009, seq_length=6)
     spec = cache_spec(teacher, num_samples=7, topk=11, samples_per_shard=2, codec="log1p-u11")
     build_cache(str(tmp_path / "ref"), spec, teacher_forward_fn=teacher,
+                sample_tokens_fn=teacher.sample_tokens,
                 output_weight=teacher.output)
     ref = cache_files(tmp_path / "ref")
 
     torn = tmp_path / "torn"
     build_cache(str(torn), spec, teacher_forward_fn=lambda idx: teacher(idx),
+                sample_tokens_fn=teacher.sample_tokens,
                 output_weight=teacher.output, dp_rank=0, dp_world_size=2)  # shards 0 and 2
     (torn / f".{spec.shard_file(1)}.tmp.999").write_bytes(b"partial")
     (torn / ".manifest.json.tmp.999").write_bytes(b"{partial")
     (torn / spec.shard_file(3)).write_bytes(ref[spec.shard_file(3)])  # renamed, not recorded
     assert len(load_manifest(torn)["shards"]) == 2
-    build_cache(str(torn), spec, teacher_forward_fn=teacher, output_weight=teacher.output)
+    build_cache(str(torn), spec, teacher_forward_fn=teacher,
+                sample_tokens_fn=teacher.sample_tokens, output_weight=teacher.output)
     assert cache_files(torn) == ref

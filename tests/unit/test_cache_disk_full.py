@@ -23,7 +23,8 @@ def _teacher_and_spec():
 
 
 def _build(path, teacher, spec):
-    return build_cache(str(path), spec, teacher_forward_fn=teacher, output_weight=teacher.output)
+    return build_cache(str(path), spec, teacher_forward_fn=teacher,
+                sample_tokens_fn=teacher.sample_tokens, output_weight=teacher.output)
 
 
 def test_enospc_names_path_and_bytes_then_resumes_identically(tmp_path, monkeypatch):

@@ -205,7 +205,9 @@ def _write_all(cache_dir, spec, shards=None):
     writer = CacheWriter(cache_dir, spec)
     for index in shards if shards is not None else range(spec.num_shards):
         start, end = spec.shard_range(index)
-        writer.write_shard(index, [writer.encode(*_sample_data(spec, i)) for i in range(start, end)])
+        blobs = [writer.encode(*_sample_data(spec, i)) for i in range(start, end)]
+        # stand-in fingerprints: the indices
+        writer.write_shard(index, blobs, list(range(start, end)))
     return writer
 
 
@@ -220,7 +222,7 @@ def test_write_read_roundtrip(tmp_path):
     spec = _spec()
     _write_all(tmp_path, spec)
     manifest = load_manifest(tmp_path)
-    assert manifest["complete"] and manifest["format_version"] == 1
+    assert manifest["complete"] and manifest["format_version"] == 2
     assert [s["sample_start"] for s in manifest["shards"]] == [0, 4, 8]
     assert manifest["shards"][-1]["sample_end"] == 10
     reader = TopKCacheReader(tmp_path)
@@ -281,6 +283,47 @@ def test_unknown_format_version_refused(tmp_path):
     (tmp_path / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(CacheFormatError, match="format_version 99 is not supported"):
         TopKCacheReader(tmp_path)
+
+
+def test_format_version_1_refused_with_rebuild_advice(tmp_path):
+    """Version 1 caches hold no token fingerprints: refused, naming the command that rebuilds."""
+    _write_all(tmp_path, _spec(), shards=[0])
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    manifest["format_version"] = 1
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(CacheFormatError, match=r"format_version 1 is not supported \(this reader: "
+                                               r"2\): it holds no token fingerprints.*megatron-kd "
+                                               r"cache build"):
+        TopKCacheReader(tmp_path)
+
+
+def test_token_fingerprints_round_trip(tmp_path):
+    """Each shard's fingerprint table gives back what was written, by index and by value."""
+    import torch
+
+    from megatron_kd.cache.format import token_fingerprint
+    from megatron_kd.cache.lookup import TokenLookup
+
+    spec = _spec()
+    writer = CacheWriter(tmp_path, spec)
+    tokens = {i: np.arange(spec.seq_length) * (i + 3) % 1000 for i in range(spec.num_samples)}
+    for index in range(spec.num_shards):
+        start, end = spec.shard_range(index)
+        blobs = [writer.encode(*_sample_data(spec, i)) for i in range(start, end)]
+        writer.write_shard(index, blobs, [token_fingerprint(tokens[i]) for i in range(start, end)])
+    reader = TopKCacheReader(tmp_path)
+    table = reader.fingerprints()
+    lookup = TokenLookup(reader, str(tmp_path))
+    for i, row in tokens.items():
+        assert reader.fingerprint(i) == token_fingerprint(row) == int(table[i])
+        assert lookup.rows(torch.as_tensor(row)[None], str) == [(i, token_fingerprint(row))]
+    with pytest.raises(ValueError, match=r"^row 0: the top-K cache .* holds no sample with its "
+                                         r"tokens \[1, 2, 3, "):
+        lookup.rows(torch.arange(1, spec.seq_length + 1)[None], lambda b: f"row {b}")
+    # int64 little-endian bytes, whatever the input's dtype
+    assert token_fingerprint(np.array([1, 2, 3], np.int32)) == token_fingerprint([1, 2, 3])
+    assert token_fingerprint([1, 2, 3]) != token_fingerprint([1, 2, 4])
+    assert verify(tmp_path) == []
 
 
 @pytest.mark.parametrize("field, value, message", [

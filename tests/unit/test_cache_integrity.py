@@ -41,7 +41,8 @@ def _cache(path, codec="compact"):
     writer = CacheWriter(path, spec)
     for index in range(spec.num_shards):
         start, end = spec.shard_range(index)
-        writer.write_shard(index, [writer.encode(*_sample(spec, i)) for i in range(start, end)])
+        writer.write_shard(index, [writer.encode(*_sample(spec, i)) for i in range(start, end)],
+                           list(range(start, end)))  # stand-in fingerprints: the indices
     return spec
 
 

@@ -43,6 +43,8 @@ def _build(tmp_path, name, k, codec, teacher_hidden, teacher_weight):
                      logprob_codec=LogprobCodec(name=codec))
     build_cache(str(tmp_path / name), spec,
                 teacher_forward_fn=lambda idx: teacher_hidden[:, idx[0]:idx[-1] + 1],
+                sample_tokens_fn=lambda idx: torch.stack(
+                    [torch.as_tensor(dataset[i]["tokens"]) for i in idx]),
                 output_weight=teacher_weight, micro_batch_size=2, window_size=7)
     return open_cache_for_run(tmp_path / name, dataset=dataset, tokenizer=MockTokenizer(VOCAB),
                               seq_length=SEQ, vocab_size=VOCAB, num_samples=SAMPLES, topk=k)

@@ -13,7 +13,6 @@ import argparse
 import collections
 import dataclasses
 import importlib
-
 import types
 
 import numpy as np
@@ -63,7 +62,7 @@ def test_decoded_topk_entry_is_what_the_cache_hands_the_trainer(tmp_path):
     writer = CacheWriter(tmp_path, spec)
     ids = np.tile(np.arange(topk), (seq_length, 1))
     logprobs = np.full((seq_length, topk), -np.log(topk), dtype=np.float32)
-    writer.write_shard(0, [writer.encode(ids, logprobs)])
+    writer.write_shard(0, [writer.encode(ids, logprobs)], [0])
     got_ids, got_logprobs = topk_batch(TopKCacheReader(tmp_path), [0])
     entry = got_ids.element_size() + got_logprobs.element_size()
     assert entry == memory.DECODED_TOPK_ENTRY_BYTES
