@@ -26,6 +26,7 @@ from megatron.core.rerun_state_machine import get_rerun_state_machine
 from megatron_kd.cache.format import CacheFormatError
 from megatron_kd.cache.reader import TopKCacheReader
 from megatron_kd.integration.args import KDArgs
+from megatron_kd.integration.megatron_lm_pretrained import use_pretrained_checkpoint
 from megatron_kd.integration.teacher import check_teacher
 
 __all__ = ["CONFLICTING_FLAGS", "SPIKY_LOSS_FACTOR", "ConflictingFlag", "LossChecks",
@@ -99,6 +100,8 @@ def check_megatron_args(args: argparse.Namespace):
                          "teacher must be built with real weights to load its checkpoint")
     if args.mtp_num_layers:
         raise ValueError(f"--mtp-num-layers {args.mtp_num_layers} is not supported with --kd-*")
+    # before Megatron-LM loads it (after the model is built): this project's checkpoints
+    use_pretrained_checkpoint(args)
     if not kd.teacher_load:
         return kd, None
 

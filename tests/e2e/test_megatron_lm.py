@@ -1273,3 +1273,57 @@ def test_offline_cache_checked_against_megatron_lm_flags(offline_caches, tmp_pat
     with pytest.raises(ValueError, match=re.escape(
             f"--kd-topk-cache {str(tmp_path)!r}: {tmp_path}/manifest.json: no manifest")):
         opened(str(tmp_path))
+
+
+def _model_dir(path, **arch):
+    """A directory with only a ``model_config.json`` (what the pretrained hook reads)."""
+    import json
+
+    from megatron_kd.integration.arch import GPTArchConfig
+    from megatron_kd.integration.checkpoint import CHECKPOINT_FORMAT_VERSION
+
+    os.makedirs(path)
+    config = GPTArchConfig(**{**STUDENT_ARCH, "padded_vocab_size": 512, **arch}).to_dict()
+    with open(os.path.join(path, "model_config.json"), "w", encoding="utf-8") as f:
+        json.dump({"format_version": CHECKPOINT_FORMAT_VERSION, "arch": config}, f)
+    return str(path)
+
+
+def _student_fields(**fields):
+    return {"num_layers": STUDENT_ARCH["num_layers"], "hidden_size": STUDENT_ARCH["hidden_size"],
+            "num_attention_heads": STUDENT_ARCH["num_attention_heads"],
+            "group_query_attention": True, "num_query_groups": STUDENT_ARCH["num_query_groups"],
+            "ffn_hidden_size": STUDENT_ARCH["ffn_hidden_size"], **fields}
+
+
+def test_pretrained_checkpoint_of_ours_becomes_a_release_view(tmp_path):
+    """``--pretrained-checkpoint`` naming an ``import-hf`` directory: Megatron-LM is handed a
+    ``release`` root pointing at it (once, however often the hooks ask); another
+    architecture is refused naming both values; a Megatron-LM checkpoint is left alone. The
+    real ``pretrain_gpt.py`` loading it: tests/e2e/test_megatron_lm_real_export.py."""
+    model = _model_dir(tmp_path / "imported")
+    args = _lm_args(["--kd-weight", "0", "--kd-ce-weight", "1"],
+                    **_student_fields(pretrained_checkpoint=model))
+    check_megatron_args(args)
+    view = args.pretrained_checkpoint
+    assert view != model
+    assert os.path.realpath(os.path.join(view, "release")) == os.path.realpath(model)
+    with open(os.path.join(view, "latest_checkpointed_iteration.txt"), encoding="utf-8") as f:
+        assert f.read() == "release"
+    check_megatron_args(args)  # the next model chunk
+    assert args.pretrained_checkpoint == view
+
+    other = _model_dir(tmp_path / "other", num_layers=3)
+    with pytest.raises(ValueError, match=re.escape(f"--pretrained-checkpoint {other!r} holds a "
+                                                   f"model with --num-layers 3, but this run "
+                                                   f"builds 2")):
+        check_megatron_args(_lm_args(["--kd-weight", "0", "--kd-ce-weight", "1"],
+                                     **_student_fields(pretrained_checkpoint=other)))
+
+    megatron_lm_root = tmp_path / "mlm"
+    (megatron_lm_root / "iter_0000001").mkdir(parents=True)
+    (megatron_lm_root / "latest_checkpointed_iteration.txt").write_text("1")
+    args = _lm_args(["--kd-weight", "0", "--kd-ce-weight", "1"],
+                    **_student_fields(pretrained_checkpoint=str(megatron_lm_root)))
+    check_megatron_args(args)
+    assert args.pretrained_checkpoint == str(megatron_lm_root)

@@ -52,6 +52,12 @@ def _cli(*argv: str) -> None:
     assert r.returncode == 0, f"megatron-kd {' '.join(argv)}:\n{r.stdout}\n{r.stderr[-4000:]}"
 
 
+def _weights(how: str, release, imported: str, out) -> list[str]:
+    if how == "release":
+        return ["--load", str(release), "--finetune", "--no-load-optim", "--no-load-rng"]
+    return ["--pretrained-checkpoint", imported, "--load", str(out)]
+
+
 def _tensors(directory: str) -> dict:
     from safetensors.torch import load_file
 
@@ -62,7 +68,12 @@ def _tensors(directory: str) -> dict:
     return out
 
 
-def test_export_of_a_real_megatron_lm_checkpoint_gives_the_model_back(tmp_path):
+@pytest.mark.parametrize("weights", ["release", "pretrained_checkpoint"])
+def test_export_of_a_real_megatron_lm_checkpoint_gives_the_model_back(tmp_path, weights):
+    """``weights``: how Megatron-LM gets the imported weights: ``--load`` of a ``release``
+    root with ``--finetune`` (Megatron-LM's own way), or ``--pretrained-checkpoint`` naming the
+    ``import-hf`` directory itself (through the hooks: ``megatron_lm_pretrained``), with
+    ``--load`` the empty ``--save`` directory (a first start; a resume would take its own)."""
     if not _checkouts():
         pytest.skip("MEGATRON_LM_DIR is not set (Megatron-LM checkouts)")
     transformers = pytest.importorskip("transformers")
@@ -104,9 +115,8 @@ def test_export_of_a_real_megatron_lm_checkpoint_gives_the_model_back(tmp_path):
                               "--train-iters", "1", "--lr", "0.0", "--min-lr", "0.0",
                               "--weight-decay", "0.0", "--clip-grad", "0.0", "--eval-iters", "0",
                               "--eval-interval", "100", "--split", "90,5,5", "--data-path",
-                              str(tmp_path / "corpus"), "--load", str(release), "--finetune",
-                              "--no-load-optim", "--no-load-rng", "--save", str(out),
-                              "--save-interval", "1"], env)
+                              str(tmp_path / "corpus"), *_weights(weights, release, imported, out),
+                              "--save", str(out), "--save-interval", "1"], env)
         assert (out / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
         for with_config in (True, False):
             exported = str(tmp_path / f"hf_{os.path.basename(root)}_{with_config}")
