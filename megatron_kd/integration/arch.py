@@ -289,6 +289,11 @@ class GPTArchConfig:
         return self.moe_ffn_hidden_size or self.ffn_hidden_size
 
     @property
+    def head_dim(self) -> int:
+        """Width of an attention head: ``kv_channels``, else ``hidden_size / heads``."""
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+    @property
     def query_groups(self) -> int:
         """Number of key/value heads, resolved."""
         return self.num_query_groups or self.num_attention_heads

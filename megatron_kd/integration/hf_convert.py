@@ -38,10 +38,6 @@ def strip_prefix(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tens
 # ----------------------------------------------------------------------------------------------
 
 
-def _head_dim(arch) -> int:
-    return arch.kv_channels or arch.hidden_size // arch.num_attention_heads
-
-
 def _pad_rows(weight: torch.Tensor, rows: int) -> torch.Tensor:
     if weight.shape[0] > rows:
         raise ValueError(f"embedding has {weight.shape[0]} rows, more than padded_vocab_size "
@@ -63,7 +59,7 @@ def _take(state_dict: dict[str, torch.Tensor], name: str, shape: tuple[int, ...]
 
 def _convert_attention(sd: dict[str, torch.Tensor], out: dict[str, torch.Tensor], arch,
                        src: str, dst: str) -> None:
-    h, nh, ng, d = arch.hidden_size, arch.num_attention_heads, arch.query_groups, _head_dim(arch)
+    h, nh, ng, d = arch.hidden_size, arch.num_attention_heads, arch.query_groups, arch.head_dim
     if arch.attention_output_gate:
         # HF (Qwen3.5): q_proj is per head [q (d rows), gate (d rows)]; Megatron: per query
         # group [its query heads, their gate heads, k, v].
@@ -379,7 +375,7 @@ def pad_for_tensor_parallel(full: Mapping[str, torch.Tensor], arch, tp_size: int
     if arch.num_experts is not None and arch.expert_ffn_hidden_size % tp_size:
         raise ValueError(f"padding an expert's width ({arch.expert_ffn_hidden_size}) for "
                          f"tensor-parallel size {tp_size} is not supported")
-    h, d = arch.hidden_size, _head_dim(arch)
+    h, d = arch.hidden_size, arch.head_dim
     ng, nh = arch.query_groups, arch.num_attention_heads
     per_group = nh // ng
     new_ng = -(-ng // tp_size) * tp_size

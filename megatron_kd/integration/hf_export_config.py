@@ -38,10 +38,6 @@ def _rope(arch: GPTArchConfig) -> dict[str, Any]:
     return {"rope_type": "default", "rope_theta": arch.rotary_base}
 
 
-def _head_dim(arch: GPTArchConfig) -> int:
-    return arch.kv_channels or arch.hidden_size // arch.num_attention_heads
-
-
 class HFFamily:
     """One Hugging Face model family: its ``model_type``, causal-LM class and the config
     fields an architecture gives it."""
@@ -63,7 +59,7 @@ class HFFamily:
             "vocab_size": vocab_rows, "hidden_size": arch.hidden_size,
             "intermediate_size": arch.ffn_hidden_size, "num_hidden_layers": arch.num_layers,
             "num_attention_heads": arch.num_attention_heads,
-            "num_key_value_heads": arch.query_groups, "head_dim": _head_dim(arch),
+            "num_key_value_heads": arch.query_groups, "head_dim": arch.head_dim,
             "max_position_embeddings": arch.max_position_embeddings,
             "rms_norm_eps": arch.norm_epsilon, "tie_word_embeddings": arch.tie_embeddings,
             "initializer_range": arch.init_method_std, "hidden_act": "silu",
@@ -130,7 +126,7 @@ class _Qwen35(HFFamily):
         linear = set(arch.linear_attention_layers)
         # the multimodal RoPE's three sections (text: three equal position streams, so any
         # split rotates alike); Qwen's own split of the rotated half-width, e.g. 32 -> 11, 11, 10
-        half = int(_head_dim(arch) * arch.rotary_percent) // 2
+        half = int(arch.head_dim * arch.rotary_percent) // 2
         third = math.ceil(half / 3)
         return {
             "layer_types": ["linear_attention" if i in linear else "full_attention"
@@ -179,7 +175,7 @@ def canonical_arch(arch: GPTArchConfig) -> dict[str, Any]:
     ``h / heads`` given or not, one query group per head as None, an expert width equal to the
     MLP's, a window on every layer as None), so equal models compare equal."""
     out = arch.to_dict()
-    out.update(kv_channels=_head_dim(arch), num_query_groups=arch.query_groups)
+    out.update(kv_channels=arch.head_dim, num_query_groups=arch.query_groups)
     if arch.num_experts is not None:
         out["moe_ffn_hidden_size"] = arch.expert_ffn_hidden_size
     if arch.window_size is not None and arch.window_layers is None:

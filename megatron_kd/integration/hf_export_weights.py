@@ -27,10 +27,6 @@ _ZERO_CENTRED = ("input_layernorm.weight", "pre_mlp_layernorm.weight",
                  "q_layernorm.weight", "k_layernorm.weight")
 
 
-def _head_dim(arch: GPTArchConfig) -> int:
-    return arch.kv_channels or arch.hidden_size // arch.num_attention_heads
-
-
 def _take(sd: dict[str, torch.Tensor], name: str, shape: tuple[int, ...]) -> torch.Tensor:
     if name not in sd:
         raise ValueError(f"checkpoint has no tensor {name!r}")
@@ -58,7 +54,7 @@ def _zero_centred(w: torch.Tensor) -> torch.Tensor:
 
 
 def _export_attention(sd, out, arch, target, src, dst) -> None:
-    h, nh, ng, d = arch.hidden_size, arch.num_attention_heads, arch.query_groups, _head_dim(arch)
+    h, nh, ng, d = arch.hidden_size, arch.num_attention_heads, arch.query_groups, arch.head_dim
     ng_t, nh_t = target.query_groups, target.num_attention_heads
     per = nh // ng  # query heads per group (padding adds whole groups)
     q_rows = per * d * (2 if arch.attention_output_gate else 1)
