@@ -15,6 +15,12 @@ each rank's queries attend to them under the causal (and sliding-window) mask of
 positions. Megatron-Core's local attention asserts ``context_parallel_size == 1``
 (``dot_product_attention.py``, megatron-core 0.16.1 and 0.19.2); this class builds it with a
 configuration copy that says 1 and keeps the group itself.
+
+:class:`ContextParallelSdpaAttention` (the choice on a GPU without Transformer Engine) computes
+the same with ``scaled_dot_product_attention``
+(:func:`~megatron_kd.integration.sdpa_attention.causal_attention`): the gathered keys are put in
+sequence order and each of the rank's two chunks attends to the keys up to its end (from its
+window's start with a sliding window), so no ``[s / cp, s]`` scores or mask are formed.
 """
 
 from __future__ import annotations
@@ -28,9 +34,17 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.utils import is_layer_window_attention
 
 from megatron_kd.collectives import all_gather_into, reduce_scatter_into
-from megatron_kd.parallel.sequence import cp_rows
+from megatron_kd.integration.sdpa_attention import (
+    causal_attention,
+    check_forward_args,
+    check_sdpa_config,
+    dropout_rng,
+    sdpa_scale,
+)
+from megatron_kd.parallel.sequence import cp_chunk_ranges, cp_rows
 
-__all__ = ["ContextParallelAttention", "GatherSequence", "cp_positions", "gather_positions"]
+__all__ = ["ContextParallelAttention", "ContextParallelSdpaAttention", "GatherSequence",
+           "cp_positions", "gather_positions"]
 
 
 def cp_positions(seq_length: int, cp_rank: int, cp_size: int,
@@ -126,3 +140,52 @@ class ContextParallelAttention(DotProductAttention):
         mask = self._mask(query.shape[0], query.device)
         return super().forward(query, key, value, mask, attn_mask_type=attn_mask_type,
                                attention_bias=attention_bias, packed_seq_params=packed_seq_params)
+
+
+class ContextParallelSdpaAttention(ContextParallelAttention):
+    """:class:`ContextParallelAttention` computed by ``scaled_dot_product_attention`` chunk by
+    chunk (see the module docstring): the same constructor, parameters and collectives; no
+    ``[s / cp, s]`` scores or mask. Refuses (``ValueError``) what
+    :class:`~megatron_kd.integration.sdpa_attention.SdpaAttention` refuses."""
+
+    def __init__(self, config, layer_number: int, attn_mask_type: AttnMaskType,
+                 attention_type: str, attention_dropout: float | None = None,
+                 softmax_scale: float | None = None, cp_comm_type: str | None = None,
+                 pg_collection=None) -> None:
+        check_sdpa_config(config)
+        if attn_mask_type != AttnMaskType.causal:
+            raise ValueError(f"SDPA attention supports attn_mask_type=causal only, got "
+                             f"{attn_mask_type}")
+        super().__init__(config, layer_number, attn_mask_type, attention_type,
+                         attention_dropout=attention_dropout, softmax_scale=softmax_scale,
+                         cp_comm_type=cp_comm_type, pg_collection=pg_collection)
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None,
+                attention_bias=None, packed_seq_params=None):
+        """``query, key, value [s / cp, b, heads, d]`` (this rank's positions) ->
+        ``[s / cp, b, a * d]``."""
+        check_forward_args(attention_mask, attn_mask_type, attention_bias, packed_seq_params)
+        size, rank = self.cp_group.size(), self.cp_group.rank()
+        s = query.shape[0] * size
+        key = GatherSequence.apply(key, self.cp_group)
+        value = GatherSequence.apply(value, self.cp_group)
+        # the gathered keys are every rank's positions, rank after rank: into sequence order
+        order = torch.argsort(torch.cat([cp_positions(s, r, size, key.device)
+                                         for r in range(size)]))
+        # [s, b, n, d] -> [b, n, s, d]
+        q = query.permute(1, 2, 0, 3)
+        k, v = (t[order].permute(1, 2, 0, 3) for t in (key, value))
+        dropout_p = self.attention_dropout.p if self.training else 0.0
+        outs, local = [], 0
+        with dropout_rng(self):
+            for chunk in cp_chunk_ranges(s, rank, size):
+                start, stop = chunk.start, chunk.stop
+                k_lo = 0 if self.window_left is None else max(0, start - self.window_left)
+                outs.append(causal_attention(
+                    q[:, :, local:local + stop - start], k[:, :, k_lo:stop], v[:, :, k_lo:stop],
+                    scale=sdpa_scale(self), dropout_p=dropout_p, window_left=self.window_left,
+                    query_start=start, key_start=k_lo))
+                local += stop - start
+        out = torch.cat(outs, dim=2)
+        # [b, a, s / cp, d] -> [s / cp, b, a * d]
+        return out.permute(2, 0, 1, 3).reshape(out.shape[2], out.shape[0], -1)

@@ -87,6 +87,13 @@ terms marked S are always divided by ``t``:
   live at once (the gradient of the probabilities, then of the scores: ``torch.bmm`` and
   ``_softmax_backward_data``), :attr:`Term.ATTENTION_BACKWARD`.
 * fp32 activations (CPU runs without ``--bf16``): every count above times ``activation_bytes / 2``.
+* which core attention the count assumes is :attr:`ActivationOptions.flash_attention`, spelled out
+  in :attr:`ActivationOptions.attention` (a plan's JSON, ``assumptions.activation``): fused
+  (Transformer Engine's attention, or megatron_kd's ``scaled_dot_product_attention`` module that
+  the local spec runs on a GPU without Transformer Engine, hybrids' attention layers included):
+  no ``s x s`` term; unfused (Megatron-Core's local ``DotProductAttention``, the CPU default, and
+  on a GPU without Transformer Engine the layers with attention sinks, which SDPA cannot run): the
+  score terms above.
 
 Context parallelism (``cp`` ranks share each sequence; Megatron-Core 0.16.1 with Transformer Engine
 on a GPU)
@@ -122,6 +129,9 @@ sharded over the data-parallel x context-parallel group ``dp_cp``).
 * on the CPU (no Transformer Engine) megatron_kd's ``ContextParallelAttention`` all-gathers K and
   V and runs Megatron-Core's local attention on them: the repeated keys and values it saves are
   the whole sequence's (``cp`` times the local count per token), its mask is ``[s/cp, s]``.
+  On a GPU without Transformer Engine its SDPA form (``ContextParallelSdpaAttention``) gathers
+  the same way and forms no scores or mask; the plan counts such a GPU as it counts Transformer
+  Engine's (fused attention, the chosen ``cp_comm_type``'s exchange).
 * model state: weights and gradients are replicated over ``cp``; the distributed optimizer shards
   over ``dp * cp`` ranks; experts over the expert-data-parallel size ``t*cp*dp/(e*et)``.
 * refused: Gated DeltaNet layers (Megatron-Core 0.16.1's ``ssm/gated_delta_net.py`` has no context
@@ -179,7 +189,7 @@ default is stated where it is set (``plan.PlanOptions.reserve_bytes``).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 from functools import lru_cache
 
@@ -560,13 +570,23 @@ def model_state_bytes(
 
 # --- activations -----------------------------------------------------------------------------
 
+#: The core attention an activation count assumes, by :attr:`ActivationOptions.flash_attention`.
+ATTENTION_ASSUMPTIONS = {
+    True: "fused (flash / memory-efficient: Transformer Engine, or torch SDPA on a GPU without "
+          "it): no s x s term",
+    False: "unfused (Megatron-Core's local DotProductAttention, the CPU default): "
+           "[b, a/t, s/cp, s] scores counted",
+}
+
 
 @dataclass(kw_only=True, frozen=True)
 class ActivationOptions:
     """Kernel choices that change what a layer saves."""
 
     flash_attention: bool = True
-    """Fused attention (flash / cuDNN): no ``s x s`` tensors are saved."""
+    """Fused attention (flash / memory-efficient / cuDNN, through Transformer Engine or torch's
+    ``scaled_dot_product_attention``): no ``s x s`` tensors are saved. False: Megatron-Core's
+    local unfused ``DotProductAttention`` and its ``[b, a/t, s/cp, s]`` scores."""
 
     hidden_dropout: bool = False
     """Hidden dropout on (a 1-byte mask per element); off in Llama / Qwen / gpt-oss training."""
@@ -593,9 +613,14 @@ class ActivationOptions:
     16-bit activations and are scaled by ``activation_bytes / 2`` (fp32 statistics included: an
     upper bound for fp32 runs)."""
 
+    attention: str = field(init=False)
+    """The core attention the count assumes, in words (set from :attr:`flash_attention`, one of
+    :data:`ATTENTION_ASSUMPTIONS`): what a plan's JSON shows under ``assumptions.activation``."""
+
     def __post_init__(self) -> None:
         if self.activation_bytes not in (2, 4):
             raise ValueError(f"activation_bytes must be 2 or 4, got {self.activation_bytes}")
+        object.__setattr__(self, "attention", ATTENTION_ASSUMPTIONS[self.flash_attention])
 
 
 def _mixer_terms(
