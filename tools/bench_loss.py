@@ -5,13 +5,20 @@ variant runs in the same harness (its processes, timer and memory reading), so t
 Variants, each in a fresh process group of its own processes (so memory figures are clean), for
 each loss kind (``fkl`` forward KL, ``rkl`` reverse KL, ``jsd`` Jensen-Shannon at ``--beta``):
 
-* ``fused_<kind>``: ``megatron_kd.loss.vocab_parallel_kd_loss`` (precomputed gradients);
-  ``fusedrc_<kind>``: the same with the recomputing backward; ``fusedc_fkl``: forward KL with
-  ``elementwise="compiled"`` (its compilation happens in the warm-up run).
+* ``fused_<kind>``: ``megatron_kd.loss.vocab_parallel_kd_loss`` (precomputed gradients) as a
+  user gets it: on CUDA its GPU path (windows of ``--window-mb`` MiB of logits, Triton kernels
+  or ``--gpu-kernels``), on CPU its CPU path; ``fusedrc_<kind>``: the same with the
+  recomputing backward. GPU path only: ``fusedtc_<kind>`` its kernels through
+  ``torch.compile`` (the fallback where a Triton kernel fails), ``fusedadd_fkl`` its weight
+  gradient added from an input-dtype product (``weight_grad="fp32_add"``), ``fusedlm_fkl`` its
+  low-memory setting (256 MiB windows, the weight gradient accumulated in the input dtype).
+  ``fusedold_fkl``: the CPU path on any device (the design the GPU path replaces);
+  ``fusedc_fkl``: the CPU path with ``elementwise="compiled"`` (compiled in the warm-up run).
 * ``liger_<kind>``: Liger-Kernel's ``LigerFusedLinearJSDLoss`` (its chunked fused-linear loss,
   ``torch.compile``d, chunk 1024; beta 0 is its forward KL, 1 its reverse KL; hard-loss weight
-  0), TP 1 only (``peers`` extra). On CUDA also ``ligertriton_jsd``: its Triton
-  ``LigerFusedLinearJSD``.
+  0), TP 1 only (``peers`` extra). On CUDA also ``ligertriton_<kind>``: its Triton
+  ``LigerFusedLinearJSD`` (``jsd_beta`` 0 is its forward KL), called with the ``shift_labels``
+  argument Liger-Kernel 0.8.5 requires.
 * ``dense_fkl``: full student and teacher logits, ``log_softmax``, autograd (TP 1 only).
 * ``modelopt_fkl``: Megatron-LM's KD loss, ModelOpt's ``LogitsKLLoss``, on Megatron-style
   logit shards with its own TP all-reduces (``peers`` extra).
@@ -29,10 +36,19 @@ allocation after the inputs); the same less the gradients every variant returns 
 states' and this rank's weight shard's: the loss's working memory); and the median
 forward+backward time of ``--repeats`` runs after one untimed warm-up run (Liger's compilation
 happens there). A variant that runs out of memory is reported as OOM; a peer that is not
-installed as n/a.
+installed as "not measured" with the reason; a variant that fails as "error" with its message,
+and one over ``--point-timeout`` as "timeout": every point in its own processes, so one
+failure never stops the others.
+
+On CUDA the inputs are generated on the device and the dtype defaults to bf16 (fp32 on CPU).
+``--shape multiverse qwen3`` measures the named shapes (T, V, h_s, h_t) in one run;
+``--profile PATH`` writes the ``--profile-variant``'s top kernels (``torch.profiler`` key
+averages by device time, CPU time on CPU) at each shape as JSON.
 
     python tools/bench_loss.py --tokens 2048 4096 --tp 1 2   # docs/benchmarks.md's table (40 min)
     python tools/bench_loss.py --tokens 1024 --tp 1 --variants floor fused_fkl liger_fkl
+    python tools/bench_loss.py --device cuda --shape multiverse qwen3 --tp 1 \
+        --variants floor fused_fkl fused_jsd ligertriton_fkl ligertriton_jsd --profile prof.json
 """
 
 from __future__ import annotations
@@ -50,11 +66,25 @@ import time
 KINDS = {"fkl": "forward_kl", "rkl": "reverse_kl", "jsd": "jsd"}
 LIGER_BETA = {"fkl": 0.0, "rkl": 1.0}  # Liger's generalised JSD: 0 forward KL, 1 reverse KL
 VARIANTS = (["floor"] + [f"fused_{k}" for k in KINDS] + [f"liger_{k}" for k in KINDS]
-            + ["fusedc_fkl", "fusedrc_fkl", "dense_fkl", "modelopt_fkl", "ligertriton_jsd"])
+            + ["fusedc_fkl", "fusedrc_fkl", "dense_fkl", "modelopt_fkl", "ligertriton_jsd",
+               "ligertriton_fkl", "fusedtc_fkl", "fusedtc_jsd", "fusedadd_fkl", "fusedlm_fkl",
+               "fusedold_fkl", "fusedrc_jsd"])
 DEFAULT_VARIANTS = [v for v in VARIANTS
-                    if v not in ("modelopt_fkl", "ligertriton_jsd", "fusedc_fkl")]
+                    if v not in ("modelopt_fkl", "ligertriton_jsd", "ligertriton_fkl",
+                                 "fusedc_fkl", "fusedtc_fkl", "fusedtc_jsd", "fusedadd_fkl",
+                                 "fusedlm_fkl", "fusedold_fkl", "fusedrc_jsd")]
 TP1_ONLY = ("liger_", "ligertriton_", "dense_")
+GPU_PATH_ONLY = ("fusedtc_", "fusedadd_", "fusedlm_")
 FLOOR_BLOCKS = (128, 512, 1024, 2048)
+# Named shapes: (tokens, vocabulary, student hidden, teacher hidden)
+SHAPES = {
+    # Llama-3.1-8B -> Llama-3.2-3B, the Multiverse paper's
+    "multiverse": (8192, 128256, 3072, 4096),
+    # Qwen3-8B -> Qwen3-4B
+    "qwen3": (8192, 151936, 2560, 4096),
+}
+# the peers' modules: a point whose module does not import is "not measured", not an error
+PEER_MODULES = {"liger": "liger_kernel", "ligertriton": "liger_kernel", "modelopt": "modelopt"}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -102,13 +132,23 @@ def _worker(rank: int, a: argparse.Namespace, init_file: str, out_file: str) -> 
     group = dist.new_group(list(range(a.tp)))
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[a.dtype]
     start, stop = _shard_range(a.vocab, a.tp, rank)
-    gen = torch.Generator().manual_seed(1234)
-    x_s = (torch.randn(a.tokens, 1, a.h_s, generator=gen)).to(device, dtype)
-    x_t = (torch.randn(a.tokens, 1, a.h_t, generator=gen)).to(device, dtype)
-    w_s_full = torch.randn(a.vocab, a.h_s, generator=gen) * (2.0 / a.h_s ** 0.5)
-    w_t_full = torch.randn(a.vocab, a.h_t, generator=gen) * (2.0 / a.h_t ** 0.5)
-    w_s = w_s_full[start:stop].to(device, dtype).clone()
-    w_t = w_t_full[start:stop].to(device, dtype).clone()
+    if device.type == "cpu":
+        gen = torch.Generator().manual_seed(1234)
+        x_s = (torch.randn(a.tokens, 1, a.h_s, generator=gen)).to(device, dtype)
+        x_t = (torch.randn(a.tokens, 1, a.h_t, generator=gen)).to(device, dtype)
+        w_s_full = torch.randn(a.vocab, a.h_s, generator=gen) * (2.0 / a.h_s ** 0.5)
+        w_t_full = torch.randn(a.vocab, a.h_t, generator=gen) * (2.0 / a.h_t ** 0.5)
+        w_s = w_s_full[start:stop].to(device, dtype).clone()
+        w_t = w_t_full[start:stop].to(device, dtype).clone()
+    else:  # on the device: a host randn of a 128K x 4K weight takes seconds
+        gen = torch.Generator(device=device).manual_seed(1234)
+
+        def randn(*shape, std=1.0):
+            return torch.randn(*shape, generator=gen, device=device, dtype=dtype).mul_(std)
+        x_s, x_t = randn(a.tokens, 1, a.h_s), randn(a.tokens, 1, a.h_t)
+        w_s_full = randn(a.vocab, a.h_s, std=2.0 / a.h_s ** 0.5)
+        w_t_full = randn(a.vocab, a.h_t, std=2.0 / a.h_t ** 0.5)
+        w_s, w_t = w_s_full[start:stop].clone(), w_t_full[start:stop].clone()
     del w_s_full, w_t_full
     x_s.requires_grad_(True)
     w_s.requires_grad_(True)
@@ -116,8 +156,10 @@ def _worker(rank: int, a: argparse.Namespace, init_file: str, out_file: str) -> 
     if a.variant == "floor":
         result = {"rank": rank, **_floor(a, x_s, w_s, x_t, w_t, group)}
     else:
-        result = {"rank": rank, **_measure(a, _make_variant(a, x_s, w_s, x_t, w_t, group),
-                                           x_s, w_s, group)}
+        run = _make_variant(a, x_s, w_s, x_t, w_t, group)
+        result = {"rank": rank, **_measure(a, run, x_s, w_s, group)}
+        if a.profile and a.variant == a.profile_variant and rank == 0:
+            result["profile"] = _profile(run, x_s, w_s)
     with open(f"{out_file}.{rank}", "w") as f:
         json.dump(result, f)
     dist.destroy_process_group()
@@ -169,20 +211,76 @@ def _measure(a, run, x_s, w_s, group) -> dict:
     return {"status": status, "times": times, "extra_peak_bytes": peak, "grad_bytes": grads}
 
 
+def _profile(run, x_s, w_s, top: int = 25) -> dict:
+    """One more run under ``torch.profiler``: its top device kernels by device time (on CPU the
+    top ops by CPU time), from the profiler's key averages; the operators that launched them
+    are listed apart (their device time counts their kernels again)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = x_s.device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    x_s.grad = None
+    w_s.grad = None
+    with profile(activities=activities) as prof:
+        run()
+        _sync(x_s.device)
+    events = list(prof.key_averages())
+
+    def device_us(e) -> float:
+        for name in ("self_device_time_total", "self_cuda_time_total"):
+            if hasattr(e, name):
+                return float(getattr(e, name))
+        return 0.0
+
+    def on_device(e) -> bool:  # a kernel (or memcpy / memset) rather than a host operator
+        return str(getattr(e, "device_type", "")).endswith(("CUDA", "PrivateUse1"))
+
+    key = device_us if cuda else (lambda e: float(e.self_cpu_time_total))
+    kernels = sorted((e for e in events if on_device(e) == cuda), key=key, reverse=True)
+    ops = sorted((e for e in events if not on_device(e)), key=key, reverse=True)
+    total = sum(key(e) for e in kernels)
+
+    def rows(evts):
+        return [{"name": e.key, "calls": e.count, "self_us": key(e),
+                 "share": key(e) / total if total else None} for e in evts[:top]]
+    return {"by": "device time of kernels" if cuda else "self CPU time of ops",
+            "total_us": total, "top": rows(kernels), "ops": rows(ops) if cuda else []}
+
+
+def _loss_window_rows(a, local_vocab: int, itemsize: int) -> int:
+    """The fused loss's rows per window for this run (the GPU path's byte budget on CUDA, the
+    CPU path's element rule on CPU)."""
+    from megatron_kd.loss import KDLossConfig
+
+    if a.device == "cuda" if a.loss_path == "auto" else a.loss_path == "gpu":
+        return _gpu_tuning(a).rows_per_window(local_vocab, 2, itemsize, a.window_size)
+    return KDLossConfig(window_size=a.window_size).rows_per_window(local_vocab)
+
+
+def _gpu_tuning(a, **overrides):
+    """The GPU path's tuning of this run (``--window-mb``, ``--gpu-kernels``)."""
+    import dataclasses
+
+    from megatron_kd.loss import GpuTuning
+
+    fields = {"kernels": a.gpu_kernels}
+    if a.window_mb:
+        fields["window_bytes"] = int(a.window_mb * (1 << 20))
+    return dataclasses.replace(GpuTuning(), **{**fields, **overrides})
+
+
 def _floor(a, x_s, w_s, x_t, w_t, group) -> dict:
     """The four GEMMs of the loss alone, per row-block size (and whole), into preallocated
     outputs; ``times`` are those of the fastest blocking."""
     import torch
     import torch.distributed as dist
 
-    from megatron_kd.loss import KDLossConfig
-
     xs2, xt2 = x_s.detach().view(-1, x_s.shape[-1]), x_t.view(-1, x_t.shape[-1])
     ws, n = w_s.detach(), xs2.shape[0]
     gx, gw = torch.empty_like(xs2), torch.zeros_like(ws)
     # The fused loss's own window (its memory bound): the same GEMMs at that size are the
     # fastest any loss holding one window of full-vocabulary logit rows can be.
-    window = min(n, KDLossConfig(window_size=a.window_size).rows_per_window(ws.shape[0]))
+    window = min(n, _loss_window_rows(a, ws.shape[0], ws.element_size()))
     blocks = sorted({b for b in FLOOR_BLOCKS if b < n} | {n, window})  # n: one full GEMM
     by_block: dict[int, list[float]] = {}
     for rows in blocks:
@@ -223,10 +321,20 @@ def _make_variant(a, x_s, w_s, x_t, w_t, group):
     impl, kind = a.variant.split("_")
     if a.tp != 1 and a.variant.startswith(TP1_ONLY):
         raise SystemExit(f"{a.variant} has no TP form")
-    if impl in ("fused", "fusedrc", "fusedc"):
+    gpu_path = a.device == "cuda" if a.loss_path == "auto" else a.loss_path == "gpu"
+    if not gpu_path and a.variant.startswith(GPU_PATH_ONLY):
+        raise SystemExit(f"{a.variant} has no CPU form (the GPU path's options; --loss-path gpu "
+                         f"runs that path on CPU)")
+    if impl.startswith("fused"):
+        tuning = {"fusedtc": _gpu_tuning(a, kernels="compiled"),
+                  "fusedadd": _gpu_tuning(a, weight_grad="fp32_add"),
+                  "fusedlm": _gpu_tuning(a, weight_grad="input_dtype", window_bytes=256 << 20),
+                  }.get(impl, _gpu_tuning(a))
         cfg = KDLossConfig(kind=KINDS[kind], beta=a.beta, window_size=a.window_size,
                            backward="recompute" if impl == "fusedrc" else "precompute",
-                           elementwise="compiled" if impl == "fusedc" else "eager")
+                           elementwise="compiled" if impl == "fusedc" else "eager",
+                           path="cpu" if impl in ("fusedc", "fusedold") else a.loss_path,
+                           gpu_tuning=tuning)
 
         def run():
             loss, _ = vocab_parallel_kd_loss(x_s, w_s, x_t, w_t, config=cfg, tp_group=group)
@@ -247,11 +355,14 @@ def _make_variant(a, x_s, w_s, x_t, w_t, group):
     if impl == "ligertriton":
         from liger_kernel.transformers import LigerFusedLinearJSD
 
-        loss_fn = LigerFusedLinearJSD(jsd_beta=a.beta)
+        loss_fn = LigerFusedLinearJSD(jsd_beta=LIGER_BETA.get(kind, a.beta))
+        # Liger-Kernel 0.8.5 requires shift_labels; none equal to ignore_index: every token counts
+        shift_labels = torch.zeros(x_s.shape[0] * x_s.shape[1], dtype=torch.long,
+                                   device=x_s.device)
 
         def run():
-            loss_fn(x_s.view(-1, x_s.shape[-1]), w_s, x_t.view(-1, x_t.shape[-1]),
-                    w_t).backward()
+            loss_fn(x_s.view(-1, x_s.shape[-1]), w_s, x_t.view(-1, x_t.shape[-1]), w_t,
+                    shift_labels).backward()
         return run
     if impl == "dense":
         def run():
@@ -286,32 +397,69 @@ def _make_variant(a, x_s, w_s, x_t, w_t, group):
 # ---------------------------------------------------------------------------------------------
 # driver side
 # ---------------------------------------------------------------------------------------------
+def _not_importable(variant: str) -> str | None:
+    """Why a peer's variant cannot run here (its module does not import), or None."""
+    import importlib.util
+
+    impl = variant.split("_")[0]
+    module = PEER_MODULES.get(impl)
+    if module is not None and importlib.util.find_spec(module) is None:
+        return f"not measured: {module} is not installed"
+    return None
+
+
 def _run_point(a, variant: str, tokens: int, tp: int) -> dict:
+    """One variant at one size in processes of its own: its point, whatever happens (a failure
+    is recorded with its message, never raised)."""
+    point = {"variant": variant, "tokens": tokens, "tp": tp, "vocab": a.vocab, "h_s": a.h_s,
+             "h_t": a.h_t, "shape": a.shape_name, "dtype": a.dtype}
+    if variant.startswith("fused") and (a.loss_path == "gpu" or (a.loss_path == "auto"
+                                                                  and a.device == "cuda")):
+        point["gpu_kernels"] = ("compiled" if variant.startswith("fusedtc")
+                                else a.gpu_kernels)
+    reason = _not_importable(variant)
+    if reason:
+        return dict(point, status="not measured", reason=reason)
     with tempfile.TemporaryDirectory(prefix="bench_loss_") as tmp:
         out = os.path.join(tmp, "result")
         cmd = [sys.executable, os.path.abspath(__file__), "--_worker", "--_variant", variant,
                "--_tokens", str(tokens), "--_tp", str(tp), "--_out", out,
                "--vocab", str(a.vocab), "--h-s", str(a.h_s), "--h-t", str(a.h_t),
                "--repeats", str(a.repeats), "--threads", str(a.threads), "--device", a.device,
-               "--dtype", a.dtype, "--mem-limit-gb", str(a.mem_limit_gb), "--beta", str(a.beta)]
+               "--dtype", a.dtype, "--mem-limit-gb", str(a.mem_limit_gb), "--beta", str(a.beta),
+               "--gpu-kernels", a.gpu_kernels, "--loss-path", a.loss_path]
         if a.window_size:
             cmd += ["--window-size", str(a.window_size)]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=a.point_timeout)
+        if a.window_mb:
+            cmd += ["--window-mb", str(a.window_mb)]
+        if a.profile:
+            cmd += ["--profile", a.profile, "--profile-variant", a.profile_variant]
+        t0 = time.perf_counter()
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=a.point_timeout)
+        except subprocess.TimeoutExpired:
+            return dict(point, status="timeout", wall_s=time.perf_counter() - t0,
+                        reason=f"over the point timeout of {a.point_timeout:.0f} s")
+        point["wall_s"] = time.perf_counter() - t0
         results = []
         for r in range(tp):
             path = f"{out}.{r}"
             if os.path.exists(path):
                 with open(path) as f:
                     results.append(json.load(f))
-        point = {"variant": variant, "tokens": tokens, "tp": tp}
         if proc.returncode != 0 or len(results) != tp:
             tail = (proc.stderr or "").strip().splitlines()[-3:]
-            killed = proc.returncode in (-9, 137) or any("memory" in t.lower() for t in tail)
-            if any(m in (proc.stderr or "") for m in (
-                    "no TP form", "No module named 'modelopt'", "No module named 'liger_kernel'")):
-                point.update(status="n/a", reason=" ".join(tail)[-200:])
+            killed = proc.returncode in (-9, 137) or any("out of memory" in t.lower()
+                                                         for t in tail)
+            marks = [line for line in (proc.stderr or "").splitlines()
+                     if "no TP form" in line or "no CPU form" in line]
+            if marks:
+                point.update(status="n/a", reason=marks[-1].strip()[-200:])
+            elif any(m in (proc.stderr or "") for m in (
+                    "No module named 'modelopt'", "No module named 'liger_kernel'")):
+                point.update(status="not measured", reason=" ".join(tail)[-300:])
             else:
-                point.update(status="OOM" if killed else "error", reason=" ".join(tail)[-300:])
+                point.update(status="OOM" if killed else "error", reason=" ".join(tail)[-600:])
             return point
         statuses = {r["status"] for r in results}
         times = results[0]["times"]
@@ -325,7 +473,7 @@ def _run_point(a, variant: str, tokens: int, tp: int) -> dict:
             extra_peak_bytes=max(peaks) if peaks else None,
             working_bytes=max(working) if working else None,
         )
-        for key in ("floor_block", "floor_by_block", "window_rows"):
+        for key in ("floor_block", "floor_by_block", "window_rows", "profile"):
             if key in results[0]:
                 point[key] = results[0][key]
         return point
@@ -362,30 +510,44 @@ def _floor_name(p: dict) -> str:
     by_block, window = p.get("floor_by_block") or {}, p.get("window_rows")
     at_window = by_block.get(str(window))
     if at_window is not None:
-        name += f"; at the loss's {window}-row windows {at_window:.2f} s = " \
+        name += f"; at the loss's {window}-row windows {at_window:.3f} s = " \
                 f"{_ratio(at_window, p['time_s'])}x"
     return name + ")"
+
+
+def _liger(by: dict, tp: int, t: int, vocab, kind: str) -> dict:
+    """Liger's loss of ``kind`` at the same size: the chunked compiled one where measured,
+    else its Triton one."""
+    for impl in ("liger", "ligertriton"):
+        p = by.get((1, t, vocab, f"{impl}_{kind}"), {})
+        if p.get("status") == "ok":
+            return p
+    return {}
 
 
 def _table(points: list[dict]) -> str:
     """One row per point: time against the floor, against Liger's loss of the same kind and
     against Liger's JSD; extra memory against Liger's of the same kind and Liger's JSD, and
     the working memory beyond the returned gradients against Liger's of the same kind."""
-    rows = ["| TP | T | variant | fwd+bwd s (median) | x floor | x Liger (same kind) | x Liger "
-            "JSD | extra peak memory | memory x Liger | memory x Liger JSD | beyond the "
-            "gradients | x Liger |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    by = {(p["tp"], p["tokens"], p["variant"]): p for p in points}
+    rows = ["| TP | T | V | variant | fwd+bwd s (median) | x floor | x Liger (same kind) | "
+            "x Liger JSD | extra peak memory | memory x Liger | memory x Liger JSD | beyond "
+            "the gradients | x Liger |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    by = {(p["tp"], p["tokens"], p.get("vocab"), p["variant"]): p for p in points}
     for p in points:
-        tp, t, v = p["tp"], p["tokens"], p["variant"]
+        tp, t, v, vocab = p["tp"], p["tokens"], p["variant"], p.get("vocab")
+        shown_v = "-" if vocab is None else f"{vocab:,}"
         if p["status"] != "ok":
-            rows.append(f"| {tp} | {t} | {v} | {p['status']} | | | | | | | | |")
+            why = f" ({p['reason'][:120]})" if p.get("reason") else ""
+            rows.append(f"| {tp} | {t} | {shown_v} | {v} | {p['status']}{why} "
+                        f"| | | | | | | | |")
             continue
-        floor = by.get((tp, t, "floor"), {}).get("time_s")
-        liger = by.get((1, t, "liger_" + v.split("_")[-1]), {}) if v != "floor" else {}
-        jsd = by.get((1, t, "liger_jsd"), {}) if v != "floor" else {}
+        floor = by.get((tp, t, vocab, "floor"), {}).get("time_s")
+        liger = _liger(by, tp, t, vocab, v.split("_")[-1]) if v != "floor" else {}
+        jsd = _liger(by, tp, t, vocab, "jsd") if v != "floor" else {}
         name = v if v != "floor" else _floor_name(p)
-        rows.append(f"| {tp} | {t} | {name} | {p['time_s']:.2f} | {_ratio(p['time_s'], floor)}"
+        rows.append(f"| {tp} | {t} | {shown_v} | {name} | {p['time_s']:.3f} "
+                    f"| {_ratio(p['time_s'], floor)}"
                     f" | {_ratio(p['time_s'], liger.get('time_s'))}"
                     f" | {_ratio(p['time_s'], jsd.get('time_s'))} | "
                     f"{_fmt_bytes(p['extra_peak_bytes'])} | "
@@ -406,20 +568,23 @@ def _plot(points: list[dict], path: str) -> bool:
         return False
     fig, (ax_m, ax_t) = plt.subplots(1, 2, figsize=(12, 4.6))
     colors = {v: f"C{i % 10}" for i, v in enumerate(VARIANTS)}  # one colour per variant
-    for tp in sorted({p["tp"] for p in points}):
+    vocabs = sorted({p.get("vocab") or 0 for p in points})
+    for tp, vocab in ((tp, vocab) for tp in sorted({p["tp"] for p in points}) for vocab in vocabs):
         for v in VARIANTS:
             pts = sorted((p for p in points if p["tp"] == tp and p["variant"] == v
-                          and p["status"] == "ok"), key=lambda p: p["tokens"])
+                          and (p.get("vocab") or 0) == vocab and p["status"] == "ok"),
+                         key=lambda p: p["tokens"])
             if not pts:
                 continue
+            label = f"{v} TP{tp}" + (f" V={vocab}" if len(vocabs) > 1 else "")
             xs = [p["tokens"] for p in pts]
             style = ":" if v.startswith("liger") else "-" if tp == 1 else "--"
             marker = "s" if v.startswith("liger") else "o"  # peers apart from ours at a glance
             if pts[0]["extra_peak_bytes"] is not None:
                 ax_m.plot(xs, [p["extra_peak_bytes"] / (1 << 30) for p in pts], style,
-                          marker=marker, color=colors[v], label=f"{v} TP{tp}")
+                          marker=marker, color=colors[v], label=label)
             ax_t.plot(xs, [p["time_s"] for p in pts], style, marker=marker, color=colors[v],
-                      label=f"{v} TP{tp}")
+                      label=label)
             bound = [(p["tokens"], p["floor_by_block"][str(p["window_rows"])]) for p in pts
                      if str(p.get("window_rows")) in (p.get("floor_by_block") or {})]
             if bound:  # the same GEMMs at the loss's window size: a windowed loss's bound
@@ -437,22 +602,37 @@ def _plot(points: list[dict], path: str) -> bool:
     return True
 
 
-def _measure_all(a) -> list[dict]:
+def _shape_runs(a):
+    """``(name, tokens list, vocab, h_s, h_t)`` per shape of the run: the named ``--shape``s,
+    or the one shape of ``--tokens --vocab --h-s --h-t``."""
+    if not a.shape:
+        return [(None, a.tokens, a.vocab, a.h_s, a.h_t)]
+    return [(name, [SHAPES[name][0]], *SHAPES[name][1:]) for name in a.shape]
+
+
+def _measure_all(a, after_point=None) -> list[dict]:
     """Every point, ``a.rounds`` times over (variants interleaved within a round, so a drift in
     the machine's speed hits every variant alike); a point's time is the median of all its
-    rounds' timed runs, its memory the largest."""
+    rounds' timed runs, its memory the largest. ``after_point`` gets the merged points so far
+    after each one."""
     rounds: dict[tuple, list[dict]] = {}
     for r in range(a.rounds):
-        for tp in a.tp:
-            for tokens in a.tokens:
-                for v in a.variants:
-                    if tp != 1 and v.startswith(TP1_ONLY):
-                        continue
-                    pt = _run_point(a, v, tokens, tp)
-                    rounds.setdefault((tp, tokens, v), []).append(pt)
-                    msg = (f"{pt['time_s']:.2f} s, {_fmt_bytes(pt['extra_peak_bytes'])}"
-                           if pt["status"] == "ok" else f"{pt['status']} {pt.get('reason', '')}")
-                    print(f"round {r + 1}: TP={tp} T={tokens} {v}: {msg}", flush=True)
+        for shape_name, tokens_list, vocab, h_s, h_t in _shape_runs(a):
+            a.shape_name, a.vocab, a.h_s, a.h_t = shape_name, vocab, h_s, h_t
+            for tp in a.tp:
+                for tokens in tokens_list:
+                    for v in a.variants:
+                        if tp != 1 and v.startswith(TP1_ONLY):
+                            continue
+                        pt = _run_point(a, v, tokens, tp)
+                        rounds.setdefault((vocab, tp, tokens, v), []).append(pt)
+                        msg = (f"{pt['time_s']:.3f} s, {_fmt_bytes(pt['extra_peak_bytes'])}"
+                               if pt["status"] == "ok"
+                               else f"{pt['status']} {pt.get('reason', '')}")
+                        print(f"round {r + 1}: V={vocab} TP={tp} T={tokens} {v}: {msg}",
+                              flush=True)
+                        if after_point is not None:
+                            after_point([_merge_rounds(p) for p in rounds.values()])
     return [_merge_rounds(pts) for pts in rounds.values()]
 
 
@@ -480,6 +660,40 @@ def _cpu_tuning() -> dict:
     return dataclasses.asdict(CpuTuning.for_this_machine())
 
 
+def _write_outputs(a, points: list[dict], complete: bool) -> list[dict]:
+    """The JSON of the points so far (and the profiles), rewritten after every point, so a run
+    cut short by a time limit still leaves what it measured (``complete`` says whether it
+    finished). Returns the profiles."""
+    os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
+    meta = {k: v for k, v in vars(a).items() if not k.startswith("_")}
+    meta["cpu_tuning"] = _cpu_tuning()
+    meta["gpu_tuning"] = _gpu_tuning_record(a)
+    profiles = [dict(p["profile"], variant=p["variant"], tokens=p["tokens"],
+                     vocab=p.get("vocab"), shape=p.get("shape")) for p in points
+                if "profile" in p]
+    kept = [{k: v for k, v in p.items() if k != "profile"} for p in points]
+    with open(a.out + ".tmp", "w") as f:
+        json.dump({"config": meta, "complete": complete, "points": kept,
+                   "table_markdown": _table(kept)}, f, indent=1)
+    os.replace(a.out + ".tmp", a.out)
+    if a.profile:
+        os.makedirs(os.path.dirname(a.profile) or ".", exist_ok=True)
+        with open(a.profile + ".tmp", "w") as f:
+            json.dump({"variant": a.profile_variant, "device": a.device, "dtype": a.dtype,
+                       "complete": complete, "profiles": profiles,
+                       "note": None if profiles else f"{a.profile_variant} not measured yet"},
+                      f, indent=1)
+        os.replace(a.profile + ".tmp", a.profile)
+    return profiles
+
+
+def _gpu_tuning_record(a) -> dict:
+    """The GPU path's tuning of the fused_* variants (recorded beside the CUDA timings)."""
+    import dataclasses
+
+    return dataclasses.asdict(_gpu_tuning(a))
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tokens", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
@@ -495,8 +709,23 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1,
                    help="CPU threads in all (split over TP ranks)")
     p.add_argument("--window-size", type=int, default=None)
+    p.add_argument("--window-mb", type=float, default=None,
+                   help="GPU path: MiB of logits per window (GpuTuning.window_bytes; "
+                        "default its own)")
+    p.add_argument("--gpu-kernels", default="triton", choices=["triton", "compiled", "eager"],
+                   help="GPU path: its kernels (GpuTuning.kernels) for the fused_* variants")
+    p.add_argument("--loss-path", default="auto", choices=["auto", "cpu", "gpu"],
+                   help="KDLossConfig.path of the fused_* variants (gpu: the GPU path on any "
+                        "device, to try it on CPU)")
+    p.add_argument("--shape", nargs="+", default=None, choices=sorted(SHAPES),
+                   help="named shapes (T, V, h_s, h_t), each measured; replaces --tokens "
+                        "--vocab --h-s --h-t")
+    p.add_argument("--profile", default=None, metavar="PATH",
+                   help="write --profile-variant's top kernels (profiler key averages) as JSON")
+    p.add_argument("--profile-variant", default="fused_fkl", choices=VARIANTS)
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+    p.add_argument("--dtype", default=None, choices=["fp32", "bf16"],
+                   help="default: bf16 on cuda (the training precision), fp32 on cpu")
     p.add_argument("--mem-limit-gb", type=float, default=20.0,
                    help="CPU: cap on the data segment of all ranks together (0: none)")
     p.add_argument("--point-timeout", type=float, default=1800)
@@ -511,6 +740,9 @@ def main(argv=None) -> int:
     p.add_argument("--_tp", type=int, help=argparse.SUPPRESS)
     p.add_argument("--_out", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
+    if a.dtype is None:
+        a.dtype = "bf16" if a.device == "cuda" else "fp32"
+    a.shape_name = None
     if a._worker:
         _spawn_workers(a)
         return 0
@@ -522,18 +754,24 @@ def main(argv=None) -> int:
         if a.plot and _plot(points, a.plot):
             print(f"wrote {a.plot}")
         return 0
-    points = _measure_all(a)
+    points = _measure_all(a, lambda pts: _write_outputs(a, pts, complete=False))
     table = _table(points)
     print()
-    print(f"V={a.vocab}, h_s={a.h_s}, h_t={a.h_t}, {a.dtype}, device={a.device}, "
-          f"threads={a.threads}, repeats={a.repeats}, rounds={a.rounds}")
+    shapes = ", ".join(f"{n or 'shape'}: T={t}, V={v}, h_s={hs}, h_t={ht}"
+                       for n, t, v, hs, ht in _shape_runs(a))
+    print(f"{shapes}; {a.dtype}, device={a.device}, threads={a.threads}, "
+          f"repeats={a.repeats}, rounds={a.rounds}")
     print(table)
-    os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
-    meta = {k: v for k, v in vars(a).items() if not k.startswith("_")}
-    meta["cpu_tuning"] = _cpu_tuning()
-    with open(a.out, "w") as f:
-        json.dump({"config": meta, "points": points, "table_markdown": table}, f, indent=1)
+    profiles = _write_outputs(a, points, complete=True)
     print(f"wrote {a.out}")
+    for prof in profiles:
+        print(f"\ntop kernels of {prof['variant']} at T={prof['tokens']} V={prof['vocab']} "
+              f"({prof['by']}):")
+        print(f"  {prof['total_us'] / 1e3:9.2f} ms  in all")
+        for e in prof["top"][:12]:
+            print(f"  {e['self_us'] / 1e3:9.2f} ms  x{e['calls']:<4} {e['name'][:90]}")
+    if a.profile:
+        print(f"wrote {a.profile}")
     if a.plot and _plot(points, a.plot):
         print(f"wrote {a.plot}")
     return 0

@@ -3,8 +3,10 @@ own included: pass it as ``extra_args_provider``); :class:`KDArgs` reads them ba
 
 Each flag is a field: of :class:`KDArgs`, or, for the loss flags (``--kd-loss``,
 ``--kd-temperature``, ``--kd-beta``, ``--kd-weight``, ``--kd-ce-weight``, ``--kd-window-size``,
-``--kd-topk-tail``, ``--kd-loss-elementwise``), of :class:`~megatron_kd.loss.KDLossConfig`
-(:data:`LOSS_FLAGS`), validated there once; :class:`KDArgs` checks only what the loss cannot
+``--kd-topk-tail``, ``--kd-loss-elementwise``, ``--kd-loss-path``), of
+:class:`~megatron_kd.loss.KDLossConfig` (:data:`LOSS_FLAGS`) and its
+:class:`~megatron_kd.loss.GpuTuning` (``--kd-loss-gpu-kernels``, ``--kd-loss-window-mib``:
+:data:`GPU_LOSS_FLAGS`), validated there once; :class:`KDArgs` checks only what the loss cannot
 know (modes, teacher placement, caches). Each default is the field's (:mod:`megatron_kd.flags`).
 A new flag: a new field.
 """
@@ -20,8 +22,8 @@ from typing import Any
 import torch
 
 from megatron_kd.flags import Flag, add_flags, flag, from_flags
-from megatron_kd.loss import KDLossConfig
-from megatron_kd.loss.config import ELEMENTWISE, TOPK_TAILS
+from megatron_kd.loss import GpuTuning, KDLossConfig
+from megatron_kd.loss.config import ELEMENTWISE, GPU_KERNELS, PATHS, TOPK_TAILS
 from megatron_kd.loss.config import KINDS as KD_LOSSES
 
 __all__ = ["KD_MODES", "LOSS_FLAGS", "TEACHER_DTYPES", "WIRE_DTYPES", "KDArgs", "add_kd_args",
@@ -55,10 +57,32 @@ LOSS_FLAGS = {
                         help="the fused loss's per-block elementwise work: 'eager' PyTorch ops, "
                              "or 'compiled' torch.compile kernels (forward KL with a dense "
                              "teacher only; compiled on the first step)"),
+    "path": Flag(name="--kd-loss-path", choices=PATHS, group=_KD,
+                 help="the fused loss's implementation: 'auto' (the GPU path for CUDA tensors, "
+                      "the CPU path otherwise), or 'gpu' / 'cpu' on any device"),
     "topk_tail": Flag(name="--kd-topk-tail", choices=TOPK_TAILS, group=_OFFLINE,
                       help="offline: 'renormalize' (the teacher distribution is the softmax of "
                            "the K log-probs) or 'ghost' (the K probabilities plus one bucket for "
                            "the teacher's leftover mass; temperature 1 only)"),
+}
+
+
+def _mib(value: str) -> int:
+    """A size in MiB (a flag's string) in bytes."""
+    mib = float(value)
+    if not mib > 0:
+        raise argparse.ArgumentTypeError(f"a size in MiB must be > 0, got {value!r}")
+    return int(mib * (1 << 20))
+
+
+#: The GPU path's flags: :class:`~megatron_kd.loss.GpuTuning` fields (whose defaults they take).
+GPU_LOSS_FLAGS = {
+    "kernels": Flag(name="--kd-loss-gpu-kernels", choices=GPU_KERNELS, group=_KD,
+                    help="the GPU path's per-window elementwise work: 'triton' kernels, "
+                         "'compiled' (torch.compile) or 'eager' PyTorch ops (tests, debugging)"),
+    "window_bytes": Flag(name="--kd-loss-window-mib", type=_mib, group=_KD, metavar="MIB",
+                         help="the GPU path's bound on one window's logits, in MiB (default "
+                              "1024: 4 windows of 8K tokens at V = 128K in bf16)"),
 }
 
 #: The flags of a command that loads a teacher checkpoint (``cache build``, ``teacher serve``).
@@ -70,6 +94,7 @@ def add_kd_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     groups: dict = {}
     add_flags(parser, KDArgs, only=("mode", "teacher_load", "teacher_args"), groups=groups)
     add_flags(parser, KDLossConfig, specs=LOSS_FLAGS, exclude=("topk_tail",), groups=groups)
+    add_flags(parser, GpuTuning, specs=GPU_LOSS_FLAGS, groups=groups)
     add_flags(parser, KDArgs, exclude=("mode", "teacher_load", "teacher_args"), groups=groups)
     add_flags(parser, KDLossConfig, specs=LOSS_FLAGS, only=("topk_tail",), groups=groups)
     return parser
@@ -221,9 +246,11 @@ class KDArgs:
         """Read the flags added by :func:`add_kd_args`; the loss's ``ValueError`` names the
         flags instead of the fields."""
         try:
-            loss = from_flags(KDLossConfig, args, specs=LOSS_FLAGS)
+            loss = from_flags(KDLossConfig, args, specs=LOSS_FLAGS,
+                              gpu_tuning=from_flags(GpuTuning, args, specs=GPU_LOSS_FLAGS))
         except ValueError as e:
-            fields = {name: spec.option(name) for name, spec in LOSS_FLAGS.items()}
+            fields = {name: spec.option(name)
+                      for name, spec in (*LOSS_FLAGS.items(), *GPU_LOSS_FLAGS.items())}
             message = re.sub(r"\b(" + "|".join(fields) + r")\b",
                              lambda m: fields[m.group(1)], str(e))
             raise ValueError(message) from None

@@ -6,10 +6,15 @@ import functools
 import math
 from dataclasses import dataclass
 
+import torch
+
 KINDS = ("forward_kl", "reverse_kl", "jsd")
 TOPK_TAILS = ("renormalize", "ghost")
 BACKWARDS = ("precompute", "recompute")
 ELEMENTWISE = ("eager", "compiled")
+PATHS = ("auto", "cpu", "gpu")
+GPU_KERNELS = ("triton", "compiled", "eager")
+WEIGHT_GRADS = ("fp32_gemm", "fp32_add", "input_dtype")
 
 #: Default bound on the elements of one ``[rows, local_vocab]`` fp32 window buffer (64 MiB).
 DEFAULT_WINDOW_ELEMENTS = 1 << 24
@@ -84,6 +89,71 @@ class CpuTuning:
         of a process agrees): what :func:`~megatron_kd.loss.vocab_parallel_kd_loss` uses when
         :attr:`KDLossConfig.cpu_tuning` is None."""
         return cls.for_cpu_vendor(_cpu_vendor())
+
+
+@dataclass(frozen=True, kw_only=True)
+class GpuTuning:
+    """How the GPU path of the fused loss (:mod:`megatron_kd.loss.gpu`) works through a window.
+
+    Speed and memory only: every choice computes the same loss up to rounding. The design and
+    its cost account are in docs/loss.md (the GPU path).
+    """
+
+    window_bytes: int = 1 << 30
+    """Bound on the bytes of one window's logits: the student's and (dense teacher) the
+    teacher's ``[rows, V_local]`` buffers together, in the input dtype. Rows per window are
+    ``window_bytes // (models * V_local * itemsize)`` (at most ``KDLossConfig.window_size``).
+    1 GiB at V = 128,256 in bf16 with a dense teacher: 2,093 rows, 4 windows for 8,192 tokens,
+    so the fp32 weight gradient is read and written 4 times, not 63."""
+
+    kernels: str = "triton"
+    """How a window's elementwise work runs: ``triton`` (three hand-written kernels, one pass
+    over the logits each, fp32 inside, the logit gradient written in place in the input
+    dtype); ``compiled`` (the same steps as PyTorch ops through ``torch.compile``: Inductor's
+    kernels, a fallback where a Triton kernel fails); ``eager`` (the same steps as plain
+    PyTorch ops, for tests and debugging: slow, with ``[rows, V]`` temporaries)."""
+
+    block_v: int = 2048
+    """Columns per step of a Triton kernel's loop over the vocabulary (a power of 2)."""
+
+    num_warps: int = 8
+    """Warps per program of a Triton kernel (one program per row)."""
+
+    weight_grad: str = "fp32_gemm"
+    """How each window's weight gradient ``g^T x_s`` is accumulated. ``fp32_gemm``: one GEMM
+    takes the input-dtype operands and reads and writes an fp32 accumulator
+    (``torch.addmm(..., out_dtype=torch.float32)``; on CPU, where that op does not exist, the
+    product is formed in the input dtype and added), rounded to the weight's dtype once, at
+    the end. ``fp32_add``: the window's product in the input dtype (one ``[V_local, h_s]``
+    temporary), then added to the fp32 accumulator: for a torch whose ``addmm`` refuses an
+    fp32 accumulator with bf16 operands. ``input_dtype``: the accumulator is in the weight's
+    dtype (cuBLAS adds each window's product to it, rounding once per window): half the
+    memory (0.79 GB less at V = 128,256, h_s = 3072 in bf16), for the memory target; with
+    few windows (the byte budget) the roundings are few. With the recomputing backward and
+    gradient-accumulation fusion the accumulator is ``main_grad`` itself (no buffer)."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.window_bytes, bool) or not isinstance(self.window_bytes, int) \
+                or self.window_bytes < 1:
+            raise ValueError(f"window_bytes must be an int >= 1, got {self.window_bytes!r}")
+        if self.kernels not in GPU_KERNELS:
+            raise ValueError(f"kernels must be one of {GPU_KERNELS}, got {self.kernels!r}")
+        if (isinstance(self.block_v, bool) or not isinstance(self.block_v, int)
+                or self.block_v < 16 or self.block_v & (self.block_v - 1)):
+            raise ValueError(f"block_v must be a power of 2 >= 16, got {self.block_v!r}")
+        if isinstance(self.num_warps, bool) or self.num_warps not in (1, 2, 4, 8, 16, 32):
+            raise ValueError(f"num_warps must be a power of 2 from 1 to 32, got "
+                             f"{self.num_warps!r}")
+        if self.weight_grad not in WEIGHT_GRADS:
+            raise ValueError(f"weight_grad must be one of {WEIGHT_GRADS}, got "
+                             f"{self.weight_grad!r}")
+
+    def rows_per_window(self, local_valid: int, models: int, itemsize: int,
+                        window_size: int | None) -> int:
+        """Rows of one window: the byte budget over ``models`` logit rows of ``local_valid``
+        columns, at most ``window_size``."""
+        rows = max(1, self.window_bytes // max(1, models * local_valid * itemsize))
+        return rows if window_size is None else min(rows, window_size)
 
 
 @dataclass(kw_only=True)
@@ -173,7 +243,22 @@ class KDLossConfig:
     other devices). ``None``: this machine's (:meth:`CpuTuning.for_this_machine`), resolved by
     :func:`~megatron_kd.loss.vocab_parallel_kd_loss` once per call."""
 
+    path: str = "auto"
+    """Which implementation runs: ``auto``: the GPU path (:mod:`megatron_kd.loss.gpu`) for
+    CUDA inputs, the CPU path otherwise (and where ``elementwise="compiled"``, an option of the
+    CPU path's walk, is set); ``gpu`` / ``cpu``: that path on any device (``gpu`` on CPU is how
+    the GPU path's maths is tested without a GPU; ``gpu`` with ``elementwise="compiled"`` is
+    refused). Both compute the same loss."""
+
+    gpu_tuning: GpuTuning | None = None
+    """How the GPU path works through a window (``None``: :class:`GpuTuning`'s defaults). No
+    effect on the CPU path."""
+
     def __post_init__(self) -> None:
+        if self.path not in PATHS:
+            raise ValueError(f"path must be one of {PATHS}, got {self.path!r}")
+        if self.gpu_tuning is not None and not isinstance(self.gpu_tuning, GpuTuning):
+            raise ValueError(f"gpu_tuning must be a GpuTuning or None, got {self.gpu_tuning!r}")
         if self.kind not in KINDS:
             raise ValueError(f"kind must be one of {KINDS}, got {self.kind!r}")
         if self.topk_tail not in TOPK_TAILS:
@@ -202,6 +287,12 @@ class KDLossConfig:
             raise ValueError(f"vocab_size must be >= 1 or None, got {self.vocab_size}")
         if self.cpu_tuning is not None and not isinstance(self.cpu_tuning, CpuTuning):
             raise ValueError(f"cpu_tuning must be a CpuTuning or None, got {self.cpu_tuning!r}")
+
+    def uses_gpu_path(self, device: torch.device) -> bool:
+        """Whether inputs on ``device`` take the GPU path (``auto``: CUDA inputs, unless the
+        CPU path's ``elementwise="compiled"`` was asked for)."""
+        return self.path == "gpu" or (self.path == "auto" and device.type == "cuda"
+                                      and self.elementwise == "eager")
 
     def rows_per_window(self, local_vocab_size: int) -> int:
         """Rows projected at once for a shard of ``local_vocab_size`` columns."""

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megatron_kd.loss import compiled, kinds
+from megatron_kd.loss import compiled, gpu_kernels, kinds
 from megatron_kd.loss.checks import (
     FiniteTracker,
     check_global,
@@ -31,7 +31,9 @@ from megatron_kd.loss.checks import (
     world,
 )
 from megatron_kd.loss.combine import gather_sequence, reduce_hidden_grad
-from megatron_kd.loss.config import CpuTuning, KDLossConfig
+from megatron_kd.loss.config import CpuTuning, GpuTuning, KDLossConfig
+from megatron_kd.loss.gpu import GpuKDLoss
+from megatron_kd.loss.grads import main_grad_placeholder
 from megatron_kd.loss.kinds import KindMath, Stats, kind_for
 from megatron_kd.loss.window import Shard, WindowWalker, active_rows
 
@@ -139,7 +141,7 @@ class _FusedKDLoss(torch.autograd.Function):
             if grad_w is not None and ctx.fuse_wgrad:
                 weight, ctx.weight = ctx.weight, None
                 weight.main_grad.addcmul_(grad_w, grad_loss.to(grad_w.dtype))
-                grad_w = _main_grad_placeholder(weight)
+                grad_w = main_grad_placeholder(weight)
             elif grad_w is not None:
                 grad_w = grad_w.mul_(grad_loss.to(grad_w.dtype))
         else:
@@ -165,18 +167,6 @@ class _FusedKDLoss(torch.autograd.Function):
 def compute_dtype(student_hidden: torch.Tensor) -> torch.dtype:
     """fp32 inside (fp64 for fp64 inputs, the references' dtype)."""
     return torch.float64 if student_hidden.dtype == torch.float64 else torch.float32
-
-
-def _main_grad_placeholder(weight: torch.Tensor) -> torch.Tensor | None:
-    """What backward returns for a weight whose gradient went into ``main_grad``: Megatron's
-    convention (its ``LinearWithGradAccumulationAndAsyncCommunication``): a placeholder its DDP
-    hook discards once ``grad_added_to_main_grad`` is set, or None without that attribute."""
-    if not hasattr(weight, "grad_added_to_main_grad"):
-        return None
-    weight.grad_added_to_main_grad = True
-    if getattr(weight, "zero_out_wgrad", False):
-        return torch.zeros(weight.main_grad.shape, dtype=weight.dtype, device=weight.device)
-    return torch.empty(weight.main_grad.shape, dtype=weight.dtype, device=weight.device)
 
 
 def _walker(student_hidden, student_weight, teacher_hidden, teacher_weight, topk_ids,
@@ -252,7 +242,7 @@ def _recompute_backward(ctx, grad_loss: torch.Tensor
                                     h_s)
         grad_x = grad_x.mul_(scale).to(ctx.hidden_dtype).view(ctx.hidden_shape)
     if fused:
-        grad_w = _main_grad_placeholder(student_weight)
+        grad_w = main_grad_placeholder(student_weight)
     elif grad_w is not None:
         grad_w = grad_w.mul_(scale).to(ctx.weight_dtype)  # in place: this Function's buffer
     return grad_x, grad_w
@@ -262,6 +252,17 @@ def _store_grad(g: torch.Tensor, z_s: torch.Tensor) -> None:
     """Leave a block's logit gradient in its student logits (most kinds compute it in place)."""
     if g.data_ptr() != z_s.data_ptr():
         z_s.copy_(g)
+
+
+def _check_gpu_path(config: KDLossConfig, tuning: GpuTuning) -> None:
+    """The GPU path's options, checked before any collective (the same on every rank)."""
+    if config.elementwise != "eager":
+        raise ValueError(f"elementwise={config.elementwise!r} is an option of the CPU path; the "
+                         f"GPU path (path={config.path!r}) fuses its elementwise work itself "
+                         f"(GpuTuning.kernels={tuning.kernels!r}); set path='cpu' to run it")
+    if tuning.kernels == "triton" and not gpu_kernels.triton_available():
+        raise ValueError("GpuTuning.kernels='triton' but triton cannot be imported here; "
+                         "install it, or set GpuTuning(kernels='compiled')")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -312,8 +313,13 @@ def vocab_parallel_kd_loss(
     fails hands the message on, and every rank raises after the exchange.
     """
     config = config or KDLossConfig()
-    # Resolved once per call: the walk of forward and a recomputing backward reads this one.
-    tuning = CpuTuning.for_this_machine() if config.cpu_tuning is None else config.cpu_tuning
+    gpu_path = config.uses_gpu_path(student_hidden.device)
+    if gpu_path:
+        tuning = config.gpu_tuning or GpuTuning()
+        _check_gpu_path(config, tuning)
+    else:
+        # Resolved once per call: the walk of forward and a recomputing backward reads this one.
+        tuning = CpuTuning.for_this_machine() if config.cpu_tuning is None else config.cpu_tuning
     tp_rank, tp_world_size = world(tp_group)
     sp = config.sequence_parallel and tp_world_size > 1
     local_error = check_local(student_hidden, student_weight, teacher_hidden, teacher_weight,
@@ -332,9 +338,10 @@ def vocab_parallel_kd_loss(
                                device=student_hidden.device)
     tracker = (FiniteTracker(student_hidden.device, compute_dtype(student_hidden))
                if config.check_finite else None)
-    loss = _FusedKDLoss.apply(student_hidden, student_weight, teacher_hidden, teacher_weight,
-                              teacher_topk_ids, teacher_topk_logprobs, labels, loss_mask, config,
-                              shard, tuning, active_rows(loss_mask), tracker, terms_out)
+    function = GpuKDLoss if gpu_path else _FusedKDLoss
+    loss = function.apply(student_hidden, student_weight, teacher_hidden, teacher_weight,
+                           teacher_topk_ids, teacher_topk_logprobs, labels, loss_mask, config,
+                           shard, tuning, active_rows(loss_mask), tracker, terms_out)
     if tracker is not None:
         tracker.raise_if_bad(config)  # the one host read of the call, after the Function
     num_tokens = loss_mask.sum().to(loss.dtype)

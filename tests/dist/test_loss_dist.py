@@ -49,6 +49,23 @@ CASES = {
                                                   vocab_size=600, ce_weight=0.5),
     "compiled_blocks_fp32": spec(elementwise="compiled", dtype=torch.float32, window_size=8,
                                  block_rows=3, ce_weight=0.3, mask=True),
+    # the GPU path forced on CPU (its kernels' PyTorch form), windows of a few rows by bytes:
+    # the same collectives on [k, rows] tensors, a shard of padding only, bf16 logits
+    **{f"gpu_path_{name}": spec(path="gpu", gpu_tuning=dict(kernels="eager",
+                                                            window_bytes=60_000), **case)
+       for name, case in (
+           ("fwd_kl_T2_ce_mask", dict(temperature=2.0, ce_weight=0.5, mask=True)),
+           ("jsd_recompute_ce", dict(kind="jsd", beta=0.3, backward="recompute",
+                                     ce_weight=0.3)),
+           ("rev_kl_T07_mask", dict(kind="reverse_kl", temperature=0.7, mask=True)),
+           ("topk_renorm_T2", dict(teacher="renormalize", topk_tail="renormalize",
+                                   temperature=2.0, k=11, ce_weight=0.5, mask=True)),
+           ("topk_ghost", dict(teacher="ghost", topk_tail="ghost", k=9, mask=True,
+                               vocab_size=1001)),
+           ("topk_ghost_recompute", dict(teacher="ghost", topk_tail="ghost",
+                                         backward="recompute", ce_weight=0.3)),
+           ("padding_only_shard", dict(vocab_size=600, ce_weight=0.5)),
+           ("bf16_jsd", dict(dtype=torch.bfloat16, kind="jsd", ce_weight=0.5)))},
 }
 
 
@@ -67,11 +84,13 @@ def test_parity_with_reference(pool, name, world):
     compare(sp, make_inputs(sp), ours, world)
 
 
+@pytest.mark.parametrize("path", ["auto", "gpu"])
 @pytest.mark.parametrize("world", [2, 3, 4])
 @pytest.mark.parametrize("backward", ["precompute", "recompute"])
-def test_sequence_parallel_inputs(pool, world, backward):
+def test_sequence_parallel_inputs(pool, world, backward, path):
     # s = 12 divides by every world size; hidden states arrive as [s/tp, b, h]
-    sp = spec(s=12, b=2, sequence_parallel=True, backward=backward, ce_weight=0.5, mask=True)
+    sp = spec(s=12, b=2, sequence_parallel=True, backward=backward, ce_weight=0.5, mask=True,
+              path=path, gpu_tuning=dict(kernels="eager") if path == "gpu" else None)
     ours = pool.run(dist_case, sp, world)[:world]
     compare(sp, make_inputs(sp), ours, world)
 

@@ -56,6 +56,19 @@ CASES = {
     # the compiled kernels: Inductor's size guards are host ints, never a tensor read
     "fwd_kl_compiled_T2_ce": dict(kind="forward_kl", temperature=2.0, ce_weight=0.5,
                                   elementwise="compiled"),
+    # the GPU path, forced on CPU (its kernels in their PyTorch form)
+    **{f"gpu_path_{name}": dict(case, path="gpu", gpu_tuning=dict(kernels="eager"))
+       for name, case in (("fwd_kl_T2_ce", dict(kind="forward_kl", temperature=2.0,
+                                                 ce_weight=0.5)),
+                          ("jsd_ce", dict(kind="jsd", beta=0.3, ce_weight=0.4)),
+                          ("rev_kl_T07_ce", dict(kind="reverse_kl", temperature=0.7,
+                                                 ce_weight=0.3)),
+                          ("topk_renorm_T2", dict(teacher="renormalize", topk_tail="renormalize",
+                                                  temperature=2.0, ce_weight=0.5)),
+                          ("topk_ghost", dict(teacher="ghost", topk_tail="ghost", ce_weight=0.2,
+                                              vocab_size=1001)),
+                          ("ce_only_T2", dict(teacher=None, kd_weight=0.0, ce_weight=1.0,
+                                              temperature=2.0)))},
 }
 
 
@@ -117,11 +130,14 @@ def test_non_finite_loss_still_raises_after_the_function():
                                config=config_of(sp))
 
 
+@pytest.mark.parametrize("path", ["auto", "gpu"])
 @pytest.mark.parametrize("backward", ["precompute", "recompute"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("kind", ["forward_kl", "jsd"])
-def test_gradient_accumulation_fusion_adds_into_main_grad(kind, dtype, backward):
-    sp = spec(kind=kind, dtype=dtype, backward=backward, ce_weight=0.4, mask=True)
+def test_gradient_accumulation_fusion_adds_into_main_grad(kind, dtype, backward, path):
+    # path "gpu": the GPU path forced on CPU, whose fp32 accumulator is main_grad itself
+    sp = spec(kind=kind, dtype=dtype, backward=backward, ce_weight=0.4, mask=True, path=path,
+              gpu_tuning=dict(kernels="eager") if path == "gpu" else None)
     held = torch.randn(sp["padded_vocab"], sp["h_s"], dtype=torch.float64,
                        generator=torch.Generator().manual_seed(5))
     main_dtype = torch.float64 if dtype == torch.float64 else torch.float32

@@ -6,8 +6,8 @@ import dataclasses
 import pytest
 
 from megatron_kd.flags import Flag, add_flags, default_of, flag, from_flags
-from megatron_kd.integration.args import LOSS_FLAGS, KDArgs, add_kd_args
-from megatron_kd.loss import KDLossConfig
+from megatron_kd.integration.args import GPU_LOSS_FLAGS, LOSS_FLAGS, KDArgs, add_kd_args
+from megatron_kd.loss import GpuTuning, KDLossConfig
 from megatron_kd.training import cache_command
 from megatron_kd.training.metrics import MetricsSection
 from megatron_kd.training.run_config import (
@@ -71,8 +71,28 @@ def test_every_train_flag_is_one_field_of_one_section():
                 owners.setdefault(spec.dest(f.name), []).append(section.__name__)
     for name, spec in LOSS_FLAGS.items():
         owners.setdefault(spec.dest(name), []).append("KDLossConfig")
+    for name, spec in GPU_LOSS_FLAGS.items():
+        owners.setdefault(spec.dest(name), []).append("GpuTuning")
     assert sorted(owners) == sorted(vars(args)), set(owners) ^ set(vars(args))
     assert {k: v for k, v in owners.items() if len(v) > 1} == {}
+
+
+def test_each_loss_flag_lands_in_its_own_field():
+    """Every loss flag given a value no other flag has and no default is: a swapped pair
+    (``--kd-temperature`` read into ``beta``, say) fails here, where every fused == dense
+    end-to-end test, fed one config on both sides, would pass."""
+    flags = {"--kd-loss": "forward_kl", "--kd-temperature": "3.5", "--kd-beta": "0.3",
+             "--kd-weight": "0.7", "--kd-ce-weight": "0.2", "--kd-window-size": "17",
+             "--kd-loss-elementwise": "compiled", "--kd-loss-path": "cpu",
+             "--kd-loss-gpu-kernels": "eager", "--kd-loss-window-mib": "3"}
+    argv = MINIMAL[:-4] + ["--kd-teacher-load", "t"] + [x for kv in flags.items() for x in kv]
+    loss = RunConfig.from_args(parse_args(argv)).kd.loss
+    assert (loss.kind, loss.temperature, loss.beta, loss.kd_weight, loss.ce_weight,
+            loss.window_size, loss.elementwise, loss.path) == (
+        "forward_kl", 3.5, 0.3, 0.7, 0.2, 17, "compiled", "cpu")
+    assert loss.gpu_tuning == GpuTuning(kernels="eager", window_bytes=3 << 20)
+    names = {spec.option(n) for n, spec in (*LOSS_FLAGS.items(), *GPU_LOSS_FLAGS.items())}
+    assert names - {"--kd-topk-tail"} == set(flags)  # every loss flag is in this test
 
 
 def test_run_config_defaults_are_the_sections_defaults():
@@ -81,7 +101,7 @@ def test_run_config_defaults_are_the_sections_defaults():
     assert config.logging == LoggingSection() and config.metrics == MetricsSection()
     assert config.parallel == ParallelSection()
     assert config.data == DataSection(seq_length=16, train_iters=3, mock_data=True)
-    assert config.kd.loss == KDLossConfig(kd_weight=0.0, ce_weight=1.0)
+    assert config.kd.loss == KDLossConfig(kd_weight=0.0, ce_weight=1.0, gpu_tuning=GpuTuning())
     with pytest.raises(dataclasses.FrozenInstanceError):
         config.data.seed = 1  # type: ignore[misc]
 
