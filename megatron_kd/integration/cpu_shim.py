@@ -54,6 +54,8 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint import save as dcp_save
 from torch.overrides import TorchFunctionMode
 
+from megatron_kd import placement
+
 __all__ = [
     "SequenceParallelNorm",
     "checkpoint_save_strategy",
@@ -106,8 +108,11 @@ def _noop(*args, **kwargs) -> None:
     return None
 
 
-def _cpu_current_device() -> str:
-    return "cpu"
+def _cpu_current_device() -> str | int:
+    # the simulated accelerator's device index while it runs (its tensors are tagged host
+    # tensors: megatron_kd.testing.devices), else the host
+    simulated = placement._simulated_device
+    return "cpu" if simulated is None else simulated.index
 
 
 def _cpu_current_stream(device: Any = None):
@@ -373,7 +378,8 @@ class cuda_to_cpu(TorchFunctionMode):
 
     def __init__(self) -> None:
         super().__init__()
-        self._active = on_cpu()
+        # inactive under the simulated accelerator, which places "cuda" tensors itself
+        self._active = on_cpu() and placement._simulated_device is None
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

@@ -35,8 +35,17 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
 from megatron_kd.integration.arch import GPTArchConfig
-from megatron_kd.integration.context_parallel import ContextParallelAttention
+from megatron_kd.integration.context_parallel import (
+    ContextParallelAttention,
+    ContextParallelSdpaAttention,
+)
 from megatron_kd.integration.cpu_shim import SequenceParallelNorm, install_cpu_shim, on_cpu
+from megatron_kd.integration.sdpa_attention import (
+    SdpaAttention,
+    check_sdpa_config,
+    requested_attention,
+)
+from megatron_kd.placement import compute_device, move_to_compute_device
 
 __all__ = ["build_gpt_model", "model_arch"]
 
@@ -67,7 +76,7 @@ def _transformer_config(arch: GPTArchConfig, *, tp_size: int, pp_size: int, cp_s
         "pipeline_dtype": params_dtype,
         "bf16": params_dtype == torch.bfloat16,
         "fp16": params_dtype == torch.float16,
-        "use_cpu_initialization": on_cpu(),
+        "use_cpu_initialization": compute_device().type == "cpu",
         "perform_initialization": True,
         "hidden_dropout": 0.0,
         "attention_dropout": 0.0,
@@ -163,7 +172,8 @@ def _layer_specs(arch: GPTArchConfig) -> list[ModuleSpec]:
     (``get_transformer_block_with_experimental_attention_variant_spec``) fuses the
     pre-DeltaNet norm into ``in_proj``, names that ``_TE_NORM_NAMES`` (hf_convert) does not
     map, and only this local spec has been checked against Hugging Face (on CPU). The
-    DeltaNet's gated output norm is a plain RMSNorm of one value head.
+    DeltaNet's gated output norm is a plain RMSNorm of one value head. The softmax attention's
+    ``DotProductAttention`` here is swapped by :func:`_block_spec` (SDPA on a GPU).
     """
     attention = get_gpt_layer_local_spec(num_experts=arch.num_experts, moe_grouped_gemm=False,
                                          qk_layernorm=arch.qk_layernorm,
@@ -205,6 +215,28 @@ def _te_available() -> bool:
     return True
 
 
+def _uses_sdpa(config) -> bool:
+    """Whether the local spec's softmax attention layers run on ``scaled_dot_product_attention``
+    (:class:`~megatron_kd.integration.sdpa_attention.SdpaAttention`) rather than Megatron-Core's
+    ``DotProductAttention``, which forms ``[b, heads, s, s]`` scores: on a GPU, unless the
+    ``MEGATRON_KD_ATTENTION`` environment variable says otherwise (``sdpa`` or ``unfused``
+    anywhere, ``auto`` the default). Attention sinks (a non-vanilla ``softmax_type``) have no SDPA
+    form: ``auto`` keeps them on ``DotProductAttention``, ``sdpa`` refuses them."""
+    requested = requested_attention()
+    if requested == "unfused":
+        return False
+    if requested == "sdpa":
+        check_sdpa_config(config)  # ValueError naming what SDPA cannot compute
+        return True
+    if on_cpu():
+        return False
+    try:
+        check_sdpa_config(config)
+    except ValueError:
+        return False  # gpt-oss's sinks: scores formed (docs/models.md, "Attention backends")
+    return True
+
+
 def _block_spec(arch: GPTArchConfig, config, *, vp_stage: int | None, pp_rank: int):
     """This pipeline stage's (and virtual stage's) layers: Transformer Engine's spec for a
     dense or MoE transformer where it is installed (a GPU); elsewhere the local spec, sliced
@@ -213,42 +245,29 @@ def _block_spec(arch: GPTArchConfig, config, *, vp_stage: int | None, pp_rank: i
     :class:`~megatron_kd.integration.cpu_shim.SequenceParallelNorm` (the same modules, with
     their weights marked for sequence parallelism), its attention
     :class:`~megatron_kd.integration.context_parallel.ContextParallelAttention` with context
-    parallelism."""
+    parallelism. The local spec's attention is
+    :class:`~megatron_kd.integration.sdpa_attention.SdpaAttention` (its context-parallel form
+    :class:`~megatron_kd.integration.context_parallel.ContextParallelSdpaAttention`) where
+    :func:`_uses_sdpa` says so: on a GPU without Transformer Engine, for hybrids always."""
     if arch.linear_attention_layers is None and _te_available():
         return get_gpt_layer_with_transformer_engine_spec(
             num_experts=arch.num_experts, moe_grouped_gemm=False, qk_layernorm=arch.qk_layernorm)
     offset = get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=pp_rank)
     count = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
     swaps = {WrappedTorchNorm: SequenceParallelNorm}
+    sdpa = _uses_sdpa(config)
     if config.context_parallel_size > 1:
-        swaps[DotProductAttention] = ContextParallelAttention
+        swaps[DotProductAttention] = (ContextParallelSdpaAttention if sdpa
+                                      else ContextParallelAttention)
+    elif sdpa:
+        swaps[DotProductAttention] = SdpaAttention
     specs = [_swapped(spec, swaps) for spec in _layer_specs(arch)[offset:offset + count]]
     return TransformerBlockSubmodules(layer_specs=specs, layer_norm=SequenceParallelNorm)
 
 
-def build_gpt_model(
-    arch: GPTArchConfig,
-    *,
-    pre_process: bool = True,
-    post_process: bool = True,
-    params_dtype: torch.dtype = torch.float32,
-    pg_collection=None,
-    seed: int | None = 1234,
-    vp_stage: int | None = None,
-    **config_overrides: Any,
-):
-    """Build this rank's Megatron-Core ``GPTModel`` for ``arch``.
-
-    ``megatron.core.parallel_state`` must be initialised, or ``pg_collection`` (a
-    ``ProcessGroupCollection``) given. With ``seed`` not None, Megatron's model-parallel RNG is
-    seeded first (``model_parallel_cuda_manual_seed``; on CPU the CPU generator stands in for
-    the CUDA one), so the same seed gives the same weights at any tensor-parallel size.
-    ``config_overrides`` go to ``TransformerConfig`` (e.g. ``hidden_dropout=0.1``,
-    ``sequence_parallel=True``, ``virtual_pipeline_model_parallel_size=2``, the recompute
-    settings). ``vp_stage``: the virtual pipeline stage this chunk is (interleaved schedules).
-    The model carries its architecture as ``model.kd_arch``.
-    """
-    install_cpu_shim()
+def _parallel_sizes(pg_collection) -> tuple[int, ...]:
+    """``(tp_size, pp_size, tp_rank, pp_rank, cp_size, ep_size, ep_rank, etp_rank, etp_size)``
+    from ``pg_collection``, or from ``parallel_state`` when it is None."""
     if pg_collection is not None:
         tp_size, pp_size = pg_collection.tp.size(), pg_collection.pp.size()
         tp_rank, pp_rank = pg_collection.tp.rank(), pg_collection.pp.rank()
@@ -270,6 +289,39 @@ def build_gpt_model(
         ep_rank = parallel_state.get_expert_model_parallel_rank()
         etp_rank = parallel_state.get_expert_tensor_parallel_rank()
         etp_size = parallel_state.get_expert_tensor_parallel_world_size()
+    return (tp_size, pp_size, tp_rank, pp_rank, cp_size, ep_size, ep_rank, etp_rank,
+            etp_size)
+
+
+def build_gpt_model(
+    arch: GPTArchConfig,
+    *,
+    pre_process: bool = True,
+    post_process: bool = True,
+    params_dtype: torch.dtype = torch.float32,
+    pg_collection=None,
+    seed: int | None = 1234,
+    vp_stage: int | None = None,
+    device: torch.device | None = None,
+    **config_overrides: Any,
+):
+    """Build this rank's Megatron-Core ``GPTModel`` for ``arch``.
+
+    ``megatron.core.parallel_state`` must be initialised, or ``pg_collection`` (a
+    ``ProcessGroupCollection``) given. With ``seed`` not None, Megatron's model-parallel RNG is
+    seeded first (``model_parallel_cuda_manual_seed``; on CPU the CPU generator stands in for
+    the CUDA one), so the same seed gives the same weights at any tensor-parallel size.
+    ``config_overrides`` go to ``TransformerConfig`` (e.g. ``hidden_dropout=0.1``,
+    ``sequence_parallel=True``, ``virtual_pipeline_model_parallel_size=2``, the recompute
+    settings). ``vp_stage``: the virtual pipeline stage this chunk is (interleaved schedules).
+    The model carries its architecture as ``model.kd_arch``. It is built on, or moved to,
+    ``device`` (default: :func:`megatron_kd.placement.compute_device`, the GPU on a GPU
+    machine) and checked there: every parameter and buffer, the norms torch builds on the host
+    included.
+    """
+    install_cpu_shim()
+    (tp_size, pp_size, tp_rank, pp_rank, cp_size, ep_size, ep_rank, etp_rank,
+     etp_size) = _parallel_sizes(pg_collection)
     arch.check_tensor_parallel(tp_size)
     arch.check_pipeline_parallel(pp_size)
     if arch.num_experts is not None:  # a dense model ignores the expert groups
@@ -277,6 +329,9 @@ def build_gpt_model(
     if seed is not None:
         model_parallel_cuda_manual_seed(seed, tp_rank=tp_rank, ep_rank=ep_rank,
                                         etp_rank=etp_rank)
+    device = compute_device() if device is None else torch.device(device)
+    if device.type == "cpu":  # Megatron-Core's layers otherwise allocate on the current GPU
+        config_overrides.setdefault("use_cpu_initialization", True)
     config = _transformer_config(arch, tp_size=tp_size, pp_size=pp_size, cp_size=cp_size,
                                  expert_sizes=(ep_size, etp_size),
                                  params_dtype=params_dtype, **config_overrides)
@@ -300,7 +355,8 @@ def build_gpt_model(
         **kwargs,
     )
     model.kd_arch = arch
-    return model
+    # Megatron-LM's get_model moves the model too: torch's norms are built on the host
+    return move_to_compute_device(model, device, what="the GPT model")
 
 
 def model_arch(model) -> GPTArchConfig:

@@ -43,6 +43,7 @@ from megatron_kd.integration.megatron_lm_checkpoint import (
 from megatron_kd.integration.output_layer import bypass_output_layer
 from megatron_kd.teacher.client import TeacherClient
 from megatron_kd.teacher.endpoint import parse_endpoint
+from megatron_kd.placement import compute_device
 
 __all__ = ["build_frozen_teacher", "check_teacher", "connect_teacher", "load_output_layer_shard",
            "teacher_identity", "unpipelined_groups"]
@@ -164,7 +165,8 @@ def load_output_layer_shard(teacher_dir: str, arch: GPTArchConfig, dtype: torch.
 
     Reads only that tensor from the teacher's ``dist_checkpointing`` checkpoint (the input
     embedding when the teacher ties it to the output layer). Collective over the default group.
-    ``tp_size``: the tensor-parallel size of the shard (default: ``parallel_state``'s).
+    ``tp_size``: the tensor-parallel size of the shard (default: ``parallel_state``'s). Read on
+    the host, returned on the compute device (where the loss multiplies it).
     """
     if tp_size is None:
         tp_size = parallel_state.get_tensor_model_parallel_world_size()
@@ -172,7 +174,7 @@ def load_output_layer_shard(teacher_dir: str, arch: GPTArchConfig, dtype: torch.
     local = torch.empty(arch.padded_vocab_size // tp_size, arch.hidden_size, dtype=dtype)
     request = {key: make_tp_sharded_tensor_for_checkpoint(local, key)}
     loaded = dist_checkpointing.load(request, teacher_dir, validate_access_integrity=False)
-    return loaded[key].to(dtype)
+    return loaded[key].to(device=compute_device(), dtype=dtype)
 
 
 def teacher_identity(teacher_dir: str, arch: GPTArchConfig, dtype: str) -> dict:

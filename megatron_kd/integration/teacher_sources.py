@@ -40,7 +40,6 @@ from megatron_kd.cache.loader import TopKPrefetcher
 from megatron_kd.cache.lookup import TokenLookup
 from megatron_kd.integration.arch import GPTArchConfig
 from megatron_kd.integration.args import KDArgs
-from megatron_kd.integration.cpu_shim import on_cpu
 from megatron_kd.integration.groups import collective_device, shared_random_id
 from megatron_kd.integration.output_layer import output_layer_weight, to_sbh
 from megatron_kd.integration.teacher import (
@@ -49,6 +48,7 @@ from megatron_kd.integration.teacher import (
     load_output_layer_shard,
     unpipelined_groups,
 )
+from megatron_kd.placement import compute_device
 
 __all__ = ["Cached", "Colocated", "Microbatch", "NoTeacher", "Remote", "StepStats",
            "TeacherInputs", "TeacherSource", "build_teacher_source", "kd_scalars",
@@ -445,9 +445,9 @@ def build_teacher_source(kd: KDArgs, teacher_arch: GPTArchConfig | None, *, acti
     ``rows_by_tokens``: offline, the trainer knows no sample indices; each microbatch's cache
     rows are found by its tokens."""
     if kd.mode == "offline":
-        device = None if on_cpu() else torch.device("cuda", torch.cuda.current_device())
         return Cached(topk_cache, directory=kd.topk_cache, depth=kd.prefetch_depth,
-                      active=active, micro_batch_size=micro_batch_size, device=device,
+                      active=active, micro_batch_size=micro_batch_size,
+                      device=compute_device(),
                       tail=kd.loss.topk_tail, by_tokens=rows_by_tokens, dp_rank=dp_rank)
     if teacher_arch is None:
         return NoTeacher()

@@ -29,10 +29,28 @@ The ``torch.distributed`` functions that take tensors (collectives and point-to-
 tagged, else an ``AssertionError`` names the function, the calling ``file:line``, the tensor's
 shape and dtype. The ``*_object`` variants are not wrapped (they pickle on the host by design).
 
-Not modelled: ops mixing host and device tensors run (a GPU would refuse most of them); there
-is one device (no ``cuda:1``); the backward pass of ``torch.autograd.grad`` runs untagged
-(``Tensor.backward`` and ``torch.autograd.backward`` keep tagging). Only this process is affected, and only inside the
-``with`` block; tags left on tensors afterwards change nothing.
+What a GPU refuses is refused here too:
+
+* an op given both tagged and untagged tensors raises ``RuntimeError`` naming the calling
+  ``file:line`` and the host tensor's shape (0-d host tensors are allowed, as CUDA allows
+  them; so are the copies between the two: ``copy_``, ``to``, item assignment, ``.data =``,
+  and host index tensors in ``t[idx]``);
+* a module moved with ``Module.to("cuda")`` / ``.cuda()`` has its parameters tagged (the
+  ``.data =`` that ``Module._apply`` does carries the tag), and a parameter's ``.grad`` is
+  tagged with it, so :func:`megatron_kd.placement.check_module_device` tells a module that
+  kept a host parameter or buffer;
+* :func:`megatron_kd.placement.compute_device` answers the accelerator, so the commands move
+  their models and batches as on a GPU.
+
+Not modelled: there is one device (no ``cuda:1``); the backward pass of
+``torch.autograd.grad`` runs untagged (``Tensor.backward`` and ``torch.autograd.backward`` keep
+tagging), and so do the gradients autograd's C++ engine hands to hooks registered on plain
+tensors (a hook that mixes them with tagged tensors is reported although a GPU would run it;
+no hook of ours or Megatron-Core's in the tested paths does). Only this process is affected, and only
+inside the ``with`` block; tags left on tensors afterwards change nothing.
+
+``python -m megatron_kd.testing.simulated COMMAND ...`` runs a whole ``megatron-kd`` command
+(each torchrun worker) inside it: the CPU tests run the commands' GPU placement that way.
 """
 
 from __future__ import annotations
@@ -44,9 +62,12 @@ import sys
 from typing import Any, Callable, Iterator
 
 import torch
+import torch.cuda.nccl
 import torch.distributed as dist
 from torch.autograd.graph import _engine_run_backward
 from torch.overrides import TorchFunctionMode
+
+from megatron_kd import placement
 
 __all__ = ["ACCELERATOR", "CHECKED_FUNCTIONS", "on_accelerator", "simulated_accelerator",
            "to_accelerator"]
@@ -72,6 +93,12 @@ _BACKWARD_SIGNATURES = {f: inspect.signature(f) for f in (torch.Tensor.backward,
 # property getters of a tensor whose answer changes on the accelerator
 _GETTERS = {_BASE.__dict__["device"]: ACCELERATOR, _BASE.__dict__["is_cuda"]: True,
             _BASE.__dict__["is_cpu"]: False}
+_DATA = _BASE.__dict__["data"]
+_GRAD = _BASE.__dict__["grad"]
+# calls a GPU runs with a host tensor among device ones: copies between the two, host indices
+_MIXING_ALLOWED = {torch.Tensor.copy_, torch.Tensor.to, torch.Tensor.__setitem__,
+                   torch.Tensor.__getitem__, torch.Tensor.set_, torch.Tensor.cpu,
+                   torch.Tensor.cuda, torch._has_compatible_shallow_copy_type}
 
 
 def on_accelerator(t: Any) -> bool:
@@ -145,8 +172,20 @@ def _target(func: Callable, args: tuple, kwargs: dict) -> tuple[bool | None, tup
     return target, args, kwargs
 
 
+def _mixed(func: Callable, args: tuple, kwargs: dict) -> torch.Tensor | None:
+    """The first host tensor (not 0-d) of a call that also has accelerator tensors, where a
+    GPU would refuse the mix; None when the call is fine."""
+    if func in _MIXING_ALLOWED:
+        return None
+    tensors = list(_tensors((args, tuple(kwargs.values()))))
+    if not any(on_accelerator(t) for t in tensors):
+        return None
+    return next((t for t in tensors if not on_accelerator(t) and t.dim() > 0), None)
+
+
 class _AcceleratorMode(TorchFunctionMode):
-    """The tagging: device arguments, propagation, the getters (see the module docstring)."""
+    """The tagging: device arguments, propagation, the getters, the refusal of mixed calls
+    (see the module docstring)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -154,6 +193,21 @@ class _AcceleratorMode(TorchFunctionMode):
         owner = getattr(func, "__self__", None)
         if tagged and owner is not None and owner in _GETTERS:
             return _GETTERS[owner]
+        name = getattr(func, "__name__", "")
+        if owner is _DATA and name == "__set__":  # ``t.data = value`` (Module._apply): t goes where value lives
+            func(*args, **kwargs)
+            if isinstance(args[1], torch.Tensor):
+                setattr(args[0], _TAG, on_accelerator(args[1]))
+            return None
+        if owner is _GRAD and name == "__get__" and tagged:  # a parameter's gradient lives where the parameter does
+            out = func(*args, **kwargs)
+            return out if out is None else _tag(out)
+        host = _mixed(func, args, kwargs) if tagged else None
+        if host is not None:
+            raise RuntimeError(
+                f"{getattr(func, '__qualname__', func)} called from {_caller()} with accelerator "
+                f"tensors and a host tensor (shape {tuple(host.shape)}, dtype {host.dtype}): a "
+                f"GPU refuses this (\"Expected all tensors to be on the same device\")")
         if tagged and func is torch.Tensor.get_device:
             return ACCELERATOR.index
         if func is torch.Tensor.cuda:
@@ -161,6 +215,10 @@ class _AcceleratorMode(TorchFunctionMode):
         if func is torch.Tensor.backward or func is torch.autograd.backward:
             with self:  # the backward pass runs inside this call: keep tagging there
                 return _backward(func, args, kwargs)
+        if kwargs.get("pin_memory"):  # page-locked host memory: plain host memory here
+            kwargs = {**kwargs, "pin_memory": False}
+        if func is torch.Tensor.pin_memory:
+            return args[0]
         target, args, kwargs = _target(func, args, kwargs)
         out = func(*args, **kwargs)
         source = args[0] if args else None
@@ -204,7 +262,9 @@ def _caller() -> str:
     frame = sys._getframe(1)
     while frame is not None:
         path = os.path.abspath(frame.f_code.co_filename)
-        if path != _THIS_FILE and not path.startswith(_TORCH_DIR + os.sep):
+        # other torch-function modes in the stack (the CPU shim's) are not the caller either
+        if path != _THIS_FILE and not path.startswith(_TORCH_DIR + os.sep) and \
+                frame.f_code.co_name != "__torch_function__":
             rel = os.path.relpath(path)
             return f"{path if rel.startswith(os.pardir) else rel}:{frame.f_lineno}"
         frame = frame.f_back
@@ -280,6 +340,20 @@ def _autograd_patches(patch: Callable) -> None:
     patch(torch.autograd.function.BackwardCFunction, "apply", backward_apply)
 
 
+def _parameter_patch(patch: Callable) -> None:
+    """``nn.Parameter(t)`` makes a new tensor object of ``t``'s data outside torch functions:
+    it lives where ``t`` does (a layer that allocates its weight on the GPU)."""
+    real_new = torch.nn.Parameter.__new__
+
+    def new(cls, data=None, requires_grad=True):
+        param = real_new(cls, data, requires_grad)
+        if on_accelerator(data):
+            _tag(param)
+        return param
+
+    patch(torch.nn.Parameter, "__new__", staticmethod(new))
+
+
 @contextlib.contextmanager
 def simulated_accelerator() -> Iterator[list[str]]:
     """Pretend, in this process, that NCCL runs the collectives on a GPU (module docstring).
@@ -305,7 +379,11 @@ def simulated_accelerator() -> Iterator[list[str]]:
         patch(dist, "P2POp", _p2p_op_class(real_ops))
         patch(dist, "get_backend", lambda group=None: "nccl")
         patch(torch.cuda, "current_device", lambda: ACCELERATOR.index)
+        patch(placement, "_simulated_device", ACCELERATOR)
+        # torch's own logging asks NCCL its version when the backend says "nccl"
+        patch(torch.cuda.nccl, "version", lambda: (0, 0, 0))
         _autograd_patches(patch)
+        _parameter_patch(patch)
         with _AcceleratorMode():
             yield calls
     finally:

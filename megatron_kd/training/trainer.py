@@ -54,6 +54,7 @@ from megatron_kd.integration.checkpoint import latest_iteration, load_model_chec
 from megatron_kd.integration.context_parallel import cp_positions
 from megatron_kd.integration.cpu_shim import device_context, on_cpu
 from megatron_kd.integration.groups import collective_device
+from megatron_kd.placement import compute_device
 from megatron_kd.integration.loss_func import make_kd_loss_func
 from megatron_kd.integration.output_layer import output_layer_weight, unwrap_model
 from megatron_kd.integration.teacher_sources import (
@@ -165,9 +166,8 @@ class Trainer:
     # -- one step ---------------------------------------------------------------------------
     def _forward_step(self, data_iterator, model):
         batch = next(data_iterator)
-        if not on_cpu():
-            device = torch.cuda.current_device()
-            batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+        device = compute_device()
+        batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
         if self.positions is not None:  # context parallelism: this rank's chunks of each
             batch = {k: v.index_select(1, self.positions.to(v.device))
                      for k, v in batch.items()}

@@ -136,10 +136,17 @@ def _functions(calls):
             for c in calls}
 
 
+# "CUDA" inputs take the GPU path (its eager kernels here: the data is on the host); the CPU
+# path is forced too, as a machine without the GPU path's kernels would run it
+PATHS = {"gpu_path": dict(path="auto", gpu_tuning=dict(kernels="eager")),
+         "cpu_path": dict(path="cpu")}
+
+
+@pytest.mark.parametrize("path", list(PATHS))
 @pytest.mark.parametrize("backward", ["precompute", "recompute"])
 @pytest.mark.parametrize("name", list(LOSS_CASES))
-def test_loss_collectives_on_device(pool, name, backward):
-    sp = {**LOSS_CASES[name], "backward": backward}
+def test_loss_collectives_on_device(pool, name, backward, path):
+    sp = {**LOSS_CASES[name], "backward": backward, **PATHS[path]}
     results = pool.run(_case_loss, sp)
     compare(sp, make_inputs(sp), [out for out, _ in results], WORLD)
     expected = {"all_reduce loss/combine.py"}  # the per-row combine, at least

@@ -77,7 +77,9 @@ def test_offline_from_caches_built_at_cp1_and_cp2(pool, argv, teacher, tmp_path)
             extra=("--context-parallel-size", str(cp))))
     ids1, lp1 = TopKCacheReader(caches[1]).get(range(ITERS * GBS))
     ids2, lp2 = TopKCacheReader(caches[2]).get(range(ITERS * GBS))
-    assert (ids1 == ids2).all() and abs(lp1 - lp2).max() < 1e-5  # fp32, attention split
+    # fp32 sums in another order (the attention split over 2 ranks): up to 1.24e-5 measured
+    # (a 2-core Xeon, MKL) on log-probs down to -9, ~12 ulps; a wrong chunk order moves them O(1)
+    assert (ids1 == ids2).all() and abs(lp1 - lp2).max() < 5e-5
     offline = ["--kd-mode", "offline", "--kd-topk-cache"]
     flat = _losses(pool, argv(*offline, caches[1], teacher_load=False))
     for cp in (1, 2):  # a cache is per sequence: any CP size of the student reads it

@@ -7,7 +7,7 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
-from megatron_kd.loss import CpuTuning, KDLossConfig, vocab_parallel_kd_loss
+from megatron_kd.loss import CpuTuning, GpuTuning, KDLossConfig, vocab_parallel_kd_loss
 from support.kd_reference import reference_kd_loss
 
 IGNORE = -100
@@ -27,7 +27,8 @@ def spec(**kw) -> dict:
                 teacher="dense", topk_tail="renormalize", k=7, s=5, b=3, h_s=16, h_t=24,
                 padded_vocab=1009, vocab_size=None, mask=False, dtype=torch.float64,
                 backward="precompute", window_size=4, scale=1.0, sequence_parallel=False,
-                seed=0, labels=False, block_rows=None, elementwise="eager", cpu_tuning=None)
+                seed=0, labels=False, block_rows=None, elementwise="eager", cpu_tuning=None,
+                path="auto", gpu_tuning=None)
     base.update(kw)
     return base
 
@@ -80,7 +81,9 @@ def config_of(sp: dict, cpu_tuning: CpuTuning | None = None) -> KDLossConfig:
                         topk_tail=sp["topk_tail"], window_size=sp["window_size"],
                         vocab_size=sp["vocab_size"], ignore_index=IGNORE,
                         backward=sp["backward"], sequence_parallel=sp["sequence_parallel"],
-                        elementwise=sp["elementwise"], cpu_tuning=cpu_tuning)
+                        elementwise=sp["elementwise"], cpu_tuning=cpu_tuning, path=sp["path"],
+                        gpu_tuning=None if sp["gpu_tuning"] is None
+                        else GpuTuning(**sp["gpu_tuning"]))
 
 
 def shard_sizes(padded_vocab: int, world: int, seed: int = 0) -> list[int]:
@@ -118,11 +121,16 @@ def cpu_tuning_of(sp: dict, local_vocab_size: int) -> CpuTuning | None:
     return dataclasses.replace(CpuTuning.for_this_machine(), **fields)
 
 
-def run_ours(sp: dict, inp: dict, sizes: list[int], rank: int, group) -> dict:
-    """Our loss on rank ``rank`` of ``group`` with shard ``sizes``; results for comparison."""
+def run_ours(sp: dict, inp: dict, sizes: list[int], rank: int, group,
+             device: str | None = None) -> dict:
+    """Our loss on rank ``rank`` of ``group`` with shard ``sizes``, its inputs moved to
+    ``device`` (None: where they are); results for comparison, on the host when moved."""
     start = sum(sizes[:rank])
     stop = start + sizes[rank]
     world = len(sizes)
+    host = inp
+    if device is not None:
+        inp = {k: v.to(device) for k, v in inp.items()}
     hidden = inp["student_hidden"]
     t_hidden = inp.get("teacher_hidden")
     if sp["sequence_parallel"] and world > 1:
@@ -143,9 +151,12 @@ def run_ours(sp: dict, inp: dict, sizes: list[int], rank: int, group) -> dict:
         loss_mask=inp.get("loss_mask"),
         config=config_of(sp, cpu_tuning_of(sp, stop - start)), tp_group=group)
     (loss * 0.75).backward()  # a non-unit upstream gradient must scale every gradient
-    unchanged = all(torch.equal(before[k], inp[k]) for k in inp)
-    return {"loss": loss.detach(), "num_tokens": n_tokens, "grad_x": hidden.grad / 0.75,
-            "grad_w": weight.grad / 0.75, "start": start, "stop": stop,
+    unchanged = all(torch.equal(before[k], inp[k]) and torch.equal(host[k].cpu(), inp[k].cpu())
+                    for k in inp)
+    back = (lambda t: t) if device is None else (lambda t: t.cpu())  # results: where found
+    return {"loss": back(loss.detach()), "num_tokens": back(n_tokens),
+            "grad_x": back(hidden.grad) / 0.75,
+            "grad_w": back(weight.grad) / 0.75, "start": start, "stop": stop,
             "inputs_unchanged": unchanged, "loss_dtype": loss.dtype,
             "grad_dtype": hidden.grad.dtype}
 

@@ -47,10 +47,11 @@ def test_teacher_service_needs_no_megatron(modules):
 
 def test_integration_imports_only_the_layers_below(modules):
     # cache: the offline teacher source (the top-K prefetcher); flags: the --kd-* flags' fields;
-    # known_warnings: the Megatron-LM hooks install its filters
+    # known_warnings: the Megatron-LM hooks install its filters; placement: the compute device
     assert arch.check_allowed_imports(modules, "integration",
                                       {"loss", "parallel", "data", "teacher", "cache",
-                                       "flags", "known_warnings", "collectives"}) == []
+                                       "flags", "known_warnings", "collectives",
+                                       "placement"}) == []
 
 
 def test_collectives_import_nothing_of_the_project(modules):
