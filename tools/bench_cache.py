@@ -89,6 +89,13 @@ def bench_one(vocab_size: int, prior: str, args, encoding: str) -> dict:
     def forward(indices):
         return hidden_sbh[:, indices[0]:indices[-1] + 1]
 
+    def sample_tokens(indices):
+        # the synthetic teacher has no input: each sample's stand-in token ids, fixed by its
+        # index (the shard fingerprints them)
+        return torch.stack([torch.randint(vocab_size, (args.seq_length,),
+                                          generator=torch.Generator().manual_seed(args.seed + i))
+                            for i in indices])
+
     results = {}
     with tempfile.TemporaryDirectory(prefix="bench_cache_") as tmp:
         for name in (encoding, "fp32"):
@@ -99,7 +106,8 @@ def bench_one(vocab_size: int, prior: str, args, encoding: str) -> dict:
                              logprob_codec=LogprobCodec(name=name))
             out = os.path.join(tmp, name)
             t0, c0 = time.perf_counter(), time.process_time()
-            build_cache(out, spec, teacher_forward_fn=forward, output_weight=weight,
+            build_cache(out, spec, teacher_forward_fn=forward, sample_tokens_fn=sample_tokens,
+                        output_weight=weight,
                         micro_batch_size=args.micro_batch_size, window_size=args.window_size)
             build_s, build_cpu = time.perf_counter() - t0, time.process_time() - c0
             nbytes = sum(s["bytes"] for s in load_manifest(out)["shards"])

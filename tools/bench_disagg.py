@@ -9,14 +9,18 @@ in fresh processes, one CPU thread each, the student's world on gloo; each teach
 
 1. Step time (fp32 wire, one replica):
 
-   * ``colocated``: the teacher's forward, then the student's step, in one process. The
-     teacher's ``forward`` is timed in place: the *teacher forward* time ``T``.
-   * ``student alone``: as colocated, but the teacher's forward returns its first call's hidden
-     states (memoised): the student's full step with the KD loss (teacher projection
-     included), without the teacher's layers: the *student step* time ``S``.
+   * ``colocated``: the teacher's forward, then the student's step, in one process, with
+     ``--timing-log-level 1``: the step log's ``teacher-forward`` timer is the *teacher
+     forward* time ``T``, the rest of the step (the student's full step with the KD loss,
+     teacher projection included) the *student step* time ``S``.
    * ``disaggregated D=1, 2, 4``: the student connects to one replica with
-     ``--kd-prefetch-depth D``. The student's time waiting in ``TeacherClient.hidden`` and the
-     replica's forward time (its own log) tell waiting from contention.
+     ``--kd-prefetch-depth D``. The student's wait for the teacher (the step log's
+     ``kd_teacher_wait_s``) and the replica's forward time (its own log) tell waiting from
+     contention.
+
+   Every figure comes from what a run exposes (its JSON step log, a replica's log, the public
+   ``Trainer.train_step`` and ``TeacherSource.start`` timed around): no private method is
+   patched, so a refactor inside the trainer cannot break the tool silently.
 
    Target: with ``D >= 2`` the step time is at most 1.05 x max(T, S), the student never waits
    in steady state.
@@ -27,19 +31,22 @@ in fresh processes, one CPU thread each, the student's world on gloo; each teach
    wire_bytes_per_token`, 4 bytes a token id). fp8 must halve bf16's hidden-state bytes (plus
    its 4-byte scale per token).
 
-3. Failover (D=2, two replicas): the replica serving the student is SIGKILLed at step
-   ``--kill-at-step``. Seconds lost: the excess of the worst step over the median step (the
-   wait that found the replica dead, the reconnect, and the re-sent requests computed again),
+3. Failover (D=2, two replicas): the replica serving the student (the one that answered its
+   last step, by the step log's ``kd_replica_tokens``) is SIGKILLed at step ``--kill-at-step``.
+   Seconds lost: the excess of the worst step over the median step (the wait that found the
+   replica dead, the reconnect, and the re-sent requests computed again),
    with the client's failover event (``seconds_lost``: the wait and the reconnect only). Target:
    at most one step plus the reconnect (the client's own first connect, timed).
 
 4. Replicas: the student with ``--scaling-dp`` data-parallel ranks against 1, 2, 3 replicas of
    a teacher whose forward also sleeps ``--scaling-sleep-per-token`` seconds per token (a
    teacher on an accelerator of its own: on two shared cores, real compute in every replica
-   would measure the cores, not the service). Student tokens/s (the kept steps' tokens over their summed time) against the planner's
+   would measure the cores, not the service). Student tokens/s (the kept steps' tokens over
+   their summed time) against the planner's
    :func:`~megatron_kd.planner.traffic.served_tokens_per_s` with the measured inputs: the
-   student's own rate (teacher memoised) and one replica's serving rate (its tokens over its
-   forward seconds, from its log). The default sleep keeps even 3 replicas slower than the
+   student's own rate (a colocated run's tokens over its steps less their teacher forward)
+   and one replica's serving rate (its tokens over its forward seconds, from its log). The
+   default sleep keeps even 3 replicas slower than the
    student, so each row measures how the service spreads the student's requests.
 
 5. Wait (``--sections wait``, not in the default set): the student against a fast teacher
@@ -54,6 +61,7 @@ alone and with a second copy running: on a small machine two busy processes slow
 down, and that, not the wire, is then what separates the disaggregated step from max(T, S).
 
     python tools/bench_disagg.py                  # everything (about 10 minutes on 2 cores)
+    python tools/bench_disagg.py --smoke --sections step   # tiny sizes: that it runs (CI)
     python tools/bench_disagg.py --sections step wire
     python tools/bench_disagg.py --sections wait --report-dir docs/teacher_wait
 """
@@ -71,45 +79,18 @@ import time
 from megatron_kd.testing.replicas import Replica
 
 SECTIONS = ("step", "wire", "failover", "replicas")
+#: --smoke: the sizes of a run that only shows every section works (seconds a run on 2 cores)
+SMOKE = dict(teacher_layers=1, teacher_hidden=64, teacher_heads=2, student_layers=1,
+             student_hidden=32, student_heads=2, vocab=256, seq_length=32, micro_batch_size=1,
+             microbatches=2, steps=4, warmup=1, depths=[2], kill_at_step=2, scaling_dp=2,
+             scaling_student_hidden=32, scaling_teacher_hidden=64,
+             scaling_sleep_per_token=1e-4, slow_sleep_per_token=1e-3, probe_iters=5)
 EXTRA_SECTIONS = ("wait",)
 
 
 # ---------------------------------------------------------------------------------------------
 # worker side (one process per student rank)
 # ---------------------------------------------------------------------------------------------
-def _timed_forward(module, sink: list, *, memoize: bool = False) -> None:
-    """Record the wall time of every ``module(...)`` call in ``sink``; with ``memoize`` every
-    call after the first returns the first call's output (the module's work is skipped)."""
-    inner = module.forward
-    cache: list = []
-
-    def forward(*args, **kwargs):
-        t0 = time.perf_counter()
-        if memoize and cache:
-            out = cache[0]
-        else:
-            out = inner(*args, **kwargs)
-            if memoize:
-                cache.append(out)
-        sink.append(time.perf_counter() - t0)
-        return out
-
-    module.forward = forward  # nn.Module.__call__ looks the instance attribute up first
-
-
-def _timed_method(cls, name: str, sink: list) -> None:
-    inner = getattr(cls, name)
-
-    def method(self, *args, **kwargs):
-        t0 = time.perf_counter()
-        try:
-            return inner(self, *args, **kwargs)
-        finally:
-            sink.append(time.perf_counter() - t0)
-
-    setattr(cls, name, method)
-
-
 def _schedstat() -> tuple[float, float]:
     """``(on-CPU s, runnable-but-waiting-for-a-CPU s)`` of this thread so far (Linux
     ``/proc/thread-self/schedstat``; zeros elsewhere)."""
@@ -121,43 +102,43 @@ def _schedstat() -> tuple[float, float]:
         return 0.0, 0.0
 
 
-def _timed_steps(cls, name: str, stats: dict) -> None:
-    """Per call of ``cls.name``: this thread's on-CPU time and run-queue wait."""
-    inner = getattr(cls, name)
+def _around(cls, name: str, before, after) -> None:
+    """Call ``before()`` ahead of every ``cls.name`` call and ``after(state)`` once it returns
+    (or raises). Only public methods are wrapped: a missing one stops the run naming it."""
+    inner = getattr(cls, name, None)
+    if inner is None or name.startswith("_"):
+        raise RuntimeError(f"bench_disagg measures around the public {cls.__name__}.{name}, "
+                           f"which is not there any more: update the tool")
 
     def method(self, *args, **kwargs):
-        cpu0, queue0 = _schedstat()
+        state = before()
         try:
             return inner(self, *args, **kwargs)
         finally:
-            cpu1, queue1 = _schedstat()
-            stats["on_cpu_s"].append(cpu1 - cpu0)
-            stats["run_queue_s"].append(queue1 - queue0)
+            after(state)
 
     setattr(cls, name, method)
 
 
-def _instrument(kind: str) -> dict:
-    """Timers on this student process's teacher forward, teacher waits and steps."""
-    from megatron_kd.teacher.client import TeacherClient
-    from megatron_kd.training import trainer as train_mod
+def _instrument() -> dict:
+    """This student process's measurements beyond its step log: per step (around the public
+    ``Trainer.train_step``) its main thread's on-CPU time and run-queue wait; the connect of a
+    disaggregated teacher (around the public ``TeacherSource.start`` of the ``Remote``
+    source). The teacher's forward, the wire wait and the step time come from the step log
+    (``--timing-log-level 1`` adds the step's timers to it)."""
+    from megatron_kd.integration.teacher_sources import Remote
+    from megatron_kd.training.trainer import Trainer
 
-    stats: dict[str, list] = {"teacher_forward_s": [], "wire_wait_s": [], "connect_s": [],
-                              "on_cpu_s": [], "run_queue_s": []}
-    _timed_steps(train_mod.Trainer, "train_step", stats)
-    if kind in ("colocated", "student_alone"):
-        build_teacher = train_mod.Trainer._build_teacher
+    stats: dict[str, list] = {"connect_s": [], "on_cpu_s": [], "run_queue_s": []}
 
-        def patched_build_teacher(self):
-            build_teacher(self)
-            if self.teacher is not None:
-                _timed_forward(self.teacher, stats["teacher_forward_s"],
-                               memoize=kind == "student_alone")
+    def cpu_after(start):
+        cpu1, queue1 = _schedstat()
+        stats["on_cpu_s"].append(cpu1 - start[0])
+        stats["run_queue_s"].append(queue1 - start[1])
 
-        train_mod.Trainer._build_teacher = patched_build_teacher
-    else:
-        _timed_method(TeacherClient, "hidden", stats["wire_wait_s"])
-        _timed_method(TeacherClient, "start", stats["connect_s"])
+    _around(Trainer, "train_step", _schedstat, cpu_after)
+    _around(Remote, "start", time.perf_counter,
+            lambda t0: stats["connect_s"].append(time.perf_counter() - t0))
     return stats
 
 
@@ -186,7 +167,7 @@ def _worker(rank: int, kind: str, world: int, tmp: str, payload: dict) -> None:
         else:
             from megatron_kd.training.train import parse_args, train
 
-            stats = _instrument(kind)
+            stats = _instrument()
             train(parse_args(payload["argv"]))
             result = {"stats": stats}
         with open(os.path.join(tmp, f"result.{rank}"), "w") as f:
@@ -260,12 +241,8 @@ def student_argv(a, teacher_dir: str, log: str, *, layers: int, hidden: int, hea
             "--train-iters", str(steps or a.steps), "--lr", "1e-4", "--lr-warmup-iters", "1",
             "--mock-data", "--no-progress", "--eval-iters", "0", "--eval-interval", "1000000",
             "--seed", str(a.seed), "--kd-teacher-load", teacher_dir, "--kd-ce-weight", "0.1",
-            "--kd-teacher-timeout", str(a.teacher_timeout), "--log-json", log]
-
-
-def _per_step(values: list[float], per_step: int) -> list[float]:
-    """Sum consecutive groups of ``per_step`` values (microbatches -> steps)."""
-    return [sum(values[i:i + per_step]) for i in range(0, len(values) - per_step + 1, per_step)]
+            "--kd-teacher-timeout", str(a.teacher_timeout), "--timing-log-level", "1",
+            "--log-json", log]
 
 
 def _median_after(values: list, warmup: int):
@@ -323,11 +300,22 @@ class Bench:
                  "on_cpu_s": _median_after(st["on_cpu_s"], a.warmup),
                  "run_queue_s": _median_after(st["run_queue_s"], a.warmup),
                  "tokens_per_step": a.micro_batch_size * m * dp * a.seq_length}
-        if kind in ("colocated", "student_alone"):
-            fwd = _per_step(st["teacher_forward_s"], m)
+        if kind == "colocated":
+            # T: the teacher's forward as the step log's timers time it; S: the rest of the
+            # step (the student's full step with the KD loss, teacher projection included)
+            fwd = [(r.get("timers") or {}).get("teacher-forward") for r in steps_]
+            if any(f is None for f in fwd):
+                raise RuntimeError(f"{log}: a colocated step without the teacher-forward "
+                                   f"timer (--timing-log-level 1)")
+            student = [t - f for t, f in zip(times, fwd)]
             point["teacher_forward_s"] = _median_after(fwd, a.warmup)
+            point["student_step_s"] = _median_after(student, a.warmup)
+            kept_student = student[a.warmup:]
+            point["student_tokens_per_s"] = (point["tokens_per_step"] * len(kept_student)
+                                             / sum(kept_student)) if kept_student else None
         else:
-            point["wire_wait_s"] = _median_after(_per_step(st["wire_wait_s"], m), a.warmup)
+            point["wire_wait_s"] = _median_after(
+                [r.get("kd_teacher_wait_s") for r in steps_], a.warmup)
             point["connect_s"] = st["connect_s"][0] if st["connect_s"] else None
         kept = times[a.warmup:]  # throughput: all the kept steps' tokens over their time
         point["tokens_per_s"] = point["tokens_per_step"] * len(kept) / sum(kept) if kept else None
@@ -351,7 +339,12 @@ class Bench:
             while time.monotonic() < deadline:
                 done = [r for r in _read_log(log) if "step_time_s" in r]
                 if len(done) >= kill_at_step:
-                    victim = max(started, key=Replica.requests_served)
+                    # the replica that answered the last step (its step log says), not the
+                    # one that served most so far: a rebalance may have moved the student
+                    last = done[-1].get("kd_replica_tokens") or {}
+                    serving = max(last, key=last.get) if last else None
+                    victim = next((r for r in started if r.replica == serving),
+                                  max(started, key=Replica.requests_served))
                     victim.kill()
                     killed.update(replica=victim.replica, at_step=len(done), time=time.time())
                     return
@@ -396,8 +389,7 @@ def _fmt(x, digits: int = 3) -> str:
 def run_step(bench: Bench, teacher: str) -> dict:
     a = bench.a
     coloc = bench.student("colocated", "colocated", teacher)
-    alone = bench.student("student_alone", "student_alone", teacher)
-    t, s = coloc["teacher_forward_s"], alone["step_time_s"]
+    t, s = coloc["teacher_forward_s"], coloc["student_step_s"]
     bound = max(t, s)
     rows = [coloc]
     for depth in a.depths:
@@ -414,7 +406,8 @@ def run_step(bench: Bench, teacher: str) -> dict:
              "student on-CPU s/step | student run-queue s/step | teacher forward s/step |",
              "|---|---|---|---|---|---|---|",
              f"| teacher forward alone (T) | {_fmt(t)} | {_fmt(t / bound, 2)} | | | | |",
-             f"| student step alone (S) | {_fmt(s)} | {_fmt(s / bound, 2)} | | | | |"]
+             f"| student step (S: colocated step - its teacher forward) | {_fmt(s)} | "
+             f"{_fmt(s / bound, 2)} | | | | |"]
     for p in rows:
         label = ("colocated (teacher then student, 1 process)" if p["kind"] == "colocated"
                  else f"disaggregated, 1 replica, prefetch depth {p['depth']}")
@@ -423,7 +416,7 @@ def run_step(bench: Bench, teacher: str) -> dict:
         lines.append(f"| {label} | {_fmt(p['step_time_s'])} | "
                      f"{_fmt(p['x_max_teacher_student'], 2)} | {_fmt(p.get('wire_wait_s'))} | "
                      f"{_fmt(p['on_cpu_s'])} | {_fmt(p['run_queue_s'])} | {_fmt(fwd)} |")
-    return {"points": [alone, *rows], "summary": summary, "table": "\n".join(lines)}
+    return {"points": rows, "summary": summary, "table": "\n".join(lines)}
 
 
 def run_wire(bench: Bench, teacher: str) -> dict:
@@ -485,8 +478,8 @@ def run_replicas(bench: Bench, teacher: str) -> dict:
 
     a = bench.a
     dp = a.scaling_dp
-    alone = bench.student("scaling_student_alone", "student_alone", teacher, dp=dp,
-                          size="scaling")
+    # the student's own rate: a colocated run's tokens over its steps less their teacher forward
+    alone = bench.student("scaling_colocated", "colocated", teacher, dp=dp, size="scaling")
     rows = []
     for n in (1, 2, 3):
         rows.append(bench.disaggregated(
@@ -495,14 +488,15 @@ def run_replicas(bench: Bench, teacher: str) -> dict:
     per_replica = rows[0]["replica_tokens_per_forward_s"]
     lines = ["| replicas | student tokens/s (run) | planner | run / planner |",
              "|---|---|---|---|",
-             f"| student alone (teacher memoised) | {_fmt(alone['tokens_per_s'], 0)} | | |"]
+             f"| student alone (colocated less its teacher forward) | "
+             f"{_fmt(alone['student_tokens_per_s'], 0)} | | |"]
     for p in rows:
         p["planner_tokens_per_s"] = traffic.served_tokens_per_s(
-            alone["tokens_per_s"], p["replicas"], per_replica)
+            alone["student_tokens_per_s"], p["replicas"], per_replica)
         p["run_over_planner"] = p["tokens_per_s"] / p["planner_tokens_per_s"]
         lines.append(f"| {p['replicas']} | {_fmt(p['tokens_per_s'], 0)} | "
                      f"{_fmt(p['planner_tokens_per_s'], 0)} | {_fmt(p['run_over_planner'], 2)} |")
-    summary = {"student_alone_tokens_per_s": alone["tokens_per_s"],
+    summary = {"student_alone_tokens_per_s": alone["student_tokens_per_s"],
                "replica_tokens_per_s": per_replica,
                "run_over_planner": [p["run_over_planner"] for p in rows]}
     return {"points": [alone, *rows], "summary": summary, "table": "\n".join(lines)}
@@ -558,7 +552,7 @@ def plot(a, results: dict, path: str) -> bool:
         r = results[key]
         if key == "step":
             sm = r["summary"]
-            pts = [p for p in r["points"] if p["kind"] != "student_alone"]
+            pts = r["points"]
             labels = ["T alone", "S alone"] + [
                 "colocated" if p["kind"] == "colocated" else f"D={p['depth']}" for p in pts]
             values = [sm["teacher_forward_s"], sm["student_step_s"]] + [
@@ -627,7 +621,12 @@ def main(argv=None) -> int:
                    help="GEMM iterations of the machine check (two processes vs one; 0: skip)")
     p.add_argument("--out", default="bench_out/bench_disagg.json")
     p.add_argument("--plot", default="bench_out/bench_disagg.png")
+    p.add_argument("--smoke", action="store_true",
+                   help="tiny models and few steps (the size flags are then ignored): that "
+                        "every section runs end to end, not figures")
     a = p.parse_args(argv)
+    if a.smoke:
+        vars(a).update(SMOKE)
     if a.vocab % 128:
         p.error(f"--vocab {a.vocab} must be a multiple of 128 (the student pads to 128)")
     if a.steps <= a.warmup or a.kill_at_step >= a.steps:

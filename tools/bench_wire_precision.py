@@ -12,9 +12,11 @@ bytes cost?) and each against fp32. Step 1 isolates the wire alone (same weights
 add what training did with it.
 
 Needs a finished ``megatron-kd demo`` (its teacher and its tokenized text); nothing else is
-fetched.
+fetched. ``--smoke`` needs neither: a tiny random teacher and student on mock data, two steps
+(that the tool runs end to end, not figures).
 
     python tools/bench_wire_precision.py --demo-dir demo_out --steps 10
+    python tools/bench_wire_precision.py --smoke --out /tmp/wire.json --plot ""
 """
 
 from __future__ import annotations
@@ -45,15 +47,51 @@ def _demo_argv(demo_dir: str, steps: int, log: str, cache: str) -> list[str]:
                               teacher_dir=teacher, log_json=log, cache_dir=cache)
 
 
-def run_one(demo_dir: str, wire: str, steps: int, work: str, teacher_dtype: str) -> list[dict]:
+#: --smoke: a tiny random teacher (its checkpoint made here) and student on mock data
+SMOKE_TEACHER = {"num_layers": 1, "hidden_size": 32, "num_attention_heads": 2,
+                 "num_query_groups": 2, "ffn_hidden_size": 64, "vocab_size": 256,
+                 "padded_vocab_size": 256, "max_position_embeddings": 32, "tie_embeddings": True}
+SMOKE_STUDENT = ["--num-layers", "1", "--hidden-size", "16", "--num-attention-heads", "2",
+                 "--ffn-hidden-size", "32", "--seq-length", "32", "--micro-batch-size", "1",
+                 "--global-batch-size", "1", "--lr", "1e-3", "--lr-warmup-iters", "1",
+                 "--mock-data", "--seed", "1234", "--eval-iters", "0"]
+
+
+def _smoke_teacher(directory: str) -> None:
+    """Save a random :data:`SMOKE_TEACHER` checkpoint in ``directory`` (a world of one)."""
+    import torch.distributed as dist
+
+    from megatron_kd.integration.arch import GPTArchConfig
+    from megatron_kd.integration.checkpoint import save_model_checkpoint
+    from megatron_kd.integration.gpt import build_gpt_model
+    from megatron_kd.integration.groups import init_distributed_from_env, model_parallel
+
+    arch = GPTArchConfig(**SMOKE_TEACHER)
+    created = init_distributed_from_env()
+    try:
+        with model_parallel(tp=1):
+            save_model_checkpoint(build_gpt_model(arch, seed=5), arch, directory)
+    finally:
+        if created:
+            dist.destroy_process_group()
+
+
+def _smoke_argv(teacher: str, steps: int, log: str) -> list[str]:
+    return [*SMOKE_STUDENT, "--train-iters", str(steps), "--kd-teacher-load", teacher,
+            "--kd-teacher-dtype", "fp32", "--log-json", log]
+
+
+def run_one(demo_dir: str, wire: str, steps: int, work: str, teacher_dtype: str, *,
+            smoke_teacher: str | None = None) -> list[dict]:
     d = os.path.join(work, wire)
     os.makedirs(d)
-    teacher = os.path.join(demo_dir, "teacher")
+    teacher = smoke_teacher or os.path.join(demo_dir, "teacher")
     replica = Replica(os.path.join(d, "endpoint"), teacher, log=os.path.join(d, "replica.jsonl"),
                       extra=("--kd-teacher-timeout", "300", "--kd-teacher-dtype", teacher_dtype),
                       start_timeout_s=300)
     log = os.path.join(d, "student.jsonl")
-    argv = _demo_argv(demo_dir, steps, log, os.path.join(d, "cache"))
+    argv = (_smoke_argv(teacher, steps, log) if smoke_teacher else
+            _demo_argv(demo_dir, steps, log, os.path.join(d, "cache")))
     argv[argv.index("--kd-teacher-dtype") + 1] = teacher_dtype
     argv += ["--kd-mode", "disaggregated", "--kd-teacher-endpoint",
              os.path.join(d, "endpoint"), "--kd-wire-dtype", wire, "--no-progress"]
@@ -85,17 +123,27 @@ def main(argv=None) -> int:
     p.add_argument("--teacher-dtype", choices=("fp32", "bf16"), default="fp32")
     p.add_argument("--out", default="bench_out/bench_wire_precision.json")
     p.add_argument("--plot", default="bench_out/bench_wire_precision.png")
+    p.add_argument("--smoke", action="store_true",
+                   help="a tiny random teacher and student on mock data instead of the demo's, "
+                        "2 steps (--demo-dir and --steps are then ignored)")
     a = p.parse_args(argv)
     teacher = os.path.join(a.demo_dir, "teacher")
-    if not os.path.isfile(os.path.join(teacher, "model_config.json")):
+    if a.smoke:
+        a.steps = 2
+    elif not os.path.isfile(os.path.join(teacher, "model_config.json")):
         p.error(f"no demo teacher at {teacher}: run `megatron-kd demo --output-dir "
                 f"{a.demo_dir}` first")
     t0 = time.perf_counter()
     runs = {}
     wires = ("fp32", "bf16", "fp8") if a.teacher_dtype == "fp32" else ("bf16", "fp8")
     with tempfile.TemporaryDirectory(prefix="bench_wire_precision_") as work:
+        smoke_teacher = None
+        if a.smoke:
+            smoke_teacher = os.path.join(work, "teacher")
+            _smoke_teacher(smoke_teacher)
         for wire in wires:
-            runs[wire] = run_one(a.demo_dir, wire, a.steps, work, a.teacher_dtype)
+            runs[wire] = run_one(a.demo_dir, wire, a.steps, work, a.teacher_dtype,
+                                 smoke_teacher=smoke_teacher)
             print(f"{wire}: {len(runs[wire])} steps", flush=True)
     dev = {"fp8_vs_bf16": _deviation(runs["bf16"], runs["fp8"])}
     if "fp32" in runs:

@@ -1,19 +1,40 @@
 #!/usr/bin/env python
-"""One hardware check of megatron_kd: the fused loss, its benchmark, a training step and a cache
-build on the chosen device, written up as a JSON and a Markdown report. One piece: the one script
-a lent GPU runs, its steps and its report together.
+"""One hardware check of megatron_kd: the fused loss, its benchmark and profile, training steps
+(a tiny one, TP 2 + SP, CP 2, a 1B-class student) and a cache build on the chosen device,
+written up as a JSON and a Markdown report. One piece: the one script a lent GPU runs, its
+steps and its report together. On the CPU every step runs at a tiny size (CI runs them all).
 
 Steps (each in processes of its own, so one that fails or crashes does not stop the others):
 
 * ``make_teacher``: the tiny teacher's checkpoint (``tests/support/train_cases.TEACHER_ARCH``),
-  single rank; needed by ``train_step_bf16_te`` and ``cache_build``.
+  single rank; needed by the tiny train steps and ``cache_build``. Reports where the model was
+  built and the attention its layers hold.
 * ``parity``: ``megatron_kd.loss.vocab_parallel_kd_loss`` on the device against the fp64
   reference ``tests/support/kd_reference.py`` (loss and both gradients; forward KL, reverse KL,
   JSD, sparse top-K teachers, fp32 and bf16 inputs, gradient-accumulation fusion).
-* ``bench_loss``: ``tools/bench_loss.py`` one variant at a time inside a time budget; its table.
-* ``train_step_bf16_te``: GPU only. ``megatron-kd train`` for 3 iterations with ``--bf16``
-  (Transformer Engine layers when it imports); losses and peak memory from ``--log-json``.
+* ``train_step_bf16_te``: ``megatron-kd train`` of the tiny student for 3 iterations, with
+  ``--bf16 --use-distributed-optimizer`` on CUDA (Transformer Engine layers where it imports),
+  fp32 on the CPU. ``train_step_tp2_sp`` and ``train_step_cp2_te``: the same at TP 2 +
+  sequence parallelism and at context parallelism 2 (two GPUs on CUDA; two gloo ranks on the
+  CPU). Each reports the devices of its student's and teacher's parameters and buffers and the
+  attention classes they hold, read off the built models; a model not on the check's device
+  fails the step.
 * ``cache_build``: ``megatron-kd cache build`` with the tiny teacher, then ``cache verify``.
+* ``train_step_1b``: a random-init teacher of about twice the student's size (Llama-3.2-3B's
+  width, 20 layers: 2.4B) saved in bf16, then ``megatron-kd train`` in bf16 of a student of
+  Llama-3.2-1B's shape (16 layers, hidden 2048, FFN 8192, 32 heads, 8 key/value groups,
+  vocabulary 128,256) at 4,096 tokens a step: step time, tokens/s and MFU (:func:`step_flops`
+  counts the student's ``6 N`` a token, the teacher's ``2 N``, the causal attention and the
+  loss's GEMMs). Tiny on the CPU.
+* ``profile_loss``: ``tools/bench_loss.py --profile``: the fused loss's top kernels at the
+  Multiverse shape (T 8192, V 128,256, h_s 3072, h_t 4096, bf16).
+* ``bench_loss``: ``tools/bench_loss.py`` one variant at a time, bf16 on CUDA at the Multiverse
+  shape (every variant, ModelOpt's and Liger's included) and the Qwen3 shape (V 151,936: one
+  variant of each implementation), inside what is left of the time budget; its table.
+
+The check installs nothing: a peer (Liger-Kernel, ModelOpt, Transformer Engine) that is not
+installed is reported as not measured. On CUDA every step fits one budget (``--budget``,
+default 450 s: the run ends within 8 minutes on one H200).
 
     bash tools/gpu_check.sh                  # the device found (CUDA if there is one)
     bash tools/gpu_check.sh --device cpu --out /tmp/gpu_check_cpu
@@ -42,12 +63,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TESTS = os.path.join(ROOT, "tests")
 SCRIPT = os.path.abspath(__file__)
 
-STEPS = ("make_teacher", "parity", "bench_loss", "train_step_bf16_te", "train_step_tp2_sp",
-         "train_step_cp2_te", "cache_build")
+STEPS = ("make_teacher", "parity", "bench_loss", "profile_loss", "train_step_bf16_te",
+         "train_step_tp2_sp", "train_step_cp2_te", "train_step_1b", "cache_build")
 # the benchmark last: it takes what is left of the time budget
 RUN_ORDER = ("make_teacher", "parity", "train_step_bf16_te", "train_step_tp2_sp",
-             "train_step_cp2_te", "cache_build", "bench_loss")
-GPU_ONLY = ("train_step_bf16_te", "train_step_tp2_sp", "train_step_cp2_te")
+             "train_step_cp2_te", "cache_build", "profile_loss", "train_step_1b", "bench_loss")
 NEEDS_TEACHER = ("train_step_bf16_te", "train_step_tp2_sp", "train_step_cp2_te", "cache_build")
 NO_GPU = "skipped: no GPU"
 
@@ -56,30 +76,49 @@ PARITY_SIZES = {
     "tiny": dict(s=8, b=2, h_s=16, h_t=24, padded_vocab=1009, k=7, window_size=4),
     "moderate": dict(s=256, b=2, h_s=512, h_t=768, padded_vocab=32000, k=32, window_size=128),
 }
-BENCH_GPU_VARIANTS = ("floor", "fused_fkl", "fusedc_fkl", "fused_rkl", "fused_jsd", "fusedrc_fkl",
-                      "dense_fkl", "liger_fkl", "liger_jsd", "ligertriton_jsd", "modelopt_fkl")
+# CUDA, in the order they run (the budget may end before the last): each implementation at
+# both shapes first, then the Multiverse shape's other kinds and settings
+BENCH_GPU_CORE = ("floor", "fused_fkl", "dense_fkl", "modelopt_fkl", "liger_fkl",
+                  "ligertriton_fkl")
+BENCH_GPU_MORE = ("ligertriton_jsd", "fused_jsd", "fused_rkl", "fusedrc_fkl", "fusedtc_fkl",
+                  "fusedlm_fkl", "liger_jsd")
+MULTIVERSE = ["--tokens", "8192", "--vocab", "128256", "--h-s", "3072", "--h-t", "4096",
+              "--tp", "1"]
+QWEN3 = ["--tokens", "8192", "--vocab", "151936", "--h-s", "3072", "--h-t", "4096", "--tp", "1"]
+# bf16 on CUDA (the training precision), named rather than left to bench_loss's default
 BENCH_SHAPES = {
-    "cuda": (("multiverse_128k", ["--tokens", "8192", "--vocab", "128256", "--h-s", "3072",
-                                  "--h-t", "4096", "--tp", "1", "--repeats", "3"],
-              BENCH_GPU_VARIANTS),
-             ("qwen3_152k", ["--tokens", "8192", "--vocab", "151936", "--h-s", "3072",
-                             "--h-t", "4096", "--tp", "1"], BENCH_GPU_VARIANTS)),
-    "cpu": (("cpu_tiny", ["--tokens", "256", "--vocab", "8192", "--h-s", "64", "--h-t", "128",
-                          "--tp", "1", "--repeats", "1"], ("floor", "fused_fkl", "fusedc_fkl",
-                                                          "liger_fkl")),),
+    "cuda": {"multiverse_128k": [*MULTIVERSE, "--dtype", "bf16", "--repeats", "3"],
+             "qwen3_152k": [*QWEN3, "--dtype", "bf16", "--repeats", "3"]},
+    "cpu": {"cpu_tiny": ["--tokens", "256", "--vocab", "8192", "--h-s", "64", "--h-t", "128",
+                         "--tp", "1", "--repeats", "1"]},
 }
+BENCH_PLAN = {
+    "cuda": (("multiverse_128k", BENCH_GPU_CORE), ("qwen3_152k", BENCH_GPU_CORE),
+             ("multiverse_128k", BENCH_GPU_MORE)),
+    "cpu": (("cpu_tiny", ("floor", "fused_fkl", "dense_fkl", "liger_fkl", "modelopt_fkl")),),
+}
+# the profile step: the fused loss at the Multiverse shape on CUDA, tiny on the CPU
+PROFILE_ARGS = {"cuda": [*MULTIVERSE, "--dtype", "bf16", "--repeats", "1"],
+                "cpu": ["--tokens", "256", "--vocab", "8192", "--h-s", "64", "--h-t", "128",
+                        "--tp", "1", "--repeats", "1"]}
+#: a point's time (process start, warm-up and timed runs) the issue asks to stay under
+POINT_TARGET_S = 15.0
 # Megatron-Core's bf16 mixed precision and its distributed optimizer (both CUDA only)
 TRAIN_PRECISION = ("--bf16", "--use-distributed-optimizer")
 # an own variant in error or over its timeout (the floor or a fused one out of memory) fails
 # the step; a peer (Liger, ModelOpt) that fails or is not installed is only reported
 OWN_VARIANTS = ("floor", "fused", "dense")
-# seconds: per-step timeouts, the benchmark's budget, the whole run's budget
-LIMITS = {"cuda": dict(make_teacher=120, parity=180, train_step_bf16_te=240,
-                       train_step_tp2_sp=240, train_step_cp2_te=240, cache_build=180, bench=300,
-                       point=120, total=440),
+# a peer's variants -> the module it needs (not installed: not measured, no process started)
+PEER_MODULES = {"liger": "liger_kernel", "modelopt": "modelopt"}  # ligertriton_ too
+# seconds: per-step timeouts, the benchmark's budget, the whole run's budget. CUDA: one H200
+# run of 8 minutes in all (the two-rank steps skip on one GPU); the benchmark takes what the
+# other steps leave (about 4 minutes when they take their usual time).
+LIMITS = {"cuda": dict(make_teacher=60, parity=90, train_step_bf16_te=60,
+                       train_step_tp2_sp=90, train_step_cp2_te=90, cache_build=60,
+                       train_step_1b=180, profile_loss=45, bench=300, point=60, total=450),
           "cpu": dict(make_teacher=150, parity=150, train_step_bf16_te=240,
-                      train_step_tp2_sp=240, train_step_cp2_te=240, cache_build=180, bench=150,
-                      point=120, total=600)}
+                      train_step_tp2_sp=240, train_step_cp2_te=240, cache_build=180,
+                      train_step_1b=240, profile_loss=120, bench=150, point=120, total=900)}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -323,6 +362,9 @@ def worker_parity(a: argparse.Namespace) -> dict:
 
 
 def worker_make_teacher(a: argparse.Namespace) -> dict:
+    """A random-init teacher checkpoint: the tiny one (``TEACHER_ARCH``), or ``--arch-json``'s
+    (the 1B step's teacher) in ``--params-dtype``, built where ``build_gpt_model`` builds."""
+    import torch
     import torch.distributed as dist
     from support.train_cases import TEACHER_ARCH
 
@@ -331,48 +373,113 @@ def worker_make_teacher(a: argparse.Namespace) -> dict:
     from megatron_kd.integration.gpt import build_gpt_model
     from megatron_kd.integration.groups import init_distributed_from_env, model_parallel
 
-    arch = GPTArchConfig(**TEACHER_ARCH)
+    arch_kw = json.loads(a.arch_json) if a.arch_json else TEACHER_ARCH
+    arch = GPTArchConfig(**arch_kw)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[a.params_dtype]
     created = init_distributed_from_env()
+    t0 = time.perf_counter()
     try:
         with model_parallel(tp=1):
-            model = build_gpt_model(arch, seed=5)
+            model = build_gpt_model(arch, seed=5, params_dtype=dtype)
+            built_s = time.perf_counter() - t0
             save_model_checkpoint(model, arch, a.teacher_dir)
     finally:
         if created:
             dist.destroy_process_group()
-    te = any(type(m).__module__.startswith(("transformer_engine", "megatron.core.extensions"))
-             for m in model.modules())
-    return {"checkpoint": a.teacher_dir, "arch": TEACHER_ARCH,
-            "parameters": sum(p.numel() for p in model.parameters()),
-            "param_device": str(next(model.parameters()).device),
-            "transformer_engine_layers": te, **_te_info()}
+    return {"checkpoint": a.teacher_dir, "arch": arch_kw, "params_dtype": a.params_dtype,
+            "build_seconds": round(built_s, 2),
+            "save_seconds": round(time.perf_counter() - t0 - built_s, 2),
+            **_te_importable(), **_model_facts([model])}
 
 
-def _te_info() -> dict:
-    """Whether Transformer Engine imports here, and which layers ``build_gpt_model``'s own rule
-    (``megatron_kd.integration.gpt._layer_spec``) picks."""
-    from support.train_cases import TEACHER_ARCH
-
-    from megatron_kd.integration import gpt
-    from megatron_kd.integration.arch import GPTArchConfig
-
-    out = {}
+def _te_importable() -> dict:
+    """Whether Transformer Engine imports here (not whether a model uses it: see
+    :func:`_model_facts`)."""
     try:
         import transformer_engine
-        out["transformer_engine"] = getattr(transformer_engine, "__version__", "importable")
+        return {"transformer_engine": getattr(transformer_engine, "__version__", "importable")}
     except Exception as e:  # ImportError, or a broken build raising anything at import
-        out["transformer_engine"] = None
-        out["transformer_engine_error"] = f"{type(e).__name__}: {e}"[:300]
-    spec = gpt._layer_spec(GPTArchConfig(**TEACHER_ARCH))
-    out["layer_spec"] = "transformer_engine" if "transformer_engine" in repr(spec) else "local"
-    return out
+        return {"transformer_engine": None,
+                "transformer_engine_error": f"{type(e).__name__}: {e}"[:300]}
 
 
-WORKERS = {"parity": worker_parity, "make_teacher": worker_make_teacher}
+def _model_facts(models: list) -> dict:
+    """What the built modules say, not what a builder's rule would pick: the devices of every
+    parameter and buffer, the parameters' dtypes and count, the attention classes each layer
+    holds (``self_attention`` and its ``core_attention``) and whether any layer is Transformer
+    Engine's. Read off the modules after they were built (and, in a run, wrapped)."""
+    import itertools
+
+    from torch.nn import Module
+
+    devices, dtypes, attention, core, te, count = set(), set(), set(), set(), False, 0
+    for model in models:
+        # Module's own methods: Megatron's DDP wrapper has a ``buffers`` list of its own
+        for t in itertools.chain(Module.parameters(model), Module.buffers(model)):
+            devices.add(str(t.device))
+        for p in Module.parameters(model):
+            dtypes.add(str(p.dtype).removeprefix("torch."))
+            count += p.numel()
+        for name, m in Module.named_modules(model):
+            cls = type(m)
+            te = te or cls.__module__.startswith(("transformer_engine",
+                                                  "megatron.core.extensions"))
+            leaf = name.rsplit(".", 1)[-1]
+            if leaf == "self_attention":
+                attention.add(f"{cls.__module__}.{cls.__name__}")
+            elif leaf == "core_attention":
+                core.add(f"{cls.__module__}.{cls.__name__}")
+    return {"param_devices": sorted(devices), "param_device": ", ".join(sorted(devices)),
+            "param_dtypes": sorted(dtypes), "parameters": count,
+            "self_attention": sorted(attention), "core_attention": sorted(core),
+            "transformer_engine_layers": te,
+            "layer_spec": "transformer_engine" if te else "local"}
+
+
+def _run_facts(trainer) -> dict:
+    """A run's student (every model chunk) and teacher (the source's model, where this rank
+    holds one), through the trainer's public attributes."""
+    teacher = getattr(trainer.teacher, "model", None)
+    return {"teacher_source": type(trainer.teacher).__name__,
+            "student": _model_facts(list(trainer.chunks)),
+            "teacher": _model_facts([teacher]) if teacher is not None else None}
+
+
+def worker_train(a: argparse.Namespace) -> dict | None:
+    """``megatron-kd train`` (``megatron_kd.training.train.train``) with ``--train-argv``, one
+    rank of it (torchrun starts several); rank 0 returns the summary and where its models ran.
+    The models are read once built, around the public ``Trainer.fit``: written at once, so a
+    run that then fails still says where its models were."""
+    import torch.distributed as dist
+
+    from megatron_kd.training.train import parse_args, train
+    from megatron_kd.training.trainer import Trainer
+
+    facts: dict = {}
+    fit = Trainer.fit
+
+    def fit_and_report(trainer):
+        facts.update(_run_facts(trainer))
+        if dist.get_rank() == 0:
+            _write_json(a.worker_out, {"models": facts})
+        return fit(trainer)
+
+    Trainer.fit = fit_and_report
+    summary = train(parse_args(json.loads(a.train_argv)))
+    if summary["rank"] != 0:
+        return None
+    keep = ("iterations", "final_loss", "tokens_per_s", "wall_s", "student_params_per_rank",
+            "world_size", "tp", "cp", "sequence_parallel", "kd_mode")
+    return {"models": facts, "summary": {k: summary.get(k) for k in keep}}
+
+
+WORKERS = {"parity": worker_parity, "make_teacher": worker_make_teacher, "train": worker_train}
 
 
 def worker_main(a: argparse.Namespace) -> int:
-    _write_json(a.worker_out, WORKERS[a.worker](a))
+    figures = WORKERS[a.worker](a)
+    if figures is not None:  # None: a rank other than 0 of a run
+        _write_json(a.worker_out, figures)
     return 0
 
 
@@ -412,8 +519,13 @@ def step_parity(ctx: Ctx, step: dict) -> None:
 def _bench_point(ctx: Ctx, step: dict, shape: str, shape_args: list[str], variant: str,
                  deadline: float) -> dict:
     """One variant of one shape through ``tools/bench_loss.py``; its point (never raises)."""
+    import importlib.util
+
     tokens = int(shape_args[shape_args.index("--tokens") + 1])
     point = {"variant": variant, "tokens": tokens, "tp": 1}
+    peer = next((m for prefix, m in PEER_MODULES.items() if variant.startswith(prefix)), None)
+    if peer is not None and importlib.util.find_spec(peer) is None:
+        return dict(point, status="n/a", reason=f"not measured: {peer} is not installed")
     left = deadline - time.monotonic()
     if left < 20:
         return dict(point, status="skipped", reason="time budget")
@@ -427,8 +539,8 @@ def _bench_point(ctx: Ctx, step: dict, shape: str, shape_args: list[str], varian
     if r["rc"] == 0 and os.path.exists(out):
         with open(out, encoding="utf-8") as f:
             pts = json.load(f)["points"]
-        if pts:
-            return pts[0]
+        if pts:  # with the point's whole time: its process start, warm-up and timed runs
+            return dict(pts[0], wall_s=r["seconds"])
     if r["timed_out"] or "TimeoutExpired" in r["tail"]:
         if timeout < ctx.limits["point"]:  # cut short by the budget, not slow by itself
             return dict(point, status="skipped",
@@ -462,88 +574,299 @@ def _bench_table(ctx: Ctx, step: dict, shape: str, points: list[dict]) -> str:
 def step_bench_loss(ctx: Ctx, step: dict) -> None:
     budget = min(ctx.limits["bench"], ctx.remaining() - 10)
     deadline = time.monotonic() + budget
+    points: dict[str, list[dict]] = {}
+    for shape, variants in BENCH_PLAN[ctx.device]:
+        shape_args = BENCH_SHAPES[ctx.device][shape]
+        points.setdefault(shape, []).extend(
+            _bench_point(ctx, step, shape, shape_args, v, deadline) for v in variants)
     shapes = {}
-    for shape, shape_args, variants in BENCH_SHAPES[ctx.device]:
-        points = [_bench_point(ctx, step, shape, shape_args, v, deadline) for v in variants]
-        shapes[shape] = {"args": " ".join(shape_args), "points": points,
-                         "table_markdown": _bench_table(ctx, step, shape, points)}
-        for p in points:
+    for shape, pts in points.items():
+        args = BENCH_SHAPES[ctx.device][shape]
+        shapes[shape] = {"args": " ".join(args), "points": pts,
+                         "table_markdown": _bench_table(ctx, step, shape, pts)}
+        for p in pts:
             own = p["variant"].startswith(OWN_VARIANTS)
             if own and (p["status"] in ("error", "timeout") or (
                     p["status"] == "OOM" and not p["variant"].startswith("dense"))):
                 _fail(step, f"{shape} {p['variant']}: {p['status']} {p.get('reason', '')}")
     peers = [f"{s} {p['variant']}: {p['status']}" for s, d in shapes.items()
-             for p in d["points"] if p["status"] in ("error", "timeout", "n/a")
+             for p in d["points"] if p["status"] in ("error", "timeout", "n/a", "not measured")
              and not p["variant"].startswith(OWN_VARIANTS)]
+    slow = [f"{s} {p['variant']}: {p['wall_s']:.1f} s" for s, d in shapes.items()
+            for p in d["points"] if p.get("wall_s", 0) > POINT_TARGET_S]
     step["figures"] = {"figures_of": "CUDA" if ctx.device == "cuda" else "CPU (not GPU)",
-                       "budget_s": round(budget, 1), "shapes": shapes, "peers_not_measured": peers}
+                       "budget_s": round(budget, 1), "shapes": shapes, "peers_not_measured": peers,
+                       "point_target_s": POINT_TARGET_S, "points_over_target": slow}
+
+
+def _bench_loss_flags() -> str:
+    """``tools/bench_loss.py --help``: which flags this checkout's benchmark has."""
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "bench_loss.py"), "--help"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=60, check=False)
+    return r.stdout
+
+
+def step_profile_loss(ctx: Ctx, step: dict) -> None:
+    """The fused forward-KL loss's top kernels (``tools/bench_loss.py --profile``: the
+    profiler's key averages by device time) at the Multiverse shape on CUDA, tiny on the CPU."""
+    if "--profile" not in _bench_loss_flags():
+        step["status"] = "skipped: tools/bench_loss.py has no --profile in this checkout"
+        return
+    prof = ctx.path("profile_loss", "fused_fkl_profile.json")
+    out = ctx.path("profile_loss", "fused_fkl.json")
+    for path in (prof, out):
+        if os.path.exists(path):
+            os.remove(path)
+    timeout = _timeout(ctx, "profile_loss")
+    cmd = [sys.executable, os.path.join(ROOT, "tools", "bench_loss.py"),
+           *PROFILE_ARGS[ctx.device], "--device", ctx.device, "--variants", "fused_fkl",
+           "--point-timeout", f"{max(5.0, timeout - 10):.0f}", "--out", out, "--plot", "",
+           "--profile", prof, "--profile-variant", "fused_fkl"]
+    step["commands"].append(shlex.join(cmd))
+    r = run_cmd(cmd, ctx, step["log"], timeout)
+    figures = step["figures"] = {"args": " ".join(PROFILE_ARGS[ctx.device]),
+                                 "profile_json": os.path.relpath(prof, ctx.out),
+                                 "seconds": r["seconds"]}
+    if r["rc"] != 0:
+        _fail(step, f"bench_loss --profile exited {r['rc']}"
+              + (" (timeout)" if r["timed_out"] else ""), r["tail"])
+        return
+    if not os.path.exists(prof):
+        _fail(step, f"bench_loss --profile wrote no {prof}", r["tail"])
+        return
+    with open(prof, encoding="utf-8") as f:
+        figures["profile"] = json.load(f)
+    if not figures["profile"].get("profiles"):
+        _fail(step, f"no profile in {prof}: {figures['profile'].get('note')}", r["tail"])
 
 
 def step_train(ctx: Ctx, step: dict) -> None:
     _train(ctx, step, "train_step_bf16_te", [])
 
 
-def step_train_tp2_sp(ctx: Ctx, step: dict) -> None:
-    """One colocated run at TP 2 + sequence parallelism with Transformer Engine's norms (which
-    mark their weights for the TP all-reduce, as the CPU shim's do): two ranks, two GPUs (NCCL
-    puts no two ranks of a group on one device)."""
+def _second_gpu(step: dict, ctx: Ctx, what: str) -> bool:
+    """On CUDA a two-rank step needs two GPUs (NCCL puts no two ranks of a group on one
+    device); on the CPU two gloo ranks share the cores."""
     import torch
 
-    if torch.cuda.device_count() < 2:
-        step["status"] = (f"skipped: TP 2 needs two GPUs, this machine has "
+    if ctx.device == "cuda" and torch.cuda.device_count() < 2:
+        step["status"] = (f"skipped: {what} needs two GPUs, this machine has "
                           f"{torch.cuda.device_count()}")
-        return
-    _train(ctx, step, "train_step_tp2_sp", ["--tensor-model-parallel-size", "2",
-                                            "--sequence-parallel"], nproc=2)
+        return False
+    return True
+
+
+def step_train_tp2_sp(ctx: Ctx, step: dict) -> None:
+    """One colocated run at TP 2 + sequence parallelism with Transformer Engine's norms where
+    it is installed (which mark their weights for the TP all-reduce, as the CPU shim's do)."""
+    if _second_gpu(step, ctx, "TP 2"):
+        _train(ctx, step, "train_step_tp2_sp", ["--tensor-model-parallel-size", "2",
+                                                "--sequence-parallel"], nproc=2)
 
 
 def step_train_cp2_te(ctx: Ctx, step: dict) -> None:
     """One colocated run at context parallelism 2: Transformer Engine's attention takes the
-    load-balanced sequence chunks and exchanges keys and values itself (on the CPU the
-    project's own context-parallel attention does). Two ranks, two GPUs."""
-    import torch
+    load-balanced sequence chunks and exchanges keys and values itself where it is installed
+    (elsewhere the project's own context-parallel attention does)."""
+    if _second_gpu(step, ctx, "CP 2"):
+        _train(ctx, step, "train_step_cp2_te", ["--context-parallel-size", "2"], nproc=2)
 
-    if torch.cuda.device_count() < 2:
-        step["status"] = (f"skipped: CP 2 needs two GPUs, this machine has "
-                          f"{torch.cuda.device_count()}")
-        return
-    _train(ctx, step, "train_step_cp2_te", ["--context-parallel-size", "2"], nproc=2)
+
+def _train_cmd(ctx: Ctx, out_json: str, argv: list[str], nproc: int) -> list[str]:
+    """This script's train worker: one process, or a torchrun of ``nproc``."""
+    launch = ([sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc-per-node={nproc}"] if nproc > 1 else [sys.executable])
+    return [*launch, SCRIPT, "--worker", "train", "--worker-out", out_json,
+            "--device", ctx.device, "--train-argv", json.dumps(argv)]
+
+
+def _run_train(ctx: Ctx, step: dict, name: str, argv: list[str], *, nproc: int = 1,
+               iters: int, timeout: float | None = None) -> tuple[dict, list[dict]]:
+    """``megatron-kd train`` with ``argv`` through the train worker; fills the step's figures
+    (where the models ran, losses, peak memory) and returns them with the step records. Fails
+    the step on a non-zero exit, a missing or non-finite loss, or a model (a parameter or a
+    buffer) that is not on the device of the check."""
+    log_json = ctx.path(name, "log.jsonl")
+    out_json = ctx.path("work", f"{name}.json")
+    for path in (log_json, out_json):
+        if os.path.exists(path):
+            os.remove(path)
+    argv = [*argv, "--train-iters", str(iters), "--eval-iters", "0", "--log-json", log_json]
+    cmd = _train_cmd(ctx, out_json, argv, nproc)
+    step["commands"].append(shlex.join(cmd))
+    r = run_cmd(cmd, ctx, step["log"], _timeout(ctx, name) if timeout is None else timeout)
+    records = []
+    if os.path.exists(log_json):
+        with open(log_json, encoding="utf-8") as f:
+            records = [json.loads(line) for line in f if line.strip()]
+    steps = [x for x in records if "step" in x and not x.get("eval") and "loss" in x]
+    worker = {}
+    if os.path.exists(out_json):
+        with open(out_json, encoding="utf-8") as f:
+            worker = json.load(f)
+    models = worker.get("models") or {}
+    student, teacher = models.get("student") or {}, models.get("teacher") or {}
+    figures = step["figures"] = {
+        "precision": "bf16" if "--bf16" in argv else "fp32",
+        "student_param_device": student.get("param_device"),
+        "teacher_param_device": teacher.get("param_device"),
+        "student_attention": student.get("core_attention") or student.get("self_attention"),
+        "teacher_attention": teacher.get("core_attention") or teacher.get("self_attention"),
+        "transformer_engine_used": bool(student.get("transformer_engine_layers")),
+        "models": models, "summary": worker.get("summary"),
+        "loss_lines": [{k: x.get(k) for k in ("step", "loss", "kd_loss", "lm_loss", "grad_norm",
+                                              "step_time_s", "tokens_per_s", "peak_mem_bytes")}
+                       for x in steps],
+        "peak_mem_bytes": max((x.get("peak_mem_bytes") or 0 for x in steps), default=None),
+        "peak_mem_kind": steps[-1].get("peak_mem_kind") if steps else None,
+        "train_seconds": r["seconds"]}
+    # a model left on the host of a GPU run (or the other way round) is a failure, whatever
+    # the losses say
+    want = "cuda" if ctx.device == "cuda" else "cpu"
+    for who, facts in (("student", student), ("teacher", teacher)):
+        wrong = [d for d in facts.get("param_devices", []) if not d.startswith(want)]
+        if wrong:
+            _fail(step, f"the {who}'s parameters or buffers are on {', '.join(wrong)}, not "
+                        f"on {want}")
+    if r["rc"] != 0:
+        _fail(step, f"megatron-kd train exited {r['rc']}"
+              + (" (timeout)" if r["timed_out"] else ""), r["tail"])
+    elif len(steps) != iters or not all(math.isfinite(x.get("loss") or math.nan)
+                                        for x in steps):
+        _fail(step, f"expected {iters} finite step losses in {log_json}, got {len(steps)} "
+                    f"steps", r["tail"])
+    elif not student:
+        _fail(step, "the train worker did not say where its models ran", r["tail"])
+    return figures, steps
+
+
+def _precision(ctx: Ctx) -> list[str]:
+    # Megatron-Core's bf16 mixed precision and its distributed optimizer: CUDA only
+    return list(TRAIN_PRECISION) if ctx.device == "cuda" else []
 
 
 def _train(ctx: Ctx, step: dict, name: str, layout: list[str], nproc: int = 1) -> None:
     from support.train_cases import student_argv
 
-    # the layers build_gpt_model picked for the teacher, on this device in this environment:
-    # the same code builds the student and the teacher of this run
-    probe = {k: ctx.teacher.get(k) for k in ("transformer_engine", "transformer_engine_error",
-                                             "layer_spec", "transformer_engine_layers")}
-    log_json = ctx.path(name, "log.jsonl")
-    if os.path.exists(log_json):
-        os.remove(log_json)
-    launch = ([sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc-per-node={nproc}", "-m"] if nproc > 1 else [sys.executable, "-m"])
-    cmd = [*launch, "megatron_kd", "train", *student_argv(), "--train-iters", "3",
-           "--eval-iters", "0", *TRAIN_PRECISION, *layout, "--kd-teacher-load",
-           os.path.join(ctx.out, "teacher"), "--log-json", log_json]
-    step["commands"].append(shlex.join(cmd))
-    r = run_cmd(cmd, ctx, step["log"], _timeout(ctx, name))
-    records = []
-    if os.path.exists(log_json):
-        with open(log_json, encoding="utf-8") as f:
-            records = [json.loads(line) for line in f if line.strip()]
-    steps = [x for x in records if "step" in x and not x.get("eval")]
-    step["figures"] = {
-        "transformer_engine_used": bool(probe["transformer_engine_layers"]), **probe,
-        "loss_lines": [{k: x.get(k) for k in ("step", "loss", "kd_loss", "lm_loss", "grad_norm",
-                                              "tokens_per_s", "peak_mem_bytes")} for x in steps],
-        "peak_mem_bytes": max((x.get("peak_mem_bytes") or 0 for x in steps), default=None),
-        "peak_mem_kind": steps[-1].get("peak_mem_kind") if steps else None,
-        "train_seconds": r["seconds"]}
-    if r["rc"] != 0:
-        _fail(step, f"megatron-kd train exited {r['rc']}", r["tail"])
-    elif len(steps) != 3 or not all(math.isfinite(x.get("loss") or math.nan) for x in steps):
-        _fail(step, f"expected 3 finite step losses in {log_json}, got {len(steps)} steps",
-              r["tail"])
+    _run_train(ctx, step, name, [*student_argv(), *_precision(ctx), *layout,
+                                 "--kd-teacher-load", os.path.join(ctx.out, "teacher")],
+               nproc=nproc, iters=3)
+
+
+# ---------------------------------------------------------------------------------------------
+# the 1B-class step: a student of Llama-3.2-1B's shape, a teacher about twice its size
+# ---------------------------------------------------------------------------------------------
+#: Llama-3.2-1B's shape (random init); the teacher: Llama-3.2-3B's width with 20 layers
+#: instead of 28 (2.4B parameters, 1.95x the student). On the CPU the same step at a tiny size.
+ONE_B = {
+    "cuda": dict(seq=4096, iters=4, teacher_dtype="bf16",
+                 student=dict(num_layers=16, hidden_size=2048, ffn_hidden_size=8192,
+                              num_attention_heads=32, num_query_groups=8, vocab_size=128256),
+                 teacher=dict(num_layers=20, hidden_size=3072, ffn_hidden_size=8192,
+                              num_attention_heads=24, num_query_groups=8, vocab_size=128256)),
+    "cpu": dict(seq=64, iters=3, teacher_dtype="bf16",
+                student=dict(num_layers=2, hidden_size=64, ffn_hidden_size=256,
+                             num_attention_heads=4, num_query_groups=2, vocab_size=512),
+                teacher=dict(num_layers=2, hidden_size=96, ffn_hidden_size=384,
+                             num_attention_heads=6, num_query_groups=2, vocab_size=512)),
+}
+#: dense bf16 tensor-core peak, FLOP/s (the MFU's denominator; --peak-tflops overrides)
+PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12}
+
+
+def _matmul_params(m: dict) -> int:
+    """Weights a token multiplies in one pass through the layers (SwiGLU MLP, grouped-query
+    attention, no biases): not the embedding (a lookup) nor the output layer (the loss)."""
+    h, heads, groups = m["hidden_size"], m["num_attention_heads"], m["num_query_groups"]
+    d = h // heads
+    attention = h * heads * d + 2 * h * groups * d + heads * d * h
+    return m["num_layers"] * (attention + 3 * h * m["ffn_hidden_size"])
+
+
+def _attention_flops(m: dict, seq: int) -> float:
+    """Forward FLOPs of the score and value products of one causal sequence, all layers: the
+    half of ``4 s^2 d`` per layer that the mask keeps (a kernel that computes the masked half
+    too does more work than counted)."""
+    d_attention = m["hidden_size"]  # heads x head width
+    return m["num_layers"] * 0.5 * 4.0 * seq * seq * d_attention
+
+
+def step_flops(one_b: dict) -> dict:
+    """FLOPs of one training step of the 1B step (one sequence of ``seq`` tokens): the
+    student's forward and backward (``6 N`` a token and three times its attention), the
+    teacher's forward (``2 N`` a token and its attention) and the loss's GEMMs (the student's
+    projection forward and its two gradients, the teacher's projection forward)."""
+    s, t, seq = one_b["student"], one_b["teacher"], one_b["seq"]
+    vocab = s["vocab_size"]
+    parts = {
+        "student_layers": 6.0 * _matmul_params(s) * seq + 3.0 * _attention_flops(s, seq),
+        "teacher_layers": 2.0 * _matmul_params(t) * seq + _attention_flops(t, seq),
+        "loss_gemms": 2.0 * seq * vocab * (3 * s["hidden_size"] + t["hidden_size"]),
+    }
+    return {**parts, "total": sum(parts.values())}
+
+
+def _arch_flags(m: dict, seq: int) -> list[str]:
+    return ["--num-layers", str(m["num_layers"]), "--hidden-size", str(m["hidden_size"]),
+            "--ffn-hidden-size", str(m["ffn_hidden_size"]),
+            "--num-attention-heads", str(m["num_attention_heads"]),
+            "--num-query-groups", str(m["num_query_groups"]), "--seq-length", str(seq),
+            "--max-position-embeddings", str(seq)]
+
+
+def _peak_flops(ctx: Ctx) -> tuple[float | None, str]:
+    import torch
+
+    if ctx.args.peak_tflops:
+        return ctx.args.peak_tflops * 1e12, "--peak-tflops"
+    if ctx.device != "cuda":
+        return None, "no MFU on the CPU"
+    name = torch.cuda.get_device_name(0)
+    for key, peak in PEAK_BF16.items():
+        if key in name:
+            return peak, f"{key} dense bf16"
+    return None, f"no peak known for {name} (--peak-tflops)"
+
+
+def step_train_1b(ctx: Ctx, step: dict) -> None:
+    """The teacher's random-init checkpoint (built where models are built, in the teacher's
+    dtype), then ``megatron-kd train`` of the 1B-class student against it, one sequence a
+    step: step time, tokens/s and MFU over the steps after the first."""
+    import shutil
+    import statistics
+
+    one_b = ONE_B[ctx.device]
+    seq, t = one_b["seq"], one_b["teacher"]
+    deadline = time.monotonic() + _timeout(ctx, "train_step_1b")  # both parts of the step
+    teacher_dir = os.path.join(ctx.out, "teacher_1b")
+    shutil.rmtree(teacher_dir, ignore_errors=True)
+    arch = dict(t, padded_vocab_size=t["vocab_size"], max_position_embeddings=seq,
+                tie_embeddings=True)
+    made = _run_worker(ctx, step, "make_teacher", deadline - time.monotonic(),
+                       "--teacher-dir", teacher_dir, "--arch-json", json.dumps(arch),
+                       "--params-dtype", one_b["teacher_dtype"])
+    if made is None:
+        return
+    argv = [*_arch_flags(one_b["student"], seq), "--micro-batch-size", "1",
+            "--global-batch-size", "1", "--lr", "1e-4", "--lr-warmup-iters", "1",
+            "--mock-data", "--no-progress", *_precision(ctx), "--kd-teacher-load", teacher_dir,
+            "--kd-teacher-dtype", one_b["teacher_dtype"]]
+    figures, steps = _run_train(ctx, step, "train_step_1b", argv, iters=one_b["iters"],
+                                timeout=max(5.0, deadline - time.monotonic()))
+    flops = step_flops(one_b)
+    kept = [x["step_time_s"] for x in steps[1:] if x.get("step_time_s")]
+    step_s = statistics.median(kept) if kept else None
+    peak, peak_source = _peak_flops(ctx)
+    achieved = flops["total"] / step_s if step_s else None
+    figures.update(
+        shape=one_b, teacher_checkpoint=made, step_flops=flops, step_time_s=step_s,
+        tokens_per_s=seq / step_s if step_s else None, achieved_tflops=(
+            achieved / 1e12 if achieved else None),
+        peak_tflops=peak / 1e12 if peak else None, peak_source=peak_source,
+        mfu=achieved / peak if achieved and peak else None,
+        student_parameters=(figures["models"].get("student") or {}).get("parameters"),
+        teacher_parameters=made.get("parameters"),
+        timed_steps=f"median of steps 2-{one_b['iters']} (step 1 warms up)")
 
 
 def step_cache_build(ctx: Ctx, step: dict) -> None:
@@ -593,7 +916,8 @@ def _cache_figures(figures: dict, name: str, text: str) -> None:
 
 
 STEP_FUNCS = {"make_teacher": step_make_teacher, "parity": step_parity,
-              "bench_loss": step_bench_loss, "train_step_bf16_te": step_train,
+              "bench_loss": step_bench_loss, "profile_loss": step_profile_loss,
+              "train_step_1b": step_train_1b, "train_step_bf16_te": step_train,
               "train_step_tp2_sp": step_train_tp2_sp,
               "train_step_cp2_te": step_train_cp2_te,
               "cache_build": step_cache_build}
@@ -608,9 +932,7 @@ def run_step(ctx: Ctx, name: str) -> dict:
             "log": ctx.path("logs", f"{name}.log")}
     if os.path.exists(step["log"]):
         os.remove(step["log"])
-    if name in GPU_ONLY and ctx.device != "cuda":
-        step["status"] = NO_GPU
-    elif name in NEEDS_TEACHER and not ctx.teacher_ok:
+    if name in NEEDS_TEACHER and not ctx.teacher_ok:
         step["status"] = "skipped: no teacher checkpoint (make_teacher failed)"
     elif ctx.remaining() < 15:
         step["status"] = "skipped: time budget of the run spent"
@@ -665,10 +987,15 @@ def header(device: str, argv: list[str], cuda_available: bool) -> dict:
         "transformer_engine": _version("transformer-engine", "transformer_engine",
                                        "transformer-engine-torch"),
         "liger_kernel": _version("liger-kernel", "liger_kernel"),
+        "nvidia_modelopt": _version("nvidia-modelopt", "nvidia_modelopt", "modelopt"),
         "device": name, "device_requested": device, "cuda_available": cuda_available,
         "python": platform.python_version(), "host": platform.node(),
         "command": shlex.join(["tools/gpu_check.py", *argv]),
     }
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e8 else f"{n / 1e6:.2f}M"
 
 
 def _short(step: dict) -> str:
@@ -687,15 +1014,31 @@ def _short(step: dict) -> str:
             ok = [p for p in d["points"] if p["status"] == "ok"]
             parts.append(f"{shape}: {len(ok)}/{len(d['points'])} points measured")
         return f"{f['figures_of']} figures; " + ", ".join(parts)
+    if name == "train_step_1b" and f.get("step_time_s"):
+        mfu = f"MFU {f['mfu']:.1%}" if f.get("mfu") else f"no MFU ({f['peak_source']})"
+        return (f"student {_count(f['student_parameters'])} on {f['student_param_device']}, "
+                f"teacher {_count(f['teacher_parameters'])} on {f['teacher_param_device']}; "
+                f"{f['shape']['seq']} tokens: {f['step_time_s']:.3f} s a step, "
+                f"{f['tokens_per_s']:.0f} tokens/s, {f['achieved_tflops']:.1f} TFLOP/s, {mfu}; "
+                f"attention {', '.join(a.rsplit('.', 1)[-1] for a in f['student_attention'])}")
     if name.startswith("train_step") and f.get("loss_lines"):
         losses = ", ".join(f"{x['loss']:.4f}" for x in f["loss_lines"])
-        return (f"TE {'used' if f['transformer_engine_used'] else 'not used'}; losses {losses}; "
+        attention = ", ".join(a.rsplit(".", 1)[-1] for a in f.get("student_attention") or [])
+        return (f"{f['precision']}; student on {f['student_param_device']}, teacher on "
+                f"{f['teacher_param_device']}; attention {attention or '?'}; TE "
+                f"{'used' if f['transformer_engine_used'] else 'not used'}; losses {losses}; "
                 f"peak {(f['peak_mem_bytes'] or 0) / 2**20:.0f} MiB")
+    if name == "profile_loss" and (f.get("profile") or {}).get("profiles"):
+        prof = f["profile"]["profiles"][0]
+        top = ", ".join(f"{e['name'][:40]} {e['share']:.0%}" for e in prof["top"][:3]
+                        if e.get("share") is not None)
+        return f"by {prof['by']}: {top} (all in {f['profile_json']})"
     if name == "cache_build" and f.get("info"):
         return (f"on {f['device']}: {f['info']['shards_built']}/{f['info']['shards_total']} "
                 f"shards, K={f['info']['topk']}, verify {'OK' if f.get('verify_ok') else 'FAILED'}")
     if name == "make_teacher" and f:
-        return f"{f['parameters']} parameters on {f['param_device']}"
+        return (f"{f['parameters']} parameters on {f['param_device']}; attention "
+                f"{', '.join(a.rsplit('.', 1)[-1] for a in f['core_attention'])}")
     return ""
 
 
@@ -783,15 +1126,22 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--parity-size", choices=tuple(PARITY_SIZES), default=None,
                    help="parity sizes (default: moderate on CUDA, tiny on the CPU)")
     p.add_argument("--budget", type=float, default=None,
-                   help="seconds for the whole run (default: 440 on CUDA, 600 on the CPU)")
+                   help="seconds for the whole run (default: 450 on CUDA, 900 on the CPU)")
     p.add_argument("--bench-budget", type=float, default=None,
                    help="seconds for bench_loss (default: 300 on CUDA, 150 on the CPU)")
     p.add_argument("--point-timeout", type=float, default=None,
-                   help="seconds for one bench_loss point (default: 120)")
+                   help="seconds for one bench_loss point (default: 60 on CUDA, 120 on the CPU)")
+    p.add_argument("--peak-tflops", type=float, default=None,
+                   help="the device's dense bf16 peak for the 1B step's MFU (default: known "
+                        "for H100, H200, A100)")
     # internal: one worker process
     p.add_argument("--worker", choices=tuple(WORKERS), help=argparse.SUPPRESS)
     p.add_argument("--worker-out", help=argparse.SUPPRESS)
     p.add_argument("--teacher-dir", help=argparse.SUPPRESS)
+    p.add_argument("--arch-json", help=argparse.SUPPRESS)
+    p.add_argument("--params-dtype", choices=("fp32", "bf16"), default="fp32",
+                   help=argparse.SUPPRESS)
+    p.add_argument("--train-argv", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
@@ -823,7 +1173,13 @@ def main(argv: list[str] | None = None) -> int:
     ctx = Ctx(args=a, device=device, out=out, env=_env(device),
               deadline=time.monotonic() + limits["total"], limits=limits)
     run_order = [n for n in RUN_ORDER if n in selected]
-    head.update(run_order=" -> ".join(run_order), time_budget_s=limits["total"])
+    missing = [name for name, key in (("Liger-Kernel", "liger_kernel"),
+                                      ("ModelOpt", "nvidia_modelopt"),
+                                      ("Transformer Engine", "transformer_engine"))
+               if head[key] == "not installed"]
+    head.update(run_order=" -> ".join(run_order), time_budget_s=limits["total"],
+                peers_not_measured=(", ".join(missing) + " (not installed)") if missing
+                else "none")
     t0 = time.monotonic()
     steps = {}
     for name in run_order:

@@ -1,5 +1,6 @@
-"""``tools/gpu_check.py``: its parity step on tiny CPU sizes, ``--device cuda`` on a machine
-without CUDA, and a step that raises not stopping the others."""
+"""``tools/gpu_check.py``: ``--device cuda`` on a machine without CUDA, a step that raises not
+stopping the others, and the 1B step's FLOP count. Every step run on the CPU end to end:
+``tests/e2e/test_tools_smoke.py``."""
 
 import importlib.util
 import json
@@ -18,7 +19,7 @@ HEADER_KEYS = ("date", "git_commit", "torch", "megatron_core", "transformer_engi
 
 def _check(tmp_path, *args):
     return subprocess.run([sys.executable, SCRIPT, "--out", str(tmp_path), *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=300, check=False)
 
 
 def _report(tmp_path):
@@ -33,33 +34,6 @@ def _module():
         sys.modules["gpu_check"] = module  # dataclasses look their module up there
         spec.loader.exec_module(module)
     return sys.modules["gpu_check"]
-
-
-def test_parity_on_cpu(tmp_path):
-    r = _check(tmp_path, "--device", "cpu", "--steps", "parity", "--parity-size", "tiny")
-    assert r.returncode == 0, r.stdout + r.stderr
-    report = _report(tmp_path)
-    assert all(key in report["header"] for key in HEADER_KEYS)
-    assert report["header"]["device"] == "cpu" and report["failed"] == []
-    (step,) = report["steps"]
-    assert step["step"] == "parity" and step["status"] == "ok"
-    assert step["seconds"] > 0 and "--worker parity" in step["commands"][0]
-    figures = step["figures"]
-    assert figures["complete"] and figures["all_ok"]
-    names = " ".join(c["case"] for c in figures["cases"])
-    for what in ("forward_kl", "reverse_kl", "jsd", "renormalize", "ghost", "main_grad",
-                 "T=2", "fp32", "bf16"):
-        assert what in names, what
-    for case in figures["cases"]:
-        assert case["ok"], case
-        for key in ("rel_err_loss", "rel_err_grad_x", "rel_err_grad_w"):
-            assert 0 <= case[key] <= case["tolerance"], (case["case"], key)
-    assert all(c["grad_added_to_main_grad"] for c in figures["cases"] if "main_grad" in c["case"])
-    worst = figures["max_rel_err"]
-    assert max(v for k, v in worst.items() if k.startswith("fp32")) <= 1e-5
-    assert max(v for k, v in worst.items() if k.startswith("bf16")) <= 2e-2
-    md = (tmp_path / "report.md").read_text(encoding="utf-8")
-    assert "| parity | ok |" in md and "| forward_kl T=1 fp32 | yes |" in md
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
@@ -87,7 +61,7 @@ def test_a_step_that_raises_is_failed_and_reported(tmp_path, monkeypatch):
     step = gc.run_step(ctx, "parity")
     assert step["status"] == "failed" and "boom" in step["output_tail"]
     skipped = gc.run_step(ctx, "train_step_bf16_te")
-    assert skipped["status"] == gc.NO_GPU
+    assert skipped["status"].startswith("skipped: no teacher")
     teacherless = gc.run_step(ctx, "cache_build")
     assert teacherless["status"].startswith("skipped: no teacher")
     json_path, md_path = gc.write_reports(str(tmp_path), {"device": "cpu"},
@@ -96,3 +70,24 @@ def test_a_step_that_raises_is_failed_and_reported(tmp_path, monkeypatch):
         assert json.load(f)["failed"] == ["parity"]
     with open(md_path, encoding="utf-8") as f:
         assert "| parity | failed |" in f.read()
+
+
+def test_one_b_step_flops():
+    """The 1B step's FLOPs against a count written out by hand for Llama-3.2-1B's shape (N:
+    16 layers of q, k, v, o and a SwiGLU MLP, no embedding, no output layer)."""
+    gc = _module()
+    one_b = gc.ONE_B["cuda"]
+    h, kv, ffn, layers, s, vocab = 2048, 8 * 64, 8192, 16, 4096, 128256
+    n_student = layers * (2 * h * h + 2 * h * kv + 3 * h * ffn)
+    assert gc._matmul_params(one_b["student"]) == n_student
+    assert round(n_student / 1e6) == 973  # 1.24B with the 263M tied embedding
+    ht, kvt, layers_t = 3072, 8 * 128, 20
+    n_teacher = layers_t * (2 * ht * ht + 2 * ht * kvt + 3 * ht * ffn)
+    flops = gc.step_flops(one_b)
+    assert flops["student_layers"] == 6 * n_student * s + 3 * layers * 2 * s * s * h
+    assert flops["teacher_layers"] == 2 * n_teacher * s + layers_t * 2 * s * s * ht
+    assert flops["loss_gemms"] == 2 * s * vocab * (3 * h + ht)
+    assert flops["total"] == sum(v for k, v in flops.items() if k != "total")
+    # the teacher is about twice the student, embeddings included
+    total_s, total_t = n_student + vocab * h, n_teacher + vocab * ht
+    assert 1.8 < total_t / total_s < 2.1
