@@ -11,6 +11,8 @@ connect by address.
 * :mod:`~megatron_kd.teacher.client` -- the student side: requests ahead, the receive ring,
   replica choice.
 * :mod:`~megatron_kd.teacher.ring` -- the client's records of its requests in flight.
+* :mod:`~megatron_kd.teacher.choice` -- which replica a connection goes to.
+* :mod:`~megatron_kd.teacher.launcher_watch` -- a replica's ranks leave when their launcher dies.
 
 Pure torch and ``torch.distributed``: the Megatron-Core model and schedule are handed in
 (:mod:`megatron_kd.training.teacher_serve`).

@@ -9,8 +9,12 @@ into a ring of ``depth`` receive slots posted ahead, then the ranks all-gather t
 teacher's output-layer shard. Per microbatch the TP group also exchanges a few integers (did
 every rank get its chunk of the same request?), so they always agree on what happens next.
 
-Replica choice and failover: a connection goes to the least-loaded replica registered at the
-endpoint whose identity matches the run's (a mismatch is refused at once, naming both values).
+Replica choice (:mod:`.choice`) and failover: a connection goes to the least-loaded replica
+registered at the endpoint whose identity matches the run's (a mismatch is refused at once,
+naming both values).
+The replica checks the connection's metadata too; a refusal is
+:class:`~megatron_kd.teacher.protocol.TeacherRefusedError` naming the replica's reason (a
+configuration error: not failed over).
 A replica that dies or is silent past ``timeout_s`` is dropped: the group connects to another
 live one (or waits up to ``timeout_s`` for one to register) and re-sends the requests it still
 holds; the teacher's output depends only on the tokens, so training continues with the same
@@ -30,17 +34,15 @@ import torch
 import torch.distributed as dist
 
 from megatron_kd.collectives import all_gather_into
+from megatron_kd.teacher.choice import ReplicaChooser
 from megatron_kd.teacher.endpoint import Endpoint, ReplicaRecord
 from megatron_kd.teacher.protocol import (
     ConnectionMeta,
     Tag,
     TeacherMismatchError,
-    announce_connection,
+    TeacherRefusedError,
     group_device,
-    identity_differences,
     link_device,
-    read_identity,
-    replica_load,
     replica_store,
     request_prefix,
     response_prefix,
@@ -62,9 +64,6 @@ from megatron_kd.teacher.wire import (
 
 __all__ = ["TeacherClient"]
 
-#: Seconds to reach a registered replica's store before taking it for dead (a live one answers
-#: in milliseconds; a dead one's port refuses, and the store client retries until this).
-_PROBE_S = 2.0
 
 
 class TeacherClient:
@@ -122,15 +121,18 @@ class TeacherClient:
         self._sent = SentBytes()  # of the requests answered since take_step_stats (TP 0)
         self._tokens: dict[str, int] = {}  # this step's tokens answered, by replica id (TP 0)
         self._peer_ids: dict[str, str] = {}  # link peer name -> replica id
+        self._records: dict[str, ReplicaRecord] = {}  # link peer name -> its replica
         self._wait_s = self._occupancy = 0.0  # this step's: seconds waited, ring fill summed
         self._asks = 0
         self.failovers: list[dict] = []
         self.replica: ReplicaRecord | None = None
-        self.tried: list[str] = []
         self._links: list[Link] = []
         self._draining: list[Link] = []  # links of a connection left by a rebalance
         self.rebalance_every = rebalance_every
-        self._dead: set[str] = set()  # replicas found dead: never tried again
+        self._chooser = ReplicaChooser(endpoint=endpoint, expected=expected, dp_rank=dp_rank,
+                                       timeout_s=timeout_s, meta=self._meta)
+        self._dead = self._chooser.dead  # replicas found dead: never tried again
+        self.tried = self._chooser.tried  # for messages
         self._slots: dict[int, Slot] = {}  # by request % depth
         self._sends: list[SendBuffers] = []
 
@@ -148,8 +150,8 @@ class TeacherClient:
         choice = [None]
         if self.tp_rank == 0:
             try:
-                choice = [self._choose(deadline, only)]
-            except (TeacherMismatchError, TeacherUnavailableError) as e:
+                choice = [self._chooser.choose(deadline, only)]
+            except (TeacherMismatchError, TeacherRefusedError, TeacherUnavailableError) as e:
                 choice = [e]
         self._broadcast(choice)
         if isinstance(choice[0], BaseException):
@@ -161,13 +163,14 @@ class TeacherClient:
         store = replica_store(record, self.timeout_s)
         peer = str(record)
         self._peer_ids[peer] = record.replica
+        self._records[peer] = record
         self._links = []
         if self.tp_rank == 0:
             self.request_link = Link(store, request_prefix(conn), 1, device=device,
-                                     timeout_s=self.timeout_s, peer=peer)
+                                     timeout_s=self.timeout_s, peer=peer, release_on_abort=True)
             self._links.append(self.request_link)
         self.response_link = Link(store, response_prefix(conn, self.tp_rank), 1, device=device,
-                                  timeout_s=self.timeout_s, peer=peer)
+                                  timeout_s=self.timeout_s, peer=peer, release_on_abort=True)
         self._links.append(self.response_link)
         if repost:
             self._slots = {}
@@ -175,48 +178,12 @@ class TeacherClient:
             for request in range(first, first + self.depth):
                 self._post(request)
 
-    def _choose(self, deadline: float, only: str | None = None) -> tuple[str, int]:
-        """``(record JSON, connection id)`` at the least-loaded live replica, waiting up to
-        ``deadline`` for one."""
-        reasons: list[str] = []
-        while True:
-            candidates = []
-            records = [r for r in self.endpoint.replicas() if only in (None, r.replica)]
-            # replicas found dead are tried again only when no other is registered
-            records = [r for r in records if r.replica not in self._dead] or records
-            for record in records:
-                try:
-                    store = replica_store(record, min(_PROBE_S, self.timeout_s))
-                    candidates.append((replica_load(store), record, store))
-                except (RuntimeError, OSError, ValueError) as e:
-                    reasons.append(f"{record}: {str(e).splitlines()[0]}")
-                    _remember(self.tried, str(record))
-                    self._dead.add(record.replica)  # registered, not there: not probed again
-            # least loaded first; among equals, data-parallel ranks spread round-robin
-            n = max(1, len(candidates))
-            loads = [load for load, _, _ in candidates]
-            order = sorted(range(len(candidates)), key=lambda i: (loads[i], (i - self.dp_rank) % n))
-            for _, record, store in (candidates[i] for i in order):
-                diffs = identity_differences(read_identity(store), self.expected)
-                if diffs:
-                    raise TeacherMismatchError(f"the teacher at {self.endpoint} ({record}) is not "
-                                               f"the one this run expects: " + "; ".join(diffs))
-                conn = announce_connection(store, self._meta())
-                _remember(self.tried, str(record))
-                return record.to_json(), conn
-            if time.monotonic() > deadline:
-                raise TeacherUnavailableError(
-                    str(self.endpoint), self.tried,
-                    f"no live replica within {self.timeout_s:g} s (--kd-teacher-timeout)"
-                    + (f": {'; '.join(reasons[-3:])}" if reasons else ""))
-            time.sleep(0.5)
-
     def _meta(self) -> ConnectionMeta:
         return ConnectionMeta(run=self.run, dp_rank=self.dp_rank, tp=self.tp_size // self.cp_size,
                               cp=self.cp_size,
                               micro_batch_size=self.shape[1], seq_length=self.seq_length,
                               max_samples=self.max_samples, wire_dtype=self.wire_dtype,
-                              device=self.device.type)
+                              device=self.device.type, identity=self.expected)
 
     # -- requests and responses -----------------------------------------------------------------
     def _send_next(self) -> None:
@@ -381,8 +348,14 @@ class TeacherClient:
         return full
 
     def _failover(self, head: Outstanding, failure: str | None, t0: float) -> None:
-        """Drop the replica, connect to a live one, re-send what is outstanding."""
-        lost = self.replica
+        """Drop the replica that failed, connect to a live one, re-send what is outstanding.
+
+        The replica that failed is the one ``head``'s response was to come from: after a
+        rebalance, the one left (its connection still draining), not the one connected now."""
+        slot = self._slots.get(head.request % self.depth)
+        lost = self.replica if slot is None else self._records.get(slot.link.peer, self.replica)
+        if self.tp_size > 1:  # the rank whose receive failed may not be rank 0: all name one
+            lost = self._first_failed(lost, failure)
         self._dead.add(lost.replica)  # a restarted replica registers under a new id
         for link in self._links + self._draining:
             link.abort()
@@ -399,13 +372,20 @@ class TeacherClient:
         if self.log is not None and self.tp_rank == 0:
             self.log(json.dumps(event))
 
+    def _first_failed(self, mine: ReplicaRecord, failure: str | None) -> ReplicaRecord:
+        """The replica named by the lowest TP rank whose receive failed (every rank learns it)."""
+        named = [None] * self.tp_size
+        dist.all_gather_object(named, mine.to_json() if failure else None, group=self.tp_group)
+        first = next((n for n in named if n is not None), None)
+        return mine if first is None else ReplicaRecord.from_json(first)
+
     def _rebalance(self) -> None:
         """Move this connection's future requests to a replica with at least two fewer
         connections and requests than ours (a replica started later takes work this way);
         responses already on their way are still taken from the old one."""
         target = [None]
         if self.tp_rank == 0:
-            target = [self._less_loaded()]
+            target = [self._chooser.less_loaded(self.replica)]
         self._broadcast(target)
         if target[0] is None:
             return
@@ -419,26 +399,6 @@ class TeacherClient:
                  str(self.replica), "from_request": self.next_request, "dp_rank": self.dp_rank}
         if self.log is not None and self.tp_rank == 0:
             self.log(json.dumps(event))
-
-    def _less_loaded(self) -> str | None:
-        """TP rank 0: the id of a live replica loaded at least 2 less than ours, if any."""
-        try:
-            # but ours
-            mine = replica_load(replica_store(self.replica, min(_PROBE_S, self.timeout_s))) - 1
-        except (RuntimeError, OSError, ValueError):
-            return None  # ours is unreachable: the next response will say so
-        best = None
-        for record in self.endpoint.replicas():
-            if record.replica == self.replica.replica or record.replica in self._dead:
-                continue
-            try:
-                load = replica_load(replica_store(record, min(_PROBE_S, self.timeout_s)))
-            except (RuntimeError, OSError, ValueError):
-                self._dead.add(record.replica)
-                continue
-            if load <= mine - 1 and (best is None or load < best[0]):
-                best = (load, record.replica)
-        return None if best is None else best[1]
 
     def _reap_sends(self) -> None:
         """Forget sends whose requests were answered (their buffers may go)."""
@@ -484,7 +444,7 @@ class TeacherClient:
 
     def live_replicas(self) -> int:
         """Replicas registered at the endpoint and not found dead by this client."""
-        return sum(1 for r in self.endpoint.replicas() if r.replica not in self._dead)
+        return self._chooser.live()
 
     def close(self) -> None:
         """Drop the links (any receive still posted ends; the replica forgets the connection)."""
@@ -492,7 +452,3 @@ class TeacherClient:
             link.abort()
         self._links, self._draining = [], []
 
-
-def _remember(names: list[str], name: str) -> None:
-    if name not in names:
-        names.append(name)

@@ -10,10 +10,15 @@ forward (the model and its pipeline schedule are the ``forward`` function it was
 last pipeline stage sends each student TP rank its sequence chunk of each request's hidden
 states, from the TP rank ``chunk % tp`` of that stage.
 
-Transfers run on threads per link (:mod:`.transport`): a slow or dead student never stops the
-loop; its links are dropped after the timeout and the replica serves the others. Rank 0 logs
-one JSON line per ``stats_interval_s`` (requests, samples and tokens served, tokens/s, wire
-bytes each way, per student run) and on exit.
+Every announced connection is checked before any link is made for it
+(:class:`~megatron_kd.teacher.protocol.ConnectionLimits`: JSON, field types and ranges, sequence
+length and microbatch within what the replica was started for, wire dtype, student device,
+teacher identity); a bad one is refused with a reason written where its student reads it, and
+costs nothing else. Each request is checked against its connection's metadata before its tokens
+are received. Transfers run on threads per link (:mod:`.transport`): a slow or dead student
+never stops the loop; its links are dropped after the timeout and the replica serves the
+others. Rank 0 logs one JSON line per ``stats_interval_s`` (requests, samples and tokens served,
+tokens/s, wire bytes each way, per student run), one per connection refused, and one on exit.
 """
 
 from __future__ import annotations
@@ -36,16 +41,21 @@ import torch.distributed as dist
 from megatron_kd.parallel.sequence import member_rows, route_name
 from megatron_kd.teacher.endpoint import Endpoint, ReplicaRecord
 from megatron_kd.teacher.protocol import (
+    ACCEPTED,
     CLOSED_COUNTER_KEY,
     CONN_COUNTER_KEY,
     PENDING_KEY,
+    ConnectionLimits,
     ConnectionMeta,
+    HandshakeError,
     Tag,
     link_device,
     meta_key,
     publish_identity,
+    refusal,
     request_prefix,
     response_prefix,
+    status_key,
 )
 from megatron_kd.teacher.transport import Link, LinkDown
 from megatron_kd.teacher.wire import (
@@ -60,6 +70,9 @@ from megatron_kd.teacher.wire import (
 __all__ = ["TeacherService"]
 
 _FOREVER = 365 * 24 * 3600.0  # a student may be idle for long (evaluation, checkpoints)
+#: Announced connections whose metadata the front waits for at once (each waits at most the
+#: timeout, then is refused): a client announcing many and describing none cannot stop the rest.
+_MAX_WAITING = 64
 
 
 @dataclass
@@ -104,10 +117,12 @@ class _Sender(threading.Thread):
 class _Front:
     """Rank 0: the rendezvous store, connections, requests, the next batch."""
 
-    def __init__(self, store, *, max_batch: int, timeout_s: float, teacher_device: str) -> None:
-        self.store, self.max_batch, self.timeout_s = store, max_batch, timeout_s
-        self.teacher_device = teacher_device
-        self.seen = 0  # connections announced so far
+    def __init__(self, store, *, limits: ConnectionLimits, timeout_s: float) -> None:
+        self.store, self.limits, self.timeout_s = store, limits, timeout_s
+        self.max_batch = limits.max_batch
+        self.seen = 0  # connection ids taken into ``waiting`` so far
+        self.waiting: dict[int, float] = {}  # announced, no metadata yet -> when first seen
+        self.refused: list[tuple[int, str]] = []  # since the last control
         self.inbox: queue.Queue = queue.Queue()  # (conn, request, tokens) or ("closed", conn)
         self.pending: collections.deque = collections.deque()
         self.closed: list[int] = []
@@ -120,17 +135,41 @@ class _Front:
         batch = self._batch(conns, closed)
         # what a student choosing a replica reads (with the open connections: replica_load)
         self.store.set(PENDING_KEY, str(len(self.pending) + len(batch)))
-        return {"new": new, "closed": closed, "batch": batch, "stop": stop}
+        refused, self.refused = self.refused, []
+        return {"new": new, "closed": closed, "batch": batch, "stop": stop, "refused": refused}
 
     def _new_connections(self) -> list[tuple[int, ConnectionMeta]]:
-        out = []
-        while self.seen < self.store.add(CONN_COUNTER_KEY, 0):
-            key = meta_key(self.seen)
-            if not self.store.check([key]):
-                break  # announced, its description not written yet: next loop
-            out.append((self.seen, ConnectionMeta.from_json(self.store.get(key))))
+        """Announced connections whose metadata is there and acceptable (the rest are refused
+        with their reason, or wait for theirs up to the timeout)."""
+        announced = self.store.add(CONN_COUNTER_KEY, 0)
+        now = time.monotonic()
+        while self.seen < announced and len(self.waiting) < _MAX_WAITING:
+            self.waiting[self.seen] = now
             self.seen += 1
+        out = []
+        for conn, since in list(self.waiting.items()):
+            key = meta_key(conn)
+            if self.store.check([key]):
+                del self.waiting[conn]
+                try:
+                    meta = self.limits.accept(self.store.get(key))
+                except HandshakeError as e:
+                    self._refuse(conn, str(e))
+                    continue
+                # read by the student before it makes its links (every rank makes its own now)
+                self.store.set(status_key(conn), ACCEPTED)
+                out.append((conn, meta))
+            elif now - since > self.timeout_s:
+                del self.waiting[conn]
+                self._refuse(conn, f"no connection metadata within {self.timeout_s:g} s of "
+                                   f"its announcement")
         return out
+
+    def _refuse(self, conn: int, reason: str) -> None:
+        """Tell connection ``conn``'s student why it is refused; it no longer counts as load."""
+        self.store.set(status_key(conn), refusal(reason))
+        self.store.add(CLOSED_COUNTER_KEY, 1)
+        self.refused.append((conn, reason))
 
     def _drain(self, timeout: float) -> None:
         try:
@@ -165,8 +204,11 @@ class _Front:
         self.pending = keep
         return batch
 
-    def read_requests(self, conn: int, link: Link, max_samples: int) -> None:
-        """A thread per connection: requests into the inbox until the link closes."""
+    def read_requests(self, conn: int, link: Link, meta: ConnectionMeta) -> None:
+        """A thread per connection: requests into the inbox until the link closes (or a
+        request its connection's metadata does not allow: the connection is closed)."""
+        max_samples = meta.max_samples
+
         def loop() -> None:
             try:
                 while True:
@@ -174,6 +216,7 @@ class _Front:
                                          device=link.device)
                     link.wait(link.recv([header], Tag.REQUEST), time.monotonic() + _FOREVER)
                     req = Request.decode(header.cpu(), max_samples)
+                    _check_request(req, conn, meta)
                     tokens = torch.empty((req.batch, req.seq_length), dtype=torch.int32,
                                          device=link.device)
                     link.wait(link.recv([tokens], Tag.TOKENS),
@@ -184,6 +227,15 @@ class _Front:
                 self.inbox.put(("closed", conn))
 
         threading.Thread(target=loop, daemon=True, name=f"kd-teacher-recv-{conn}").start()
+
+
+def _check_request(req: Request, conn: int, meta: ConnectionMeta) -> None:
+    """A request as its connection announced them, before its tokens are allocated."""
+    if (req.conn, req.run) != (conn, meta.run) or not (
+            1 <= req.batch <= meta.micro_batch_size) or req.seq_length != meta.seq_length:
+        raise WireError(f"connection {conn} (run {meta.run}, microbatches of up to "
+                        f"{meta.micro_batch_size} x {meta.seq_length} tokens) sent a request of "
+                        f"run {req.run} connection {req.conn}, {req.batch} x {req.seq_length}")
 
 
 class TeacherService:
@@ -197,15 +249,16 @@ class TeacherService:
         forward: ``forward(tokens [B, s] int64) -> hidden [s, B, h]`` on the last stage, None
             elsewhere; called on every rank with the same batch.
         device: this rank's device (``cuda`` or ``cpu``).
-        max_batch: samples batched into one forward at most.
-        max_samples: sample ids a header can carry.
+        max_batch: samples batched into one forward at most (a student's microbatch too).
+        max_seq_length: the longest sequence a connection may announce.
+        max_samples: sample ids a header can carry (at least ``max_batch``).
         group: the replica's world (None: the default group); ``last_stage_ranks`` and "rank 0"
             are ranks of it.
     """
 
     def __init__(self, *, last_stage_ranks: list[int], identity: dict, endpoint: Endpoint,
                  host: str, port: int, forward: Callable, device: torch.device,
-                 timeout_s: float, max_batch: int, max_samples: int = 64,
+                 timeout_s: float, max_batch: int, max_seq_length: int, max_samples: int = 64,
                  layout: dict | None = None, log: Callable[[str], None] | None = None,
                  stats_interval_s: float = 10.0, group=None) -> None:
         self.group = group
@@ -225,8 +278,11 @@ class TeacherService:
             self.store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
                                        timeout=datetime.timedelta(seconds=timeout_s))
             publish_identity(self.store, identity)
-            self.front = _Front(self.store, max_batch=max_batch, timeout_s=timeout_s,
-                                teacher_device=self.device.type)
+            # compared in its JSON form: the form the student's expectation arrives in
+            limits = ConnectionLimits(identity=json.loads(json.dumps(identity)),
+                                      max_seq_length=max_seq_length,
+                                      max_batch=max_batch, max_samples=max_samples)
+            self.front = _Front(self.store, limits=limits, timeout_s=timeout_s)
             addr = [(host, self.store.port)]
         dist.broadcast_object_list(addr, src=self._src, group=group)
         self.host, self.port = addr[0]
@@ -251,6 +307,8 @@ class TeacherService:
                 ctrl = [self.front.control(self.conns, stop()) if self.rank == 0 else None]
                 dist.broadcast_object_list(ctrl, src=self._src, group=self.group)
                 ctrl = ctrl[0]
+                for conn, reason in ctrl["refused"]:
+                    self._say({"event": "refused", "conn": conn, "reason": reason})
                 for conn, meta in ctrl["new"]:
                     self._open(conn, meta)
                 for conn in ctrl["closed"]:
@@ -269,6 +327,12 @@ class TeacherService:
         self._say({"event": "stopped", "replica": self.replica, **totals})
         return totals
 
+    def withdraw(self) -> None:
+        """Rank 0: remove this replica's endpoint record (idempotent; callable from any thread,
+        e.g. a rank leaving because its launcher died); elsewhere nothing."""
+        if self.rank == 0:
+            self.endpoint.withdraw(self.replica)
+
     def _open(self, conn: int, meta: ConnectionMeta) -> None:
         """Make this rank's links of a new connection (the student makes its ends now too)."""
         device = link_device(meta.device, self.device.type)
@@ -278,7 +342,7 @@ class TeacherService:
             if self.rank == 0:
                 state.request_link = Link(self.store, request_prefix(conn), 0, device=device,
                                           timeout_s=self.timeout_s, peer=peer)
-                self.front.read_requests(conn, state.request_link, meta.max_samples)
+                self.front.read_requests(conn, state.request_link, meta)
             for chunk in range(meta.members):
                 if self.last_stage_ranks[chunk % len(self.last_stage_ranks)] == self.rank:
                     link = Link(self.store, response_prefix(conn, chunk), 0, device=device,

@@ -20,6 +20,15 @@ Waiting is done on the host, with a deadline (:meth:`Link.wait`):
 Either way a dead or silent peer is a :class:`LinkDown` naming it, never a hang or a watchdog
 kill, and the link is aborted.
 
+gloo's own abort wakes neither side's blocked receives. A link made with ``release_on_abort``
+(a student's end) also lets go of its process group when aborted: once no transfer of it is
+still held (a posted receive keeps it), its connections close and a peer blocked in a receive
+on it fails at once, as for a dead process. A replica's request reader, which waits for a
+student's next request without a deadline, ends this way when the student leaves the
+connection (a rebalance, a failover away from a live replica, the end of training). A
+replica's own ends keep their groups until they are collected, as before: the student waiting
+on one has its deadline.
+
 gloo's receive says it is complete only once ``wait`` has returned, so receives whose arrival
 must be seen without blocking (the student's prefetch ring: how many responses are already
 there) are handed to :meth:`Link.watch` once their request is sent: the link's watcher thread
@@ -81,11 +90,14 @@ class Link:
         device: where the buffers of this link live (``cuda`` -> NCCL, ``cpu`` -> gloo).
         timeout_s: how long making the link and each transfer may take.
         peer: the peer's name, for messages.
+        release_on_abort: gloo: :meth:`abort` drops this end's process group, so that the
+            peer's blocked receives fail at once (see the module docstring).
     """
 
     def __init__(self, store, prefix: str, rank: int, *, device: torch.device,
-                 timeout_s: float, peer: str) -> None:
+                 timeout_s: float, peer: str, release_on_abort: bool = False) -> None:
         self.peer, self.rank, self.device = peer, rank, torch.device(device)
+        self.release_on_abort = release_on_abort
         self.backend = link_backend(self.device)
         self.timeout_s = timeout_s
         self.aborted = False
@@ -108,13 +120,13 @@ class Link:
     def send(self, tensors: list[torch.Tensor], tag: int) -> list:
         """Start sending ``tensors`` in order (each on this link's device); returns the works.
         Their bytes are counted in :attr:`bytes_sent` under ``tag`` once every send started."""
-        works = [self._op(self.pg.send, t, tag) for t in tensors]
+        works = [self._op("send", t, tag) for t in tensors]
         self.bytes_sent[int(tag)] += sum(t.numel() * t.element_size() for t in tensors)
         return works
 
     def recv(self, tensors: list[torch.Tensor], tag: int) -> list:
         """Start receiving into ``tensors`` in order; returns the works."""
-        return [self._op(self.pg.recv, t, tag) for t in tensors]
+        return [self._op("recv", t, tag) for t in tensors]
 
     def watch(self, works: list) -> list:
         """``works`` (receives of this link whose answer was asked for), whose
@@ -144,12 +156,13 @@ class Link:
             item.error = failed
             item.done.set()
 
-    def _op(self, fn, tensor: torch.Tensor, tag: int):
+    def _op(self, name: str, tensor: torch.Tensor, tag: int):
         if tensor.device.type != self.device.type:
             raise ValueError(f"a {self.backend} link moves {self.device.type} tensors, got one "
                              f"on {tensor.device}")
         if self.aborted:
             raise LinkDown(f"link to {self.peer} was aborted")
+        fn = getattr(self.pg, name)
         try:
             # NCCL matches point-to-point messages by order; tags are gloo's
             return fn([tensor], 1 - self.rank, tag if self.backend == "gloo" else 0)
@@ -195,6 +208,10 @@ class Link:
             (getattr(self.pg, "abort", None) or getattr(self.pg, "_shutdown"))()
         except RuntimeError:
             pass  # already broken: nothing left to stop
+        if self.backend == "gloo" and self.release_on_abort:
+            # the last reference but those of transfers still held: the group's connections
+            # close with it, which is what wakes the peer (see the module docstring)
+            self.pg = None
 
 
 def _first_line(error: BaseException) -> str:

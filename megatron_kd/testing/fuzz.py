@@ -11,7 +11,10 @@ what it decoded against the format's invariants and fails loudly if one is broke
   (:func:`~megatron_kd.cache.codec.decode_sample`);
 * ``sample`` -- one sample blob, compact or fp32 encoding (the first byte picks);
 * ``wire_header`` -- the teacher wire's request and response headers
-  (:meth:`megatron_kd.teacher.wire.Request.decode`, ``Response.decode``; the first byte picks).
+  (:meth:`megatron_kd.teacher.wire.Request.decode`, ``Response.decode``; the first byte picks);
+* ``connection`` -- the connection handshake a replica reads from its store, whoever wrote it
+  (:meth:`megatron_kd.teacher.protocol.ConnectionLimits.accept`: the JSON metadata, checked
+  against what a replica serves).
 
 :func:`run` drives them with atheris (coverage-guided, libFuzzer underneath) in this process;
 ``tools/fuzz_decoders.py`` is the command line. :func:`seeds` writes a valid input per target
@@ -39,7 +42,8 @@ from megatron_kd.cache.format import (
     parse_manifest,
     parse_shard_header,
 )
-from megatron_kd.teacher import wire
+from megatron_kd.teacher import protocol, wire
+from megatron_kd.teacher.protocol import ConnectionLimits, ConnectionMeta, HandshakeError
 from megatron_kd.teacher.wire import Request, Response, WireError
 
 __all__ = ["EXPECTED", "TARGETS", "run", "seeds"]
@@ -50,6 +54,7 @@ EXPECTED: dict[str, tuple[type[BaseException], ...]] = {
     "shard": (CacheFormatError, CodecError),
     "sample": (CodecError,),
     "wire_header": (WireError,),
+    "connection": (HandshakeError,),
 }
 
 _CODECS = (LogprobCodec(name="log1p-u11"), LogprobCodec(name="fp32"))
@@ -57,6 +62,8 @@ _SPEC = CacheSpec(teacher_checkpoint="t", teacher_weights_hash="w", tokenizer="t
                   vocab_size=1009, topk=4, seq_length=6, num_samples=3, dataset_hash="d",
                   samples_per_shard=3, logprob_codec=_CODECS[0])
 _WIRE_MAX_SAMPLES = 4
+_IDENTITY = {"checkpoint": "t", "hidden_size": 16}
+_LIMITS = ConnectionLimits(identity=_IDENTITY, max_seq_length=64, max_batch=4, max_samples=4)
 
 
 def _check_sample(ids: np.ndarray, logprobs: np.ndarray, spec: CacheSpec) -> None:
@@ -109,16 +116,28 @@ def target_wire_header(data: bytes) -> None:
         assert header.batch >= 1 and header.seq_length >= 1
 
 
+def target_connection(data: bytes) -> None:
+    meta = _LIMITS.accept(data)
+    # what an accepted connection may cost the replica: bounded by what it was started for
+    assert 1 <= meta.seq_length <= _LIMITS.max_seq_length
+    assert 1 <= meta.micro_batch_size <= _LIMITS.max_batch
+    assert 1 <= meta.max_samples <= max(_LIMITS.max_samples, _LIMITS.max_batch)
+    assert 1 <= meta.members <= _LIMITS.max_members and meta.seq_length % meta.members == 0
+    assert meta.wire_dtype in wire.WIRE_DTYPES and meta.device in _LIMITS.devices
+    assert meta.identity == _IDENTITY
+
+
 # The functions whose branches the fuzzer is to explore.
 _DECODERS = (codec.decode_ids, codec.decode_sample, codec.unpack_uint, LogprobCodec.decode,
              LogprobCodec.dequantise, parse_manifest, fmt._check_shard_entries,
              CacheSpec.from_json, CacheSpec._from_fields, LogprobCodec.from_json,
              parse_shard_header, wire._Message.decode, Request._from_words,
-             Response._from_words)
+             Response._from_words, ConnectionMeta.from_json, ConnectionMeta.__post_init__,
+             ConnectionLimits.accept, protocol.identity_differences)
 
 TARGETS: dict[str, Callable[[bytes], None]] = {
     "manifest": target_manifest, "shard": target_shard, "sample": target_sample,
-    "wire_header": target_wire_header,
+    "wire_header": target_wire_header, "connection": target_connection,
 }
 
 
@@ -159,6 +178,10 @@ def seeds() -> dict[str, list[bytes]]:
         "sample": [bytes([0]) + blobs[0], bytes([1]) + _sample_blob(7, _CODECS[1])],
         "wire_header": [bytes([i]) + h.encode(_WIRE_MAX_SAMPLES).numpy().astype("<i8").tobytes()
                         for i, h in enumerate((request, response))],
+        "connection": [ConnectionMeta(run=7, dp_rank=1, tp=2, cp=cp, micro_batch_size=2,
+                                      seq_length=16, max_samples=2, wire_dtype=dtype,
+                                      device=device, identity=_IDENTITY).to_json().encode()
+                       for cp, dtype, device in ((1, "bf16", "cpu"), (2, "fp8", "cuda"))],
     }
 
 

@@ -25,7 +25,7 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-__all__ = ["START_TIMEOUT_S", "Replica", "command", "read_rank_peak"]
+__all__ = ["START_TIMEOUT_S", "Replica", "command", "process_alive", "read_rank_peak"]
 
 #: Starting Python, torch and Megatron-Core in each rank on a busy 2-core machine.
 START_TIMEOUT_S = 180.0
@@ -46,6 +46,22 @@ def command(module: str, args: Sequence[str], nproc: int = 1, *,
     return [sys.executable, "-m", *program]
 
 
+def process_alive(pid: int) -> bool:
+    """Whether process ``pid`` is running (Linux: a zombie, dead but not yet reaped by a parent
+    that is not ours, counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc: ask the kernel
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+
+
 def read_rank_peak(peak_dir: str | os.PathLike, rank: int) -> int | None:
     """The peak RSS rank ``rank`` wrote at exit (None when it wrote none)."""
     path = os.path.join(peak_dir, f"rank{rank}.json")
@@ -61,7 +77,7 @@ class Replica:
     def __init__(self, endpoint: str | os.PathLike, teacher: str, *, log: str | os.PathLike,
                  tp: int = 1, pp: int = 1, cp: int = 1, extra: Sequence[str] = (),
                  sleep_per_token: float = 0.0, stats_interval: float | None = 1.0,
-                 env: Mapping[str, str] | None = None,
+                 env: Mapping[str, str] | None = None, simulate: bool = False,
                  peak_dir: str | os.PathLike | None = None, wait: bool = True,
                  start_timeout_s: float = START_TIMEOUT_S) -> None:
         """Start the replica of checkpoint ``teacher`` at ``endpoint`` (``tp`` x ``pp`` x ``cp``
@@ -72,7 +88,8 @@ class Replica:
         (:mod:`megatron_kd.testing.slow_replica`). ``stats_interval``: seconds between its
         ``stats`` records (None: serve's default). ``env``: its environment (default: this
         process's, with ``OMP_NUM_THREADS=1``), torchrun's variables left out. ``peak_dir``: each
-        rank writes its peak RSS there at exit. With ``wait`` (else call :meth:`wait_ready`),
+        rank writes its peak RSS there at exit. ``simulate``: every rank runs inside the
+        simulated accelerator (:mod:`megatron_kd.testing.simulated`). With ``wait`` (else call :meth:`wait_ready`),
         wait until it has registered.
         """
         self.endpoint, self.log = Path(endpoint), Path(log)
@@ -85,8 +102,12 @@ class Replica:
         if stats_interval is not None:
             flags += ["--stats-interval", f"{stats_interval:g}"]
         flags += list(extra)
+        if sleep_per_token and simulate:
+            raise ValueError("a replica is either slow (sleep_per_token) or simulated, not both")
         if sleep_per_token:
             module, args = "megatron_kd.testing.slow_replica", [str(sleep_per_token), "--", *flags]
+        elif simulate:
+            module, args = "megatron_kd.testing.simulated", ["teacher", "serve", *flags]
         else:
             module, args = "megatron_kd", ["teacher", "serve", *flags]
         env = dict(env) if env is not None else {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -128,17 +149,33 @@ class Replica:
 
     @property
     def pids(self) -> list[int]:
-        """The replica's processes (torchrun's workers too)."""
+        """The replica's processes: its session, and torchrun's workers, which torchrun starts
+        in sessions of their own (found as its descendants)."""
         out = subprocess.run(["pgrep", "-s", str(self.proc.pid)], capture_output=True,
                              text=True).stdout.split()
-        return [int(p) for p in out] or [self.proc.pid]
+        found = {int(p) for p in out} | {self.proc.pid}
+        todo = list(found)
+        while todo:
+            children = subprocess.run(["pgrep", "-P", str(todo.pop())], capture_output=True,
+                                      text=True).stdout.split()
+            for child in map(int, children):
+                if child not in found:
+                    found.add(child)
+                    todo.append(child)
+        return sorted(found)
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
-        """Send ``sig`` to every process of the replica."""
+        """Send ``sig`` to every process of the replica (torchrun's workers too)."""
+        pids = self.pids  # before the launcher goes: its workers are found through it
         try:
             os.killpg(self.proc.pid, sig)
         except ProcessLookupError:
             pass
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
 
     def events(self, event: str | None = None) -> list[dict]:
         """The records of its log (those of ``event`` only, if given)."""

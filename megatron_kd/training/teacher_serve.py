@@ -13,8 +13,11 @@ A replica builds the frozen teacher (Megatron-Core ``GPTModel``, its own pipelin
 tensor-parallel layout over its whole world: a replica is never a data-parallel rank of another
 replica's world), registers at the endpoint once it is ready, and serves any number of student
 runs until it is stopped (SIGTERM or SIGINT: it finishes the batch in flight, withdraws from the
-endpoint and exits 0). Rank 0 writes its log lines (JSON: connections, requests and tokens
-served, tokens/s, wire bytes, per student run) to stderr and ``--log-json``.
+endpoint and exits 0). Each rank also exits when its launcher dies (torchrun's agent SIGKILLed,
+say): within ``--launcher-grace`` + 0.5 s, the record withdrawn
+(:mod:`megatron_kd.teacher.launcher_watch`; ``--no-exit-with-launcher`` for a replica meant to
+outlive the shell that started it). Rank 0 writes its log lines (JSON: connections, requests and
+tokens served, tokens/s, wire bytes, per student run) to stderr and ``--log-json``.
 """
 
 from __future__ import annotations
@@ -44,7 +47,9 @@ from megatron_kd.integration.groups import (
 )
 from megatron_kd.integration.output_layer import gather_sequence, to_sbh
 from megatron_kd.integration.teacher import build_frozen_teacher, check_teacher, teacher_identity
+from megatron_kd.placement import compute_device
 from megatron_kd.teacher.endpoint import parse_endpoint
+from megatron_kd.teacher.launcher_watch import LauncherWatch
 from megatron_kd.teacher.service import TeacherService
 from megatron_kd.training.metrics import MetricsSection, MetricWriters, service_scalars
 from megatron_kd.training.run_config import ParallelSection
@@ -80,6 +85,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--seed", type=int, default=1234)
     s.add_argument("--log-json", default=None, help="append the replica's log lines here")
     s.add_argument("--stats-interval", type=float, default=10.0, metavar="SECONDS")
+    s.add_argument("--exit-with-launcher", action=argparse.BooleanOptionalAction, default=True,
+                   help="each rank stops when the process that launched it (torchrun, srun, a "
+                        "shell) dies, and exits --launcher-grace seconds later at the latest, "
+                        "its endpoint record withdrawn (default: on; off for a replica started "
+                        "with nohup that must outlive its shell)")
+    s.add_argument("--launcher-grace", type=float, default=5.0, metavar="SECONDS",
+                   help="seconds a rank whose launcher died has to stop in order before it "
+                        "leaves anyway")
     add_flags(s, MetricsSection, use_groups=False, only=(
         "tensorboard_dir", "tensorboard_queue_size", "wandb_project", "wandb_exp_name",
         "wandb_save_dir"), help={"tensorboard_dir": "the replica's stats as TensorBoard "
@@ -141,11 +154,18 @@ def _check(args: argparse.Namespace, world: int):
 
 
 def _serve(args: argparse.Namespace) -> int:
+    if args.launcher_grace < 0:
+        raise ValueError(f"--launcher-grace must be >= 0, got {args.launcher_grace}")
     install_cpu_shim()
     if on_cpu():
         torch.set_flush_denormal(True)
-    created = init_distributed_from_env()
     stop = _stopper()
+    services: list[TeacherService] = []  # the one built below (what a forced exit withdraws)
+    watch = None
+    if args.exit_with_launcher:  # watched from before the rendezvous: it may hang there too
+        watch = LauncherWatch(stop.set, lambda: [s.withdraw() for s in services],
+                              grace_s=args.launcher_grace).start()
+    created = init_distributed_from_env()
     try:
         teacher_dir, arch = _check(args, dist.get_world_size())
         tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
@@ -153,11 +173,14 @@ def _serve(args: argparse.Namespace) -> int:
                             args.expert_tensor_parallel_size,
                             cp=args.context_parallel_size), device_context():
             service = _service(args, teacher_dir, arch, tp, pp)
+            services.append(service)
             service.serve(stop.is_set)
         return 0
     finally:
         if created:
             dist.destroy_process_group()
+        if watch is not None:
+            watch.close()  # ended in order (a forced exit would not come back here)
 
 
 def _service(args: argparse.Namespace, teacher_dir: str, arch, tp: int, pp: int) -> TeacherService:
@@ -171,7 +194,7 @@ def _service(args: argparse.Namespace, teacher_dir: str, arch, tp: int, pp: int)
     stages = [None] * dist.get_world_size()
     dist.all_gather_object(stages, is_last)
     last_stage = [r for r, last in enumerate(stages) if last]
-    device = torch.device("cpu") if on_cpu() else torch.device("cuda", torch.cuda.current_device())
+    device = compute_device()
     log_file = open(args.log_json, "a", encoding="utf-8") if (  # noqa: SIM115 - lives as long
             args.log_json and dist.get_rank() == 0) else None   # as the process
     # closed at exit (atexit in both)
@@ -199,7 +222,9 @@ def _service(args: argparse.Namespace, teacher_dir: str, arch, tp: int, pp: int)
                             ps.get_context_parallel_group() if args.context_parallel_size > 1
                             else None),
         device=device, timeout_s=args.kd_teacher_timeout,
-        max_batch=args.max_batch_size, log=log, stats_interval_s=args.stats_interval,
+        max_batch=args.max_batch_size,
+        max_seq_length=args.max_seq_length or arch.max_position_embeddings,
+        log=log, stats_interval_s=args.stats_interval,
         layout={"world_size": dist.get_world_size(), "tp": tp, "pp": pp,
                 "cp": args.context_parallel_size,
                 "ep": args.expert_model_parallel_size, "pid": os.getpid(),

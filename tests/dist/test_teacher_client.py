@@ -10,7 +10,12 @@ endpoint), whose "model" is :func:`teacher_of`, a function of the tokens alone.
   other and re-sends what is outstanding;
 * rebalance: a second replica started after the client connected takes the connection; the
   responses still on their way are taken from the first (its connection drained), then it is
-  left.
+  left; when the first fails while it is drained, the failover names it (not the replica the
+  client is connected to now) and the client stays with the second;
+* refusal: while the student trains, another process announces bad connections to its replica
+  (one never described, malformed JSON, ``tp 0`` with a 10^9-token sequence, a real client whose
+  microbatch exceeds the replica's): each is refused with its reason, read by the bad student,
+  and the good student is served throughout.
 
 Every hidden state taken must equal :func:`teacher_of` of its microbatch's tokens, and the
 token-id bytes the client counts as sent must be the planner's (re-sends apart).
@@ -27,6 +32,13 @@ import torch.distributed as dist
 from megatron_kd.planner.traffic import token_bytes_per_step_per_dp_rank
 from megatron_kd.teacher.client import TeacherClient
 from megatron_kd.teacher.endpoint import DirectoryEndpoint
+from megatron_kd.teacher.protocol import (
+    CONN_COUNTER_KEY,
+    TeacherRefusedError,
+    await_verdict,
+    meta_key,
+    replica_store,
+)
 from megatron_kd.teacher.service import TeacherService
 from megatron_kd.teacher.wire import header_size
 
@@ -37,6 +49,9 @@ TIMEOUT_S = 4.0
 DELAY_S = 0.05
 #: The serving replica loses its links at its forward number DIE_AFTER (of STEPS x MICROBATCHES).
 DIE_AFTER = 6
+#: With rebalance_every 4 and DEPTH 3 the client sends requests 0..3 to the first replica and
+#: moves when it takes response 1; the first fails at its forward 3 (request 2, still drained).
+DRAINED_FAILS_AT = 3
 #: Nothing here should take this long; replicas give up waiting after it (no rank left behind).
 GIVE_UP_S = 90.0
 
@@ -89,20 +104,29 @@ class _Replica:
         self.service = TeacherService(
             last_stage_ranks=[0], identity=IDENTITY, endpoint=DirectoryEndpoint(f"{tmp}/ep"),
             host="127.0.0.1", port=0, forward=self.forward, device=torch.device("cpu"),
-            timeout_s=TIMEOUT_S, max_batch=MBS, max_samples=MBS, group=group)
+            timeout_s=TIMEOUT_S, max_batch=MBS, max_seq_length=SEQ, max_samples=MBS,
+            group=group)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         self.forwards += 1
+        if self.how == "drained" and self.forwards == DRAINED_FAILS_AT:
+            # the request after the rebalance point: answered only once the client has moved
+            _wait_file(f"{self.tmp}/rebalanced", self.tmp)
+            self.failed = True
+            self._abort_links()
         if (self.how and not self.failed and self.forwards >= DIE_AFTER
                 and _claim(f"{self.tmp}/failed")):
             self.failed = True
             if self.how == "silent":  # its links fail here; the student hears nothing more
-                for state in self.service.conns.values():
-                    for link in [state.request_link] + [s.link for s in state.senders.values()]:
-                        if link is not None:
-                            link.abort()
+                self._abort_links()
         time.sleep(DELAY_S)  # a forward takes time: requests wait at the replica
         return teacher_of(tokens)
+
+    def _abort_links(self) -> None:
+        for state in self.service.conns.values():
+            for link in [state.request_link] + [s.link for s in state.senders.values()]:
+                if link is not None:
+                    link.abort()
 
     def serve(self) -> dict:
         deadline = time.monotonic() + GIVE_UP_S
@@ -113,7 +137,60 @@ class _Replica:
                 "requests": totals["requests"]}
 
 
-def _student(tmp: str, replicas_first: int, wait_for_second: bool, rebalance_every: int) -> dict:
+def _client(endpoint, schedule, log=None, rebalance_every=0, micro_batch_size=MBS):
+    return TeacherClient(
+        endpoint=endpoint, expected=IDENTITY, run=7, dp_rank=0, tp_group=None, tp_rank=0,
+        tp_size=1, micro_batch_size=micro_batch_size, seq_length=SEQ, hidden_size=HIDDEN,
+        dtype=torch.float32, wire_dtype="fp32", depth=DEPTH, timeout_s=TIMEOUT_S,
+        device=torch.device("cpu"), schedule=schedule, max_samples=micro_batch_size, log=log,
+        rebalance_every=rebalance_every)
+
+
+def _bad_student(tmp: str) -> dict:
+    """Announce bad connections to the replica the student uses, mid-run; what each was told."""
+    _wait_file(f"{tmp}/connected", tmp)
+    endpoint = DirectoryEndpoint(f"{tmp}/ep")
+    (record,) = endpoint.replicas()
+    store = replica_store(record, TIMEOUT_S)
+    told = {}
+
+    def announce(text: str | None) -> int:
+        conn = store.add(CONN_COUNTER_KEY, 1) - 1
+        if text is not None:
+            store.set(meta_key(conn), text)
+        return conn
+
+    def verdict(name: str, conn: int) -> None:
+        try:
+            await_verdict(store, conn, GIVE_UP_S, str(record))
+            told[name] = "accepted"
+        except TeacherRefusedError as e:
+            told[name] = str(e)
+
+    try:
+        silent = announce(None)  # never described: must not hold up the connections after it
+        verdict("malformed", announce('{"run": 7, "dp_rank": 0, "tp": '))
+        verdict("huge", announce(json.dumps({
+            "run": 7, "dp_rank": 0, "tp": 0, "micro_batch_size": MBS, "seq_length": 10 ** 9,
+            "max_samples": MBS, "wire_dtype": "fp32", "device": "cpu", "identity": IDENTITY})))
+        verdict("long", announce(json.dumps({
+            "run": 7, "dp_rank": 0, "tp": 1, "micro_batch_size": MBS, "seq_length": 10 ** 9,
+            "max_samples": MBS, "wire_dtype": "fp32", "device": "cpu", "identity": IDENTITY})))
+        try:
+            _client(endpoint, iter(()), micro_batch_size=MBS + 1).start()
+            told["client"] = "accepted"
+        except TeacherRefusedError as e:
+            told["client"] = str(e)
+        t0 = time.monotonic()
+        verdict("silent", silent)
+        told["silent_waited_s"] = time.monotonic() - t0
+    finally:
+        open(f"{tmp}/bad_done", "w").close()
+    return told
+
+
+def _student(tmp: str, replicas_first: int, wait_for_second: bool, rebalance_every: int,
+             wait_for_bad: bool = False) -> dict:
     endpoint = DirectoryEndpoint(f"{tmp}/ep")
     deadline = time.monotonic() + GIVE_UP_S
     while len(endpoint.replicas()) < replicas_first:
@@ -123,16 +200,13 @@ def _student(tmp: str, replicas_first: int, wait_for_second: bool, rebalance_eve
 
     def log(line: str) -> None:
         events.append(json.loads(line))
+        if events[-1]["event"] == "rebalance":
+            open(f"{tmp}/rebalanced", "w").close()
         failovers = [e for e in events if e["event"] == "failover"]
         # a second failover: the requests outstanding at the first were never answered
         assert len(failovers) <= 1, f"failed over again: {failovers}"
 
-    client = TeacherClient(
-        endpoint=endpoint, expected=IDENTITY, run=7, dp_rank=0, tp_group=None, tp_rank=0,
-        tp_size=1, micro_batch_size=MBS, seq_length=SEQ, hidden_size=HIDDEN,
-        dtype=torch.float32, wire_dtype="fp32", depth=DEPTH, timeout_s=TIMEOUT_S,
-        device=torch.device("cpu"), schedule=_schedule(), max_samples=MBS, log=log,
-        rebalance_every=rebalance_every)
+    client = _client(endpoint, _schedule(), log, rebalance_every)
     wrong, stats = [], []
     try:
         client.start()
@@ -142,6 +216,8 @@ def _student(tmp: str, replicas_first: int, wait_for_second: bool, rebalance_eve
                 while len(endpoint.replicas()) < 2:
                     assert time.monotonic() < deadline, "the second replica never registered"
                     time.sleep(0.02)
+            if wait_for_bad and (step, mb) == (1, 0):  # the bad connections come mid-run
+                _wait_file(f"{tmp}/bad_done", tmp)
             hidden = client.hidden(step, mb, sample_ids)
             if not torch.equal(hidden, teacher_of(tokens)):
                 wrong.append((step, mb))
@@ -155,15 +231,20 @@ def _student(tmp: str, replicas_first: int, wait_for_second: bool, rebalance_eve
 
 def case_service(ctx, tmp: str, scenario: str) -> dict:
     group, _ = dist.new_subgroups(group_size=1)  # each rank its own world (replicas)
+    if scenario == "refuse":
+        if ctx.rank == 0:
+            return _student(tmp, replicas_first=1, wait_for_second=False, rebalance_every=0,
+                            wait_for_bad=True)
+        return _Replica(group, tmp, None).serve() if ctx.rank == 1 else _bad_student(tmp)
     if ctx.rank == 0:
-        rebalance = scenario == "rebalance"
+        rebalance = scenario in ("rebalance", "drained")
         # failover cases: no rebalance (the connection stays where the failure is made)
         return _student(tmp, replicas_first=1 if rebalance else 2, wait_for_second=rebalance,
                         rebalance_every=4 if rebalance else 0)
-    if scenario == "rebalance":
+    if scenario in ("rebalance", "drained"):
         if ctx.rank == 2:  # the second replica starts once the client is connected
             _wait_file(f"{tmp}/connected", tmp)
-        return _Replica(group, tmp, None).serve()
+        return _Replica(group, tmp, scenario if ctx.rank == 1 else None).serve()
     return _Replica(group, tmp, scenario).serve()
 
 
@@ -215,3 +296,28 @@ def test_second_replica_takes_the_connection(pool, tmp_path):
     # and each request's header: header_size(MBS) int64 words
     assert [s["header_bytes_sent"] for s in student["stats"]] == \
         [MICROBATCHES * header_size(MBS) * 8] * STEPS
+
+
+def test_bad_connections_are_refused_and_the_good_student_is_served(pool, tmp_path):
+    student, replica, bad = pool.run(case_service, str(tmp_path), "refuse", timeout=120)
+    assert student["wrong"] == [] and student["events"] == []  # no failover: never lost
+    assert replica["requests"] == STEPS * MICROBATCHES
+    assert "refused" in bad["malformed"] and "not JSON" in bad["malformed"], bad
+    assert "tp must be an integer in [1, 2**62), got 0" in bad["huge"], bad
+    assert "seq_length 1000000000 exceeds this replica's --max-seq-length 6" in bad["long"], bad
+    assert f"micro_batch_size {MBS + 1} exceeds this replica's --max-batch-size {MBS}" \
+        in bad["client"], bad
+    # an announcement never described is refused at the timeout, holding up no other
+    assert "no connection metadata within" in bad["silent"], bad
+    assert bad["silent_waited_s"] < TIMEOUT_S + 2
+
+
+def test_failover_names_the_drained_replica_that_failed(pool, tmp_path):
+    student, first, second = pool.run(case_service, str(tmp_path), "drained", timeout=120)
+    assert student["wrong"] == []
+    assert first["failed"] and not second["failed"]
+    kinds = [e["event"] for e in student["events"]]
+    assert kinds.count("rebalance") >= 1 and kinds.count("failover") == 1, student["events"]
+    (failover,) = [e for e in student["events"] if e["event"] == "failover"]
+    assert first["replica"] in failover["replica_lost"], failover
+    assert second["replica"] in failover["replica_taken"], failover

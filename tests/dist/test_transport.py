@@ -1,6 +1,7 @@
 """Links between two processes (2 gloo ranks of a pool playing student and teacher), and the
-endpoint kinds: messages in order, a dead peer found at once, a silent one at the deadline,
-never a hang; records published atomically, withdrawn, read back."""
+endpoint kinds: messages in order, a dead peer found at once, a peer that aborts the link (alive)
+found at once too, well within a long timeout, a silent one at the deadline, never a hang;
+records published atomically, withdrawn, read back."""
 
 import datetime
 import os
@@ -31,6 +32,41 @@ def _store(ctx, path):
         time.sleep(0.05)
     return dist.TCPStore("127.0.0.1", int(open(path).read()), is_master=False,
                          wait_for_workers=False)
+
+
+#: The links' timeout when a student leaves: the reader must wake long before it.
+LONG_TIMEOUT_S = 60.0
+#: How long a student that aborted without releasing holds on (the reader stays blocked).
+HOLD_S = 2.0
+
+
+def case_student_leaves(ctx, tmp, release):
+    """The replica's request reader (rank 0) blocked without a deadline while the student
+    (rank 1, alive) aborts its end; returns the reader's error and how long it waited."""
+    store = _store(ctx, os.path.join(tmp, f"port-leave-{release}"))
+    link = Link(store, f"pair/leave-{release}", ctx.rank, device=torch.device("cpu"),
+                timeout_s=LONG_TIMEOUT_S, peer="the other rank", release_on_abort=release)
+    woke = os.path.join(tmp, f"woke-{release}")
+    if ctx.rank == 1:
+        link.wait(link.send([torch.ones(3)], 7), time.monotonic() + 5)
+        time.sleep(0.5)  # the reader is blocked in its next receive by now (or soon)
+        link.abort()
+        # alive, this process holding on, until the reader has woken (or long past when; without
+        # release, HOLD_S: what the reader does meanwhile is the point)
+        deadline = time.monotonic() + (LONG_TIMEOUT_S / 6 if release else HOLD_S)
+        while not os.path.exists(woke) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return {"reader_woke": os.path.exists(woke)}
+    link.wait(link.recv([torch.empty(3)], 7), time.monotonic() + 5)
+    t0 = time.monotonic()
+    try:
+        link.wait(link.recv([torch.empty(3)], 7), time.monotonic() + 365 * 24 * 3600.0)
+        return {"error": None}
+    except LinkDown as e:
+        open(woke, "w").close()
+        return {"error": str(e), "seconds": time.monotonic() - t0}
+    finally:
+        link.abort()
 
 
 def case_link(ctx, mode, tmp):
@@ -74,6 +110,20 @@ def test_dead_peer_is_found_at_once(pool, tmp_path):
     assert student["got"] == [[0.0] * 3, [1.0] * 3]
     assert "the other rank" in student["error"]
     assert time.monotonic() - t0 < 30
+
+
+def test_student_leaving_wakes_the_blocked_reader(pool, tmp_path):
+    reader, student = pool.run(case_student_leaves, str(tmp_path), True)
+    assert "the other rank" in reader["error"] and "no answer" not in reader["error"]
+    # at once, while the student still lives: not never, nor when its link is collected
+    assert student["reader_woke"] and reader["seconds"] < 5, (reader, student)
+
+
+def test_gloo_abort_alone_wakes_nobody(pool, tmp_path):
+    # why the student's end lets go of its group: gloo's abort leaves the reader blocked (it
+    # wakes only when the student's process lets the group go, here when the case returns)
+    reader, student = pool.run(case_student_leaves, str(tmp_path), False)
+    assert not student["reader_woke"] and reader["seconds"] >= HOLD_S - 0.5
 
 
 def test_silent_peer_is_found_at_the_deadline(pool, tmp_path):

@@ -6,10 +6,12 @@ Per-step losses equal colocated training (fp32, 1e-5 relative after 5 steps) for
 serving four student data-parallel ranks; two student runs with different seeds share one
 replica at once; a teacher of another hidden size is refused at connect naming both values; the
 only replica killed mid-run gives ``TeacherUnavailableError`` within the timeout, naming it, with
-no checkpoint half written. Wire bytes each way equal the planner's figure.
+no checkpoint half written. Wire bytes each way equal the planner's figure. A replica of two
+ranks whose torchrun alone is SIGKILLed leaves within 10 s, its endpoint record withdrawn.
 """
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -22,6 +24,8 @@ from support.train_cases import (
     case_train,
     step_losses,
 )
+
+from megatron_kd.testing.replicas import process_alive
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
@@ -166,3 +170,19 @@ def test_killing_the_only_replica_raises_within_the_timeout(pool, teacher, repli
         assert str(tmp_path / "endpoint") in message and replica.replica in message
         assert seconds < 4 + 8  # the timeout, then the search for another replica, + slack
     assert not ckpt.exists() or os.listdir(ckpt) == []  # nothing half written
+
+
+def test_replica_ranks_leave_when_their_launcher_is_killed(teacher, replicas):
+    replica = replicas(teacher, tp=2)  # a torchrun of two workers, each in a session of its own
+    workers = [pid for pid in replica.pids if pid != replica.proc.pid]
+    assert len(workers) >= 2, replica.pids
+    record = replica.endpoint / replica.record_file
+    assert record.is_file()
+    os.kill(replica.proc.pid, signal.SIGKILL)  # the launcher only
+    replica.proc.wait(timeout=30)
+    deadline = time.monotonic() + 10.0  # the issue's bound (default grace 5 s + 0.5 s poll)
+    while any(process_alive(pid) for pid in workers) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = [pid for pid in workers if process_alive(pid)]
+    assert left == [], f"workers {left} still running 10 s after their launcher's SIGKILL"
+    assert not record.exists()  # withdrawn: no student is sent to a replica that is gone

@@ -1,0 +1,95 @@
+"""A replica rank's watch on its launcher (:mod:`megatron_kd.teacher.launcher_watch`), in plain
+processes: a launcher starts a "rank" in a session of its own (as torchrun does) and is
+SIGKILLed; the rank must stop and release within the grace period, whether it stops in order
+(its ``stop`` ends it) or is stuck (``release`` then ``os._exit``). Its record is a file."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from megatron_kd.teacher.launcher_watch import EXIT_CODE, LauncherWatch
+from megatron_kd.testing.replicas import process_alive as _alive
+
+POLL_S, GRACE_S = 0.1, 1.0
+#: A rank must be gone this long after its launcher's death (poll + grace + start-up slack on
+#: a loaded 2-core machine); the issue asks for 10 s.
+GONE_WITHIN_S = 8.0
+
+RANK = textwrap.dedent("""
+    import os, sys, threading, time
+    from megatron_kd.teacher.launcher_watch import LauncherWatch
+    record, stuck = sys.argv[1], sys.argv[2] == "stuck"
+    stopped = threading.Event()
+
+    def release():
+        os.remove(record)
+
+    open(record, "w").close()
+    LauncherWatch(stopped.set, release, poll_s={poll}, grace_s={grace}).start()
+    open(record + ".watching", "w").close()
+    while not stopped.wait(0.05) or stuck:  # stuck: never leaves on its own
+        time.sleep(0.05)
+    os.remove(record)  # leaving in order: withdraw, then exit 0
+""").format(poll=POLL_S, grace=GRACE_S)
+
+LAUNCHER = textwrap.dedent("""
+    import subprocess, sys, time
+    rank = subprocess.Popen([sys.executable, "-c", sys.argv[1], *sys.argv[2:]],
+                            start_new_session=True)
+    print(rank.pid, flush=True)
+    time.sleep(600)
+""")
+
+
+def _wait(predicate, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return predicate()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.parametrize("how", ["in_order", "stuck"])
+def test_rank_leaves_within_the_grace_once_its_launcher_is_killed(tmp_path, how):
+    record = tmp_path / "replica-x.json"
+    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, RANK, str(record), how],
+                                stdout=subprocess.PIPE, text=True)
+    rank = int(launcher.stdout.readline())
+    try:
+        assert _wait(lambda: os.path.exists(f"{record}.watching"), 60), "the rank never started"
+        assert _alive(rank) and record.exists()
+        time.sleep(3 * POLL_S)
+        assert _alive(rank)  # a live launcher: the rank serves on
+        os.kill(launcher.pid, signal.SIGKILL)
+        launcher.wait()
+        t0 = time.monotonic()
+        assert _wait(lambda: not _alive(rank), GONE_WITHIN_S), \
+            f"rank {rank} still running {GONE_WITHIN_S} s after its launcher's SIGKILL"
+        took = time.monotonic() - t0
+        assert not record.exists()  # its record released either way
+        if how == "in_order":  # stop() ended it: well before the grace
+            assert took < GRACE_S + POLL_S + 2.0
+        else:  # waited the grace out
+            assert took >= GRACE_S - 0.1
+    finally:
+        for pid in (rank, launcher.pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def test_exit_code_and_arguments():
+    assert EXIT_CODE not in (0, 1, 2)  # told apart from a clean stop, an error, a usage error
+    with pytest.raises(ValueError, match="poll_s must be > 0 and grace_s >= 0, got 0 and 1"):
+        LauncherWatch(lambda: None, poll_s=0, grace_s=1)
+    watch = LauncherWatch(lambda: None).start()  # this test's parent lives: nothing happens
+    assert watch.watching and not watch.gone.is_set()
+    watch.close()
