@@ -40,7 +40,8 @@ What a GPU refuses is refused here too:
   tagged with it, so :func:`megatron_kd.placement.check_module_device` tells a module that
   kept a host parameter or buffer;
 * :func:`megatron_kd.placement.compute_device` answers the accelerator, so the commands move
-  their models and batches as on a GPU.
+  their models and batches as on a GPU; ``torch.distributed.is_nccl_available()`` answers
+  False (no NCCL group can start without a GPU), so links between processes go over the host.
 
 Not modelled: there is one device (no ``cuda:1``); the backward pass of
 ``torch.autograd.grad`` runs untagged (``Tensor.backward`` and ``torch.autograd.backward`` keep
@@ -382,6 +383,9 @@ def simulated_accelerator() -> Iterator[list[str]]:
         patch(placement, "_simulated_device", ACCELERATOR)
         # torch's own logging asks NCCL its version when the backend says "nccl"
         patch(torch.cuda.nccl, "version", lambda: (0, 0, 0))
+        # no NCCL group can be made without a GPU (a CUDA build of torch has NCCL): links
+        # between processes that both say "cuda" go over the host, as where NCCL is missing
+        patch(dist, "is_nccl_available", lambda: False)
         _autograd_patches(patch)
         _parameter_patch(patch)
         with _AcceleratorMode():

@@ -52,7 +52,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron_kd.data.datasets import BatchPlan, collate
 from megatron_kd.integration.checkpoint import latest_iteration, load_model_checkpoint
 from megatron_kd.integration.context_parallel import cp_positions
-from megatron_kd.integration.cpu_shim import device_context, on_cpu
+from megatron_kd.integration.cpu_shim import device_context
 from megatron_kd.integration.groups import collective_device
 from megatron_kd.placement import compute_device
 from megatron_kd.integration.loss_func import make_kd_loss_func

@@ -4,11 +4,11 @@ vocabulary, and resumption after torn writes."""
 
 import numpy as np
 from support.cache_cases import TinyTeacher, cache_files, cache_spec
+from support.topk_cases import reference_topk
 
 from megatron_kd.cache.build import build_cache
 from megatron_kd.cache.format import load_manifest, verify
 from megatron_kd.cache.reader import TopKCacheReader
-from megatron_kd.cache.topk import vocab_parallel_topk_logprobs
 
 
 def test_build_matches_reference_large_vocab(tmp_path):
@@ -22,12 +22,14 @@ def test_build_matches_reference_large_vocab(tmp_path):
     assert verify(tmp_path) == []
     reader = TopKCacheReader(tmp_path)
     ids, logprobs = reader.get(range(5))
-    ref_ids, ref_lp = vocab_parallel_topk_logprobs(
-        teacher(list(range(5))), teacher.output, 20, vocab_size=150_001)
-    ref_ids, ref_lp = ref_ids.transpose(0, 1).numpy(), ref_lp.transpose(0, 1).numpy()  # [b, s, K]
+    # the independent float64 dense reference (not the top-K function the build calls)
+    hidden = teacher(list(range(5))).transpose(0, 1)  # [b, s, h]
+    ref_ids, ref_lp = reference_topk(hidden, teacher.output, 150_001, 20)
+    ref_ids, ref_lp = ref_ids.reshape(5, 8, 20), ref_lp.reshape(5, 8, 20)
     order = np.argsort(ref_ids, axis=-1)
     np.testing.assert_array_equal(ids, np.take_along_axis(ref_ids, order, -1))
-    # Other window and batch shapes than the reference's matmul: a few ulps of |logprob| <= 30.
+    # fp32 logits and log-sum-exp over 150,001 columns against float64: a few ulps of
+    # |logprob| <= 30.
     np.testing.assert_allclose(logprobs, np.take_along_axis(ref_lp, order, -1), rtol=2e-6,
                                atol=1e-5)
     assert ids.max() >= 150_001 - 10

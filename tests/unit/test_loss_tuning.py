@@ -1,10 +1,12 @@
 """The fused loss's CPU tuning (``CpuTuning``): resolved per machine, passed as configuration,
 validated (one process, no process group)."""
 
+import io
+
 import pytest
 from support.kd_cases import compare, make_inputs, run_ours, spec
 
-from megatron_kd.loss import CpuTuning, KDLossConfig, window
+from megatron_kd.loss import CpuTuning, KDLossConfig, config, window
 
 
 def _single(sp):
@@ -14,27 +16,45 @@ def _single(sp):
     return ours
 
 
-def _proc_cpu_vendor() -> str | None:
-    """``vendor_id`` as ``grep`` would find it; None without ``/proc/cpuinfo``."""
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
-            lines = [line for line in f if line.startswith("vendor_id")]
-    except OSError:
-        return None
-    return lines[0].partition(":")[2].strip() if lines else ""
+CPUINFO = {"AuthenticAMD": "processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\n",
+           "GenuineIntel": "processor\t: 0\nvendor_id\t: GenuineIntel\nmodel\t\t: 143\n",
+           "": "processor\t: 0\nCPU implementer\t: 0x41\n"}  # an Arm machine: no vendor_id
 
 
-def test_cpu_tuning_is_the_machines_and_the_same_on_every_call():
-    # slabs on AMD only (docs/benchmarks.md, the loss); one value per process (bit-identical
-    # resumes)
-    assert CpuTuning.for_cpu_vendor("AuthenticAMD").chunked_projection_rows == 384
-    assert CpuTuning.for_cpu_vendor("GenuineIntel").chunked_projection_rows == 0
-    assert CpuTuning.for_cpu_vendor("").chunked_projection_rows == 0
-    vendor = _proc_cpu_vendor()
-    if vendor is not None:
-        assert CpuTuning.for_this_machine() == CpuTuning.for_cpu_vendor(vendor)
-    assert CpuTuning.for_this_machine() == CpuTuning.for_this_machine()
+@pytest.fixture
+def fake_cpuinfo(monkeypatch):
+    """``set(text)``: the loss's config reads ``text`` as ``/proc/cpuinfo`` (its per-process
+    cache cleared before and after)."""
+
+    def set_text(text):
+        def fake_open(path, *args, **kwargs):
+            assert path == "/proc/cpuinfo", path
+            return io.StringIO(text)
+        monkeypatch.setattr(config, "open", fake_open, raising=False)
+        config._cpu_vendor.cache_clear()
+
+    yield set_text
+    monkeypatch.undo()
+    config._cpu_vendor.cache_clear()
+
+
+@pytest.mark.parametrize("vendor,rows", [("AuthenticAMD", 384), ("GenuineIntel", 0), ("", 0)])
+def test_cpu_tuning_follows_the_machines_vendor(fake_cpuinfo, vendor, rows):
+    # slabs on AMD only (docs/benchmarks.md, the loss), read from the machine's cpuinfo
+    fake_cpuinfo(CPUINFO[vendor])
+    assert config._cpu_vendor() == vendor
+    assert CpuTuning.for_this_machine().chunked_projection_rows == rows
+    assert CpuTuning.for_this_machine() == CpuTuning(chunked_projection_rows=rows)
     assert KDLossConfig().cpu_tuning is None  # resolved by the loss, per call
+
+
+def test_cpu_vendor_is_read_once_per_process(fake_cpuinfo, monkeypatch):
+    fake_cpuinfo(CPUINFO["AuthenticAMD"])
+    assert config._cpu_vendor() == "AuthenticAMD"
+    # one value per process (bit-identical resumes): a later read of another file is not seen
+    monkeypatch.setattr(config, "open", lambda *a, **k: io.StringIO(CPUINFO["GenuineIntel"]),
+                        raising=False)
+    assert config._cpu_vendor() == "AuthenticAMD"
 
 
 def test_the_default_tuning_is_this_machines(monkeypatch):
