@@ -31,14 +31,14 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
-from megatron.core.transformer.utils import is_layer_window_attention
 
 from megatron_kd.collectives import all_gather_into, reduce_scatter_into
 from megatron_kd.integration.sdpa_attention import (
     causal_attention,
     check_forward_args,
-    check_sdpa_config,
+    check_sdpa_layer,
     dropout_rng,
+    layer_window_left,
     sdpa_scale,
 )
 from megatron_kd.parallel.sequence import cp_chunk_ranges, cp_rows
@@ -112,9 +112,7 @@ class ContextParallelAttention(DotProductAttention):
                          cp_comm_type=cp_comm_type, pg_collection=pg_collection)
         cp = getattr(pg_collection, "cp", None) if pg_collection is not None else None
         self.cp_group = cp if cp is not None else parallel_state.get_context_parallel_group()
-        window = (config.window_size if is_layer_window_attention(
-            config.window_size, config.window_attn_skip_freq, layer_number) else None)
-        self.window_left = window[0] if window is not None else None
+        self.window_left = layer_window_left(config, layer_number)
         # the softmax would build its sliding-window mask for contiguous positions; this
         # class's mask (:meth:`_mask`) holds the window of the true positions instead
         self.scale_mask_softmax.window_size = None
@@ -152,10 +150,7 @@ class ContextParallelSdpaAttention(ContextParallelAttention):
                  attention_type: str, attention_dropout: float | None = None,
                  softmax_scale: float | None = None, cp_comm_type: str | None = None,
                  pg_collection=None) -> None:
-        check_sdpa_config(config)
-        if attn_mask_type != AttnMaskType.causal:
-            raise ValueError(f"SDPA attention supports attn_mask_type=causal only, got "
-                             f"{attn_mask_type}")
+        check_sdpa_layer(config, attn_mask_type)
         super().__init__(config, layer_number, attn_mask_type, attention_type,
                          attention_dropout=attention_dropout, softmax_scale=softmax_scale,
                          cp_comm_type=cp_comm_type, pg_collection=pg_collection)

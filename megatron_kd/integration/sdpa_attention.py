@@ -62,7 +62,9 @@ __all__ = [
     "causal_attention",
     "check_forward_args",
     "check_sdpa_config",
+    "check_sdpa_layer",
     "dropout_rng",
+    "layer_window_left",
     "requested_attention",
     "sdpa_scale",
 ]
@@ -107,6 +109,23 @@ def check_sdpa_config(config) -> None:
     if config.window_size is not None and config.window_size[1] != 0:
         raise ValueError(f"SDPA attention supports causal windows (left, 0) only, got "
                          f"window_size={tuple(config.window_size)}")
+
+
+def check_sdpa_layer(config, attn_mask_type: AttnMaskType) -> None:
+    """:func:`check_sdpa_config`, and the mask type a layer asks for: causal only."""
+    check_sdpa_config(config)
+    if attn_mask_type != AttnMaskType.causal:
+        raise ValueError(f"SDPA attention supports attn_mask_type=causal only, got "
+                         f"{attn_mask_type}")
+
+
+def layer_window_left(config, layer_number: int) -> int | None:
+    """How many earlier positions a query of layer ``layer_number`` sees under its sliding
+    window (``config.window_size``'s left side, where the layer has a window), else None."""
+    if not is_layer_window_attention(config.window_size, config.window_attn_skip_freq,
+                                     layer_number):
+        return None
+    return int(config.window_size[0])
 
 
 def _kernels(device: torch.device):
@@ -222,16 +241,11 @@ class SdpaAttention(DotProductAttention):
                  attention_type: str, attention_dropout: float | None = None,
                  softmax_scale: float | None = None, cp_comm_type: str | None = None,
                  pg_collection=None) -> None:
-        check_sdpa_config(config)
-        if attn_mask_type != AttnMaskType.causal:
-            raise ValueError(f"SDPA attention supports attn_mask_type=causal only, got "
-                             f"{attn_mask_type}")
+        check_sdpa_layer(config, attn_mask_type)
         super().__init__(config, layer_number, attn_mask_type, attention_type,
                          attention_dropout=attention_dropout, softmax_scale=softmax_scale,
                          cp_comm_type=cp_comm_type, pg_collection=pg_collection)
-        window = (config.window_size if is_layer_window_attention(
-            config.window_size, config.window_attn_skip_freq, layer_number) else None)
-        self.window_left = None if window is None else int(window[0])
+        self.window_left = layer_window_left(config, layer_number)
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None,
                 attention_bias=None, packed_seq_params=None):
