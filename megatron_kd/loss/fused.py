@@ -33,7 +33,7 @@ from megatron_kd.loss.checks import (
 from megatron_kd.loss.combine import gather_sequence, reduce_hidden_grad
 from megatron_kd.loss.config import CpuTuning, GpuTuning, KDLossConfig
 from megatron_kd.loss.gpu import GpuKDLoss
-from megatron_kd.loss.grads import main_grad_placeholder
+from megatron_kd.loss.grads import main_grad_placeholder, scale_precomputed
 from megatron_kd.loss.kinds import KindMath, Stats, kind_for
 from megatron_kd.loss.window import Shard, WindowWalker, active_rows
 
@@ -132,18 +132,10 @@ class _FusedKDLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         if ctx.precompute:
-            grad_x, grad_w = ctx.grads
-            ctx.grads = None
-            # Scaled by a device tensor: reading the scale on the host would stall a GPU.
-            # Scaled in place: both are this Function's own buffers (a copy of the weight
-            # gradient would double its [V/tp, h] memory at the end of backward).
-            grad_x = None if grad_x is None else grad_x.mul_(grad_loss.to(grad_x.dtype))
-            if grad_w is not None and ctx.fuse_wgrad:
-                weight, ctx.weight = ctx.weight, None
-                weight.main_grad.addcmul_(grad_w, grad_loss.to(grad_w.dtype))
-                grad_w = main_grad_placeholder(weight)
-            elif grad_w is not None:
-                grad_w = grad_w.mul_(grad_loss.to(grad_w.dtype))
+            # the weight gradient scaled in place: this Function's buffer (a copy would double
+            # its [V/tp, h] memory at the end of backward)
+            grad_x, grad_w = scale_precomputed(
+                ctx, grad_loss, lambda g, scale: g.mul_(scale.to(g.dtype)))
         else:
             grad_x, grad_w = _recompute_backward(ctx, grad_loss)
         return (

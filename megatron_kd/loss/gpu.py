@@ -35,7 +35,7 @@ from megatron_kd.loss import gpu_kernels as gk
 from megatron_kd.loss.checks import FiniteTracker
 from megatron_kd.loss.combine import ShardMax, ShardSum, gather_sequence, reduce_hidden_grad
 from megatron_kd.loss.config import GpuTuning, KDLossConfig
-from megatron_kd.loss.grads import main_grad_placeholder
+from megatron_kd.loss.grads import main_grad_placeholder, scale_precomputed
 from megatron_kd.loss.kinds import CETerm
 from megatron_kd.loss.window import Scratch, Shard, Window, make_window
 
@@ -357,16 +357,9 @@ class GpuKDLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         if ctx.precompute:
-            grad_x, grad_w = ctx.grads
-            ctx.grads = None
-            # scaled by a device tensor (a host read would stall the GPU), in place: our buffers
-            grad_x = None if grad_x is None else grad_x.mul_(grad_loss.to(grad_x.dtype))
-            if grad_w is not None and ctx.fuse_wgrad:
-                weight, ctx.weight = ctx.weight, None
-                weight.main_grad.addcmul_(grad_w, grad_loss.to(grad_w.dtype))
-                grad_w = main_grad_placeholder(weight)
-            elif grad_w is not None:  # scaled and rounded once, in one pass
-                grad_w = _scaled_to(grad_w, grad_loss, ctx.weight_dtype)
+            # the fp32 weight gradient scaled and rounded once, in one pass
+            grad_x, grad_w = scale_precomputed(
+                ctx, grad_loss, lambda g, scale: _scaled_to(g, scale, ctx.weight_dtype))
         else:
             grad_x, grad_w = _recompute_backward(ctx, grad_loss)
         return (
