@@ -193,6 +193,14 @@ def compare(sp: dict, inp: dict, ours: list[dict], world: int, tol: float | None
         assert abs(float(r["num_tokens"]) - float(expected_tokens)) < 1e-6, where
 
 
+def single_case(sp: dict, tol: float | None = None) -> dict:
+    """The case ``sp`` on one rank (no process group) against the reference; our results."""
+    inp = make_inputs(sp)
+    ours = run_ours(sp, inp, [sp["padded_vocab"]], 0, None)
+    compare(sp, inp, [ours], 1, tol)
+    return ours
+
+
 def dist_case(ctx, sp: dict, world: int) -> dict | None:
     """Gloo worker: run the case on the prefix group of ``world`` ranks."""
     torch.manual_seed(0)

@@ -6,7 +6,7 @@ forward value and the gradients of student_hidden and student_weight.
 
 import pytest
 import torch
-from support.kd_cases import compare, make_inputs, run_ours, spec
+from support.kd_cases import make_inputs, run_ours, single_case, spec
 from support.kd_reference import reference_kd_loss
 
 from megatron_kd.loss import KDLossConfig, vocab_parallel_kd_loss, window
@@ -14,18 +14,11 @@ from megatron_kd.loss import KDLossConfig, vocab_parallel_kd_loss, window
 KINDS = ["forward_kl", "reverse_kl", "jsd"]
 
 
-def _single(sp, tol=None):
-    inp = make_inputs(sp)
-    ours = run_ours(sp, inp, [sp["padded_vocab"]], 0, None)
-    compare(sp, inp, [ours], 1, tol)
-    return ours
-
-
 @pytest.mark.parametrize("backward", ["precompute", "recompute"])
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("temperature,ce_weight", [(1.0, 0.0), (2.5, 0.0), (1.0, 0.7), (0.6, 0.3)])
 def test_dense_kinds_fp64(kind, temperature, ce_weight, backward):
-    _single(spec(kind=kind, temperature=temperature, ce_weight=ce_weight, backward=backward,
+    single_case(spec(kind=kind, temperature=temperature, ce_weight=ce_weight, backward=backward,
                  mask=True, vocab_size=1000))
 
 
@@ -34,18 +27,18 @@ def test_dense_kinds_fp64(kind, temperature, ce_weight, backward):
                                               ("ghost", 1.0)])
 @pytest.mark.parametrize("ce_weight", [0.0, 0.5])
 def test_sparse_teacher_fp64(tail, temperature, ce_weight, backward):
-    _single(spec(teacher=tail, topk_tail=tail, temperature=temperature, ce_weight=ce_weight,
+    single_case(spec(teacher=tail, topk_tail=tail, temperature=temperature, ce_weight=ce_weight,
                  backward=backward, mask=True, vocab_size=1003))
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_fp32_within_1e5(kind):
-    _single(spec(kind=kind, dtype=torch.float32, ce_weight=0.4, temperature=1.5, window_size=64))
+    single_case(spec(kind=kind, dtype=torch.float32, ce_weight=0.4, temperature=1.5, window_size=64))
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_bf16_against_fp64_of_same_values(kind):
-    _single(spec(kind=kind, dtype=torch.bfloat16, ce_weight=0.4, window_size=64))
+    single_case(spec(kind=kind, dtype=torch.bfloat16, ce_weight=0.4, window_size=64))
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -61,18 +54,18 @@ def test_huge_logits_do_not_overflow(kind, dtype):
     # probabilities and gradients carry that error whatever the algorithm (reference: fp64 on
     # the same values); 8x covers the h=16-term GEMM accumulation.
     eps = torch.finfo(dtype).eps
-    _single(sp, tol=max(8 * z_max * eps, 1e-9))
+    single_case(sp, tol=max(8 * z_max * eps, 1e-9))
 
 
 def test_huge_logits_sparse_ghost():
     # same bound as above: 8 * |z|max * eps32 with |z| ~ 1000
-    _single(spec(teacher="ghost", topk_tail="ghost", scale=300.0, dtype=torch.float32),
+    single_case(spec(teacher="ghost", topk_tail="ghost", scale=300.0, dtype=torch.float32),
             tol=8 * 1200 * torch.finfo(torch.float32).eps)
 
 
 @pytest.mark.parametrize("window_size", [1, 2, 7, 15, None])
 def test_window_sizes_give_the_same_result(window_size):
-    _single(spec(window_size=window_size, ce_weight=0.5, mask=True))
+    single_case(spec(window_size=window_size, ce_weight=0.5, mask=True))
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -95,7 +88,7 @@ def test_cpu_projection_in_vocab_slabs(monkeypatch, kind, chunk, max_rows):
     monkeypatch.setattr(window.WindowWalker, "logits", logits_spy)
     tuning = dict(projection_chunk=chunk, chunked_projection_rows=max_rows)
     for dtype in (torch.float64, torch.float32):
-        _single(spec(kind=kind, dtype=dtype, ce_weight=0.3, mask=True, window_size=6,
+        single_case(spec(kind=kind, dtype=dtype, ce_weight=0.3, mask=True, window_size=6,
                      cpu_tuning=tuning))
     assert projections and all(v == 1009 for _, v in projections)
     # every projection of the walk in slabs, or none of them
@@ -133,7 +126,7 @@ def test_cpu_row_blocks_inside_windows(monkeypatch, name, backward, window_size)
 
     monkeypatch.setattr(window.WindowWalker, "_blocks", blocks_spy)
     monkeypatch.setattr(window.WindowWalker, "logits", logits_spy)
-    _single(spec(block_rows=3, window_size=window_size, backward=backward, mask=True,
+    single_case(spec(block_rows=3, window_size=window_size, backward=backward, mask=True,
                  **BLOCK_CASES[name]))
     assert max(blocks) <= 3 < max(projections)  # blocks inside windows, projections whole
     projected_models = 2 if BLOCK_CASES[name].get("teacher", "dense") == "dense" else 1
@@ -144,11 +137,11 @@ def test_cpu_row_blocks_inside_windows(monkeypatch, name, backward, window_size)
 @pytest.mark.parametrize("backward", ["precompute", "recompute"])
 def test_labels_with_zero_ce_weight_do_not_change_the_gradient(temperature, backward):
     # labels are given for logging only: loss and gradients are the KD ones
-    _single(spec(labels=True, ce_weight=0.0, temperature=temperature, backward=backward))
+    single_case(spec(labels=True, ce_weight=0.0, temperature=temperature, backward=backward))
 
 
 def test_ce_only_without_teacher():
-    _single(spec(teacher=None, kd_weight=0.0, ce_weight=1.0))
+    single_case(spec(teacher=None, kd_weight=0.0, ce_weight=1.0))
 
 
 def test_window_bounds_rows_in_flight(monkeypatch):
@@ -162,7 +155,7 @@ def test_window_bounds_rows_in_flight(monkeypatch):
         return out
 
     monkeypatch.setattr(window.WindowWalker, "logits", spy)
-    _single(spec(window_size=4, s=7, b=3))
+    single_case(spec(window_size=4, s=7, b=3))
     assert seen and max(r for r, _ in seen) <= 4
     assert sum(r for r, _ in seen) == 2 * 21  # student + teacher projection of every row, once
 
@@ -207,7 +200,7 @@ def test_block_temporaries_per_kind(monkeypatch, kind, temporaries, backward):
     block (CPU) or a window (TP > 1) of memory, so a new one must be a decision (JSD's log
     ratios reuse the logits' buffers)."""
     names = _scratch_names(monkeypatch)
-    _single(spec(kind=kind, backward=backward, block_rows=3, mask=True, cpu_tuning=ONE_GEMM))
+    single_case(spec(kind=kind, backward=backward, block_rows=3, mask=True, cpu_tuning=ONE_GEMM))
     assert names == {"z_s", "z_t"} | temporaries
 
 
@@ -225,7 +218,7 @@ def test_all_masked_gives_zero_and_zero_grads():
 
 
 def test_returns_fp32_loss_and_input_dtype_grads_for_bf16():
-    r = _single(spec(dtype=torch.bfloat16, window_size=64))
+    r = single_case(spec(dtype=torch.bfloat16, window_size=64))
     assert r["loss_dtype"] == torch.float32 and r["grad_dtype"] == torch.bfloat16
 
 
@@ -438,7 +431,7 @@ COMPILED_CASES = {
 @pytest.mark.parametrize("case", sorted(COMPILED_CASES))
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_compiled_forward_kl(case, backward, dtype):
-    _single(spec(elementwise="compiled", backward=backward, dtype=dtype,
+    single_case(spec(elementwise="compiled", backward=backward, dtype=dtype,
                  **COMPILED_CASES[case]))
 
 
@@ -453,7 +446,7 @@ def test_compiled_forward_kl_runs_its_kernels_and_keeps_no_block_temporaries(mon
         monkeypatch.setattr(compiled, name,
                             lambda *a, _r=real, _n=name: calls.append(_n) or _r(*a))
     names = _scratch_names(monkeypatch)
-    _single(spec(elementwise="compiled", window_size=4, s=5, b=3,  # 15 rows: 4 windows
+    single_case(spec(elementwise="compiled", window_size=4, s=5, b=3,  # 15 rows: 4 windows
                  cpu_tuning=ONE_GEMM))
     assert calls.count("forward_kl_sums") == 4 and calls.count("forward_kl_grad_") == 4
     assert names == {"z_s", "z_t"}

@@ -9,7 +9,7 @@ both gradients (tests/support/kd_cases.py holds the tolerances and their reasons
 
 import pytest
 import torch
-from support.kd_cases import compare, make_inputs, run_ours, spec
+from support.kd_cases import make_inputs, single_case, spec
 
 from megatron_kd.loss import GpuTuning, KDLossConfig, gpu, vocab_parallel_kd_loss
 
@@ -18,13 +18,6 @@ KINDS = ["forward_kl", "reverse_kl", "jsd"]
 # walk's 8): several windows per call, the last one short.
 SMALL_WINDOWS = 4 * 1009 * 8 * 2
 EAGER = dict(kernels="eager", window_bytes=SMALL_WINDOWS)
-
-
-def _single(sp, tol=None):
-    inp = make_inputs(sp)
-    ours = run_ours(sp, inp, [sp["padded_vocab"]], 0, None)
-    compare(sp, inp, [ours], 1, tol)
-    return ours
 
 
 def gpu_spec(**kw):
@@ -36,7 +29,7 @@ def gpu_spec(**kw):
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("temperature,ce_weight", [(1.0, 0.0), (2.5, 0.0), (1.0, 0.7), (0.6, 0.3)])
 def test_dense_kinds_fp64(kind, temperature, ce_weight, backward):
-    _single(gpu_spec(kind=kind, temperature=temperature, ce_weight=ce_weight, backward=backward,
+    single_case(gpu_spec(kind=kind, temperature=temperature, ce_weight=ce_weight, backward=backward,
                      mask=True, vocab_size=1000))
 
 
@@ -45,14 +38,14 @@ def test_dense_kinds_fp64(kind, temperature, ce_weight, backward):
                                               ("ghost", 1.0)])
 @pytest.mark.parametrize("ce_weight", [0.0, 0.5])
 def test_sparse_teacher_fp64(tail, temperature, ce_weight, backward):
-    _single(gpu_spec(teacher=tail, topk_tail=tail, temperature=temperature, ce_weight=ce_weight,
+    single_case(gpu_spec(teacher=tail, topk_tail=tail, temperature=temperature, ce_weight=ce_weight,
                      backward=backward, mask=True, vocab_size=1003))
 
 
 @pytest.mark.parametrize("temperature", [1.0, 2.0])
 @pytest.mark.parametrize("backward", ["precompute", "recompute"])
 def test_ce_only(temperature, backward):
-    _single(gpu_spec(teacher=None, kd_weight=0.0, ce_weight=1.0, temperature=temperature,
+    single_case(gpu_spec(teacher=None, kd_weight=0.0, ce_weight=1.0, temperature=temperature,
                      backward=backward, mask=True))
 
 
@@ -62,7 +55,7 @@ def test_low_precision_inputs(kind, dtype):
     # bf16: the logits and the logit gradient stay bf16 (the kernels compute in fp32), the
     # weight gradient is accumulated in fp32 and rounded once: the bf16 tolerance holds (the
     # case of test_loss.py's bf16 test, where the CPU path's errors are the same)
-    _single(gpu_spec(kind=kind, dtype=dtype, ce_weight=0.4, mask=dtype == torch.float32,
+    single_case(gpu_spec(kind=kind, dtype=dtype, ce_weight=0.4, mask=dtype == torch.float32,
                      temperature=1.5 if dtype == torch.float32 else 1.0))
 
 
@@ -70,19 +63,19 @@ def test_low_precision_inputs(kind, dtype):
 def test_huge_logits_do_not_overflow(kind):
     sp = gpu_spec(kind=kind, dtype=torch.float32, scale=300.0, ce_weight=0.2)
     # as in test_loss.py: rounding a logit of size |z| ~ 1200 moves exp(z) by |z| * eps
-    _single(sp, tol=8 * 1200 * torch.finfo(torch.float32).eps)
+    single_case(sp, tol=8 * 1200 * torch.finfo(torch.float32).eps)
 
 
 def test_huge_logits_sparse_ghost():
     # the K ids set to -inf for the tail's sums, logits ~ +-1000: same bound as above
-    _single(gpu_spec(teacher="ghost", topk_tail="ghost", scale=300.0, dtype=torch.float32),
+    single_case(gpu_spec(teacher="ghost", topk_tail="ghost", scale=300.0, dtype=torch.float32),
             tol=8 * 1200 * torch.finfo(torch.float32).eps)
 
 
 @pytest.mark.parametrize("window_bytes", [1, 3 * 1009 * 8 * 2, 1 << 30])
 def test_window_sizes_by_bytes(window_bytes):
     # 1 byte: one row per window; 3 rows; everything in one window
-    _single(gpu_spec(gpu_tuning=dict(kernels="eager", window_bytes=window_bytes),
+    single_case(gpu_spec(gpu_tuning=dict(kernels="eager", window_bytes=window_bytes),
                      ce_weight=0.5, mask=True, window_size=None))
 
 
@@ -97,11 +90,11 @@ def test_window_rows_follow_the_byte_budget_and_window_size(monkeypatch):
 
     monkeypatch.setattr(gpu._Walk, "project", spy)
     # 5 rows of the budget (two models, fp64, 1009 columns); window_size 3 bounds it further
-    _single(gpu_spec(gpu_tuning=dict(kernels="eager", window_bytes=5 * 1009 * 8 * 2),
+    single_case(gpu_spec(gpu_tuning=dict(kernels="eager", window_bytes=5 * 1009 * 8 * 2),
                      window_size=None, s=5, b=3))
     assert [r for r, _ in seen] == [5, 5, 5]
     seen.clear()
-    _single(gpu_spec(gpu_tuning=dict(kernels="eager", window_bytes=5 * 1009 * 8 * 2),
+    single_case(gpu_spec(gpu_tuning=dict(kernels="eager", window_bytes=5 * 1009 * 8 * 2),
                      window_size=3, s=5, b=3))
     assert [r for r, _ in seen] == [3, 3, 3, 3, 3]
 
@@ -118,7 +111,7 @@ def test_logits_stay_in_the_input_dtype_and_buffers_are_reused(monkeypatch):
         return out
 
     monkeypatch.setattr(gpu._Walk, "project", spy)
-    _single(gpu_spec(dtype=torch.bfloat16, kind="jsd", ce_weight=0.3, window_size=None,
+    single_case(gpu_spec(dtype=torch.bfloat16, kind="jsd", ce_weight=0.3, window_size=None,
                      gpu_tuning=dict(kernels="eager", window_bytes=4 * 1009 * 2 * 2)))
     assert dtypes == {torch.bfloat16} and len(ptrs) == 1
 
@@ -129,14 +122,14 @@ def test_logits_stay_in_the_input_dtype_and_buffers_are_reused(monkeypatch):
 def test_weight_grad_accumulators(weight_grad, dtype, backward):
     # input_dtype: a bf16 accumulator rounded once per window (4 windows of 4 rows here, within
     # the bf16 tolerance); fp32_add: the fp32 one (fp32_gemm is the CUDA form of it)
-    _single(gpu_spec(kind="jsd", dtype=dtype, ce_weight=0.4, backward=backward,
+    single_case(gpu_spec(kind="jsd", dtype=dtype, ce_weight=0.4, backward=backward,
                      gpu_tuning=dict(kernels="eager", weight_grad=weight_grad,
                                      window_bytes=SMALL_WINDOWS)))
 
 
 def test_compiled_kernels():
     # the fallback form of the kernels: torch.compile (Inductor's C++ kernels on CPU)
-    _single(gpu_spec(kind="jsd", temperature=2.0, ce_weight=0.5, mask=True,
+    single_case(gpu_spec(kind="jsd", temperature=2.0, ce_weight=0.5, mask=True,
                      gpu_tuning=dict(kernels="compiled", window_bytes=SMALL_WINDOWS)))
 
 
@@ -156,7 +149,7 @@ def test_cpu_inputs_take_the_cpu_path_by_default(monkeypatch):
         raise AssertionError("the GPU path ran for CPU inputs")
 
     monkeypatch.setattr(gpu.GpuKDLoss, "forward", staticmethod(refuse))
-    _single(spec(ce_weight=0.5))
+    single_case(spec(ce_weight=0.5))
 
 
 @pytest.mark.parametrize("bad", [dict(window_bytes=0), dict(window_bytes=True),

@@ -4,16 +4,9 @@ validated (one process, no process group)."""
 import io
 
 import pytest
-from support.kd_cases import compare, make_inputs, run_ours, spec
+from support.kd_cases import single_case, spec
 
 from megatron_kd.loss import CpuTuning, KDLossConfig, config, window
-
-
-def _single(sp):
-    inp = make_inputs(sp)
-    ours = run_ours(sp, inp, [sp["padded_vocab"]], 0, None)
-    compare(sp, inp, [ours], 1)
-    return ours
 
 
 CPUINFO = {"AuthenticAMD": "processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\n",
@@ -67,7 +60,7 @@ def test_the_default_tuning_is_this_machines(monkeypatch):
         return real(self, x, w, out)
 
     monkeypatch.setattr(window.WindowWalker, "_chunked_projection", spy)
-    _single(spec(window_size=6))
+    single_case(spec(window_size=6))
     assert bool(slab_calls) == (CpuTuning.for_this_machine().chunked_projection_rows >= 6)
 
 
