@@ -52,7 +52,10 @@ __all__ = ["build_gpt_model", "model_arch"]
 
 def _transformer_config(arch: GPTArchConfig, *, tp_size: int, pp_size: int, cp_size: int,
                         expert_sizes: tuple[int, int],
-                        params_dtype: torch.dtype, **overrides: Any):
+                        params_dtype: torch.dtype, device: torch.device | None = None,
+                        **overrides: Any):
+    # on the host Megatron-Core's layers initialise there; else on the current GPU
+    device = compute_device() if device is None else device
     kwargs = {
         "num_layers": arch.num_layers,
         "hidden_size": arch.hidden_size,
@@ -76,7 +79,7 @@ def _transformer_config(arch: GPTArchConfig, *, tp_size: int, pp_size: int, cp_s
         "pipeline_dtype": params_dtype,
         "bf16": params_dtype == torch.bfloat16,
         "fp16": params_dtype == torch.float16,
-        "use_cpu_initialization": compute_device().type == "cpu",
+        "use_cpu_initialization": device.type == "cpu",
         "perform_initialization": True,
         "hidden_dropout": 0.0,
         "attention_dropout": 0.0,
@@ -330,11 +333,9 @@ def build_gpt_model(
         model_parallel_cuda_manual_seed(seed, tp_rank=tp_rank, ep_rank=ep_rank,
                                         etp_rank=etp_rank)
     device = compute_device() if device is None else torch.device(device)
-    if device.type == "cpu":  # Megatron-Core's layers otherwise allocate on the current GPU
-        config_overrides.setdefault("use_cpu_initialization", True)
     config = _transformer_config(arch, tp_size=tp_size, pp_size=pp_size, cp_size=cp_size,
-                                 expert_sizes=(ep_size, etp_size),
-                                 params_dtype=params_dtype, **config_overrides)
+                                 expert_sizes=(ep_size, etp_size), params_dtype=params_dtype,
+                                 device=device, **config_overrides)
     kwargs = {}
     if pg_collection is not None:
         kwargs["pg_collection"] = pg_collection
