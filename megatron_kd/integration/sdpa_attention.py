@@ -34,9 +34,9 @@ Semantics, against ``DotProductAttention`` (megatron-core 0.16.1 and 0.19.2):
 
 On a GPU the math backend (which would form the scores) is excluded: a call no fused kernel can
 run raises instead of silently using ``O(s^2)`` memory; head dims are padded with zeros to a
-multiple of 8 there (what the memory-efficient kernel takes). A sliding window runs in query blocks of
-the window's length (at least :data:`MIN_WINDOW_BLOCK`), each against its keys only, so a block's
-boolean mask is ``[block, block + window]``.
+multiple of 8 there (what the memory-efficient kernel takes). A sliding window runs in query
+blocks of the window's length (at least :data:`MIN_WINDOW_BLOCK`), each against its keys only,
+so a block's boolean mask is ``[block, block + window]``.
 """
 
 from __future__ import annotations

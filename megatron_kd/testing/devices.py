@@ -47,8 +47,8 @@ Not modelled: there is one device (no ``cuda:1``); the backward pass of
 ``torch.autograd.grad`` runs untagged (``Tensor.backward`` and ``torch.autograd.backward`` keep
 tagging), and so do the gradients autograd's C++ engine hands to hooks registered on plain
 tensors (a hook that mixes them with tagged tensors is reported although a GPU would run it;
-no hook of ours or Megatron-Core's in the tested paths does). Only this process is affected, and only
-inside the ``with`` block; tags left on tensors afterwards change nothing.
+no hook of ours or Megatron-Core's in the tested paths does). Only this process is affected,
+and only inside the ``with`` block; tags left on tensors afterwards change nothing.
 
 ``python -m megatron_kd.testing.simulated COMMAND ...`` runs a whole ``megatron-kd`` command
 (each torchrun worker) inside it: the CPU tests run the commands' GPU placement that way.
@@ -195,12 +195,14 @@ class _AcceleratorMode(TorchFunctionMode):
         if tagged and owner is not None and owner in _GETTERS:
             return _GETTERS[owner]
         name = getattr(func, "__name__", "")
-        if owner is _DATA and name == "__set__":  # ``t.data = value`` (Module._apply): t goes where value lives
+        # ``t.data = value`` (Module._apply): t goes where value lives
+        if owner is _DATA and name == "__set__":
             func(*args, **kwargs)
             if isinstance(args[1], torch.Tensor):
                 setattr(args[0], _TAG, on_accelerator(args[1]))
             return None
-        if owner is _GRAD and name == "__get__" and tagged:  # a parameter's gradient lives where the parameter does
+        # a parameter's gradient lives where the parameter does
+        if owner is _GRAD and name == "__get__" and tagged:
             out = func(*args, **kwargs)
             return out if out is None else _tag(out)
         host = _mixed(func, args, kwargs) if tagged else None

@@ -89,8 +89,8 @@ class Replica:
         ``stats`` records (None: serve's default). ``env``: its environment (default: this
         process's, with ``OMP_NUM_THREADS=1``), torchrun's variables left out. ``peak_dir``: each
         rank writes its peak RSS there at exit. ``simulate``: every rank runs inside the
-        simulated accelerator (:mod:`megatron_kd.testing.simulated`). With ``wait`` (else call :meth:`wait_ready`),
-        wait until it has registered.
+        simulated accelerator (:mod:`megatron_kd.testing.simulated`). With ``wait`` (else call
+        :meth:`wait_ready`), wait until it has registered.
         """
         self.endpoint, self.log = Path(endpoint), Path(log)
         self.start_timeout_s = start_timeout_s

@@ -33,7 +33,8 @@ def test_sparse_teacher_fp64(tail, temperature, ce_weight, backward):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_fp32_within_1e5(kind):
-    single_case(spec(kind=kind, dtype=torch.float32, ce_weight=0.4, temperature=1.5, window_size=64))
+    single_case(spec(kind=kind, dtype=torch.float32, ce_weight=0.4, temperature=1.5,
+                     window_size=64))
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -177,7 +177,8 @@ def test_refuses_what_it_does_not_compute():
     config = attention_config(4, 2, 8)
     module = _build(SdpaAttention, config)
     q, k, v = attention_inputs(5, 1, 4, 2, 8, torch.float32)
-    with pytest.raises(ValueError, match=r"not an attention_mask \(got one of shape \(1, 1, 5, 5\)"):
+    with pytest.raises(ValueError,
+                       match=r"not an attention_mask \(got one of shape \(1, 1, 5, 5\)"):
         module(q, k, v, torch.zeros(1, 1, 5, 5, dtype=torch.bool))
     with pytest.raises(ValueError, match="packed sequences"):
         module(q, k, v, None, packed_seq_params=object())
