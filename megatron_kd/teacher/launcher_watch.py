@@ -66,8 +66,11 @@ class LauncherWatch:
         return self
 
     def close(self) -> None:
-        """Stop watching (the process is ending on its own)."""
+        """Stop watching (the process is ending on its own); the watch thread has ended when
+        this returns (unless it is the caller)."""
         self._closed.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join()
 
     def _run(self) -> None:
         while not self._closed.wait(self.poll_s):
