@@ -11,7 +11,9 @@ each loss kind (``fkl`` forward KL, ``rkl`` reverse KL, ``jsd`` Jensen-Shannon a
   recomputing backward. GPU path only: ``fusedtc_<kind>`` its kernels through
   ``torch.compile`` (the fallback where a Triton kernel fails), ``fusedadd_fkl`` its weight
   gradient added from an input-dtype product (``weight_grad="fp32_add"``), ``fusedlm_fkl`` its
-  low-memory setting (256 MiB windows, the weight gradient accumulated in the input dtype).
+  low-memory setting (256 MiB windows, the weight gradient accumulated in the input dtype),
+  ``fusedbf_<kind>`` the default windows with the weight gradient accumulated in the input
+  dtype (rounded once a window, as Liger's chunks are; no fp32 accumulator).
   ``fusedold_fkl``: the CPU path on any device (the design the GPU path replaces);
   ``fusedc_fkl``: the CPU path with ``elementwise="compiled"`` (compiled in the warm-up run).
 * ``liger_<kind>``: Liger-Kernel's ``LigerFusedLinearJSDLoss`` (its chunked fused-linear loss,
@@ -63,18 +65,20 @@ import sys
 import tempfile
 import time
 
+T0 = time.perf_counter()  # this process's start (a worker's setup time counts from here)
 KINDS = {"fkl": "forward_kl", "rkl": "reverse_kl", "jsd": "jsd"}
 LIGER_BETA = {"fkl": 0.0, "rkl": 1.0}  # Liger's generalised JSD: 0 forward KL, 1 reverse KL
 VARIANTS = (["floor"] + [f"fused_{k}" for k in KINDS] + [f"liger_{k}" for k in KINDS]
             + ["fusedc_fkl", "fusedrc_fkl", "dense_fkl", "modelopt_fkl", "ligertriton_jsd",
                "ligertriton_fkl", "fusedtc_fkl", "fusedtc_jsd", "fusedadd_fkl", "fusedlm_fkl",
-               "fusedold_fkl", "fusedrc_jsd"])
+               "fusedold_fkl", "fusedrc_jsd", "fusedbf_fkl", "fusedbf_jsd"])
 DEFAULT_VARIANTS = [v for v in VARIANTS
                     if v not in ("modelopt_fkl", "ligertriton_jsd", "ligertriton_fkl",
                                  "fusedc_fkl", "fusedtc_fkl", "fusedtc_jsd", "fusedadd_fkl",
-                                 "fusedlm_fkl", "fusedold_fkl", "fusedrc_jsd")]
+                                 "fusedlm_fkl", "fusedold_fkl", "fusedrc_jsd",
+                                 "fusedbf_fkl", "fusedbf_jsd")]
 TP1_ONLY = ("liger_", "ligertriton_", "dense_")
-GPU_PATH_ONLY = ("fusedtc_", "fusedadd_", "fusedlm_")
+GPU_PATH_ONLY = ("fusedtc_", "fusedadd_", "fusedlm_", "fusedbf_")
 FLOOR_BLOCKS = (128, 512, 1024, 2048)
 # Named shapes: (tokens, vocabulary, student hidden, teacher hidden)
 SHAPES = {
@@ -152,6 +156,8 @@ def _worker(rank: int, a: argparse.Namespace, init_file: str, out_file: str) -> 
     del w_s_full, w_t_full
     x_s.requires_grad_(True)
     w_s.requires_grad_(True)
+    _sync(device)
+    setup_s = time.perf_counter() - T0  # interpreter, imports, process group, inputs
 
     if a.variant == "floor":
         result = {"rank": rank, **_floor(a, x_s, w_s, x_t, w_t, group)}
@@ -160,6 +166,7 @@ def _worker(rank: int, a: argparse.Namespace, init_file: str, out_file: str) -> 
         result = {"rank": rank, **_measure(a, run, x_s, w_s, group)}
         if a.profile and a.variant == a.profile_variant and rank == 0:
             result["profile"] = _profile(run, x_s, w_s)
+    result["setup_s"] = setup_s
     with open(f"{out_file}.{rank}", "w") as f:
         json.dump(result, f)
     dist.destroy_process_group()
@@ -179,11 +186,14 @@ def _measure(a, run, x_s, w_s, group) -> dict:
     device = x_s.device
     status = "ok"
     times: list[float] = []
+    warmup_s = None
     try:
+        t0 = time.perf_counter()
         run()  # warm-up: compilation (Liger), first-touch page faults, allocator caches
         x_s.grad = None
         w_s.grad = None
         _sync(device)
+        warmup_s = time.perf_counter() - t0
         if device.type == "cuda":
             base = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()
@@ -208,7 +218,8 @@ def _measure(a, run, x_s, w_s, group) -> dict:
         status, peak = "OOM", None
     # the gradients every variant returns (the peak less them: the loss's working memory)
     grads = x_s.numel() * x_s.element_size() + w_s.numel() * w_s.element_size()
-    return {"status": status, "times": times, "extra_peak_bytes": peak, "grad_bytes": grads}
+    return {"status": status, "times": times, "extra_peak_bytes": peak, "grad_bytes": grads,
+            "warmup_s": warmup_s}
 
 
 def _profile(run, x_s, w_s, top: int = 25) -> dict:
@@ -329,6 +340,7 @@ def _make_variant(a, x_s, w_s, x_t, w_t, group):
         tuning = {"fusedtc": _gpu_tuning(a, kernels="compiled"),
                   "fusedadd": _gpu_tuning(a, weight_grad="fp32_add"),
                   "fusedlm": _gpu_tuning(a, weight_grad="input_dtype", window_bytes=256 << 20),
+                  "fusedbf": _gpu_tuning(a, weight_grad="input_dtype"),
                   }.get(impl, _gpu_tuning(a))
         cfg = KDLossConfig(kind=KINDS[kind], beta=a.beta, window_size=a.window_size,
                            backward="recompute" if impl == "fusedrc" else "precompute",
@@ -473,7 +485,10 @@ def _run_point(a, variant: str, tokens: int, tp: int) -> dict:
             extra_peak_bytes=max(peaks) if peaks else None,
             working_bytes=max(working) if working else None,
         )
-        for key in ("floor_block", "floor_by_block", "window_rows", "profile"):
+        # where a point's wall time goes: the worker's imports, process group and inputs;
+        # the warm-up run (compilation, autotuning)
+        for key in ("floor_block", "floor_by_block", "window_rows", "profile", "setup_s",
+                    "warmup_s"):
             if key in results[0]:
                 point[key] = results[0][key]
         return point
@@ -490,7 +505,10 @@ def _spawn_workers(a) -> None:
         limit = int(a.mem_limit_gb * (1 << 30) / a.tp)
         resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
     init_file = a._out + ".store"
-    mp.spawn(_worker, args=(a, init_file, a._out), nprocs=a.tp, join=True)
+    if a.tp == 1:  # one rank: in this process (one interpreter and CUDA start less a point)
+        _worker(0, a, init_file, a._out)
+    else:
+        mp.spawn(_worker, args=(a, init_file, a._out), nprocs=a.tp, join=True)
 
 
 def _fmt_bytes(b) -> str:
