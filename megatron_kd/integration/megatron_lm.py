@@ -112,6 +112,7 @@ from megatron_kd.integration.megatron_lm_teacher import (
     lookahead,
     megatron_lm_args,
     microbatches_per_step,
+    run_again,
     start_source,
     teacher_inputs,
     write_teacher_scalars,
@@ -224,7 +225,21 @@ class KDState:
     """The training data iterator, read ahead (see :class:`Lookahead`)."""
 
     microbatches: int = 0
-    """Training microbatches seen on this chunk."""
+    """Training microbatches seen on this chunk (a step run again counts once)."""
+
+    kept: dict = field(default_factory=dict)
+    """``(step, microbatch) -> TeacherInputs`` of the step under way, kept where Megatron-Core's
+    rerun state machine may run it again and the source's outputs come once (a disaggregated
+    teacher's)."""
+
+    rerun_iteration: int | None = None
+    """The rerun state machine's iteration whose first run was seen last."""
+
+    rerun_first: int = 0
+    """:attr:`microbatches` at that iteration's first microbatch."""
+
+    rerun_rewound: bool = False
+    """Whether that iteration runs again and the count stepped back to its first microbatch."""
 
     @property
     def teacher(self):
@@ -434,10 +449,11 @@ def forward_step(base_forward_step: Callable, data_iterator, model, *args: Any, 
     output, _ = base_forward_step(data_iterator, recorder, *args, **kwargs)
     if not recorder.called:
         raise RuntimeError("the wrapped forward step returned without calling the model")
-    teacher = teacher_inputs(state, recorder, training, look)
+    again = training and run_again(state)
+    teacher = teacher_inputs(state, recorder, training, look, again)
     if training:
         state.microbatches += 1
-        if state.microbatches % microbatches_per_step() == 0:
+        if state.microbatches % microbatches_per_step() == 0 and not again:
             write_teacher_scalars(state)
     return output, partial(
         loss_func, recorder.loss_mask, labels=recorder.labels,

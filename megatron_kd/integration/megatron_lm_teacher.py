@@ -19,8 +19,8 @@ from megatron_kd.integration.context_parallel import cp_positions
 from megatron_kd.integration.teacher_sources import Microbatch, TeacherInputs, kd_scalars
 from megatron_kd.teacher.lookahead import Lookahead
 
-__all__ = ["lookahead", "megatron_lm_args", "microbatches_per_step", "start_source",
-           "teacher_inputs", "write_teacher_scalars"]
+__all__ = ["lookahead", "megatron_lm_args", "microbatches_per_step", "run_again",
+           "start_source", "teacher_inputs", "write_teacher_scalars"]
 
 
 def megatron_lm_args() -> argparse.Namespace:
@@ -32,12 +32,43 @@ def megatron_lm_args() -> argparse.Namespace:
 
 def lookahead(state, data_iterator, training: bool) -> Lookahead:
     """The chunk's training iterator, read ahead (one object for the run; evaluation iterators
-    are wrapped only to see their current item)."""
+    are wrapped only to see their current item). With Megatron-Core's rerun state machine on,
+    a step it runs again is given the same microbatches (:class:`Lookahead`)."""
     if training:
         if state.lookahead is None or state.lookahead.source is not data_iterator:
-            state.lookahead = Lookahead(data_iterator)
+            state.lookahead = Lookahead(data_iterator, replayable=_rerun_machine() is not None)
         return state.lookahead
     return Lookahead(data_iterator)
+
+
+def _rerun_machine():
+    """Megatron-Core's rerun state machine where it may run a step again (``--rerun-mode``
+    other than ``disabled``), else None."""
+    from megatron.core.rerun_state_machine import RerunMode, get_rerun_state_machine
+
+    machine = get_rerun_state_machine()
+    return None if machine.get_mode() == RerunMode.DISABLED else machine
+
+
+def run_again(state) -> bool:
+    """Whether this training microbatch belongs to a step that Megatron-Core's rerun state
+    machine runs again (in place), read off the machine on every rank alike (ranks without a
+    data iterator included). At a step's first run the step's first microbatch is noted and the
+    kept teacher outputs are dropped; when the step runs again the microbatch count steps back
+    to it, so each microbatch is the same ``(step, index)`` as in the first run."""
+    machine = _rerun_machine()
+    if machine is None:
+        return False
+    from megatron.core.rerun_state_machine import RerunState
+
+    again = machine.state == RerunState.RERUNNING_IN_PLACE
+    if not again and state.rerun_iteration != machine.current_iteration:
+        state.rerun_iteration, state.rerun_first = machine.current_iteration, state.microbatches
+        state.rerun_rewound = False
+        state.kept.clear()
+    elif again and not state.rerun_rewound:
+        state.microbatches, state.rerun_rewound = state.rerun_first, True
+    return again
 
 
 def _microbatch_tokens(state, recorder, current) -> torch.Tensor:
@@ -88,21 +119,33 @@ def _model_inputs(state, recorder, look: Lookahead | None):
     return (tokens, positions.expand_as(tokens), None), {}
 
 
-def teacher_inputs(state, recorder, training: bool,
-                   look: Lookahead | None = None) -> TeacherInputs:
+def teacher_inputs(state, recorder, training: bool, look: Lookahead | None = None,
+                   again: bool = False) -> TeacherInputs:
     """The teacher's side of this microbatch from the run's source (none without a teacher, or
     in a disaggregated or offline evaluation: the student's CE only). ``look``: the data
     iterator the forward step read this microbatch from (training or evaluation), where this
     rank has one. An offline source reads the whole sequences' token ids (the data iterator's,
     broadcast over TP: collective over the TP group, on every TP rank alike) and, with context
-    parallelism, keeps this rank's positions of the cached rows."""
+    parallelism, keeps this rank's positions of the cached rows. ``again``: the microbatch of
+    a step run again (:func:`run_again`); a streamed source's outputs (a disaggregated
+    teacher's) are then those kept from the step's first run."""
     n, per_step = state.microbatches, microbatches_per_step()
     current = look.current if look is not None else None
     mb = Microbatch(step=n // per_step, index=n % per_step,
                     tokens=lambda: _microbatch_tokens(state, recorder, current),
                     positions=_cp_rank_positions(state, recorder),
                     model_inputs=lambda: _model_inputs(state, recorder, look))
-    return state.source.inputs(mb, training=training)
+    keep = training and state.source.streamed and _rerun_machine() is not None
+    if keep and again:  # the step run again: its first run's teacher outputs
+        try:
+            return state.kept[(mb.step, mb.index)]
+        except KeyError:
+            raise RuntimeError(f"rerun: no teacher outputs kept for microbatch {mb.index} of "
+                               f"step {mb.step} (kept: {sorted(state.kept)})") from None
+    inputs = state.source.inputs(mb, training=training)
+    if keep:
+        state.kept[(mb.step, mb.index)] = inputs
+    return inputs
 
 
 def _cp_rank_positions(state, recorder) -> torch.Tensor | None:

@@ -155,6 +155,11 @@ class TeacherSource:
     client = None
     """The started teacher client (a disaggregated teacher's active ranks)."""
 
+    streamed: bool = False
+    """Whether each training microbatch's inputs can be taken once only, in the schedule's
+    order (a stream of responses): a step run again must be given the inputs kept from its
+    first run."""
+
     def start(self, schedule: Iterable[Microbatch]) -> None:
         """Begin serving the microbatches of ``schedule`` (training order, from the resume step
         to the stop step), ahead of training where the source can."""
@@ -247,6 +252,7 @@ class Remote(TeacherSource):
     """
 
     timer = "teacher-wait"
+    streamed = True
 
     def __init__(self, kd: KDArgs, arch: GPTArchConfig, *, weight: torch.Tensor, run: int,
                  tp_group, dp_rank: int, dp_size: int, micro_batch_size: int, seq_length: int,
