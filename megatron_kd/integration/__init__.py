@@ -2,8 +2,6 @@
 
 * :mod:`~megatron_kd.integration.args` -- the ``--kd-*`` flags (:func:`add_kd_args`,
   :class:`KDArgs`), for ``megatron-kd train`` and Megatron-LM's parser alike.
-* :mod:`~megatron_kd.integration.arch` -- a GPT's architecture (pure Python, JSON in
-  checkpoints).
 * :mod:`~megatron_kd.integration.gpt` -- the one place Megatron-Core models are built.
 * :mod:`~megatron_kd.integration.checkpoint` -- model checkpoints (``dist_checkpointing``).
 * :mod:`~megatron_kd.integration.teacher` -- the frozen-teacher builder.

@@ -1,7 +1,7 @@
 """Megatron-Core GPT models for teacher and student: one place that builds them.
 
 :func:`build_gpt_model` builds this rank's Megatron-Core ``GPTModel`` for a
-:class:`~megatron_kd.integration.arch.GPTArchConfig` (the local layer spec on CPU, Transformer
+:class:`~megatron_kd.arch.GPTArchConfig` (the local layer spec on CPU, Transformer
 Engine's spec when it is importable and a GPU is present). Every model of the project (student,
 teacher, cache-build teacher, imported checkpoints) comes from here, so a move to another
 Megatron-Core model class is one change.
@@ -34,7 +34,7 @@ from megatron.core.transformer.transformer_block import (
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
-from megatron_kd.integration.arch import GPTArchConfig
+from megatron_kd.arch import GPTArchConfig
 from megatron_kd.integration.context_parallel import (
     ContextParallelAttention,
     ContextParallelSdpaAttention,

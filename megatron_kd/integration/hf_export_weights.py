@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_kd.integration.arch import GPTArchConfig
+from megatron_kd.arch import GPTArchConfig
 
 __all__ = ["export_embedding", "export_final", "export_layer"]
 

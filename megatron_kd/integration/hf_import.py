@@ -1,5 +1,5 @@
 """``megatron-kd import-hf``: a Hugging Face checkpoint -> Megatron-Core (Llama, Qwen3,
-Qwen3-MoE, gpt-oss, Qwen3.5, Qwen3.5-MoE; :mod:`megatron_kd.integration.hf_arch` says what
+Qwen3-MoE, gpt-oss, Qwen3.5, Qwen3.5-MoE; :mod:`megatron_kd.arch.hf_config` says what
 each adds and refuses).
 
 Sources: a directory with ``config.json`` and ``*.safetensors`` (read without instantiating a
@@ -64,7 +64,7 @@ from megatron.core import parallel_state
 from megatron_kd.data.tokenizer import tokenizer_difference
 from megatron_kd.integration.checkpoint import save_model_checkpoint
 from megatron_kd.integration.gpt import build_gpt_model
-from megatron_kd.integration.hf_arch import text_config
+from megatron_kd.arch.hf_config import text_config
 from megatron_kd.integration.hf_convert import (
     arch_from_hf_config,
     convert_hf_state_dict,
@@ -271,7 +271,7 @@ def import_hf(path: str | os.PathLike, save_dir: str | os.PathLike, *,
     tokenizer, else to the config's embedding rows. ``pad_for_tp > 1`` pads heads, MLP and
     vocabulary with exactly-neutral zeros so the checkpoint also loads at that tensor-parallel
     size (:func:`pad_for_tensor_parallel`). Returns the
-    :class:`~megatron_kd.integration.arch.GPTArchConfig` written.
+    :class:`~megatron_kd.arch.GPTArchConfig` written.
     """
     ckpt = checkpoint if checkpoint is not None else load_hf_checkpoint(path, gguf_file=gguf_file)
     if vocab_size is None and ckpt.tokenizer is not None:

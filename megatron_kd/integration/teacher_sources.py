@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from megatron_kd.cache.loader import TopKPrefetcher
 from megatron_kd.cache.lookup import TokenLookup
-from megatron_kd.integration.arch import GPTArchConfig
+from megatron_kd.arch import GPTArchConfig
 from megatron_kd.integration.args import KDArgs
 from megatron_kd.integration.groups import collective_device, shared_random_id
 from megatron_kd.integration.output_layer import output_layer_weight, to_sbh

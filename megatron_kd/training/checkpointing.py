@@ -26,7 +26,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 from torch.distributed.checkpoint.api import CheckpointException
 
-from megatron_kd.integration.arch import GPTArchConfig
+from megatron_kd.arch import GPTArchConfig
 from megatron_kd.integration.checkpoint import (
     CHECKPOINT_FORMAT_VERSION,
     LATEST_FILE,

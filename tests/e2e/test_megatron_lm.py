@@ -258,7 +258,7 @@ def test_context_parallel_gated_deltanet_teacher_refused(monkeypatch):
     from support.train_cases import TEACHER_ARCH
 
     from megatron_kd.integration import megatron_lm_flags
-    from megatron_kd.integration.arch import GPTArchConfig
+    from megatron_kd.arch import GPTArchConfig
 
     arch = dataclasses.replace(GPTArchConfig(**TEACHER_ARCH), linear_attention_layers=[0],
                                linear_num_key_heads=2, linear_num_value_heads=4,
@@ -416,7 +416,7 @@ def megatron_lm_model_provider(pre_process=True, post_process=True, vp_stage=Non
     from megatron.core import parallel_state as ps
     from megatron.training import get_args
 
-    from megatron_kd.integration.arch import GPTArchConfig
+    from megatron_kd.arch import GPTArchConfig
     from megatron_kd.integration.gpt import build_gpt_model
 
     args = get_args()
@@ -1279,7 +1279,7 @@ def _model_dir(path, **arch):
     """A directory with only a ``model_config.json`` (what the pretrained hook reads)."""
     import json
 
-    from megatron_kd.integration.arch import GPTArchConfig
+    from megatron_kd.arch import GPTArchConfig
     from megatron_kd.integration.checkpoint import CHECKPOINT_FORMAT_VERSION
 
     os.makedirs(path)

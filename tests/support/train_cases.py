@@ -43,7 +43,7 @@ LOG_FIELDS = ("step", "loss", "kd_loss", "lm_loss", "lr", "tokens_per_s", "peak_
 # --- cases (run on every rank) --------------------------------------------------------------
 
 def case_make_teacher(ctx, directory, arch_kw, seed=5):
-    from megatron_kd.integration.arch import GPTArchConfig
+    from megatron_kd.arch import GPTArchConfig
     from megatron_kd.integration.checkpoint import save_model_checkpoint
     from megatron_kd.integration.gpt import build_gpt_model
     from megatron_kd.integration.groups import model_parallel

@@ -16,7 +16,7 @@ from megatron_kd.integration import hf_import
 
 def test_qkv_layout_groups_heads_like_repeat_kv():
     # Head i of q uses kv head i // (nh/ng) in HF; Megatron reads q heads of group g then k_g, v_g.
-    from megatron_kd.integration.arch import GPTArchConfig
+    from megatron_kd.arch import GPTArchConfig
 
     arch = GPTArchConfig(num_layers=1, hidden_size=4, num_attention_heads=4, num_query_groups=2,
                          ffn_hidden_size=4, vocab_size=8, padded_vocab_size=8,
@@ -155,7 +155,7 @@ def test_check_tokenizer_compatible_reads_paths(tmp_path):
 
 
 def test_unpadded_odd_groups_refuse_tp2(tmp_path):
-    from megatron_kd.integration.arch import GPTArchConfig
+    from megatron_kd.arch import GPTArchConfig
 
     path, _, _ = tiny_llama(tmp_path, tied=True, groups=3, ffn=75, name="odd")
     arch = hf_import.arch_from_hf_config(hf_import.load_hf_checkpoint(path).config)

@@ -8,92 +8,99 @@ can pass by checking nothing.
 import os
 
 import pytest
-from support import import_rules as arch
+from support import import_rules as rules
 
 ROOT = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "megatron_kd")
 
 
 @pytest.fixture(scope="module")
 def modules():
-    found = arch.scan(os.path.normpath(ROOT))
+    found = rules.scan(os.path.normpath(ROOT))
     assert "megatron_kd.loss.fused" in found and "megatron_kd.integration.gpt" in found
     return found
 
 
 def test_no_import_cycles(modules):
-    assert arch.check_cycles(modules) == []
+    assert rules.check_cycles(modules) == []
 
 
 def test_loss_imports_only_itself_and_parallel(modules):
     # collectives: torch's gather / scatter under this torch's names
-    assert arch.check_allowed_imports(modules, "loss", {"parallel", "collectives"},
-                                      ("megatron", "transformer_engine")) == []
+    assert rules.check_allowed_imports(modules, "loss", {"parallel", "collectives"},
+                                       ("megatron", "transformer_engine")) == []
 
 
 def test_planner_is_pure_python(modules):
-    assert arch.check_allowed_imports(modules, "planner", set(),
-                                      ("torch", "megatron", "numpy")) == []
+    # arch: the one description of a model (pure Python too)
+    assert rules.check_allowed_imports(modules, "planner", {"arch"},
+                                       ("torch", "megatron", "numpy")) == []
+
+
+def test_arch_is_pure_python(modules):
+    # the planner reads it; parallel: the vocabulary padding (pure rank arithmetic)
+    assert rules.check_allowed_imports(modules, "arch", {"parallel"},
+                                       ("torch", "megatron", "numpy", "transformer_engine")) == []
 
 
 def test_parallel_has_no_megatron(modules):
-    assert arch.check_allowed_imports(modules, "parallel", set(), ("megatron", "torch")) == []
+    assert rules.check_allowed_imports(modules, "parallel", set(), ("megatron", "torch")) == []
 
 
 def test_teacher_service_needs_no_megatron(modules):
     # the model and its schedule are handed in: a replica's transport works without Megatron
-    assert arch.check_allowed_imports(modules, "teacher", {"parallel", "collectives"},
-                                      ("megatron",)) == []
+    assert rules.check_allowed_imports(modules, "teacher", {"parallel", "collectives"},
+                                       ("megatron",)) == []
 
 
 def test_integration_imports_only_the_layers_below(modules):
     # cache: the offline teacher source (the top-K prefetcher); flags: the --kd-* flags' fields;
     # known_warnings: the Megatron-LM hooks install its filters; placement: the compute device
-    assert arch.check_allowed_imports(modules, "integration",
-                                      {"loss", "parallel", "data", "teacher", "cache",
-                                       "flags", "known_warnings", "collectives",
-                                       "placement"}) == []
+    assert rules.check_allowed_imports(modules, "integration",
+                                       {"arch", "loss", "parallel", "data", "teacher", "cache",
+                                        "flags", "known_warnings", "collectives",
+                                        "placement"}) == []
 
 
 def test_collectives_import_nothing_of_the_project(modules):
-    assert arch.check_allowed_imports(modules, "collectives", set(), ("megatron",)) == []
+    assert rules.check_allowed_imports(modules, "collectives", set(), ("megatron",)) == []
 
 
 def test_flags_import_nothing_of_the_project(modules):
-    assert arch.check_allowed_imports(modules, "flags", set(), ("torch", "megatron")) == []
+    assert rules.check_allowed_imports(modules, "flags", set(), ("torch", "megatron")) == []
 
 
 def test_known_warnings_import_nothing_of_the_project(modules):
     # its filters go in before torch and Megatron-Core load, and `megatron-kd plan` needs no torch
-    assert arch.check_allowed_imports(modules, "known_warnings", set(),
-                                      ("torch", "megatron", "transformer_engine")) == []
+    assert rules.check_allowed_imports(modules, "known_warnings", set(),
+                                       ("torch", "megatron", "transformer_engine")) == []
 
 
 def test_cache_does_not_import_the_teacher(modules):
-    problems = arch.check_allowed_imports(
+    problems = rules.check_allowed_imports(
         modules, "cache", {p.package for p in modules.values()} - {"teacher"})
     assert problems == []
 
 
 def test_only_integration_and_training_touch_parallel_state(modules):
-    assert arch.check_parallel_state(modules, ("integration", "training")) == []
+    assert rules.check_parallel_state(modules, ("integration", "training")) == []
 
 
 def test_imports_wait_only_with_a_reason(modules):
-    assert arch.check_deferred_imports(modules) == []
+    assert rules.check_deferred_imports(modules) == []
 
 
 def test_file_and_function_sizes(modules):
-    assert arch.check_sizes(modules) == []
+    assert rules.check_sizes(modules) == []
 
 
 # --- each rule fails when broken on purpose -----------------------------------------------------
 
-def _tree(files: dict[str, str]) -> dict[str, arch.Module]:
+def _tree(files: dict[str, str]) -> dict[str, rules.Module]:
     out = {}
     for rel, source in files.items():
         path = "megatron_kd/" + rel
-        name = arch.module_name("megatron_kd", path)
-        out[name] = arch.parse_module(name, path, source)
+        name = rules.module_name("megatron_kd", path)
+        out[name] = rules.parse_module(name, path, source)
     return out
 
 
@@ -107,6 +114,8 @@ def test_rules_catch_broken_trees():
                              "from megatron.core import parallel_state\n",
         "planner/__init__.py": "",
         "planner/plan.py": "import torch\n",
+        "arch/__init__.py": "",
+        "arch/config.py": "import torch\nfrom megatron_kd.loss.fused import x\n",
         "parallel/__init__.py": "",
         "parallel/layout.py": "from megatron.core import parallel_state as ps\n",
         "cache/__init__.py": "",
@@ -116,24 +125,28 @@ def test_rules_catch_broken_trees():
         "data/__init__.py": "",
         "data/big.py": "def h():\n" + "    x = 1\n" * 90,
     })
-    cycles = arch.check_cycles(tree)
+    cycles = rules.check_cycles(tree)
     assert any("megatron_kd.loss.fused <-> megatron_kd.training.train" in c for c in cycles)
     assert any("loss <-> training" in c for c in cycles)
-    assert arch.check_allowed_imports(tree, "loss", {"parallel"}) == [
+    assert rules.check_allowed_imports(tree, "loss", {"parallel"}) == [
         "megatron_kd/loss/fused.py: loss/ imports megatron_kd.training.train "
         "(training/ is not allowed here)"]
-    assert arch.check_allowed_imports(tree, "planner", set(), ("torch",)) == [
+    assert rules.check_allowed_imports(tree, "planner", set(), ("torch",)) == [
         "megatron_kd/planner/plan.py:1: planner/ imports torch"]
-    assert arch.check_allowed_imports(tree, "parallel", set(), ("megatron",)) == [
+    assert rules.check_allowed_imports(tree, "arch", {"parallel"}, ("torch",)) == [
+        "megatron_kd/arch/config.py: arch/ imports megatron_kd.loss.fused "
+        "(loss/ is not allowed here)",
+        "megatron_kd/arch/config.py:1: arch/ imports torch"]
+    assert rules.check_allowed_imports(tree, "parallel", set(), ("megatron",)) == [
         "megatron_kd/parallel/layout.py:1: parallel/ imports megatron.core"]
-    cache = arch.check_allowed_imports(tree, "cache", {"parallel"})
+    cache = rules.check_allowed_imports(tree, "cache", {"parallel"})
     assert cache == ["megatron_kd/cache/reader.py: cache/ imports megatron_kd.teacher.wire "
                      "(teacher/ is not allowed here)"]
-    assert arch.check_parallel_state(tree, ("integration", "training")) == [
+    assert rules.check_parallel_state(tree, ("integration", "training")) == [
         "megatron_kd/parallel/layout.py:1: parallel_state outside integration/, training/"]
-    deferred = arch.check_deferred_imports(tree)
+    deferred = rules.check_deferred_imports(tree)
     assert len(deferred) == 2  # numpy (not deferrable) and the project import; triton has a reason
     assert any("numpy imported inside a function" in d for d in deferred)
     assert any("project import megatron_kd.teacher" in d for d in deferred)
-    assert arch.check_sizes(tree) == [
+    assert rules.check_sizes(tree) == [
         "megatron_kd/data/big.py:1: function h has 91 lines (> 80)"]

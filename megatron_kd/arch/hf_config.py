@@ -1,5 +1,6 @@
-"""Hugging Face configs -> :class:`~megatron_kd.integration.arch.GPTArchConfig`: Llama, Qwen3,
-Qwen3-MoE, gpt-oss and Qwen3.5 (dense and MoE) (the weights' side is :mod:`megatron_kd.integration.hf_convert`).
+"""Hugging Face configs -> :class:`~megatron_kd.arch.GPTArchConfig`: Llama, Qwen3,
+Qwen3-MoE, gpt-oss and Qwen3.5 (dense and MoE) (the weights' side is
+:mod:`megatron_kd.integration.hf_convert`).
 
 Pure Python: what a model type adds to the Llama layout (QK norms, experts and their router
 convention, biases, attention sinks, sliding windows, the clamped gated MLP, YaRN RoPE), and a
@@ -11,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from megatron_kd.integration.arch import GPTArchConfig
+from megatron_kd.arch.config import GPTArchConfig
 from megatron_kd.parallel import pad_vocab_size
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "arch_from_hf_config"]
@@ -182,7 +183,7 @@ def _model_type_fields(config: Mapping[str, Any]) -> dict[str, Any]:
 
 def arch_from_hf_config(config: Mapping[str, Any], *, make_vocab_size_divisible_by: int = 128,
                         vocab_size: int | None = None):
-    """The :class:`~megatron_kd.integration.arch.GPTArchConfig` of a Hugging Face config dict
+    """The :class:`~megatron_kd.arch.GPTArchConfig` of a Hugging Face config dict
     (Llama, Qwen3 or Qwen3-MoE).
 
     ``vocab_size`` is the true vocabulary (the tokenizer's size); it defaults to the config's

@@ -1,5 +1,5 @@
-""":class:`~megatron_kd.integration.arch.GPTArchConfig` -> a Hugging Face ``config.json``: the
-inverse of :func:`megatron_kd.integration.hf_arch.arch_from_hf_config`, one class per model
+""":class:`~megatron_kd.arch.GPTArchConfig` -> a Hugging Face ``config.json``: the
+inverse of :func:`megatron_kd.arch.hf_config.arch_from_hf_config`, one class per model
 family (Llama, Qwen3, Qwen3-MoE, gpt-oss, Qwen3.5, Qwen3.5-MoE).
 
 A config is either the one the checkpoint came from (:func:`config_for_export`: what
@@ -18,11 +18,11 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from megatron_kd.integration.arch import GPTArchConfig
-from megatron_kd.integration.hf_arch import arch_from_hf_config
+from megatron_kd.arch.config import GPTArchConfig
+from megatron_kd.arch.hf_config import arch_from_hf_config
 
-__all__ = ["HF_FAMILIES", "HFFamily", "canonical_arch", "check_config_describes", "config_for_export",
-           "family_of", "hf_config_from_arch"]
+__all__ = ["HF_FAMILIES", "HFFamily", "canonical_arch", "check_config_describes",
+           "config_for_export", "family_of", "hf_config_from_arch"]
 
 # Fields that do not change the weights or the function the model computes, or that the
 # embedding's padding (not the config) decides.
