@@ -4,7 +4,7 @@ Sources: an ``import-hf`` directory, a ``megatron-kd train`` checkpoint (its ``-
 whose newest complete iteration is taken, or an ``iter_N`` directory) at any tensor, pipeline,
 virtual-stage or expert layout, or a Megatron-LM ``torch_dist`` checkpoint (its architecture
 from its saved arguments, or Megatron-LM flags). Families: every one ``import-hf`` reads
-(:mod:`megatron_kd.arch.hf_export_config`).
+(:mod:`megatron_kd.arch.hf_config`).
 
 How, and what it holds in memory: one process, no model built, no process group.
 :class:`~megatron_kd.integration.checkpoint_reader.CheckpointWeights` reads one *unit* at a time
@@ -44,8 +44,12 @@ from megatron_kd.integration.checkpoint import (
     resolve_model_dir,
 )
 from megatron_kd.integration.checkpoint_reader import CheckpointWeights
-from megatron_kd.arch.hf_config import arch_from_hf_config, text_config
-from megatron_kd.arch.hf_export_config import canonical_arch, config_for_export
+from megatron_kd.arch.hf_config import (
+    arch_from_hf_config,
+    canonical_arch,
+    config_for_export,
+    text_config,
+)
 from megatron_kd.integration.hf_export_weights import export_embedding, export_final, export_layer
 from megatron_kd.integration.hf_import import HF_FILES_DIR, HF_SIDE_FILES, TOKENIZER_FILE
 from megatron_kd.integration.megatron_lm_checkpoint import (

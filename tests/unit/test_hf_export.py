@@ -28,7 +28,7 @@ from megatron_kd.arch import GPTArchConfig
 from megatron_kd.arch.hf_config import arch_from_hf_config
 from megatron_kd.integration.hf_convert import convert_hf_state_dict, pad_for_tensor_parallel
 from megatron_kd.integration.hf_export import parse_size
-from megatron_kd.arch.hf_export_config import config_for_export, hf_config_from_arch
+from megatron_kd.arch.hf_config import config_for_export, hf_config_from_arch
 from megatron_kd.integration.hf_export_weights import (
     export_embedding,
     export_final,
