@@ -1,7 +1,6 @@
 """Hugging Face ``config.json`` <-> :class:`~megatron_kd.arch.config.GPTArchConfig`, both ways,
 one class per model family (Llama, Qwen3, Qwen3-MoE, gpt-oss, Qwen3.5, Qwen3.5-MoE); the
-weights' side is :mod:`megatron_kd.integration.hf_convert` (import) and
-:mod:`megatron_kd.integration.hf_export_weights` (export).
+weights' side is :mod:`megatron_kd.hf`.
 
 Import (:func:`arch_from_hf_config`): what a model type adds to the Llama layout (QK norms,
 experts and their router convention, biases, attention sinks, sliding windows, the clamped

@@ -11,7 +11,6 @@
 * :mod:`~megatron_kd.integration.cpu_shim` -- Megatron-Core on a machine without a GPU.
 * :mod:`~megatron_kd.integration.megatron_lm` -- the pieces Megatron-LM's ``pretrain_gpt.py``
   patch plugs in.
-* :mod:`~megatron_kd.integration.hf_import` -- Hugging Face checkpoints -> Megatron-Core.
 
 This ``__init__`` re-exports what a Megatron-LM user calls; it imports Megatron-Core only
 through the modules named.

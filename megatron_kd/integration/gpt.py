@@ -173,7 +173,7 @@ def _layer_specs(arch: GPTArchConfig) -> list[ModuleSpec]:
 
     Local modules even on a GPU for a hybrid: Megatron-Core's own Transformer Engine hybrid
     (``get_transformer_block_with_experimental_attention_variant_spec``) fuses the
-    pre-DeltaNet norm into ``in_proj``, names that ``_TE_NORM_NAMES`` (hf_convert) does not
+    pre-DeltaNet norm into ``in_proj``, names that ``_TE_NORM_NAMES`` (import_weights) does not
     map, and only this local spec has been checked against Hugging Face (on CPU). The
     DeltaNet's gated output norm is a plain RMSNorm of one value head. The softmax attention's
     ``DotProductAttention`` here is swapped by :func:`_block_spec` (SDPA on a GPU).

@@ -4,8 +4,8 @@
 :func:`megatron_kd.integration.checkpoint.load_model_checkpoint`, at any tensor-parallel size),
 the optimizer, the learning-rate scheduler, the iteration, the samples consumed (the data
 position) and every rank's RNG state; ``<save>/latest_checkpointed_iteration.txt`` names the
-newest. RNG states are per global rank: a run resumed on a different number of ranks restarts them from the seed and
-says so.
+newest. RNG states are per global rank: a run resumed on a different number of ranks
+restarts them from the seed and says so.
 """
 
 from __future__ import annotations

@@ -59,7 +59,7 @@ def case_import(ctx, hf_path, save_dir, pad_for_tp=1):
     dict."""
     from megatron.core import parallel_state
 
-    from megatron_kd.integration.hf_import import import_hf
+    from megatron_kd.hf.importer import import_hf
 
     parallel_state.initialize_model_parallel(1, 1)
     try:

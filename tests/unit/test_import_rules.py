@@ -54,11 +54,18 @@ def test_teacher_service_needs_no_megatron(modules):
 
 def test_integration_imports_only_the_layers_below(modules):
     # cache: the offline teacher source (the top-K prefetcher); flags: the --kd-* flags' fields;
-    # known_warnings: the Megatron-LM hooks install its filters; placement: the compute device
+    # known_warnings: the Megatron-LM hooks install its filters; placement: the compute device.
+    # Never hf/: the Megatron-Core layer does not know the conversions built on it.
     assert rules.check_allowed_imports(modules, "integration",
-                                       {"arch", "loss", "parallel", "data", "teacher", "cache",
+                                       {"arch", "loss", "parallel", "teacher", "cache",
                                         "flags", "known_warnings", "collectives",
                                         "placement"}) == []
+
+
+def test_hf_builds_on_arch_and_integration(modules):
+    # data: the tokenizer comparison; parallel: the vocabulary padding
+    assert rules.check_allowed_imports(modules, "hf",
+                                       {"arch", "integration", "data", "parallel"}) == []
 
 
 def test_collectives_import_nothing_of_the_project(modules):
@@ -116,6 +123,11 @@ def test_rules_catch_broken_trees():
         "planner/plan.py": "import torch\n",
         "arch/__init__.py": "",
         "arch/config.py": "import torch\nfrom megatron_kd.loss.fused import x\n",
+        "integration/__init__.py": "",
+        "integration/gpt.py": "from megatron_kd.hf import importer\n",
+        "hf/__init__.py": "",
+        "hf/importer.py": "from megatron_kd.integration.gpt import build\n"
+                          "from megatron_kd.training.train import run\n",
         "parallel/__init__.py": "",
         "parallel/layout.py": "from megatron.core import parallel_state as ps\n",
         "cache/__init__.py": "",
@@ -137,6 +149,13 @@ def test_rules_catch_broken_trees():
         "megatron_kd/arch/config.py: arch/ imports megatron_kd.loss.fused "
         "(loss/ is not allowed here)",
         "megatron_kd/arch/config.py:1: arch/ imports torch"]
+    assert rules.check_allowed_imports(tree, "integration", {"arch"}) == [
+        "megatron_kd/integration/gpt.py: integration/ imports megatron_kd.hf.importer "
+        "(hf/ is not allowed here)"]
+    assert rules.check_allowed_imports(tree, "hf", {"arch", "integration"}) == [
+        "megatron_kd/hf/importer.py: hf/ imports megatron_kd.training.train "
+        "(training/ is not allowed here)"]
+    assert any("hf <-> integration" in c for c in cycles)
     assert rules.check_allowed_imports(tree, "parallel", set(), ("megatron",)) == [
         "megatron_kd/parallel/layout.py:1: parallel/ imports megatron.core"]
     cache = rules.check_allowed_imports(tree, "cache", {"parallel"})

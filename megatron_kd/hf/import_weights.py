@@ -1,7 +1,7 @@
 """Hugging Face weights (Llama, Qwen3, Qwen3-MoE, gpt-oss, Qwen3.5) -> Megatron-Core ``GPTModel``
 weights (local spec), pure tensors.
 
-See :mod:`megatron_kd.integration.hf_import` for the layout mapping; this module is the maths
+See :mod:`megatron_kd.hf.importer` for the layout mapping; this module is the maths
 of it: the architecture from a config (:func:`arch_from_hf_config`, in
 :mod:`megatron_kd.arch.hf_config`), the full state dict
 (:func:`convert_hf_state_dict`), a TP shard of it (:func:`shard_megatron_state_dict`),
