@@ -5,7 +5,7 @@ A :class:`TeacherSource` gives the fused loss its teacher arguments for a microb
 (:meth:`~TeacherSource.start`), reports its step's statistics (:meth:`~TeacherSource.step_stats`)
 and is closed once (:meth:`~TeacherSource.close`). ``megatron-kd train``
 (:class:`~megatron_kd.training.trainer.Trainer`) and Megatron-LM's forward step
-(:mod:`megatron_kd.integration.megatron_lm`) both use it, and :func:`kd_scalars` names the
+(:mod:`megatron_kd.megatron_lm`) both use it, and :func:`kd_scalars` names the
 statistics alike for both. The mode is read in one place, :func:`build_teacher_source`:
 
 =====================  ==================  =================================================

@@ -219,6 +219,14 @@ def check_allowed_imports(modules: dict[str, Module], package: str, allowed_proj
     return problems
 
 
+def check_not_imported(modules: dict[str, Module], package: str) -> list[str]:
+    """No module outside ``package`` imports it (at any depth: deferred imports count too)."""
+    return [f"{mod.path}: imports {target} (nothing outside {package}/ may)"
+            for name, mod in sorted(modules.items()) if mod.package != package
+            for target in sorted(_project_targets(mod, modules))
+            if modules[target].package == package]
+
+
 def check_parallel_state(modules: dict[str, Module], allowed: tuple[str, ...]) -> list[str]:
     """Only the ``allowed`` packages name Megatron-Core's ``parallel_state``."""
     return [f"{mod.path}:{line}: parallel_state outside {'/, '.join(allowed)}/"

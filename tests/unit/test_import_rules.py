@@ -54,18 +54,31 @@ def test_teacher_service_needs_no_megatron(modules):
 
 def test_integration_imports_only_the_layers_below(modules):
     # cache: the offline teacher source (the top-K prefetcher); flags: the --kd-* flags' fields;
-    # known_warnings: the Megatron-LM hooks install its filters; placement: the compute device.
-    # Never hf/: the Megatron-Core layer does not know the conversions built on it.
+    # placement: the compute device. Never hf/ or megatron_lm/: the Megatron-Core layer does not
+    # know the conversions and the Megatron-LM hooks built on it.
     assert rules.check_allowed_imports(modules, "integration",
                                        {"arch", "loss", "parallel", "teacher", "cache",
-                                        "flags", "known_warnings", "collectives",
-                                        "placement"}) == []
+                                        "flags", "collectives", "placement"}) == []
 
 
 def test_hf_builds_on_arch_and_integration(modules):
     # data: the tokenizer comparison; parallel: the vocabulary padding
     assert rules.check_allowed_imports(modules, "hf",
                                        {"arch", "integration", "data", "parallel"}) == []
+
+
+def test_megatron_lm_hooks_sit_on_the_megatron_core_layer(modules):
+    # integration: the models, the loss function, the teacher sources; cache: the offline
+    # source's reader; teacher: the look-ahead over Megatron-LM's data iterator; known_warnings:
+    # the hooks install its filters when Megatron-LM imports them
+    assert rules.check_allowed_imports(modules, "megatron_lm",
+                                       {"arch", "integration", "cache", "teacher",
+                                        "known_warnings"}) == []
+
+
+def test_nothing_imports_the_megatron_lm_hooks(modules):
+    # only a patched pretrain_gpt.py does: a `megatron-kd` command never loads them
+    assert rules.check_not_imported(modules, "megatron_lm") == []
 
 
 def test_collectives_import_nothing_of_the_project(modules):
@@ -88,8 +101,9 @@ def test_cache_does_not_import_the_teacher(modules):
     assert problems == []
 
 
-def test_only_integration_and_training_touch_parallel_state(modules):
-    assert rules.check_parallel_state(modules, ("integration", "training")) == []
+def test_only_the_megatron_layers_and_training_touch_parallel_state(modules):
+    # megatron_lm: the hooks read the groups Megatron-LM set up
+    assert rules.check_parallel_state(modules, ("integration", "megatron_lm", "training")) == []
 
 
 def test_imports_wait_only_with_a_reason(modules):
@@ -127,7 +141,10 @@ def test_rules_catch_broken_trees():
         "integration/gpt.py": "from megatron_kd.hf import importer\n",
         "hf/__init__.py": "",
         "hf/importer.py": "from megatron_kd.integration.gpt import build\n"
-                          "from megatron_kd.training.train import run\n",
+                          "from megatron_kd.planner.plan import plan\n",
+        "megatron_lm/__init__.py": "",
+        "megatron_lm/hooks.py": "from megatron_kd.hf import importer\n",
+        "training/run.py": "from megatron_kd.megatron_lm import hooks\n",
         "parallel/__init__.py": "",
         "parallel/layout.py": "from megatron.core import parallel_state as ps\n",
         "cache/__init__.py": "",
@@ -153,16 +170,23 @@ def test_rules_catch_broken_trees():
         "megatron_kd/integration/gpt.py: integration/ imports megatron_kd.hf.importer "
         "(hf/ is not allowed here)"]
     assert rules.check_allowed_imports(tree, "hf", {"arch", "integration"}) == [
-        "megatron_kd/hf/importer.py: hf/ imports megatron_kd.training.train "
-        "(training/ is not allowed here)"]
+        "megatron_kd/hf/importer.py: hf/ imports megatron_kd.planner.plan "
+        "(planner/ is not allowed here)"]
     assert any("hf <-> integration" in c for c in cycles)
+    assert rules.check_allowed_imports(tree, "megatron_lm", {"integration"}) == [
+        "megatron_kd/megatron_lm/hooks.py: megatron_lm/ imports megatron_kd.hf.importer "
+        "(hf/ is not allowed here)"]
+    assert rules.check_not_imported(tree, "megatron_lm") == [
+        "megatron_kd/training/run.py: imports megatron_kd.megatron_lm.hooks (nothing outside "
+        "megatron_lm/ may)"]
     assert rules.check_allowed_imports(tree, "parallel", set(), ("megatron",)) == [
         "megatron_kd/parallel/layout.py:1: parallel/ imports megatron.core"]
     cache = rules.check_allowed_imports(tree, "cache", {"parallel"})
     assert cache == ["megatron_kd/cache/reader.py: cache/ imports megatron_kd.teacher.wire "
                      "(teacher/ is not allowed here)"]
-    assert rules.check_parallel_state(tree, ("integration", "training")) == [
-        "megatron_kd/parallel/layout.py:1: parallel_state outside integration/, training/"]
+    assert rules.check_parallel_state(tree, ("integration", "megatron_lm", "training")) == [
+        "megatron_kd/parallel/layout.py:1: parallel_state outside integration/, megatron_lm/, "
+        "training/"]
     deferred = rules.check_deferred_imports(tree)
     assert len(deferred) == 2  # numpy (not deferrable) and the project import; triton has a reason
     assert any("numpy imported inside a function" in d for d in deferred)

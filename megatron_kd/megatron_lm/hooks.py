@@ -64,10 +64,10 @@ context parallelism as for its own loss).
 Megatron-LM's checks of the loss stay on: :func:`loss_func` hands its loss to Megatron-Core's
 rerun state machine exactly as Megatron-LM's own ``pretrain_gpt.loss_func`` does
 (``--check-for-nan-in-loss-and-grad``, ``--check-for-spiky-loss``; see
-:func:`~megatron_kd.integration.megatron_lm_flags.validate_loss`).
+:func:`~megatron_kd.megatron_lm.checks.validate_loss`).
 
 Offline (``--kd-mode offline --kd-topk-cache DIR``), the world holds only the student; the cache
-(:func:`~megatron_kd.integration.megatron_lm_flags.open_topk_cache`) records each sample's token
+(:func:`~megatron_kd.megatron_lm.checks.open_topk_cache`) records each sample's token
 fingerprint, and the last stage finds each microbatch's rows by its tokens (the data
 iterator's, broadcast over TP; this CP rank's positions kept): any layout or sample order, and
 a sample the cache does not hold is a ``ValueError`` in its forward step naming it and the cache
@@ -78,9 +78,9 @@ a ``--seq-length`` that the context-parallel (and
 sequence-parallel) split does not divide, ``--hybrid-context-parallel``, ``--sft`` or a
 colocated Gated DeltaNet teacher with context parallelism, ``--init-model-with-meta-device``,
 multi-token prediction, ``--overlap-moe-expert-parallel-comm`` schedule plans, and the
-Megatron-LM flags of :data:`~megatron_kd.integration.megatron_lm_flags.CONFLICTING_FLAGS`
+Megatron-LM flags of :data:`~megatron_kd.megatron_lm.checks.CONFLICTING_FLAGS`
 (another distillation, or a second build of the model); see
-:func:`~megatron_kd.integration.megatron_lm_flags.check_megatron_args`.
+:func:`~megatron_kd.megatron_lm.checks.check_megatron_args`.
 
 Nothing here imports Megatron-LM (``megatron.training``) at import time (only megatron-core):
 :func:`model_provider` reads Megatron-LM's ``get_args()`` when it is called, and the model
@@ -102,13 +102,19 @@ from megatron.core import parallel_state as ps
 from megatron_kd import known_warnings
 from megatron_kd.integration.args import KDArgs, add_kd_args
 from megatron_kd.integration.loss_func import make_kd_loss_func
-from megatron_kd.integration.megatron_lm_flags import (
+from megatron_kd.integration.output_layer import (
+    bypass_output_layer,
+    output_layer_weight,
+    unwrap_model,
+)
+from megatron_kd.integration.teacher_sources import NoTeacher, TeacherSource, build_teacher_source
+from megatron_kd.megatron_lm.checks import (
     LossChecks,
     check_megatron_args,
     open_topk_cache,
     validate_loss,
 )
-from megatron_kd.integration.megatron_lm_teacher import (
+from megatron_kd.megatron_lm.teacher_side import (
     lookahead,
     megatron_lm_args,
     microbatches_per_step,
@@ -116,12 +122,6 @@ from megatron_kd.integration.megatron_lm_teacher import (
     teacher_inputs,
     write_teacher_scalars,
 )
-from megatron_kd.integration.output_layer import (
-    bypass_output_layer,
-    output_layer_weight,
-    unwrap_model,
-)
-from megatron_kd.integration.teacher_sources import NoTeacher, TeacherSource, build_teacher_source
 
 # Megatron-LM imports this module before it builds a model: from here on the known third-party
 # warnings are hidden (megatron_kd/known_warnings.py; PYTHONWARNINGS=default shows them)
@@ -475,7 +475,7 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor, *, labels: t
         report_teacher_lm_loss: also report the teacher's cross-entropy (evaluation).
         loss_fn: replaces ``vocab_parallel_kd_loss`` (same signature; for tests).
         checks: Megatron-LM's NaN / spiky-loss checks of the summed loss
-            (:func:`~megatron_kd.integration.megatron_lm_flags.validate_loss`).
+            (:func:`~megatron_kd.megatron_lm.checks.validate_loss`).
 
     Returns:
         ``(loss_sum, num_tokens, report)`` over this rank's tokens, as Megatron-LM's own
