@@ -9,6 +9,7 @@
 * :mod:`~megatron_kd.integration.loss_func` -- the fused loss as Megatron's ``loss_func``.
 * :mod:`~megatron_kd.integration.groups` -- ``torch.distributed`` and ``parallel_state`` set-up.
 * :mod:`~megatron_kd.integration.cpu_shim` -- Megatron-Core on a machine without a GPU.
+* ``megatron_lm`` -- deprecated (one release): the old path of :mod:`megatron_kd.megatron_lm`.
 
 This ``__init__`` re-exports what a Megatron-LM user calls; it imports Megatron-Core only
 through the modules named.

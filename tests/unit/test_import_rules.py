@@ -14,10 +14,21 @@ ROOT = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "megatron_k
 
 
 @pytest.fixture(scope="module")
-def modules():
+def scanned():
     found = rules.scan(os.path.normpath(ROOT))
     assert "megatron_kd.loss.fused" in found and "megatron_kd.integration.gpt" in found
     return found
+
+
+@pytest.fixture(scope="module")
+def modules(scanned):
+    # the rules read a moved module at its new path; its old one is checked as an alias below
+    return rules.without_aliases(scanned)
+
+
+def test_deprecated_aliases_only_re_export(scanned):
+    # megatron_kd.integration.megatron_lm: trees patched before the hooks moved import it
+    assert rules.check_aliases(scanned) == []
 
 
 def test_no_import_cycles(modules):
@@ -193,3 +204,31 @@ def test_rules_catch_broken_trees():
     assert any("project import megatron_kd.teacher" in d for d in deferred)
     assert rules.check_sizes(tree) == [
         "megatron_kd/data/big.py:1: function h has 91 lines (> 80)"]
+
+
+def test_alias_rules_catch_broken_aliases():
+    tree = _tree({
+        "__init__.py": "",
+        "integration/__init__.py": "",
+        "integration/old_hooks.py": "import warnings\nimport torch\n"
+                                    "from megatron_kd.megatron_lm.hooks import *\n",
+        "integration/old_checks.py": "import warnings\n",
+        "megatron_lm/__init__.py": "",
+        "megatron_lm/hooks.py": "",
+        "megatron_lm/checks.py": "",
+    })
+    aliases = {"megatron_kd.integration.old_hooks": "megatron_kd.megatron_lm.hooks",
+               "megatron_kd.integration.old_checks": "megatron_kd.megatron_lm.checks",
+               "megatron_kd.integration.gone": "megatron_kd.megatron_lm"}
+    assert rules.check_aliases(tree, aliases) == [
+        "megatron_kd.integration.gone: an alias of megatron_kd.megatron_lm that does not exist",
+        "megatron_kd/integration/old_checks.py: an alias of megatron_kd.megatron_lm.checks "
+        "that does not import it",
+        "megatron_kd/integration/old_hooks.py:2: an alias of megatron_kd.megatron_lm.hooks "
+        "imports torch"]
+    # an alias breaks the layout's rules until it is left out of them
+    assert rules.check_allowed_imports(tree, "integration", set()) == [
+        "megatron_kd/integration/old_hooks.py: integration/ imports megatron_kd.megatron_lm.hooks "
+        "(megatron_lm/ is not allowed here)"]
+    assert rules.check_allowed_imports(rules.without_aliases(tree, aliases), "integration",
+                                       set()) == []
