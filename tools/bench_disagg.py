@@ -154,7 +154,7 @@ def _worker(rank: int, kind: str, world: int, tmp: str, payload: dict) -> None:
                             world_size=world)
     try:
         if kind == "make_teacher":
-            from megatron_kd.integration.arch import GPTArchConfig
+            from megatron_kd.arch import GPTArchConfig
             from megatron_kd.integration.checkpoint import save_model_checkpoint
             from megatron_kd.integration.gpt import build_gpt_model
             from megatron_kd.integration.groups import model_parallel

@@ -61,7 +61,7 @@ def _smoke_teacher(directory: str) -> None:
     """Save a random :data:`SMOKE_TEACHER` checkpoint in ``directory`` (a world of one)."""
     import torch.distributed as dist
 
-    from megatron_kd.integration.arch import GPTArchConfig
+    from megatron_kd.arch import GPTArchConfig
     from megatron_kd.integration.checkpoint import save_model_checkpoint
     from megatron_kd.integration.gpt import build_gpt_model
     from megatron_kd.integration.groups import init_distributed_from_env, model_parallel

@@ -369,7 +369,7 @@ def worker_make_teacher(a: argparse.Namespace) -> dict:
     import torch.distributed as dist
     from support.train_cases import TEACHER_ARCH
 
-    from megatron_kd.integration.arch import GPTArchConfig
+    from megatron_kd.arch import GPTArchConfig
     from megatron_kd.integration.checkpoint import save_model_checkpoint
     from megatron_kd.integration.gpt import build_gpt_model
     from megatron_kd.integration.groups import init_distributed_from_env, model_parallel

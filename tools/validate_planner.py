@@ -220,7 +220,7 @@ _MAKE_TEACHER_CODE = (
     "install_cpu_shim()\n"
     "import torch.distributed as dist\n"
     "from megatron_kd.integration.groups import init_distributed_from_env, model_parallel\n"
-    "from megatron_kd.integration.arch import GPTArchConfig\n"
+    "from megatron_kd.arch import GPTArchConfig\n"
     "from megatron_kd.integration.checkpoint import save_model_checkpoint\n"
     "from megatron_kd.integration.gpt import build_gpt_model\n"
     "init_distributed_from_env()\n"

@@ -14,7 +14,7 @@ Nothing here downloads. The inputs are:
 Outputs under the demo's output directory, each rebuilt only when its inputs changed (a
 ``stamp.json`` next to it records the inputs' sizes and hashes):
 
-* ``teacher/``: the Megatron-Core checkpoint of the teacher (via :mod:`megatron_kd.integration.hf_import`)
+* ``teacher/``: the Megatron-Core checkpoint of the teacher (via :mod:`megatron_kd.hf.importer`)
   and its ``tokenizer.json``;
 * ``data/corpus.{bin,idx,json}``: the text tokenized with the teacher's tokenizer by
   :func:`megatron_kd.data.preprocess.preprocess` (Megatron's indexed format). Documents
@@ -211,8 +211,9 @@ def prepare_teacher(output_dir: str, *, tp_size: int = 1, log=print) -> str:
     """``output_dir/teacher``: the GGUF teacher as a Megatron-Core checkpoint (cached).
 
     ``tp_size > 1`` pads the teacher's heads so it splits that many ways (SmolLM2-135M has 9
-    heads in 3 query groups; see :func:`megatron_kd.integration.hf_convert.pad_for_tensor_parallel`). Runs in
-    this process (a 1-rank gloo group is made for the save when none exists).
+    heads in 3 query groups; see
+    :func:`megatron_kd.hf.import_weights.pad_for_tensor_parallel`). Runs in this process (a
+    1-rank gloo group is made for the save when none exists).
     """
     gguf = find_teacher_gguf()
     teacher_dir = os.path.join(output_dir, "teacher")
@@ -224,10 +225,10 @@ def prepare_teacher(output_dir: str, *, tp_size: int = 1, log=print) -> str:
         shutil.rmtree(teacher_dir)
     # Megatron-Core and transformers load only when the teacher is imported (the demo sets up
     # the CPU-only environment and its warning filters first).
-    from megatron_kd.integration import hf_import
+    from megatron_kd.hf import importer
 
     log(f"teacher: converting {gguf} (dequantising the GGUF through transformers)")
-    arch = hf_import.import_hf(gguf, teacher_dir, pad_for_tp=tp_size)
+    arch = importer.import_hf(gguf, teacher_dir, pad_for_tp=tp_size)
     _write_stamp(teacher_dir, stamp)
     log(f"teacher: {arch.num_layers} layers, hidden {arch.hidden_size}, "
         f"{arch.num_attention_heads} heads in {arch.query_groups} groups (padded for TP="

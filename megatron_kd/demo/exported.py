@@ -14,7 +14,7 @@ import torch
 
 from megatron_kd.data.datasets import BatchPlan
 from megatron_kd.data.tokenizer import HFTokenizer
-from megatron_kd.integration.hf_export import export_hf
+from megatron_kd.hf.exporter import export_hf
 from megatron_kd.training.run_checks import build_datasets
 from megatron_kd.training.run_config import RunConfig
 from megatron_kd.training.train import parse_args

@@ -2,8 +2,6 @@
 
 * :mod:`~megatron_kd.integration.args` -- the ``--kd-*`` flags (:func:`add_kd_args`,
   :class:`KDArgs`), for ``megatron-kd train`` and Megatron-LM's parser alike.
-* :mod:`~megatron_kd.integration.arch` -- a GPT's architecture (pure Python, JSON in
-  checkpoints).
 * :mod:`~megatron_kd.integration.gpt` -- the one place Megatron-Core models are built.
 * :mod:`~megatron_kd.integration.checkpoint` -- model checkpoints (``dist_checkpointing``).
 * :mod:`~megatron_kd.integration.teacher` -- the frozen-teacher builder.
@@ -11,9 +9,7 @@
 * :mod:`~megatron_kd.integration.loss_func` -- the fused loss as Megatron's ``loss_func``.
 * :mod:`~megatron_kd.integration.groups` -- ``torch.distributed`` and ``parallel_state`` set-up.
 * :mod:`~megatron_kd.integration.cpu_shim` -- Megatron-Core on a machine without a GPU.
-* :mod:`~megatron_kd.integration.megatron_lm` -- the pieces Megatron-LM's ``pretrain_gpt.py``
-  patch plugs in.
-* :mod:`~megatron_kd.integration.hf_import` -- Hugging Face checkpoints -> Megatron-Core.
+* ``megatron_lm`` -- deprecated (one release): the old path of :mod:`megatron_kd.megatron_lm`.
 
 This ``__init__`` re-exports what a Megatron-LM user calls; it imports Megatron-Core only
 through the modules named.

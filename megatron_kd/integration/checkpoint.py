@@ -27,7 +27,7 @@ from megatron.core.dist_checkpointing.state_dict_utils import load_preprocess
 from megatron.core.dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
 from megatron.core.dist_checkpointing.utils import extract_sharded_base
 
-from megatron_kd.integration.arch import GPTArchConfig
+from megatron_kd.arch import GPTArchConfig
 from megatron_kd.integration.cpu_shim import checkpoint_save_strategy
 from megatron_kd.integration.gpt import model_arch
 

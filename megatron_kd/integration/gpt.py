@@ -1,7 +1,7 @@
 """Megatron-Core GPT models for teacher and student: one place that builds them.
 
 :func:`build_gpt_model` builds this rank's Megatron-Core ``GPTModel`` for a
-:class:`~megatron_kd.integration.arch.GPTArchConfig` (the local layer spec on CPU, Transformer
+:class:`~megatron_kd.arch.GPTArchConfig` (the local layer spec on CPU, Transformer
 Engine's spec when it is importable and a GPU is present). Every model of the project (student,
 teacher, cache-build teacher, imported checkpoints) comes from here, so a move to another
 Megatron-Core model class is one change.
@@ -34,7 +34,7 @@ from megatron.core.transformer.transformer_block import (
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
-from megatron_kd.integration.arch import GPTArchConfig
+from megatron_kd.arch import GPTArchConfig
 from megatron_kd.integration.context_parallel import (
     ContextParallelAttention,
     ContextParallelSdpaAttention,
@@ -173,7 +173,7 @@ def _layer_specs(arch: GPTArchConfig) -> list[ModuleSpec]:
 
     Local modules even on a GPU for a hybrid: Megatron-Core's own Transformer Engine hybrid
     (``get_transformer_block_with_experimental_attention_variant_spec``) fuses the
-    pre-DeltaNet norm into ``in_proj``, names that ``_TE_NORM_NAMES`` (hf_convert) does not
+    pre-DeltaNet norm into ``in_proj``, names that ``_TE_NORM_NAMES`` (import_weights) does not
     map, and only this local spec has been checked against Hugging Face (on CPU). The
     DeltaNet's gated output norm is a plain RMSNorm of one value head. The softmax attention's
     ``DotProductAttention`` here is swapped by :func:`_block_spec` (SDPA on a GPU).

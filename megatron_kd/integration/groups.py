@@ -4,6 +4,8 @@
   world of one); gloo on CPU, NCCL on GPU.
 * :func:`model_parallel` -- Megatron-Core's TP x PP groups over the default group, undone on
   exit.
+* :func:`unsharded_model_parallel` -- tensor and pipeline size 1 for a step that builds the
+  whole model (``import-hf``), with a 1-rank group when there is none.
 * :func:`collective_device` -- where a collective's tensors must live (NCCL: CUDA).
 """
 
@@ -69,6 +71,43 @@ def model_parallel(tp: int = 1, pp: int = 1, ep: int = 1, etp: int | None = None
         yield
     finally:
         parallel_state.destroy_model_parallel()
+
+
+@contextlib.contextmanager
+def unsharded_model_parallel(what: str):
+    """Tensor and pipeline size 1 for the duration, for ``what`` (a step that builds the whole
+    model on every rank, e.g. ``import_hf``): a 1-rank gloo group (file store, no port) when
+    ``torch.distributed`` has none and ``parallel_state`` at sizes 1 when it is not initialised,
+    both undone on exit. An initialised ``parallel_state`` of other sizes raises ``ValueError``.
+    """
+    own_pg, tmp = _ensure_distributed()
+    own_mpu = not parallel_state.model_parallel_is_initialized()
+    if own_mpu:
+        parallel_state.initialize_model_parallel(1, 1)
+    try:
+        tp = parallel_state.get_tensor_model_parallel_world_size()
+        pp = parallel_state.get_pipeline_model_parallel_world_size()
+        if (tp, pp) != (1, 1):
+            raise ValueError(f"{what} builds the model unsharded: initialise parallel_state "
+                             f"with tensor and pipeline size 1 (got {tp} and {pp}); the saved "
+                             f"checkpoint loads at any size")
+        yield
+    finally:
+        if own_mpu:
+            parallel_state.destroy_model_parallel()
+        if own_pg:
+            dist.destroy_process_group()
+            tmp.cleanup()
+
+
+def _ensure_distributed() -> tuple[bool, tempfile.TemporaryDirectory | None]:
+    """Initialise a 1-rank gloo group (file store, no port) when none exists."""
+    if dist.is_initialized():
+        return False, None
+    tmp = tempfile.TemporaryDirectory(prefix="megatron_kd_import_")
+    dist.init_process_group("gloo", init_method=f"file://{tmp.name}/store", rank=0, world_size=1,
+                            timeout=datetime.timedelta(minutes=30))
+    return True, tmp
 
 
 def collective_device(group=None) -> torch.device:

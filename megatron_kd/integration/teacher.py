@@ -27,7 +27,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.tensor_parallel import get_cuda_rng_tracker
 from megatron.core.utils import make_tp_sharded_tensor_for_checkpoint
 
-from megatron_kd.integration.arch import GPTArchConfig
+from megatron_kd.arch import GPTArchConfig
 from megatron_kd.integration.checkpoint import (
     MODEL_CONFIG_FILE,
     check_checkpoint_tensors,

@@ -5,7 +5,7 @@ A :class:`TeacherSource` gives the fused loss its teacher arguments for a microb
 (:meth:`~TeacherSource.start`), reports its step's statistics (:meth:`~TeacherSource.step_stats`)
 and is closed once (:meth:`~TeacherSource.close`). ``megatron-kd train``
 (:class:`~megatron_kd.training.trainer.Trainer`) and Megatron-LM's forward step
-(:mod:`megatron_kd.integration.megatron_lm`) both use it, and :func:`kd_scalars` names the
+(:mod:`megatron_kd.megatron_lm`) both use it, and :func:`kd_scalars` names the
 statistics alike for both. The mode is read in one place, :func:`build_teacher_source`:
 
 =====================  ==================  =================================================
@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from megatron_kd.cache.loader import TopKPrefetcher
 from megatron_kd.cache.lookup import TokenLookup
-from megatron_kd.integration.arch import GPTArchConfig
+from megatron_kd.arch import GPTArchConfig
 from megatron_kd.integration.args import KDArgs
 from megatron_kd.integration.groups import collective_device, shared_random_id
 from megatron_kd.integration.output_layer import output_layer_weight, to_sbh

@@ -4,8 +4,8 @@
 :func:`megatron_kd.integration.checkpoint.load_model_checkpoint`, at any tensor-parallel size),
 the optimizer, the learning-rate scheduler, the iteration, the samples consumed (the data
 position) and every rank's RNG state; ``<save>/latest_checkpointed_iteration.txt`` names the
-newest. RNG states are per global rank: a run resumed on a different number of ranks restarts them from the seed and
-says so.
+newest. RNG states are per global rank: a run resumed on a different number of ranks
+restarts them from the seed and says so.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 from torch.distributed.checkpoint.api import CheckpointException
 
-from megatron_kd.integration.arch import GPTArchConfig
+from megatron_kd.arch import GPTArchConfig
 from megatron_kd.integration.checkpoint import (
     CHECKPOINT_FORMAT_VERSION,
     LATEST_FILE,

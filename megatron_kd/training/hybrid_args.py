@@ -3,7 +3,7 @@ layer pattern, gated softmax attention, partial RoPE and a (gated) shared expert
 Megatron-LM spells them (``--experimental-attention-variant gated_delta_net
 --linear-attention-freq 4 --attention-output-gate --rotary-percent 0.25 ...``).
 
-:func:`hybrid_arch_fields` turns them into :class:`~megatron_kd.integration.arch.GPTArchConfig`
+:func:`hybrid_arch_fields` turns them into :class:`~megatron_kd.arch.GPTArchConfig`
 fields, refusing combinations Megatron-LM would refuse or silently ignore. Pure Python.
 """
 

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_kd.integration.arch import GPTArchConfig
+from megatron_kd.arch import GPTArchConfig
 from megatron_kd.loss.config import CpuTuning
 from megatron_kd.planner import traffic
 from megatron_kd.planner.memory import ActivationOptions, ParallelLayout, Precision, Term

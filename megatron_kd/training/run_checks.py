@@ -29,7 +29,7 @@ from megatron_kd.data.datasets import (
     parse_data_path,
 )
 from megatron_kd.data.tokenizer import HFTokenizer, MockTokenizer, tokenizer_difference
-from megatron_kd.integration.arch import GPTArchConfig
+from megatron_kd.arch import GPTArchConfig
 from megatron_kd.integration.args import KDArgs
 from megatron_kd.integration.checkpoint import (
     has_model_config,

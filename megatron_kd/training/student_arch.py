@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from megatron_kd.integration.arch import GPTArchConfig
+from megatron_kd.arch import GPTArchConfig
 from megatron_kd.training.hybrid_args import hybrid_arch_fields
 from megatron_kd.training.run_config import ArchitectureSection
 

@@ -24,7 +24,7 @@ from megatron_kd.cache.build import build_cache
 from megatron_kd.cache.reader import TopKCacheReader
 from megatron_kd.cache.topk import vocab_parallel_topk_logprobs
 from megatron_kd.integration.groups import collective_device
-from megatron_kd.integration.megatron_lm_teacher import _microbatch_tokens
+from megatron_kd.megatron_lm.teacher_side import _microbatch_tokens
 from megatron_kd.integration.teacher_sources import Cached, Remote
 from megatron_kd.testing.devices import on_accelerator, simulated_accelerator
 from megatron_kd.training.checkpointing import _state_bytes
@@ -275,8 +275,8 @@ HELPERS = {
                                           "all_reduce integration/teacher_sources.py"),
     "checkpointing._state_bytes": (_checkpoint_bytes, 2 * (16 + 16),
                                    "all_reduce training/checkpointing.py"),
-    "megatron_lm_teacher._microbatch_tokens": (_teacher_tokens, [[0, 1, 2], [3, 4, 5]],
-                                               "broadcast integration/megatron_lm_teacher.py"),
+    "teacher_side._microbatch_tokens": (_teacher_tokens, [[0, 1, 2], [3, 4, 5]],
+                                        "broadcast megatron_lm/teacher_side.py"),
 }
 
 

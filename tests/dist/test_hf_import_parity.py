@@ -30,7 +30,7 @@ from support.hf_models import (
 )
 from support.train_cases import case_import
 
-from megatron_kd.integration import hf_import
+from megatron_kd.hf import importer
 
 # fp32 end to end; the two implementations sum in different orders (fused qkv, SwiGLU as one
 # matmul, TP partial sums), so logits of size ~3 agree to ~1.2e-6 (measured). 1e-5 leaves ~10x
@@ -61,9 +61,9 @@ def case_logits(ctx, save_dir, tokens, tp_size, direct_from=None, ep_size=1, etp
         if direct_from is None:
             checkpoint.load_model_checkpoint(model, save_dir)
         else:
-            ckpt = hf_import.load_hf_checkpoint(direct_from)
-            full = hf_import.convert_hf_state_dict(ckpt.state_dict, arch)
-            hf_import.load_converted_into_model(
+            ckpt = importer.load_hf_checkpoint(direct_from)
+            full = importer.convert_hf_state_dict(ckpt.state_dict, arch)
+            importer.load_converted_into_model(
                 model, full, arch, parallel_state.get_tensor_model_parallel_rank(), tp_size,
                 parallel_state.get_expert_model_parallel_rank(), ep_size,
                 parallel_state.get_expert_tensor_parallel_rank(),

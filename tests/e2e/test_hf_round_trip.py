@@ -105,7 +105,7 @@ def case_rewrite(ctx, src, dst, megatron_lm_flags=None):
     from megatron_kd.integration.cpu_shim import checkpoint_save_strategy
     from megatron_kd.integration.gpt import build_gpt_model
     from megatron_kd.integration.groups import model_parallel
-    from megatron_kd.integration.megatron_lm_checkpoint import parse_megatron_lm_flags
+    from megatron_kd.arch.megatron_lm_args import parse_megatron_lm_flags
 
     with model_parallel(tp=2, ep=2, etp=1):
         arch = read_checkpoint_arch(src)

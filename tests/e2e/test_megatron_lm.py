@@ -32,6 +32,7 @@ patched ``pretrain_gpt.py`` would call it:
 
 import argparse
 import contextlib
+import importlib
 import inspect
 import os
 import re
@@ -43,8 +44,8 @@ from functools import partial
 import pytest
 import torch
 
-from megatron_kd.integration import megatron_lm as kd_lm
-from megatron_kd.integration.megatron_lm_flags import (
+from megatron_kd.megatron_lm import hooks as kd_lm
+from megatron_kd.megatron_lm.checks import (
     CONFLICTING_FLAGS,
     LossChecks,
     check_megatron_args,
@@ -75,8 +76,13 @@ def test_patch_is_small_and_names_existing_entry_points(kind, names):
                if line.startswith("-") and not line.startswith("---")]
     assert len(added) <= 6 and len(removed) <= 3  # only the hunks: no copied Megatron-LM code
     assert set(re.findall(r"kd_lm\.(\w+)", "\n".join(added))) == names
+    # the package's path, not the deprecated megatron_kd.integration.megatron_lm
+    assert re.findall(r"^import (\S+) as kd_lm\b", "\n".join(added), flags=re.MULTILINE) == [
+        "megatron_kd.megatron_lm"]
     for name in names:
         assert callable(getattr(kd_lm, name)), name
+        assert getattr(importlib.import_module("megatron_kd.megatron_lm"), name) is getattr(
+            kd_lm, name)
     with open(os.path.join(REPO, "patches", "README.md"), encoding="utf-8") as f:
         readme = f.read()
     for commit in (kd_lm.PINNED_MEGATRON_LM_COMMIT, kd_lm.MEGATRON_LM_MAIN_COMMIT,
@@ -257,14 +263,14 @@ def test_context_parallel_gated_deltanet_teacher_refused(monkeypatch):
 
     from support.train_cases import TEACHER_ARCH
 
-    from megatron_kd.integration import megatron_lm_flags
-    from megatron_kd.integration.arch import GPTArchConfig
+    from megatron_kd.arch import GPTArchConfig
+    from megatron_kd.megatron_lm import checks
 
     arch = dataclasses.replace(GPTArchConfig(**TEACHER_ARCH), linear_attention_layers=[0],
                                linear_num_key_heads=2, linear_num_value_heads=4,
                                linear_key_head_dim=8, linear_value_head_dim=8)
     # the checkpoint's own checks (tensors against the architecture) are not this test's
-    monkeypatch.setattr(megatron_lm_flags, "check_teacher", lambda load, **kw: (load, arch))
+    monkeypatch.setattr(checks, "check_teacher", lambda load, **kw: (load, arch))
     with pytest.raises(ValueError, match=re.escape(
             "--context-parallel-size 2 with a colocated Gated DeltaNet teacher (layers [0])")):
         check_megatron_args(_lm_args(["--kd-teacher-load", "/t"], context_parallel_size=2))
@@ -416,7 +422,7 @@ def megatron_lm_model_provider(pre_process=True, post_process=True, vp_stage=Non
     from megatron.core import parallel_state as ps
     from megatron.training import get_args
 
-    from megatron_kd.integration.arch import GPTArchConfig
+    from megatron_kd.arch import GPTArchConfig
     from megatron_kd.integration.gpt import build_gpt_model
 
     args = get_args()
@@ -1332,7 +1338,7 @@ def test_offline_cache_without_the_samples_refused(pool, offline_caches, cache, 
 def test_offline_cache_checked_against_megatron_lm_flags(offline_caches, tmp_path):
     """The cache against Megatron-LM's flags, before anything is built: its sequence length,
     a vocabulary larger than the student's padded one, a directory that is no cache."""
-    from megatron_kd.integration.megatron_lm_flags import open_topk_cache
+    from megatron_kd.megatron_lm.checks import open_topk_cache
 
     def opened(cache_dir, **fields):
         args = _lm_args(["--kd-mode", "offline", "--kd-topk-cache", cache_dir], **fields)
@@ -1359,7 +1365,7 @@ def _model_dir(path, **arch):
     """A directory with only a ``model_config.json`` (what the pretrained hook reads)."""
     import json
 
-    from megatron_kd.integration.arch import GPTArchConfig
+    from megatron_kd.arch import GPTArchConfig
     from megatron_kd.integration.checkpoint import CHECKPOINT_FORMAT_VERSION
 
     os.makedirs(path)

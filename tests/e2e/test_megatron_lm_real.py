@@ -48,7 +48,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from megatron_kd.integration import megatron_lm as kd_lm
+from megatron_kd.megatron_lm import hooks as kd_lm
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LAUNCHER = os.path.join(REPO, "tests", "support", "megatron_lm_cpu.py")

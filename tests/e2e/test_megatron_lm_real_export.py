@@ -72,7 +72,7 @@ def _tensors(directory: str) -> dict:
 def test_export_of_a_real_megatron_lm_checkpoint_gives_the_model_back(tmp_path, weights):
     """``weights``: how Megatron-LM gets the imported weights: ``--load`` of a ``release``
     root with ``--finetune`` (Megatron-LM's own way), or ``--pretrained-checkpoint`` naming the
-    ``import-hf`` directory itself (through the hooks: ``megatron_lm_pretrained``), with
+    ``import-hf`` directory itself (through the hooks: ``megatron_lm.pretrained``), with
     ``--load`` the empty ``--save`` directory (a first start; a resume would take its own)."""
     if not _checkouts():
         pytest.skip("MEGATRON_LM_DIR is not set (Megatron-LM checkouts)")

@@ -50,7 +50,7 @@ def vp():
 def cases(vp, tmp_path, monkeypatch):
     # where the run's checks read the teacher's tensors
     from megatron_kd.integration import teacher as models
-    from megatron_kd.integration.arch import GPTArchConfig
+    from megatron_kd.arch import GPTArchConfig
 
     teacher = tmp_path / "teacher"
     teacher.mkdir()

@@ -87,7 +87,7 @@ def teacher_ckpt(tmp_path_factory):
     directory = tmp_path_factory.mktemp("teacher") / "ckpt"
     code = textwrap.dedent(f"""
         import torch.distributed as dist
-        from megatron_kd.integration.arch import GPTArchConfig
+        from megatron_kd.arch import GPTArchConfig
         from megatron_kd.integration.gpt import build_gpt_model
         from megatron_kd.integration.checkpoint import save_model_checkpoint
         from megatron_kd.integration.groups import init_distributed_from_env, model_parallel

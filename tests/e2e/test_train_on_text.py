@@ -38,7 +38,7 @@ def test_train_on_preprocessed_text(dist_pool_factory, tokenizer_file, corpus, t
 
 
 def case_save_teacher(ctx, directory, vocab_size, extra):
-    from megatron_kd.integration.arch import GPTArchConfig
+    from megatron_kd.arch import GPTArchConfig
     from megatron_kd.integration.checkpoint import save_model_checkpoint
     from megatron_kd.integration.gpt import build_gpt_model
     from megatron_kd.integration.groups import model_parallel

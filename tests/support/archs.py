@@ -1,6 +1,6 @@
 """A tiny GPT architecture for the model and checkpoint tests."""
 
-from megatron_kd.integration.arch import GPTArchConfig
+from megatron_kd.arch import GPTArchConfig
 
 
 def tiny_arch(**overrides) -> GPTArchConfig:

@@ -19,6 +19,12 @@ DEFERRABLE = ("megatron.training", "transformers", "transformer_engine", "tokeni
               "safetensors", "gguf", "matplotlib", "triton", "modelopt", "liger_kernel", "wandb",
               "tensorboard", "torch", "atheris", "torchft")
 
+#: Modules kept at their old path for one release after a move: old name -> new name. Each only
+#: warns and re-exports the new module (:func:`check_aliases`); the layout's other rules read the
+#: new module and leave the alias out (:func:`without_aliases`).
+ALIASES = {"megatron_kd.integration.megatron_lm": "megatron_kd.megatron_lm"}
+MAX_ALIAS_LINES = 30
+
 MAX_FILE_LINES = 500
 MAX_FUNCTION_LINES = 80
 ONE_PIECE_MARK = "one piece"
@@ -122,6 +128,36 @@ def scan(root: str) -> dict[str, Module]:
     return modules
 
 
+def without_aliases(modules: dict[str, Module],
+                    aliases: dict[str, str] | None = None) -> dict[str, Module]:
+    """``modules`` less the deprecated aliases (:data:`ALIASES` by default)."""
+    aliases = ALIASES if aliases is None else aliases
+    return {name: mod for name, mod in modules.items() if name not in aliases}
+
+
+def check_aliases(modules: dict[str, Module], aliases: dict[str, str] | None = None) -> list[str]:
+    """Each alias exists, imports its new module and nothing else of the project or beyond
+    (``warnings`` for its warning), at module level, and stays under :data:`MAX_ALIAS_LINES`."""
+    aliases = ALIASES if aliases is None else aliases
+    problems = []
+    for old, new in sorted(aliases.items()):
+        mod = modules.get(old)
+        if mod is None:
+            problems.append(f"{old}: an alias of {new} that does not exist")
+            continue
+        targets = {imp.target for imp in mod.imports}
+        if new not in targets:
+            problems.append(f"{mod.path}: an alias of {new} that does not import it")
+        for imp in mod.imports:
+            if imp.target not in (new, "warnings", "__future__") or imp.deferred:
+                problems.append(f"{mod.path}:{imp.line}: an alias of {new} imports "
+                                f"{imp.target}" + (" inside a function" if imp.deferred else ""))
+        if mod.lines > MAX_ALIAS_LINES:
+            problems.append(f"{mod.path}: an alias of {new} has {mod.lines} lines "
+                            f"(> {MAX_ALIAS_LINES}): it only re-exports")
+    return problems
+
+
 def project_edges(modules: dict[str, Module]) -> dict[str, set[str]]:
     """module -> the project modules it imports (at any depth: deferred imports count too)."""
     edges: dict[str, set[str]] = {name: set() for name in modules}
@@ -217,6 +253,14 @@ def check_allowed_imports(modules: dict[str, Module], package: str, allowed_proj
                 if imp.target == bad or imp.target.startswith(bad + "."):
                     problems.append(f"{mod.path}:{imp.line}: {package}/ imports {imp.target}")
     return problems
+
+
+def check_not_imported(modules: dict[str, Module], package: str) -> list[str]:
+    """No module outside ``package`` imports it (at any depth: deferred imports count too)."""
+    return [f"{mod.path}: imports {target} (nothing outside {package}/ may)"
+            for name, mod in sorted(modules.items()) if mod.package != package
+            for target in sorted(_project_targets(mod, modules))
+            if modules[target].package == package]
 
 
 def check_parallel_state(modules: dict[str, Module], allowed: tuple[str, ...]) -> list[str]:

@@ -43,7 +43,7 @@ LOG_FIELDS = ("step", "loss", "kd_loss", "lm_loss", "lr", "tokens_per_s", "peak_
 # --- cases (run on every rank) --------------------------------------------------------------
 
 def case_make_teacher(ctx, directory, arch_kw, seed=5):
-    from megatron_kd.integration.arch import GPTArchConfig
+    from megatron_kd.arch import GPTArchConfig
     from megatron_kd.integration.checkpoint import save_model_checkpoint
     from megatron_kd.integration.gpt import build_gpt_model
     from megatron_kd.integration.groups import model_parallel
@@ -59,7 +59,7 @@ def case_import(ctx, hf_path, save_dir, pad_for_tp=1):
     dict."""
     from megatron.core import parallel_state
 
-    from megatron_kd.integration.hf_import import import_hf
+    from megatron_kd.hf.importer import import_hf
 
     parallel_state.initialize_model_parallel(1, 1)
     try:

@@ -5,7 +5,7 @@ import pytest
 import torch
 from support.archs import tiny_arch
 
-from megatron_kd.integration.arch import GPTArchConfig
+from megatron_kd.arch import GPTArchConfig
 from megatron_kd.parallel import pad_vocab_size
 
 

@@ -33,7 +33,7 @@ README_MAX_LINES = 250  # a newcomer's five minutes; the depth is in docs/
 
 
 def _kd_flags() -> set[str]:
-    from megatron_kd.integration.megatron_lm import extra_args_provider
+    from megatron_kd.megatron_lm import extra_args_provider
 
     parser = argparse.ArgumentParser()
     extra_args_provider(parser)

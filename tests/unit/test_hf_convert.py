@@ -11,12 +11,12 @@ pytest.importorskip("safetensors")
 
 from support.hf_models import bpe_tokenizer, tiny_llama
 
-from megatron_kd.integration import hf_import
+from megatron_kd.hf import importer
 
 
 def test_qkv_layout_groups_heads_like_repeat_kv():
     # Head i of q uses kv head i // (nh/ng) in HF; Megatron reads q heads of group g then k_g, v_g.
-    from megatron_kd.integration.arch import GPTArchConfig
+    from megatron_kd.arch import GPTArchConfig
 
     arch = GPTArchConfig(num_layers=1, hidden_size=4, num_attention_heads=4, num_query_groups=2,
                          ffn_hidden_size=4, vocab_size=8, padded_vocab_size=8,
@@ -36,13 +36,13 @@ def test_qkv_layout_groups_heads_like_repeat_kv():
         "norm.weight": torch.ones(4),
         "lm_head.weight": torch.zeros(8, 4),
     }
-    full = hf_import.convert_hf_state_dict(sd, arch)
+    full = importer.convert_hf_state_dict(sd, arch)
     qkv = full["decoder.layers.0.self_attention.linear_qkv.weight"][:, 0].tolist()
     assert qkv == [10, 11, 20, 30, 12, 13, 21, 31]
     fc1 = full["decoder.layers.0.mlp.linear_fc1.weight"][:, 0].tolist()
     assert fc1 == [1] * 4 + [2] * 4
     # TP=2: rank 1 holds group 1 whole, and the second halves of gate and of up.
-    shard = hf_import.shard_megatron_state_dict(full, arch, 1, 2)
+    shard = importer.shard_megatron_state_dict(full, arch, 1, 2)
     qkv_1 = shard["decoder.layers.0.self_attention.linear_qkv.weight"][:, 0].tolist()
     assert qkv_1 == [12, 13, 21, 31]
     assert shard["decoder.layers.0.mlp.linear_fc1.weight"][:, 0].tolist() == [1, 1, 2, 2]
@@ -50,15 +50,15 @@ def test_qkv_layout_groups_heads_like_repeat_kv():
 
 def test_arch_from_config_pads_vocab_and_records_true_size(tmp_path):
     path, _, _ = tiny_llama(tmp_path, tied=True)
-    ckpt = hf_import.load_hf_checkpoint(path)
-    arch = hf_import.arch_from_hf_config(ckpt.config, make_vocab_size_divisible_by=128)
+    ckpt = importer.load_hf_checkpoint(path)
+    arch = importer.arch_from_hf_config(ckpt.config, make_vocab_size_divisible_by=128)
     assert (arch.vocab_size, arch.padded_vocab_size) == (203, 256)
     assert arch.tie_embeddings and arch.query_groups == 2 and arch.rotary_base == 5000.0
-    arch = hf_import.arch_from_hf_config(ckpt.config, make_vocab_size_divisible_by=8,
+    arch = importer.arch_from_hf_config(ckpt.config, make_vocab_size_divisible_by=8,
                                          vocab_size=200)
     assert (arch.vocab_size, arch.padded_vocab_size) == (200, 208)
     with pytest.raises(ValueError, match="exceeds"):
-        hf_import.arch_from_hf_config(ckpt.config, vocab_size=300)
+        importer.arch_from_hf_config(ckpt.config, vocab_size=300)
 
 
 @pytest.mark.parametrize("change, match", [
@@ -72,7 +72,7 @@ def test_unsupported_configs_are_refused(change, match):
               "num_key_value_heads": 1, "intermediate_size": 8, "num_hidden_layers": 1,
               "vocab_size": 16, "max_position_embeddings": 8, **change}
     with pytest.raises(ValueError, match=match):
-        hf_import.arch_from_hf_config(config)
+        importer.arch_from_hf_config(config)
 
 
 _QWEN3_MOE = {"model_type": "qwen3_moe", "hidden_size": 8, "num_attention_heads": 2,
@@ -94,56 +94,56 @@ def test_unsupported_qwen3_moe_configs_are_refused(change, match):
     if config["num_experts"] is None:
         del config["num_experts"]
     with pytest.raises(ValueError, match=match):
-        hf_import.arch_from_hf_config(config)
+        importer.arch_from_hf_config(config)
 
 
 def test_qwen3_moe_router_convention():
     # renormalised top-k probabilities == softmax over the top-k logits (Megatron's default)
     for norm, pre_softmax in ((True, False), (False, True)):
-        arch = hf_import.arch_from_hf_config({**_QWEN3_MOE, "norm_topk_prob": norm})
+        arch = importer.arch_from_hf_config({**_QWEN3_MOE, "norm_topk_prob": norm})
         assert arch.moe_router_pre_softmax is pre_softmax
         assert (arch.num_experts, arch.moe_ffn_hidden_size, arch.qk_layernorm) == (4, 4, True)
     # transformers 5 writes num_local_experts in place of num_experts
     alias = {k: v for k, v in _QWEN3_MOE.items() if k != "num_experts"}
-    assert hf_import.arch_from_hf_config({**alias, "num_local_experts": 4}).num_experts == 4
+    assert importer.arch_from_hf_config({**alias, "num_local_experts": 4}).num_experts == 4
 
 
 def test_expert_parallel_shard_renumbers_local_experts():
-    arch = hf_import.arch_from_hf_config(_QWEN3_MOE)
+    arch = importer.arch_from_hf_config(_QWEN3_MOE)
     full = {f"decoder.layers.0.mlp.experts.local_experts.{e}.linear_fc2.weight":
             torch.full((8, 4), float(e)) for e in range(4)}
     full["decoder.layers.0.mlp.router.weight"] = torch.zeros(4, 8)
-    shard = hf_import.shard_megatron_state_dict(full, arch, 0, 1, ep_rank=1, ep_size=2)
+    shard = importer.shard_megatron_state_dict(full, arch, 0, 1, ep_rank=1, ep_size=2)
     assert sorted(shard) == ["decoder.layers.0.mlp.experts.local_experts.0.linear_fc2.weight",
                              "decoder.layers.0.mlp.experts.local_experts.1.linear_fc2.weight",
                              "decoder.layers.0.mlp.router.weight"]
     assert shard["decoder.layers.0.mlp.experts.local_experts.1.linear_fc2.weight"][0, 0] == 3
     # expert TP 2 splits an expert's fc2 columns while the attention stays whole at TP 1
-    split = hf_import.shard_megatron_state_dict(full, arch, 0, 1, ep_rank=0, ep_size=2,
+    split = importer.shard_megatron_state_dict(full, arch, 0, 1, ep_rank=0, ep_size=2,
                                                 etp_rank=1, etp_size=2)
     assert split["decoder.layers.0.mlp.experts.local_experts.0.linear_fc2.weight"].shape == (8, 2)
 
 
 def test_missing_tensor_is_refused(tmp_path):
     path, _, _ = tiny_llama(tmp_path, tied=False)
-    ckpt = hf_import.load_hf_checkpoint(path)
-    arch = hf_import.arch_from_hf_config(ckpt.config)
+    ckpt = importer.load_hf_checkpoint(path)
+    arch = importer.arch_from_hf_config(ckpt.config)
     del ckpt.state_dict["layers.1.mlp.up_proj.weight"]
     with pytest.raises(ValueError, match="up_proj"):
-        hf_import.convert_hf_state_dict(ckpt.state_dict, arch)
+        importer.convert_hf_state_dict(ckpt.state_dict, arch)
 
 
 def test_check_tokenizer_compatible():
     vocab = {"a": 0, "b": 1, "ab": 2}
-    same = hf_import.check_tokenizer_compatible(bpe_tokenizer(vocab, [("a", "b")]),
+    same = importer.check_tokenizer_compatible(bpe_tokenizer(vocab, [("a", "b")]),
                                                 bpe_tokenizer(dict(vocab), [("a", "b")]))
     assert same == 3
-    with pytest.raises(hf_import.TokenizerMismatchError, match="different ids"):
-        hf_import.check_tokenizer_compatible(
+    with pytest.raises(importer.TokenizerMismatchError, match="different ids"):
+        importer.check_tokenizer_compatible(
             bpe_tokenizer(vocab, [("a", "b")]),
             bpe_tokenizer({"a": 1, "b": 0, "ab": 2}, [("a", "b")]))
-    with pytest.raises(hf_import.TokenizerMismatchError, match="only in student"):
-        hf_import.check_tokenizer_compatible(
+    with pytest.raises(importer.TokenizerMismatchError, match="only in student"):
+        importer.check_tokenizer_compatible(
             bpe_tokenizer(vocab, [("a", "b")]),
             bpe_tokenizer({**vocab, "ba": 3}, [("a", "b"), ("b", "a")]))
 
@@ -151,14 +151,14 @@ def test_check_tokenizer_compatible():
 def test_check_tokenizer_compatible_reads_paths(tmp_path):
     tok = bpe_tokenizer({"a": 0, "b": 1, "ab": 2}, [("a", "b")])
     tok.save(str(tmp_path / "tokenizer.json"))
-    assert hf_import.check_tokenizer_compatible(tmp_path, str(tmp_path / "tokenizer.json")) == 3
+    assert importer.check_tokenizer_compatible(tmp_path, str(tmp_path / "tokenizer.json")) == 3
 
 
 def test_unpadded_odd_groups_refuse_tp2(tmp_path):
-    from megatron_kd.integration.arch import GPTArchConfig
+    from megatron_kd.arch import GPTArchConfig
 
     path, _, _ = tiny_llama(tmp_path, tied=True, groups=3, ffn=75, name="odd")
-    arch = hf_import.arch_from_hf_config(hf_import.load_hf_checkpoint(path).config)
+    arch = importer.arch_from_hf_config(importer.load_hf_checkpoint(path).config)
     assert isinstance(arch, GPTArchConfig)
     with pytest.raises(ValueError, match="num_query_groups=3"):
         arch.check_tensor_parallel(2)
@@ -168,12 +168,12 @@ def test_cli_refuses_non_empty_save_dir(tmp_path):
     import argparse
 
     parser = argparse.ArgumentParser()
-    hf_import.add_arguments(parser)
+    importer.add_arguments(parser)
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "x").write_text("")
     args = parser.parse_args(["--hf-path", str(tmp_path), "--save", str(tmp_path / "out")])
     with pytest.raises(ValueError, match="not empty"):
-        hf_import.run(args)
+        importer.run(args)
 
 
 _QWEN35 = {"model_type": "qwen3_5_text", "hidden_size": 8, "num_attention_heads": 2,
@@ -186,7 +186,7 @@ _QWEN35 = {"model_type": "qwen3_5_text", "hidden_size": 8, "num_attention_heads"
 
 
 def test_qwen35_config_mapping():
-    arch = hf_import.arch_from_hf_config(_QWEN35)
+    arch = importer.arch_from_hf_config(_QWEN35)
     # no layer_types: derived as transformers does (every 4th layer full attention)
     assert arch.linear_attention_layers == [0, 1, 2]
     assert (arch.attention_output_gate, arch.qk_layernorm, arch.rotary_percent) == (
@@ -195,9 +195,9 @@ def test_qwen35_config_mapping():
     nested = {"model_type": "qwen3_5", "tie_word_embeddings": True,
               "text_config": {**_QWEN35, "model_type": "qwen3_5_text",
                               "layer_types": ["linear_attention", "full_attention"] * 2}}
-    arch = hf_import.arch_from_hf_config(nested)
+    arch = importer.arch_from_hf_config(nested)
     assert (arch.linear_attention_layers, arch.tie_embeddings) == ([0, 2], True)
-    moe = hf_import.arch_from_hf_config({
+    moe = importer.arch_from_hf_config({
         **_QWEN35, "model_type": "qwen3_5_moe_text", "intermediate_size": None,
         "moe_intermediate_size": 4, "num_experts": 4, "num_experts_per_tok": 2,
         "shared_expert_intermediate_size": 6})
@@ -213,11 +213,11 @@ def test_qwen35_config_mapping():
 ])
 def test_unsupported_qwen35_configs_are_refused(change, match):
     with pytest.raises(ValueError, match=match):
-        hf_import.arch_from_hf_config({**_QWEN35, **change})
+        importer.arch_from_hf_config({**_QWEN35, **change})
 
 
 def test_qwen35_deltanet_shard_splits_each_part_by_heads():
-    arch = hf_import.arch_from_hf_config(_QWEN35)
+    arch = importer.arch_from_hf_config(_QWEN35)
     kd, vd, nv = 4, 12, 4  # 2 key heads of 2, 4 value heads of 3
     sizes = [kd, kd, vd, vd, nv, nv]  # in_proj = [q; k; v; z; b; a]
     in_proj = torch.cat([torch.full((n, 8), float(p)) for p, n in enumerate(sizes)])
@@ -225,7 +225,7 @@ def test_qwen35_deltanet_shard_splits_each_part_by_heads():
     full = {m + "in_proj.weight": in_proj, m + "A_log": torch.arange(4.0),
             m + "conv1d.weight": torch.arange(2 * kd + vd, dtype=torch.float).view(-1, 1, 1),
             m + "out_proj.weight": torch.zeros(8, vd), m + "out_norm.weight": torch.ones(3)}
-    shard = hf_import.shard_megatron_state_dict(full, arch, 1, 2)
+    shard = importer.shard_megatron_state_dict(full, arch, 1, 2)
     expected = torch.cat([torch.full((n // 2, 8), float(p)) for p, n in enumerate(sizes)])
     assert torch.equal(shard[m + "in_proj.weight"], expected)
     assert shard[m + "A_log"].tolist() == [2.0, 3.0]
@@ -234,7 +234,7 @@ def test_qwen35_deltanet_shard_splits_each_part_by_heads():
     assert shard[m + "out_proj.weight"].shape == (8, 6)
     assert shard[m + "out_norm.weight"].shape == (3,)
     with pytest.raises(ValueError, match="Gated DeltaNet"):
-        hf_import.pad_for_tensor_parallel(full, arch, 2)
+        importer.pad_for_tensor_parallel(full, arch, 2)
     # the layer pattern splits with the layers (each stage builds its own slice of it)
     arch.check_pipeline_parallel(2)
     arch.check_pipeline_parallel(2, 2)
@@ -251,19 +251,19 @@ def test_qwen35_moe_multimodal_names_and_fused_experts(tmp_path):
     from transformers import AutoModelForCausalLM
 
     path, _, _ = tiny_qwen35_moe(tmp_path)
-    ckpt = hf_import.load_hf_checkpoint(path)
-    arch = hf_import.arch_from_hf_config(ckpt.config)
-    reference = hf_import.convert_hf_state_dict(ckpt.state_dict, arch)
+    ckpt = importer.load_hf_checkpoint(path)
+    arch = importer.arch_from_hf_config(ckpt.config)
+    reference = importer.convert_hf_state_dict(ckpt.state_dict, arch)
 
     fused = AutoModelForCausalLM.from_pretrained(path).state_dict()
     assert "model.layers.0.mlp.experts.gate_up_proj" in fused
     multimodal = {k.replace("model.", "model.language_model.", 1): v for k, v in fused.items()}
     multimodal["model.visual.patch_embed.proj.weight"] = torch.zeros(2, 2)
     multimodal["mtp.fc.weight"] = torch.zeros(2, 2)
-    nested = hf_import.arch_from_hf_config({"model_type": "qwen3_5_moe",
+    nested = importer.arch_from_hf_config({"model_type": "qwen3_5_moe",
                                             "text_config": ckpt.config})
     assert nested == arch
-    converted = hf_import.convert_hf_state_dict(multimodal, arch)
+    converted = importer.convert_hf_state_dict(multimodal, arch)
     assert sorted(converted) == sorted(reference)
     for name, t in reference.items():
         assert torch.equal(converted[name], t), name

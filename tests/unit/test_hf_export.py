@@ -24,16 +24,15 @@ from support.hf_models import (
     tiny_qwen35_moe,
 )
 
-from megatron_kd.integration.arch import GPTArchConfig
-from megatron_kd.integration.hf_arch import arch_from_hf_config
-from megatron_kd.integration.hf_convert import convert_hf_state_dict, pad_for_tensor_parallel
-from megatron_kd.integration.hf_export import parse_size
-from megatron_kd.integration.hf_export_config import config_for_export, hf_config_from_arch
-from megatron_kd.integration.hf_export_weights import (
+from megatron_kd.arch import GPTArchConfig
+from megatron_kd.arch.hf_config import arch_from_hf_config, config_for_export, hf_config_from_arch
+from megatron_kd.hf.export_weights import (
     export_embedding,
     export_final,
     export_layer,
 )
+from megatron_kd.hf.exporter import parse_size
+from megatron_kd.hf.import_weights import convert_hf_state_dict, pad_for_tensor_parallel
 
 FAMILIES = {
     "llama_tied": lambda t: tiny_llama(t, tied=True),
@@ -171,7 +170,7 @@ def test_shard_sizes_read_as_transformers_writes_them(text, expected):
 def test_a_training_checkpoint_finds_the_files_its_import_kept(tmp_path):
     # import-hf keeps the source's files in hf/; a training checkpoint that records the
     # checkpoint it started from (which may itself be a training run's --save root) leads there
-    from megatron_kd.integration.hf_export import PRETRAINED_KEY, _kept_hf_dir
+    from megatron_kd.hf.exporter import PRETRAINED_KEY, _kept_hf_dir
 
     def checkpoint(path, extra):
         os.makedirs(path)

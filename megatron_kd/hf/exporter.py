@@ -4,12 +4,12 @@ Sources: an ``import-hf`` directory, a ``megatron-kd train`` checkpoint (its ``-
 whose newest complete iteration is taken, or an ``iter_N`` directory) at any tensor, pipeline,
 virtual-stage or expert layout, or a Megatron-LM ``torch_dist`` checkpoint (its architecture
 from its saved arguments, or Megatron-LM flags). Families: every one ``import-hf`` reads
-(:mod:`megatron_kd.integration.hf_export_config`).
+(:mod:`megatron_kd.arch.hf_config`).
 
 How, and what it holds in memory: one process, no model built, no process group.
-:class:`~megatron_kd.integration.checkpoint_reader.CheckpointWeights` reads one *unit* at a time
+:class:`~megatron_kd.hf.checkpoint_reader.CheckpointWeights` reads one *unit* at a time
 (the embedding; each layer; the final norm with the output layer) from whatever shards hold it;
-:mod:`megatron_kd.integration.hf_export_weights` maps it to Hugging Face names and shapes
+:mod:`megatron_kd.hf.export_weights` maps it to Hugging Face names and shapes
 (padding cut off); :class:`_ShardWriter` collects units into safetensors files of at most
 ``max_shard_size`` bytes (a unit is never split; one larger than that gets a file of its own).
 A file is written before the next unit is read when that unit would not fit in it. Peak
@@ -36,18 +36,22 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from megatron_kd.integration.arch import GPTArchConfig
+from megatron_kd.arch import GPTArchConfig
+from megatron_kd.arch.hf_config import (
+    arch_from_hf_config,
+    canonical_arch,
+    config_for_export,
+    text_config,
+)
+from megatron_kd.hf.checkpoint_reader import CheckpointWeights
+from megatron_kd.hf.export_weights import export_embedding, export_final, export_layer
+from megatron_kd.hf.importer import HF_FILES_DIR, HF_SIDE_FILES, TOKENIZER_FILE
 from megatron_kd.integration.checkpoint import (
     PARTIAL_SUFFIX,
     read_checkpoint_arch,
     read_checkpoint_extra,
     resolve_model_dir,
 )
-from megatron_kd.integration.checkpoint_reader import CheckpointWeights
-from megatron_kd.integration.hf_arch import arch_from_hf_config, text_config
-from megatron_kd.integration.hf_export_config import canonical_arch, config_for_export
-from megatron_kd.integration.hf_export_weights import export_embedding, export_final, export_layer
-from megatron_kd.integration.hf_import import HF_FILES_DIR, HF_SIDE_FILES, TOKENIZER_FILE
 from megatron_kd.integration.megatron_lm_checkpoint import (
     megatron_lm_teacher_arch,
     megatron_lm_teacher_dir,

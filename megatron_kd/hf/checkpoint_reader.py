@@ -26,7 +26,7 @@ Megatron-Core stores a layer's tensors in one of these layouts (megatron-core 0.
 built at TP 1 / EP 1 has (``decoder.layers.{i}.self_attention.linear_qkv.weight``,
 ``decoder.layers.{i}.mlp.experts.local_experts.{e}.linear_fc1.weight``,
 ``decoder.layers.{i}.input_layernorm.weight``...): the names
-:func:`megatron_kd.integration.hf_convert.convert_hf_state_dict` writes. Keys of other state
+:func:`megatron_kd.hf.import_weights.convert_hf_state_dict` writes. Keys of other state
 (optimizer moments, RNG states) are ignored; a model key that no method reads is reported by
 :meth:`CheckpointWeights.unread`.
 """

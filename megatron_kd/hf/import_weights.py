@@ -1,9 +1,9 @@
 """Hugging Face weights (Llama, Qwen3, Qwen3-MoE, gpt-oss, Qwen3.5) -> Megatron-Core ``GPTModel``
 weights (local spec), pure tensors.
 
-See :mod:`megatron_kd.integration.hf_import` for the layout mapping; this module is the maths
+See :mod:`megatron_kd.hf.importer` for the layout mapping; this module is the maths
 of it: the architecture from a config (:func:`arch_from_hf_config`, in
-:mod:`megatron_kd.integration.hf_arch`), the full state dict
+:mod:`megatron_kd.arch.hf_config`), the full state dict
 (:func:`convert_hf_state_dict`), a TP shard of it (:func:`shard_megatron_state_dict`),
 exactly-neutral padding for a TP size that does not divide the heads
 (:func:`pad_for_tensor_parallel`) and the copy into a built model
@@ -18,7 +18,7 @@ from collections.abc import Mapping
 
 import torch
 
-from megatron_kd.integration.hf_arch import SUPPORTED_MODEL_TYPES, arch_from_hf_config
+from megatron_kd.arch.hf_config import SUPPORTED_MODEL_TYPES, arch_from_hf_config
 from megatron_kd.parallel import pad_vocab_size
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "arch_from_hf_config", "convert_hf_state_dict",

@@ -4,7 +4,7 @@ of the loss its flags ask for.
 * :func:`check_megatron_args` validates the ``--kd-*`` flags against Megatron-LM's other flags
   and the teacher checkpoint (``ValueError`` naming the flag and value), and
   :func:`open_topk_cache` an offline run's cache against them: the layouts the
-  integration (:mod:`megatron_kd.integration.megatron_lm`) cannot run, and the Megatron-LM
+  integration (:mod:`megatron_kd.megatron_lm`) cannot run, and the Megatron-LM
   features of :data:`CONFLICTING_FLAGS` that would distil another way or build the model
   twice.
 * :class:`LossChecks` / :func:`validate_loss`: Megatron-LM's own ``pretrain_gpt.py``
@@ -26,8 +26,8 @@ from megatron.core.rerun_state_machine import get_rerun_state_machine
 from megatron_kd.cache.format import CacheFormatError
 from megatron_kd.cache.reader import TopKCacheReader
 from megatron_kd.integration.args import KDArgs
-from megatron_kd.integration.megatron_lm_pretrained import use_pretrained_checkpoint
 from megatron_kd.integration.teacher import check_teacher
+from megatron_kd.megatron_lm.pretrained import use_pretrained_checkpoint
 
 __all__ = ["CONFLICTING_FLAGS", "SPIKY_LOSS_FACTOR", "ConflictingFlag", "LossChecks",
            "check_megatron_args", "open_topk_cache", "validate_loss"]

@@ -1,5 +1,5 @@
 """Megatron-Core ``GPTModel`` weights (local spec, TP 1 / EP 1 names) -> Hugging Face weights:
-the inverse of :func:`megatron_kd.integration.hf_convert.convert_hf_state_dict`, a layer at a
+the inverse of :func:`megatron_kd.hf.import_weights.convert_hf_state_dict`, a layer at a
 time, pure tensors.
 
 ``arch`` is the checkpoint's architecture (its stored shapes); ``target`` the Hugging Face
@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import torch
 
-from megatron_kd.integration.arch import GPTArchConfig
+from megatron_kd.arch import GPTArchConfig
 
 __all__ = ["export_embedding", "export_final", "export_layer"]
 
-# Qwen3.5's x * (1 + w) norms are imported with 1 added (hf_convert._ZERO_CENTRED_NORMS).
+# Qwen3.5's x * (1 + w) norms are imported with 1 added (import_weights._ZERO_CENTRED_NORMS).
 _ZERO_CENTRED = ("input_layernorm.weight", "pre_mlp_layernorm.weight",
                  "q_layernorm.weight", "k_layernorm.weight")
 
@@ -91,7 +91,7 @@ def _export_attention(sd, out, arch, target, src, dst) -> None:
 
 def _export_deltanet(sd, out, arch, src, dst) -> None:
     """``in_proj = [q; k; v; z; b; a]`` -> ``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``,
-    ``in_proj_a`` (hf_convert._convert_deltanet, reversed)."""
+    ``in_proj_a`` (import_weights._convert_deltanet, reversed)."""
     h, m, a = arch.hidden_size, src + "self_attention.", dst + "linear_attn."
     kd = arch.linear_num_key_heads * arch.linear_key_head_dim
     vd = arch.linear_num_value_heads * arch.linear_value_head_dim
@@ -156,7 +156,7 @@ def export_layer(local: dict[str, torch.Tensor], index: int, arch: GPTArchConfig
                  target: GPTArchConfig) -> dict[str, torch.Tensor]:
     """Layer ``index``'s Hugging Face tensors (``model.layers.{index}.*``) from its local-spec
     tensors (``decoder.layers.{index}.*``, as
-    :meth:`~megatron_kd.integration.checkpoint_reader.CheckpointWeights.layer` gives them).
+    :meth:`~megatron_kd.hf.checkpoint_reader.CheckpointWeights.layer` gives them).
     Every tensor of ``local`` must be used, else ``ValueError`` lists the rest."""
     sd = dict(local)
     src, dst = f"decoder.layers.{index}.", f"model.layers.{index}."

@@ -1,5 +1,5 @@
 """``megatron-kd import-hf``: a Hugging Face checkpoint -> Megatron-Core (Llama, Qwen3,
-Qwen3-MoE, gpt-oss, Qwen3.5, Qwen3.5-MoE; :mod:`megatron_kd.integration.hf_arch` says what
+Qwen3-MoE, gpt-oss, Qwen3.5, Qwen3.5-MoE; :mod:`megatron_kd.arch.hf_config` says what
 each adds and refuses).
 
 Sources: a directory with ``config.json`` and ``*.safetensors`` (read without instantiating a
@@ -14,7 +14,7 @@ and tokenizer files are kept in ``hf/`` (:data:`HF_FILES_DIR`: what ``megatron-k
 writes back out).
 
 Weight layout, Hugging Face ``LlamaForCausalLM`` -> Megatron-Core ``GPTModel`` (local spec;
-the other families' extra tensors are mapped in :mod:`megatron_kd.integration.hf_convert`:
+the other families' extra tensors are mapped in :mod:`megatron_kd.hf.import_weights`:
 QK norms, experts numbered globally and split per expert-parallel rank, gpt-oss's interleaved
 fused experts, biases and sinks):
 
@@ -36,7 +36,7 @@ Heads, groups or an MLP width that do not divide by a tensor-parallel size (Smol
 heads in 3 groups) are padded with exactly-neutral zeros on request
 (``--pad-for-tensor-parallel N``, :func:`pad_for_tensor_parallel`).
 
-Qwen3.5 (:mod:`megatron_kd.integration.hf_convert`): ``linear_attn`` (``in_proj_qkv``,
+Qwen3.5 (:mod:`megatron_kd.hf.import_weights`): ``linear_attn`` (``in_proj_qkv``,
 ``in_proj_z``, ``in_proj_b``, ``in_proj_a``) -> one ``GatedDeltaNet.in_proj = [q; k; v; z; b;
 a]``; ``q_proj`` (per head ``[q, gate]``) -> ``linear_qkv`` per query group ``[q heads, gate
 heads, k, v]``; the ``x * (1 + w)`` RMSNorm weights get 1 added (not the DeltaNet's gated norm).
@@ -49,23 +49,18 @@ tokenizers that truly differ.
 from __future__ import annotations
 
 import argparse
-import datetime
 import glob
 import json
 import os
 import shutil
-import tempfile
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state
 
+from megatron_kd.arch.hf_config import text_config
 from megatron_kd.data.tokenizer import tokenizer_difference
-from megatron_kd.integration.checkpoint import save_model_checkpoint
-from megatron_kd.integration.gpt import build_gpt_model
-from megatron_kd.integration.hf_arch import text_config
-from megatron_kd.integration.hf_convert import (
+from megatron_kd.hf.import_weights import (
     arch_from_hf_config,
     convert_hf_state_dict,
     load_converted_into_model,
@@ -73,6 +68,9 @@ from megatron_kd.integration.hf_convert import (
     shard_megatron_state_dict,
     strip_prefix,
 )
+from megatron_kd.integration.checkpoint import save_model_checkpoint
+from megatron_kd.integration.gpt import build_gpt_model
+from megatron_kd.integration.groups import unsharded_model_parallel
 
 __all__ = [
     "HF_FILES_DIR",
@@ -247,16 +245,6 @@ def check_tokenizer_compatible(teacher_tokenizer, student_tokenizer) -> int:
 # ----------------------------------------------------------------------------------------------
 
 
-def _ensure_distributed() -> tuple[bool, tempfile.TemporaryDirectory | None]:
-    """Initialise a 1-rank gloo group (file store, no port) when none exists."""
-    if dist.is_initialized():
-        return False, None
-    tmp = tempfile.TemporaryDirectory(prefix="megatron_kd_import_")
-    dist.init_process_group("gloo", init_method=f"file://{tmp.name}/store", rank=0, world_size=1,
-                            timeout=datetime.timedelta(minutes=30))
-    return True, tmp
-
-
 def import_hf(path: str | os.PathLike, save_dir: str | os.PathLike, *,
               gguf_file: str | None = None,
               make_vocab_size_divisible_by: int = 128, vocab_size: int | None = None,
@@ -271,7 +259,7 @@ def import_hf(path: str | os.PathLike, save_dir: str | os.PathLike, *,
     tokenizer, else to the config's embedding rows. ``pad_for_tp > 1`` pads heads, MLP and
     vocabulary with exactly-neutral zeros so the checkpoint also loads at that tensor-parallel
     size (:func:`pad_for_tensor_parallel`). Returns the
-    :class:`~megatron_kd.integration.arch.GPTArchConfig` written.
+    :class:`~megatron_kd.arch.GPTArchConfig` written.
     """
     ckpt = checkpoint if checkpoint is not None else load_hf_checkpoint(path, gguf_file=gguf_file)
     if vocab_size is None and ckpt.tokenizer is not None:
@@ -283,17 +271,7 @@ def import_hf(path: str | os.PathLike, save_dir: str | os.PathLike, *,
     if pad_for_tp > 1:
         full, arch = pad_for_tensor_parallel(full, arch, pad_for_tp, make_vocab_size_divisible_by)
 
-    own_pg, tmp = _ensure_distributed()
-    own_mpu = not parallel_state.model_parallel_is_initialized()
-    if own_mpu:
-        parallel_state.initialize_model_parallel(1, 1)
-    try:
-        tp = parallel_state.get_tensor_model_parallel_world_size()
-        pp = parallel_state.get_pipeline_model_parallel_world_size()
-        if (tp, pp) != (1, 1):
-            raise ValueError(f"import_hf builds the model unsharded: initialise parallel_state "
-                             f"with tensor and pipeline size 1 (got {tp} and {pp}); the saved "
-                             f"checkpoint loads at any size")
+    with unsharded_model_parallel("import_hf"):
         model = build_gpt_model(arch, params_dtype=params_dtype, seed=None,
                                 perform_initialization=False)
         load_converted_into_model(model, full, arch, 0, 1)
@@ -315,12 +293,6 @@ def import_hf(path: str | os.PathLike, save_dir: str | os.PathLike, *,
             _keep_hf_files(ckpt, os.path.join(save_dir, HF_FILES_DIR))
         if dist.is_initialized():
             dist.barrier()
-    finally:
-        if own_mpu:
-            parallel_state.destroy_model_parallel()
-        if own_pg:
-            dist.destroy_process_group()
-            tmp.cleanup()
     return arch
 
 

@@ -1,4 +1,4 @@
-"""The teacher's side of the Megatron-LM entry points (:mod:`megatron_kd.integration.megatron_lm`):
+"""The teacher's side of the Megatron-LM entry points (:mod:`megatron_kd.megatron_lm`):
 Megatron-LM's data iterator read ahead, each microbatch as the run's
 :class:`~megatron_kd.integration.teacher_sources.TeacherSource` takes it (the tokens of a last
 pipeline stage that Megatron-LM calls without them included, cut to this context-parallel

@@ -20,7 +20,7 @@ import argparse
 import os
 import tempfile
 
-from megatron_kd.integration.arch import GPTArchConfig
+from megatron_kd.arch import GPTArchConfig
 from megatron_kd.integration.checkpoint import (
     LATEST_FILE,
     has_model_config,

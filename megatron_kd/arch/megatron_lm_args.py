@@ -1,0 +1,152 @@
+"""Megatron-LM's model flags and saved arguments -> :class:`~megatron_kd.arch.config.GPTArchConfig`.
+
+A Megatron-LM (or Megatron-Bridge) checkpoint has no ``model_config.json``: its architecture is
+what the run that wrote it was launched with, as Megatron-LM flags (``--kd-teacher-args
+"--num-layers 32 --hidden-size 4096 ..."``, or a file holding them;
+:func:`parse_megatron_lm_flags`) or as the arguments Megatron-LM saved in the checkpoint
+(``common.pt``'s ``args``). Flags are read with Megatron-LM's defaults (LayerNorm, learned
+absolute positions, biases on, tied embeddings, no SwiGLU unless ``--swiglu``...), so a run's
+launch flags can be pasted as they are; :func:`arch_from_megatron_lm_args` turns either into an
+architecture, refusing a feature this project does not build (multi-latent attention, partial
+rotary, dense layers between expert layers, ...) by naming the flag.
+
+Pure Python; reading the checkpoint itself is :mod:`megatron_kd.integration.megatron_lm_checkpoint`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+from typing import Any
+
+from megatron_kd.arch.config import GPTArchConfig
+
+__all__ = ["arch_from_megatron_lm_args", "parse_megatron_lm_flags"]
+
+# Flags of a launch line that do not change the weights or the function: accepted, ignored.
+_IGNORED_VALUE_FLAGS = ("--seq-length", "--attention-dropout", "--hidden-dropout",
+                        "--transformer-impl", "--tensor-model-parallel-size",
+                        "--pipeline-model-parallel-size", "--expert-model-parallel-size",
+                        "--expert-tensor-parallel-size", "--moe-token-dispatcher-type",
+                        "--moe-aux-loss-coeff", "--moe-router-load-balancing-type",
+                        "--tokenizer-type", "--tokenizer-model", "--attention-backend")
+_IGNORED_SWITCHES = ("--use-mcore-models", "--bf16", "--fp16", "--sequence-parallel",
+                     "--use-flash-attn", "--moe-grouped-gemm", "--no-masked-softmax-fusion",
+                     "--no-bias-swiglu-fusion", "--no-rope-fusion", "--no-persist-layer-norm",
+                     "--no-gradient-accumulation-fusion", "--use-cpu-initialization",
+                     "--use-rotary-position-embeddings", "--group-query-attention-off")
+
+# Saved-args attributes (and the value that means "off") this project cannot build.
+_UNSUPPORTED = {"multi_latent_attention": False, "rotary_interleaved": False,
+                "apply_layernorm_1p": False, "layernorm_zero_centered_gamma": False,
+                "moe_shared_expert_intermediate_size": None,
+                "window_size": None, "qk_l2_norm": False, "num_experts_per_layer": None,
+                "heterogeneous_layers_config_path": None, "hybrid_override_pattern": None}
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="--kd-teacher-args", add_help=False, allow_abbrev=False)
+    for flag in ("--num-layers", "--hidden-size", "--num-attention-heads", "--ffn-hidden-size",
+                 "--kv-channels", "--max-position-embeddings", "--num-query-groups",
+                 "--num-experts", "--moe-ffn-hidden-size", "--vocab-size"):
+        p.add_argument(flag, type=int, default=None)
+    p.add_argument("--moe-router-topk", type=int, default=2)
+    p.add_argument("--moe-layer-freq", default=1)
+    p.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    p.add_argument("--group-query-attention", action="store_true")
+    p.add_argument("--position-embedding-type", default="learned_absolute",
+                   choices=("learned_absolute", "rope", "none"))
+    p.add_argument("--rotary-base", type=float, default=10000.0)
+    p.add_argument("--rotary-percent", type=float, default=1.0)
+    p.add_argument("--normalization", default="LayerNorm")
+    # Megatron-LM's own destination names (its saved args use them)
+    p.add_argument("--norm-epsilon", dest="layernorm_epsilon", type=float, default=1e-5)
+    p.add_argument("--init-method-std", type=float, default=0.02)
+    for flag in ("--swiglu", "--untie-embeddings-and-output-weights", "--add-qkv-bias",
+                 "--qk-layernorm", "--moe-router-pre-softmax", "--apply-layernorm-1p",
+                 "--multi-latent-attention", "--rotary-interleaved"):
+        p.add_argument(flag, action="store_true")
+    p.add_argument("--disable-bias-linear", dest="add_bias_linear", action="store_false")
+    for flag in _IGNORED_VALUE_FLAGS:
+        p.add_argument(flag, dest="_ignored_" + flag[2:].replace("-", "_"))
+    for flag in _IGNORED_SWITCHES:
+        p.add_argument(flag, dest="_ignored_" + flag[2:].replace("-", "_"), action="store_true")
+    return p
+
+
+def parse_megatron_lm_flags(value: str) -> argparse.Namespace:
+    """The architecture in Megatron-LM flags (a string, or the path of a file holding them),
+    with Megatron-LM's defaults and derived values (``ffn_hidden_size`` 4h, or with SwiGLU
+    ``int(8h/3 / 64) * 64``; ``kv_channels`` h / heads; one query group per head without
+    ``--group-query-attention``). Unknown flags raise ``ValueError`` naming them."""
+    text = value
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            text = " ".join(line.split("#", 1)[0] for line in f)
+    args, unknown = _parser().parse_known_args(shlex.split(text.replace("\\\n", " ")))
+    if unknown:
+        raise ValueError(f"--kd-teacher-args: flags not known as teacher architecture: "
+                         f"{unknown} (give the teacher's model flags only)")
+    given = vars(args)
+    for name in ("num_layers", "hidden_size", "num_attention_heads"):
+        if given[name] is None:
+            raise ValueError(f"--kd-teacher-args needs --{name.replace('_', '-')}")
+    h = args.hidden_size
+    if args.ffn_hidden_size is None:
+        args.ffn_hidden_size = int(4 * h * 2 / 3 / 64) * 64 if args.swiglu else 4 * h
+    if args.kv_channels is None:
+        args.kv_channels = h // args.num_attention_heads
+    if not args.group_query_attention:
+        args.num_query_groups = args.num_attention_heads
+    elif args.num_query_groups is None:
+        args.num_query_groups = 1
+    return args
+
+
+def _refuse_unsupported(saved: dict) -> None:
+    found = [f"{name}={saved[name]!r}" for name, off in _UNSUPPORTED.items()
+             if saved.get(name, off) not in (off, False, None)]
+    if saved.get("rotary_percent", 1.0) != 1.0:
+        found.append(f"rotary_percent={saved['rotary_percent']}")
+    if str(saved.get("moe_layer_freq", 1)) != "1":
+        found.append(f"moe_layer_freq={saved['moe_layer_freq']!r}")
+    if saved.get("add_qkv_bias", False) and not saved.get("add_bias_linear", True):
+        found.append("add_qkv_bias without add_bias_linear")
+    if found:
+        raise ValueError(f"teacher architecture not supported: {', '.join(found)}")
+
+
+def arch_from_megatron_lm_args(args: Any, *, embedding_rows: int,
+                               vocab_size: int | None = None) -> GPTArchConfig:
+    """:class:`GPTArchConfig` of Megatron-LM arguments (parsed flags or the saved ``args``).
+
+    ``embedding_rows``: the checkpoint's embedding rows (its padded vocabulary). The true
+    vocabulary is ``vocab_size``, else the arguments' ``--vocab-size``, else every row. Saved
+    arguments are data from whichever Megatron-LM release wrote the checkpoint: a field that
+    release did not have reads as Megatron-LM's default for it.
+    """
+    saved = vars(args)
+    _refuse_unsupported(saved)
+    vocab = vocab_size or saved.get("vocab_size") or embedding_rows
+    heads = args.num_attention_heads
+    groups = args.num_query_groups if saved.get("group_query_attention", False) else heads
+    kv = args.kv_channels
+    experts = saved.get("num_experts")
+    return GPTArchConfig(
+        num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=heads,
+        num_query_groups=groups, ffn_hidden_size=args.ffn_hidden_size,
+        kv_channels=None if kv is None or kv * heads == args.hidden_size else kv,
+        vocab_size=int(vocab), padded_vocab_size=int(embedding_rows),
+        max_position_embeddings=args.max_position_embeddings or saved.get("seq_length", 0),
+        rotary_base=float(args.rotary_base), norm_epsilon=float(args.layernorm_epsilon),
+        normalization=args.normalization, swiglu=bool(args.swiglu),
+        tie_embeddings=not args.untie_embeddings_and_output_weights,
+        add_bias_linear=bool(args.add_bias_linear),
+        position_embedding_type=args.position_embedding_type,
+        init_method_std=float(args.init_method_std),
+        qk_layernorm=bool(saved.get("qk_layernorm", False)),
+        num_experts=experts,
+        moe_ffn_hidden_size=saved.get("moe_ffn_hidden_size") if experts else None,
+        moe_router_topk=int(saved.get("moe_router_topk", 2) or 2),
+        moe_router_pre_softmax=bool(saved.get("moe_router_pre_softmax", False)))
