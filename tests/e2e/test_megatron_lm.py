@@ -984,6 +984,9 @@ def case_rerun_steps(ctx, teacher_dir, kd_argv, mode, steps=2, microbatches=2, t
 
     install_cpu_shim()
     args = _lm_args([*_teacher_argv(teacher_dir), *kd_argv], tensor_model_parallel_size=tp)
+    # a pool worker that ran the forward step before holds the default machine Megatron-Core
+    # makes on first use (get_rerun_state_machine); this case starts its own
+    rsm.destroy_rerun_state_machine()
     rsm.initialize_rerun_state_machine(mode=rsm.RerunMode(mode))
     machine = rsm.get_rerun_state_machine()
     if "filename" not in rsm.Caller._fields:
