@@ -50,11 +50,12 @@ def test_killed_replica_fails_over_and_a_restarted_one_takes_work(pool, teacher,
     log = tmp_path / "run.jsonl"
     # the run parks after step 3 (the kill) and after step 8 (the restart: a replica's start-up
     # on a loaded machine may outlast the run); 18 steps then leave >= 2 rebalance checks (every
-    # 8 requests)
+    # 8 requests). A killed replica's links fail at once: the timeout only bounds finding the
+    # other one (generous: no stall is meant here).
     at_kill, at_restart = tmp_path / "hold-3", tmp_path / "hold-8"
     at_kill.touch()
     at_restart.touch()
-    run = Background(pool, case_train_slowly, _argv(teacher, tmp_path, 10), 0.0,
+    run = Background(pool, case_train_slowly, _argv(teacher, tmp_path, 60), 0.0,
                      ((str(at_kill), 3), (str(at_restart), 8)))
     wait_for(lambda: steps_done(log) >= 3)
     first.kill(signal.SIGKILL)
@@ -72,7 +73,8 @@ def test_killed_replica_fails_over_and_a_restarted_one_takes_work(pool, teacher,
     assert len(events) == 1
     event = events[0]
     assert first.replica in event["replica_lost"] and second.replica in event["replica_taken"]
-    assert event["requests_resent"] >= 1 and event["seconds_lost"] < 10 + 5
+    # found when the link failed, not at the timeout
+    assert event["requests_resent"] >= 1 and event["seconds_lost"] < 60 / 2
     assert {"time", "step", "dp_rank"} <= set(event)
     second.stop()
     third.stop()
