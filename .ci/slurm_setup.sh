@@ -3,7 +3,8 @@
 #
 # Idempotent: does nothing when the programs are already there. Exits 0 without installing
 # where apt-get is not available or we cannot become root, 1 when apt-get fails: either way the
-# Slurm tests then skip, printing why. The packages start no services where there is no systemd;
+# Slurm tests then skip, printing why (under CI=true they fail instead: tests/support/skips.py).
+# The packages start no services where there is no systemd;
 # the tests start their own daemons.
 set -uo pipefail
 
@@ -19,7 +20,7 @@ fi
 echo "slurm_setup: missing ${missing[*]}"
 
 if ! command -v apt-get >/dev/null 2>&1; then
-    echo "slurm_setup: no apt-get on this machine; the Slurm tests will skip"
+    echo "slurm_setup: no apt-get on this machine; the Slurm tests will skip (fail under CI=true)"
     exit 0
 fi
 if [ "$(id -u)" -eq 0 ]; then
@@ -27,7 +28,7 @@ if [ "$(id -u)" -eq 0 ]; then
 elif command -v sudo >/dev/null 2>&1 && sudo -n true 2>/dev/null; then
     as_root=(sudo -n)
 else
-    echo "slurm_setup: not root and no password-less sudo; the Slurm tests will skip"
+    echo "slurm_setup: not root and no password-less sudo; the Slurm tests will skip (fail under CI=true)"
     exit 0
 fi
 
@@ -38,5 +39,5 @@ then
     echo "slurm_setup: installed slurm-wlm, munge, slurm-client"
     exit 0
 fi
-echo "slurm_setup: apt-get failed; the Slurm tests will skip" >&2
+echo "slurm_setup: apt-get failed; the Slurm tests will skip (fail under CI=true)" >&2
 exit 1

@@ -1,5 +1,6 @@
 """Shared fixtures: a module-scoped pool of gloo ranks (see megatron_kd.testing), a tokenizer and
-a little corpus; the test tiers as markers (see ``pytest.ini``).
+a little corpus; the test tiers as markers (see ``pytest.ini``); skips that must fail where what
+they wait for is promised (``support.skips.MUST_RUN``).
 
 Helpers that several test modules use live in ``tests/support/`` (importable as ``support``,
 also inside gloo worker processes): no test module imports another.
@@ -8,11 +9,37 @@ also inside gloo worker processes): no test module imports another.
 import os
 
 import pytest
+from support.skips import must_run
 from support.text import TEXT, write_tokenizer
 
 from megatron_kd.testing import DistPool
 
 _TIERS = ("unit", "dist", "e2e", "gpu")
+
+
+def _failed_if_must_run(report) -> None:
+    """Turn ``report``, a skip that :func:`must_run` names, into a failure saying why."""
+    if not report.skipped or hasattr(report, "wasxfail"):
+        return
+    longrepr = report.longrepr
+    reason = longrepr[2] if isinstance(longrepr, tuple) and len(longrepr) == 3 else str(longrepr)
+    reason = reason.removeprefix("Skipped: ")
+    why = must_run(reason)
+    if why is not None:
+        report.outcome = "failed"
+        report.longrepr = f"a skip that must not happen ({why}): {reason}"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    _failed_if_must_run(outcome.get_result())
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector):
+    outcome = yield  # a module-level importorskip skips the whole module here
+    _failed_if_must_run(outcome.get_result())
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,8 +1,7 @@
-"""A cache build subprocess killed with SIGKILL mid-build, then started again: the resumed cache
-is byte-identical to an uninterrupted build."""
+"""A cache build subprocess killed with SIGKILL mid-build (parked in a shard's forward by a held
+file), then started again: the resumed cache is byte-identical to an uninterrupted build."""
 
 import os
-import random
 import signal
 import subprocess
 import sys
@@ -19,7 +18,7 @@ import sys
 sys.path.insert(0, {tests!r})
 from support.cache_cases import TinyTeacher, cache_spec
 from megatron_kd.cache.build import build_cache
-teacher = TinyTeacher(vocab_size=1009, padded_vocab=1009, seq_length=12, delay={delay})
+teacher = TinyTeacher(vocab_size=1009, padded_vocab=1009, seq_length=12, hold={hold!r})
 spec = cache_spec(teacher, num_samples=16, topk=25, samples_per_shard=2, codec="log1p-u11")
 build_cache({out!r}, spec, teacher_forward_fn=teacher,
                 sample_tokens_fn=teacher.sample_tokens, output_weight=teacher.output)
@@ -27,8 +26,8 @@ print("done")
 """
 
 
-def _run_build(out, delay):
-    script = _BUILD_SCRIPT.format(tests=str(Path(__file__).parents[1]), out=str(out), delay=delay)
+def _run_build(out, hold=None):
+    script = _BUILD_SCRIPT.format(tests=str(Path(__file__).parents[1]), out=str(out), hold=hold)
     return subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
@@ -41,21 +40,24 @@ def test_sigkill_mid_build_then_resume_is_byte_identical(tmp_path):
                 output_weight=teacher.output)
     ref = cache_files(tmp_path / "ref")
 
-    out = tmp_path / "killed"
-    proc = _run_build(out, delay=0.25)  # >= 0.5 s per shard of 2 samples: 3 s of margin to kill
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and proc.poll() is None:
-        if (out / "manifest.json").exists() and len(load_manifest(out)["shards"]) >= 2:
-            break
+    out, hold = tmp_path / "killed", tmp_path / "hold"
+    hold.touch()
+    # parked in the forward of sample 7, the second of shard 3 (micro-batches of 1): shards
+    # 0-2 written, shard 3 half computed; killed there, not after a guessed time
+    proc = _run_build(out, hold=(str(hold), 7))
+    deadline = time.monotonic() + 300
+    while not Path(f"{hold}.reached").exists():
+        assert proc.poll() is None, proc.communicate()[1].decode()[-3000:]
+        assert time.monotonic() < deadline, "the build never reached sample 7"
         time.sleep(0.01)
-    time.sleep(random.Random(0).uniform(0.0, 0.5))  # somewhere inside a later shard
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=30)
-    partial = len(load_manifest(out)["shards"])
-    assert 2 <= partial < spec.num_shards, partial
+    hold.unlink()
+    assert [e["file"] for e in load_manifest(out)["shards"]] == [spec.shard_file(i)
+                                                                 for i in range(3)]
 
-    proc = _run_build(out, delay=0.0)
-    stdout, stderr = proc.communicate(timeout=120)
+    proc = _run_build(out)
+    _, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 0, stderr.decode()
     assert cache_files(out) == ref
     assert not [p for p in out.iterdir() if ".tmp." in p.name]

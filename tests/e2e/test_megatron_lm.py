@@ -600,14 +600,105 @@ def _teacher_argv(teacher_dir):
     return ["--kd-teacher-load", teacher_dir] if teacher_dir is not None else []
 
 
+def stage_weights(chunks):
+    """The student weights this rank's model chunks hold, by their place in a PP 1 model:
+    ``{"layers": {layer: state}}`` (global layer numbers), and where held ``"embedding"``,
+    ``"final_norm"`` (states) and ``"output"`` (the output layer's weight)."""
+    from megatron_kd.integration.output_layer import output_layer_weight
+
+    def copy(module):
+        return {k: v.detach().clone() if isinstance(v, torch.Tensor) else v
+                for k, v in module.state_dict().items()}  # (extra states are None on CPU)
+
+    parts = {"layers": {}}
+    for chunk in chunks:
+        if chunk.pre_process:
+            parts["embedding"] = copy(chunk.embedding)
+        for layer in chunk.decoder.layers:
+            parts["layers"][layer.layer_number - 1] = copy(layer)
+        if chunk.post_process:
+            parts["final_norm"] = copy(chunk.decoder.final_layernorm)
+            parts["output"] = output_layer_weight(chunk).detach().clone()
+    return parts
+
+
+def merged_weights(ranks):
+    """:func:`stage_weights` of every pipeline rank, as one PP 1 model's."""
+    merged = {"layers": {}}
+    for parts in ranks:
+        merged["layers"].update(parts["layers"])
+        merged.update({k: v for k, v in parts.items() if k != "layers"})
+    assert sorted(merged["layers"]) == list(range(len(merged["layers"]))), merged["layers"].keys()
+    return merged
+
+
+def case_pp1_direct_losses(ctx, teacher_dir, weights, seeds, loss_kw):
+    """The student at PP 1 with ``weights`` (:func:`merged_weights`), and the fused loss called
+    directly on it, configured by ``loss_kw`` (literal ``KDLossConfig`` fields, not the parsed
+    flags), for the batch of each of ``seeds``: ``[{name: [sum, tokens]}]`` as the loss
+    reports name them."""
+    from megatron_kd.integration.arch import GPTArchConfig
+    from megatron_kd.integration.cpu_shim import device_context
+    from megatron_kd.integration.gpt import build_gpt_model
+    from megatron_kd.integration.groups import model_parallel
+    from megatron_kd.integration.output_layer import (
+        bypass_output_layer,
+        output_layer_weight,
+        to_sbh,
+    )
+    from megatron_kd.loss import KDLossConfig, vocab_parallel_kd_loss
+
+    config = KDLossConfig(vocab_size=STUDENT_ARCH["vocab_size"], **loss_kw)
+    with model_parallel(tp=1), device_context():
+        arch = GPTArchConfig(**dict(STUDENT_ARCH, num_layers=len(weights["layers"])))
+        student = build_gpt_model(arch, seed=None, perform_initialization=False)
+        student.embedding.load_state_dict(weights["embedding"])
+        for i, layer in enumerate(student.decoder.layers):
+            layer.load_state_dict(weights["layers"][i])
+        student.decoder.final_layernorm.load_state_dict(weights["final_norm"])
+        bypass_output_layer(student)
+        # tied embeddings: at PP 2 the last stage's copy of the output layer is the first's
+        assert torch.equal(output_layer_weight(student), weights["output"])
+        teacher = _reference_teacher(teacher_dir)
+        losses = []
+        for seed in seeds:
+            batch = make_batch(seed)
+            tokens, pos = batch["tokens"], batch["position_ids"]
+            with torch.no_grad():
+                teacher_hidden = to_sbh(teacher(tokens, pos, None))
+            terms = {}
+            loss, num_tokens = vocab_parallel_kd_loss(
+                to_sbh(student(tokens, pos, None)), output_layer_weight(student),
+                teacher_hidden, output_layer_weight(teacher), labels=batch["labels"].t(),
+                loss_mask=batch["loss_mask"].t(), config=config, terms_out=terms)
+            n = float(num_tokens)
+            losses.append({"total loss": [float(loss), n], "kd loss": [float(terms["kd_sum"]), n],
+                           "lm loss": [float(terms["ce_sum"]), n]})
+    return losses
+
+
+def _assert_losses_close(reports, direct):
+    """A pipeline's last-stage loss reports against the PP 1 direct losses: the same fp32
+    operations on the same weights and batches but for where the stages' activations were
+    handed over, measured equal here; 1e-5 relative leaves other BLAS builds room while a
+    wrong batch, teacher or loss setting moves them by far more."""
+    assert len(reports) == len(direct)
+    for got, want in zip(reports, direct, strict=True):
+        assert set(got) == set(want)
+        for name, (value, tokens) in want.items():
+            assert got[name][1] == tokens, name
+            assert got[name][0] == pytest.approx(value, rel=1e-5), name
+
+
 def case_pipeline_schedule(ctx, teacher_dir, kd_argv, drop_inputs=False, tp=1,
-                           sequence_parallel=False, cp=1, per_token_loss=False):
+                           sequence_parallel=False, cp=1, per_token_loss=False, weights=False):
     """PP=2 (x ``tp`` x ``cp``) through megatron-core's schedule: the teacher only on the last
     stage, gradients reaching the first. ``drop_inputs``: the last stage's model is called
     without tokens. Reports and gradients summed over the context-parallel ranks
     (:func:`cp_summed_reports`, :func:`cp_summed_grads`). ``per_token_loss``: the schedule
     leaves the loss sums undivided (Megatron-LM's ``--calculate-per-token-loss``; otherwise it
-    divides each by this rank's token count and the microbatches)."""
+    divides each by this rank's token count and the microbatches). ``weights``: also the
+    stage's :func:`stage_weights`."""
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -634,7 +725,8 @@ def case_pipeline_schedule(ctx, teacher_dir, kd_argv, drop_inputs=False, tp=1,
         reports, grads = cp_summed_reports(reports), cp_summed_grads(model)
         return {"last": last, "state": kd_lm.kd_state(model) is not None,
                 "pending": dict(kd_lm._pending_teacher), "reports": reports, "grads": grads,
-                "grad_norm": sum(float(g.norm()) for g in grads.values())}
+                "grad_norm": sum(float(g.norm()) for g in grads.values()),
+                "weights": stage_weights([model]) if weights else None}
 
 
 def case_train_microbatches(ctx, teacher_dir, kd_argv, n=3, tensorboard_dir=None, tp=2, cp=1):
@@ -761,7 +853,8 @@ def case_interleaved_schedule(ctx, teacher_dir, kd_argv, drop_inputs, steps=2, m
                 len(asked) == len(batches),
                 "reports": [{k: v.tolist() for k, v in r.items()} for r in reports],
                 "grad_norm": sum(float(p.grad.norm()) for c in chunks for p in c.parameters()
-                                 if p.grad is not None)}
+                                 if p.grad is not None),
+                "weights": stage_weights(chunks)}
 
 
 def case_sequence_parallel(ctx, teacher_dir, sequence_parallel, n=2):
@@ -847,17 +940,19 @@ def test_forward_step_and_loss_match_fused_loss(pool, teacher_dir, kd_argv):
 
 
 def test_pipeline_schedule(pool, teacher_dir):
-    first, last = pool.run(case_pipeline_schedule, teacher_dir, ["--kd-ce-weight", "0.2"])
+    first, last = pool.run(case_pipeline_schedule, teacher_dir, ["--kd-ce-weight", "0.2"],
+                           weights=True)
     assert not first["last"] and last["last"]
     assert not first["state"] and last["state"]
     assert first["pending"] == {} and last["pending"] == {}  # no teacher left behind
     assert first["reports"] == [] and len(last["reports"]) == 2
-    for rep in last["reports"]:
-        assert set(rep) == {"total loss", "kd loss", "lm loss"}
-        assert rep["kd loss"][0] > 0 and rep["kd loss"][1] == rep["lm loss"][1] > 0
-        assert rep["total loss"][0] == pytest.approx(rep["kd loss"][0] + 0.2 * rep["lm loss"][0],
-                                                     rel=1e-5)
     assert first["grad_norm"] > 0 and last["grad_norm"] > 0  # backward crossed the stages
+    # the last stage's losses: those of the fused loss called directly on the student at PP 1
+    # with the stages' weights, on the same batches (the schedule's seeds 11 and 12)
+    direct = pool.run(case_pp1_direct_losses, teacher_dir,
+                      merged_weights([first["weights"], last["weights"]]), [11, 12],
+                      {"ce_weight": 0.2})[0]
+    _assert_losses_close(last["reports"], direct)
 
 
 def test_virtual_pipeline_stages(pool, teacher_dir):
@@ -866,8 +961,9 @@ def test_virtual_pipeline_stages(pool, teacher_dir):
     microbatches of that chunk's data iterator in the schedule's order, numbered step by step
     with Megatron-LM's microbatches a step (what a disaggregated teacher's requests are keyed
     by), on the tokens of the same microbatch even though Megatron-LM calls that chunk without
-    them."""
-    argv = ["--kd-ce-weight", "0.2"]
+    them. The losses are those of the student at PP 1 with the chunks' weights, the fused loss
+    called directly with the flags' values written out."""
+    argv = ["--kd-loss", "reverse_kl", "--kd-temperature", "2", "--kd-ce-weight", "0.2"]
     first, last = pool.run(case_interleaved_schedule, teacher_dir, argv, True)
     assert not first["last_rank"] and first["has_state"] == [False, False]
     assert last["last_rank"] and last["has_teacher"] == [False, True]
@@ -875,10 +971,11 @@ def test_virtual_pipeline_stages(pool, teacher_dir):
     assert first["asked"] == [] and last["asked"] == [(0, 0), (0, 1), (1, 0), (1, 1)]
     assert last["teacher_tokens_in_order"]
     assert first["reports"] == [] and len(last["reports"]) == 4
-    for rep in last["reports"]:
-        assert rep["total loss"][0] == pytest.approx(rep["kd loss"][0] + 0.2 * rep["lm loss"][0],
-                                                     rel=1e-5)
     assert first["grad_norm"] > 0 and last["grad_norm"] > 0
+    direct = pool.run(case_pp1_direct_losses, teacher_dir,
+                      merged_weights([first["weights"], last["weights"]]), [60, 61, 62, 63],
+                      {"kind": "reverse_kl", "temperature": 2.0, "ce_weight": 0.2})[0]
+    _assert_losses_close(last["reports"], direct)
     # the same schedule with the tokens handed to the last chunk: the same losses, exactly
     with_tokens = pool.run(case_interleaved_schedule, teacher_dir, argv, False)[1]
     assert with_tokens["reports"] == last["reports"]

@@ -221,9 +221,15 @@ def test_rows_and_table(vp, cases):
     args, plan = resolve_run(case.train_args, case.nproc)
     pred = predict(args, plan, on_cpu=True)
     baseline = 1 << 28
+    # literal terms with both exclusive phases (a colocated teacher's forward, the unfused
+    # attention backward): predicted 6 + max(0.5, 1) = 7 x 2^28, not their sum 7.5 x 2^28
+    terms = {Term.ACTIVATIONS: 5 << 28, Term.RING_SLOTS: 1 << 28,
+             Term.TEACHER_FORWARD: 1 << 27, Term.ATTENTION_BACKWARD: 1 << 28}
+    row = vp._memory_row(case.name, pred.mode, "cpu_max_rss", terms, 1 << 31, baseline, True)
+    # ratio = predicted / (measured - baseline) = 7 x 2^28 / (8 x 2^28 - 2^28)
+    assert (row["predicted_bytes"], row["ratio"], row["memory_ok"]) == (7 << 28, 1.0, True)
+    assert row["ratio_absolute"] == 1.0  # (7 + 1) x 2^28 / 8 x 2^28
     row = vp._memory_row(case.name, pred.mode, "cpu_max_rss", pred.terms, 1 << 31, baseline, True)
-    # ratio = predicted / (measured - baseline)
-    assert row["ratio"] == total_bytes(pred.terms) / ((1 << 31) - baseline)
     row.update(
         wire_predicted=pred.wire["dp-rank"],
         wire_counted=[6291456],
@@ -248,7 +254,6 @@ def _write_run(tmp_path, name, steps, teacher_peak):
 def test_compare_disaggregated_run(vp, cases, tmp_path):
     """Both directions of the wire compared exactly, and the replica's rank-0 row."""
     case = next(c for c in cases if c.name == "disagg tp2 b2 s512")
-    args, plan = resolve_run(case.train_args, case.nproc)
     hidden, ids = 4 * 512 * 768 * 4, 4 * 512 * 4  # dp = 1: per DP rank = all ranks
     step = {
         "peak_mem_kind": "cpu_max_rss",
@@ -267,9 +272,21 @@ def test_compare_disaggregated_run(vp, cases, tmp_path):
     assert rows[0]["wire_to_teacher_counted"] == [ids]
     assert vp.compare(run, baseline, "kd_wire_bytes", "all-ranks")[0]["wire_ok"]
     teacher = rows[1]
-    assert teacher["terms"] == predict_teacher(args, plan, True, 1, 1)
+    # the replica's rank 0 by hand (the tool's teacher: 6 layers, h 768, a 12, g 4, d 64,
+    # f 2048 SwiGLU, V 32000 untied; fp32 on CPU, unfused attention; b 2, s 512, D 2):
+    # parameters 6 x (589,824 Q + 393,216 K V + 589,824 O + 4,718,592 MLP + 1,536 norms)
+    # + 2 x 24,576,000 (embedding, output layer) + 768 = 86,910,720, 4 bytes each
+    assert teacher["terms"] == {
+        Term.REPLICA_WEIGHTS: (86_910_720 - 32000 * 768) * 4,
+        Term.REPLICA_OUTPUT_LAYER: 32000 * 768 * 4,
+        # one no-grad layer over n = 1024 tokens: (4h + max(mixer 4,096, MLP 6f 12,288)) x 2
+        # (fp32), + the unfused scores and probabilities 2 x b x a x s x s x 4 bytes
+        Term.TEACHER_FORWARD: 1024 * (4 * 768 + 6 * 2048) * 2 + 2 * 2 * 12 * 512 * 512 * 4,
+        Term.SEND_SLOTS: 2 * 512 * 2 * 768 * 4,
+    }
     assert teacher["measured_bytes"] == 2 << 30 and teacher["kind"].endswith("(tp1 pp1)")
-    assert teacher["ratio"] == total_bytes(teacher["terms"]) / ((2 << 30) - baseline)
+    # 435,723,264 predicted over the measured peak less the baseline
+    assert teacher["ratio"] == 435_723_264 / ((2 << 30) - baseline)
     # no teacher row without the replica's flags (its layout is not known)
     assert (
         len(

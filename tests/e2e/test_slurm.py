@@ -13,7 +13,8 @@ Tiers, cheapest first:
   ``disaggregated.sbatch`` likewise once the program accepts ``--kd-mode disaggregated`` (asked
   at test time; skipped until then).
 
-Skipped, with the reason, where the daemons cannot start (no ``slurm-wlm``/``munge``: see
+Skipped, with the reason, where the daemons cannot start (under CI, ``CI=true``, failed instead:
+``tests/support/skips.py``; no ``slurm-wlm``/``munge``: see
 ``.ci/slurm_setup.sh``; not root). The daemons are stopped by PID at the end of the module.
 """
 

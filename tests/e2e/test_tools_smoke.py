@@ -134,8 +134,7 @@ def test_bench_wire_precision(tmp_path):
 
 def test_fuzz_decoders(tmp_path):
     """Every target a few inputs, each in a process of its own (atheris where installed)."""
-    if importlib.util.find_spec("atheris") is None:
-        pytest.skip("atheris is not installed")
+    pytest.importorskip("atheris")
     r = _tool(tmp_path, "fuzz_decoders.py", "--runs", "20", "--corpus", str(tmp_path / "corpus"))
     lines = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
     from megatron_kd.testing.fuzz import TARGETS

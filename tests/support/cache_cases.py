@@ -13,11 +13,16 @@ HIDDEN = 16
 
 
 class TinyTeacher:
-    """Deterministic: sample i's tokens come from a generator seeded with i."""
+    """Deterministic: sample i's tokens come from a generator seeded with i.
 
-    def __init__(self, vocab_size, padded_vocab, seq_length, seed=0, delay=0.0):
+    ``hold``: ``(path, sample)``: a forward that includes ``sample`` or a later one first
+    writes ``path + ".reached"``, then waits while the file ``path`` exists (how a test parks a
+    build at a known sample to kill it there; RuntimeError after 300 s)."""
+
+    def __init__(self, vocab_size, padded_vocab, seq_length, seed=0, delay=0.0, hold=None):
         g = torch.Generator().manual_seed(seed)
         self.vocab_size, self.seq_length, self.delay = vocab_size, seq_length, delay
+        self.hold = hold
         self.embedding = torch.randn(vocab_size, HIDDEN, generator=g)
         self.mix = torch.randn(HIDDEN, HIDDEN, generator=g) / HIDDEN ** 0.5
         self.output = torch.randn(padded_vocab, HIDDEN, generator=g)
@@ -35,6 +40,14 @@ class TinyTeacher:
     def __call__(self, sample_indices):
         if self.delay:
             time.sleep(self.delay)
+        if self.hold is not None and max(sample_indices) >= self.hold[1]:
+            path = Path(self.hold[0])
+            Path(f"{path}.reached").touch()
+            deadline = time.monotonic() + 300
+            while path.exists():
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{path} still held after 300 s")
+                time.sleep(0.01)
         tokens = torch.stack([self.tokens(i) for i in sample_indices], dim=1)  # [s, b]
         return torch.tanh(self.embedding[tokens] @ self.mix) * 3.0  # [s, b, h]
 

@@ -104,28 +104,56 @@ def case_train(ctx, argv, dense=False):
     return summary
 
 
-def case_train_slowly(ctx, argv, delay_s, hold=None):
-    """Train, each step taking at least ``delay_s`` longer (a slow student, or time for a
-    test to act mid-run); while the file ``hold`` exists (at most 120 s) no step starts."""
+def case_train_slowly(ctx, argv, delay_s, holds=(), teacher_ahead=False):
+    """Train, each step taking at least ``delay_s`` longer (a slow student).
+
+    ``holds``: ``(path, steps)`` pairs: once ``steps`` steps are done, no further step starts
+    while the file ``path`` exists (how a test parks the run at a known step to act on it;
+    RuntimeError after 300 s). ``teacher_ahead``: each microbatch's teacher hidden states are
+    asked for only once every prefetched response has arrived (a teacher that is always ahead,
+    without racing it). The summary also holds ``step_wall_s``: each step's time measured here,
+    around the trainer's step, apart from the trainer's own clock."""
     import os
     import time
 
+    from megatron_kd.teacher.client import TeacherClient
     from megatron_kd.training import trainer as trainer_mod
 
-    original = trainer_mod.Trainer.train_step
+    original, original_hidden = trainer_mod.Trainer.train_step, TeacherClient.hidden
+    walls = []
+
+    def until(done, what):
+        deadline = time.monotonic() + 300
+        while not done():
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"still waiting after 300 s: {what}")
+            time.sleep(0.01)
 
     def slow(self, consumed):
+        t0 = time.perf_counter()
         time.sleep(delay_s)
-        deadline = time.monotonic() + 120
-        while hold is not None and os.path.exists(hold) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        return original(self, consumed)
+        done = consumed // self.run.global_batch_size
+        for path, steps in holds:
+            if done >= steps:
+                until(lambda held=path: not os.path.exists(held),
+                      f"{path} held after step {steps}")
+        try:
+            return original(self, consumed)
+        finally:
+            walls.append(time.perf_counter() - t0)
+
+    def hidden_once_arrived(self, step, microbatch, sample_ids=None):
+        until(lambda: self._arrived() == len(self.outstanding),
+              f"the teacher's responses ahead of step {step} microbatch {microbatch}")
+        return original_hidden(self, step, microbatch, sample_ids)
 
     trainer_mod.Trainer.train_step = slow
+    if teacher_ahead:
+        TeacherClient.hidden = hidden_once_arrived
     try:
-        return case_train(ctx, argv)
+        return {**case_train(ctx, argv), "step_wall_s": walls}
     finally:
-        trainer_mod.Trainer.train_step = original
+        trainer_mod.Trainer.train_step, TeacherClient.hidden = original, original_hidden
 
 
 def check_flags(argv, world_size):

@@ -333,18 +333,37 @@ def test_disaggregated_wire_bytes_are_exact():
     assert fp8.wire[Traffic.HIDDEN_BYTES_PER_DP_RANK] == 16 * 8192 * (2048 + 4)
 
 
+# Hand-derived figures of llama-3.2-1b (student) and llama-3.1-8b (teacher) at s = 8192 from
+# traffic.py's FLOP model: a layer's matmuls 2 x its parameters, attention 4 a d (s + 1)/2 a token.
+# Student layer: attention 2048*2048 (Q) + 2*2048*512 (K, V) + 2048*2048 (O) + SwiGLU 3*2048*8192
+# + 2 norms 2*2048 = 60,821,504 parameters; attention 4*32*64*4096.5 = 33,558,528.
+# Forward a token: 16 layers + final norm 2*2048 + output layer 2*128256*2048 = 3,008,565,248;
+# training 3x, plus the teacher's output layer the student runs, 2*128256*4096 = 1,050,673,152.
+STUDENT_FLOPS_PER_TOKEN = 3 * 3_008_565_248 + 1_050_673_152  # 10,076,368,896
+# Teacher layer: 4096*4096 + 2*4096*1024 + 4096*4096 + 3*4096*14336 + 2*4096 = 218,112,000
+# parameters; attention 4*32*128*4096.5 = 67,117,056. A replica stops before its output layer:
+# 32 layers + final norm 2*4096.
+TEACHER_FLOPS_PER_TOKEN = 32 * (2 * 218_112_000 + 67_117_056) + 2 * 4096  # 16,106,921,984
+H100_PEAK, MFU = 989e12, 0.40  # the h100-80g preset, the default MFU of both
+
+
 def test_fewer_teacher_replicas_than_needed_bound_the_student():
-    base = _opts("qwen3-8b", "qwen3-235b-a22b", gpu="h100-80g")
+    base = _opts("llama-3.2-1b", "llama-3.1-8b", gpu="h100-80g", tp=1, pp=1, cp=1,
+                 recompute="none")
     free = plan_mode(base, Mode.DISAGGREGATED)
-    assert free.teacher_replicas >= 2
-    per_replica = free.wire[Traffic.REPLICA_TOKENS_PER_S]
-    for n in range(1, free.teacher_replicas + 2):
+    # 8 student GPUs (one node, no pipeline: no bubble); one GPU a replica (16 GB of weights)
+    student = 8 * H100_PEAK * MFU / STUDENT_FLOPS_PER_TOKEN  # 314,081 tokens/s
+    replica = H100_PEAK * MFU / TEACHER_FLOPS_PER_TOKEN  # 24,560 tokens/s
+    assert (free.student_gpus, free.teacher_gpus // free.teacher_replicas) == (8, 1)
+    assert free.student_tokens_per_s == pytest.approx(student, rel=1e-12)
+    assert free.wire[Traffic.REPLICA_TOKENS_PER_S] == pytest.approx(replica, rel=1e-12)
+    assert free.teacher_replicas == 13  # ceil(314,081 / 24,560) = ceil(12.79)
+    for n in range(1, 15):
         plan = plan_mode(dataclasses.replace(base, teacher_replicas=n), Mode.DISAGGREGATED)
-        assert plan.teacher_replicas == n and plan.teacher_gpus == n * free.teacher_gpus // \
-            free.teacher_replicas
-        expected = min(free.student_tokens_per_s, n * per_replica)
-        assert plan.student_tokens_per_s == pytest.approx(expected, rel=1e-12)
-        assert any("teacher-bound" in note for note in plan.notes) == (n < free.teacher_replicas)
+        assert plan.teacher_replicas == n and plan.teacher_gpus == n
+        # the student's own rate, or what n replicas serve when that is less
+        assert plan.student_tokens_per_s == pytest.approx(min(student, n * replica), rel=1e-12)
+        assert any("teacher-bound" in note for note in plan.notes) == (n < 13)
     with pytest.raises(ValueError, match="teacher_replicas must be a positive int"):
         dataclasses.replace(base, teacher_replicas=0)
 
@@ -386,10 +405,52 @@ def test_cli_json_smoke(capsys):
         "disaggregated",
     }
     for plan in out["plans"].values():
-        assert plan["total_bytes"] == pytest.approx(sum(plan["terms"].values()))
         assert plan["fits"] == (plan["total_bytes"] <= out["gpu"]["memory_bytes"])
     assert out["recommendation"]
     assert out["assumptions"]["mfu"] == 0.4
+
+
+def test_cli_total_counts_the_larger_of_two_exclusive_phases(capsys):
+    """Colocated at CP 2: the teacher's forward and the student's context-parallel exchange are
+    both present and never live together, so the total is not the sum of the terms. Every
+    figure derived by hand (memory.py's notation: n = s*b/cp = 2048 local tokens, V = 128256;
+    student llama-3.2-1b h 2048, a 32, g 8, d 64, f 8192, 16 layers, tied embeddings; teacher
+    llama-3.1-8b h 4096, a 32, g 8, d 128, f 14336, 32 layers, untied)."""
+    out = _run_json(capsys, "--teacher", "llama-3.1-8b", "--student", "llama-3.2-1b", "--gpu",
+                    "h100-80g", "--seq-length", "4096", "--micro-batch-size", "1",
+                    "--global-batch-size", "8", "--tensor-model-parallel-size", "1",
+                    "--pipeline-model-parallel-size", "1", "--context-parallel-size", "2",
+                    "--recompute-granularity", "none", "--modes", "colocated-fused")
+    plan = out["plans"]["colocated-fused"]
+    assert (plan["layout"]["dp"], plan["layout"]["cp_comm_type"]) == (4, "p2p")
+    # student parameters: 16 x (4,194,304 Q + 2,097,152 K V + 4,194,304 O + 50,331,648 SwiGLU
+    # + 4,096 norms) + 262,668,288 embedding (tied, one copy) + 2,048 final norm = 1,235,814,400;
+    # teacher: 32 x 218,112,000 + 2 x 525,336,576 + 4,096 = 8,030,261,248
+    want = {
+        "student weights": 1_235_814_400 * 2,
+        "student grads (main_grad)": 1_235_814_400 * 4,
+        "optimizer (Adam)": 1_235_814_400 * 12,  # not distributed
+        # 16 layers x n x (R 4h + 4h; S 2ad + 2*2gd + 2ad + 4a flash LSE + 6f) = 75,904 bytes a
+        # token, + the final norm's input 2h a token
+        "activations": 16 * 2048 * 75_904 + 2048 * 2 * 2048,
+        # p2p: four local K/V chunks, 4 x n x 2gd x 2 bytes
+        "context-parallel K/V exchange (1 layer)": 4 * 2048 * 2 * 8 * 64 * 2,
+        "teacher weights": 8_030_261_248 * 2,
+        # one no-grad layer: n x (4h + max(mixer 20,480, MLP 6f 86,016)) bytes, + its own p2p
+        # exchange 4 x n x 2gd x 2 = 33,554,432
+        "teacher forward (no grad)": 2048 * (4 * 4096 + 6 * 14336) + 4 * 2048 * 2 * 8 * 128 * 2,
+        # w = 2^24 // V = 130 rows: bf16 matmul out + 4 fp32 buffers, + a block of 130 rows x 2
+        "loss: window buffers": 130 * 128256 * (2 + 8) + 130 * 128256 * 8,
+        "loss: fp32 grad accumulators": 4 * 2048 * 2048 + 4 * 128256 * 2048,
+        "loss: row statistics": 32 * 2048,
+        "teacher final hidden": 2048 * 4096 * 2,
+        "reserve (context, NCCL, frag.)": 4 << 30,
+    }
+    assert plan["terms"] == want
+    steady = 46_480_172_032  # every term but the two phases
+    assert sum(want.values()) == steady + 243_269_632 + 16_777_216
+    # the larger phase only: the teacher's forward (243,269,632 > 16,777,216)
+    assert plan["total_bytes"] == steady + 243_269_632 == 46_723_441_664
 
 
 def test_cli_table_and_errors(capsys):
