@@ -27,6 +27,7 @@ from __future__ import annotations
 import datetime
 import enum
 import json
+import socket
 from dataclasses import MISSING, asdict, dataclass, fields
 
 import torch
@@ -290,7 +291,16 @@ def identity_differences(teacher: dict, expected: dict) -> list[str]:
 
 
 def replica_store(record, timeout_s: float):
-    """A client of the store a replica (its endpoint ``record``) serves."""
+    """A client of the store a replica (its endpoint ``record``) serves.
+
+    Raises ``ConnectionRefusedError`` at once when nothing listens at the record's address (a
+    replica killed without withdrawing its record): torch's store client would retry the
+    refused connection until ``timeout_s`` and then once more, which every student probing the
+    endpoint paid (a step of every run stalled 2-5 s after each SIGKILL in the soak of
+    ``tools/soak_service.py``, and a new run's connect took 3 s per stale record)."""
+    # a connection opened and closed: the store's server drops it without a word
+    with socket.create_connection((record.host, record.port), timeout=timeout_s):
+        pass
     return dist.TCPStore(record.host, record.port, is_master=False, wait_for_workers=False,
                          timeout=datetime.timedelta(seconds=timeout_s))
 
