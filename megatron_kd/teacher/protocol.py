@@ -39,8 +39,8 @@ __all__ = ["ACCEPTED", "CLOSED_COUNTER_KEY", "CONN_COUNTER_KEY", "IDENTITY_KEY",
            "PENDING_KEY", "ConnectionLimits", "ConnectionMeta", "HandshakeError", "Tag",
            "TeacherMismatchError", "TeacherRefusedError", "announce_connection", "await_verdict",
            "group_device", "identity_differences", "link_device", "meta_key", "publish_identity",
-           "read_identity", "refusal", "replica_load", "replica_store", "request_prefix",
-           "response_prefix", "status_key"]
+           "read_identity", "refusal", "replica_load", "replica_load_parts", "replica_store",
+           "request_prefix", "response_prefix", "status_key"]
 
 #: The replica's identity (JSON, keys sorted).
 IDENTITY_KEY = "identity"
@@ -315,10 +315,16 @@ def group_device(group) -> torch.device:
 def replica_load(store) -> int:
     """A replica's load as students compare it: its open connections plus the requests it
     holds."""
+    return sum(replica_load_parts(store))
+
+
+def replica_load_parts(store) -> tuple[int, int]:
+    """``(open connections, requests held)`` of a replica (a student leaves its own out of
+    them before comparing: :meth:`~megatron_kd.teacher.choice.ReplicaChooser.less_loaded`)."""
     opened = store.add(CONN_COUNTER_KEY, 0)
     closed = store.add(CLOSED_COUNTER_KEY, 0)
     pending = int(store.get(PENDING_KEY)) if store.check([PENDING_KEY]) else 0
-    return opened - closed + pending
+    return opened - closed, pending
 
 
 def link_device(student_device: str, teacher_device: str) -> torch.device:
