@@ -2,6 +2,13 @@
 replica registered at the endpoint whose identity is the run's, found by probing each one's
 store; replicas found dead are remembered and not probed again while others are registered.
 Used by TP rank 0 of each connection (:class:`~megatron_kd.teacher.client.TeacherClient`).
+
+One store client per replica is kept and used for every probe: torch's store client resolves
+the peer's address to a name when it connects (a DNS query for ``::ffff:127.0.0.1`` even on
+loopback), and a resolver that drops a query costs that connect 5 s. A client made anew for
+every probe (every replica, every 8 requests of every connection) stalled every run of the
+soak of ``tools/soak_service.py`` 5 s every few seconds on a machine whose resolver drops one
+query in 25.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ from megatron_kd.teacher.protocol import (
     identity_differences,
     read_identity,
     replica_load,
+    replica_load_parts,
     replica_store,
 )
 from megatron_kd.teacher.wire import TeacherUnavailableError
@@ -51,6 +59,18 @@ class ReplicaChooser:
         """Ids of replicas found dead (a restarted replica registers under a new id)."""
         self.tried: list[str] = []
         """The replicas tried so far, for messages."""
+        self._stores: dict[str, object] = {}  # replica id -> its store's client (probes)
+
+    def store(self, record: ReplicaRecord):
+        """The client of ``record``'s store this chooser probes with (made once)."""
+        if record.replica not in self._stores:
+            self._stores[record.replica] = replica_store(record, self.probe_s)
+        return self._stores[record.replica]
+
+    def found_dead(self, record: ReplicaRecord) -> None:
+        """``record``'s replica is dead: never probed again (while others are registered)."""
+        self.dead.add(record.replica)
+        self._stores.pop(record.replica, None)
 
     def choose(self, deadline: float, only: str | None = None) -> tuple[str, int]:
         """``(record JSON, connection id)`` at the least-loaded live replica (``only``: that
@@ -66,12 +86,12 @@ class ReplicaChooser:
             records = [r for r in records if r.replica not in self.dead] or records
             for record in records:
                 try:
-                    store = replica_store(record, self.probe_s)
+                    store = self.store(record)
                     candidates.append((replica_load(store), record, store))
                 except _UNREACHABLE as e:
                     reasons.append(f"{record}: {str(e).splitlines()[0]}")
                     self._tried(record)
-                    self.dead.add(record.replica)  # registered, not there: not probed again
+                    self.found_dead(record)  # registered, not there: not probed again
             # least loaded first; among equals, data-parallel ranks spread round-robin
             n = max(1, len(candidates))
             loads = [load for load, _, _ in candidates]
@@ -88,7 +108,7 @@ class ReplicaChooser:
                                   str(record))
                 except TimeoutError as e:  # no verdict: a replica as good as dead
                     reasons.append(str(e))
-                    self.dead.add(record.replica)
+                    self.found_dead(record)
                     continue
                 return record.to_json(), conn
             if time.monotonic() > deadline:
@@ -98,23 +118,28 @@ class ReplicaChooser:
                     + (f": {'; '.join(reasons[-3:])}" if reasons else ""))
             time.sleep(0.5)
 
-    def less_loaded(self, current: ReplicaRecord) -> str | None:
-        """The id of a live replica loaded at least 2 less than ``current`` (which holds this
-        connection), if any."""
+    def less_loaded(self, current: ReplicaRecord, own_requests: int = 0) -> str | None:
+        """The id of a live replica loaded at least 1 less than the others on ``current`` (which
+        holds this connection and up to ``own_requests`` of its requests: both are left out,
+        what moves with the connection), if any. A connection alone on its replica therefore
+        stays: an idle replica would only take its place, and the connection move back at the
+        next check (it used to, every 8 requests, each time making new links)."""
         try:
-            mine = replica_load(replica_store(current, self.probe_s)) - 1  # but ours
+            connections, pending = replica_load_parts(self.store(current))
         except _UNREACHABLE:
+            self._stores.pop(current.replica, None)
             return None  # ours is unreachable: the next response will say so
+        others = connections - 1 + max(0, pending - own_requests)
         best = None
         for record in self.endpoint.replicas():
             if record.replica == current.replica or record.replica in self.dead:
                 continue
             try:
-                load = replica_load(replica_store(record, self.probe_s))
+                load = replica_load(self.store(record))
             except _UNREACHABLE:
-                self.dead.add(record.replica)
+                self.found_dead(record)
                 continue
-            if load <= mine - 1 and (best is None or load < best[0]):
+            if load <= others - 1 and (best is None or load < best[0]):
                 best = (load, record.replica)
         return None if best is None else best[1]
 

@@ -131,7 +131,7 @@ class TeacherClient:
         self.rebalance_every = rebalance_every
         self._chooser = ReplicaChooser(endpoint=endpoint, expected=expected, dp_rank=dp_rank,
                                        timeout_s=timeout_s, meta=self._meta)
-        self._dead = self._chooser.dead  # replicas found dead: never tried again
+        self._link_stores: dict[str, object] = {}  # replica id -> its store's client (links)
         self.tried = self._chooser.tried  # for messages
         self._slots: dict[int, Slot] = {}  # by request % depth
         self._sends: list[SendBuffers] = []
@@ -160,7 +160,9 @@ class TeacherClient:
         record = ReplicaRecord.from_json(record_json)
         self.replica, self.conn = record, conn
         device = link_device(self.device.type, record.layout.get("device", "cpu"))
-        store = replica_store(record, self.timeout_s)
+        if record.replica not in self._link_stores:  # one per replica (see .choice: DNS)
+            self._link_stores[record.replica] = replica_store(record, self.timeout_s)
+        store = self._link_stores[record.replica]
         peer = str(record)
         self._peer_ids[peer] = record.replica
         self._records[peer] = record
@@ -356,7 +358,8 @@ class TeacherClient:
         lost = self.replica if slot is None else self._records.get(slot.link.peer, self.replica)
         if self.tp_size > 1:  # the rank whose receive failed may not be rank 0: all name one
             lost = self._first_failed(lost, failure)
-        self._dead.add(lost.replica)  # a restarted replica registers under a new id
+        self._chooser.found_dead(lost)  # a restarted replica registers under a new id
+        self._link_stores.pop(lost.replica, None)
         for link in self._links + self._draining:
             link.abort()
         self._draining = []
@@ -380,12 +383,13 @@ class TeacherClient:
         return mine if first is None else ReplicaRecord.from_json(first)
 
     def _rebalance(self) -> None:
-        """Move this connection's future requests to a replica with at least two fewer
-        connections and requests than ours (a replica started later takes work this way);
-        responses already on their way are still taken from the old one."""
+        """Move this connection's future requests to a replica less loaded than the others on
+        ours (:meth:`~megatron_kd.teacher.choice.ReplicaChooser.less_loaded`: a replica started
+        later takes work this way); responses already on their way are still taken from the
+        old one."""
         target = [None]
         if self.tp_rank == 0:
-            target = [self._chooser.less_loaded(self.replica)]
+            target = [self._chooser.less_loaded(self.replica, own_requests=len(self.outstanding))]
         self._broadcast(target)
         if target[0] is None:
             return

@@ -27,6 +27,7 @@ from __future__ import annotations
 import datetime
 import enum
 import json
+import socket
 from dataclasses import MISSING, asdict, dataclass, fields
 
 import torch
@@ -38,8 +39,8 @@ __all__ = ["ACCEPTED", "CLOSED_COUNTER_KEY", "CONN_COUNTER_KEY", "IDENTITY_KEY",
            "PENDING_KEY", "ConnectionLimits", "ConnectionMeta", "HandshakeError", "Tag",
            "TeacherMismatchError", "TeacherRefusedError", "announce_connection", "await_verdict",
            "group_device", "identity_differences", "link_device", "meta_key", "publish_identity",
-           "read_identity", "refusal", "replica_load", "replica_store", "request_prefix",
-           "response_prefix", "status_key"]
+           "read_identity", "refusal", "replica_load", "replica_load_parts", "replica_store",
+           "request_prefix", "response_prefix", "status_key"]
 
 #: The replica's identity (JSON, keys sorted).
 IDENTITY_KEY = "identity"
@@ -290,7 +291,16 @@ def identity_differences(teacher: dict, expected: dict) -> list[str]:
 
 
 def replica_store(record, timeout_s: float):
-    """A client of the store a replica (its endpoint ``record``) serves."""
+    """A client of the store a replica (its endpoint ``record``) serves.
+
+    Raises ``ConnectionRefusedError`` at once when nothing listens at the record's address (a
+    replica killed without withdrawing its record): torch's store client would retry the
+    refused connection until ``timeout_s`` and then once more, which every student probing the
+    endpoint paid (a step of every run stalled 2-5 s after each SIGKILL in the soak of
+    ``tools/soak_service.py``, and a new run's connect took 3 s per stale record)."""
+    # a connection opened and closed: the store's server drops it without a word
+    with socket.create_connection((record.host, record.port), timeout=timeout_s):
+        pass
     return dist.TCPStore(record.host, record.port, is_master=False, wait_for_workers=False,
                          timeout=datetime.timedelta(seconds=timeout_s))
 
@@ -305,10 +315,16 @@ def group_device(group) -> torch.device:
 def replica_load(store) -> int:
     """A replica's load as students compare it: its open connections plus the requests it
     holds."""
+    return sum(replica_load_parts(store))
+
+
+def replica_load_parts(store) -> tuple[int, int]:
+    """``(open connections, requests held)`` of a replica (a student leaves its own out of
+    them before comparing: :meth:`~megatron_kd.teacher.choice.ReplicaChooser.less_loaded`)."""
     opened = store.add(CONN_COUNTER_KEY, 0)
     closed = store.add(CLOSED_COUNTER_KEY, 0)
     pending = int(store.get(PENDING_KEY)) if store.check([PENDING_KEY]) else 0
-    return opened - closed + pending
+    return opened - closed, pending
 
 
 def link_device(student_device: str, teacher_device: str) -> torch.device:

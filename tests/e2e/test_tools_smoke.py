@@ -143,6 +143,27 @@ def test_fuzz_decoders(tmp_path):
     assert all(x["exit_code"] == 0 and x["crashes"] == [] and x["runs"] == 20 for x in lines)
 
 
+def test_soak_service_short(tmp_path):
+    """The teacher service's soak, short: two runs (one rank, TP 2) against two replicas while
+    a replica's rank is SIGKILLed and restarted and garbage connections and bytes come in;
+    nothing lost, no loss changed, nothing left running."""
+    out = tmp_path / "soak.json"
+    r = _tool(tmp_path, "soak_service.py", "--short", "--seed", "38", "--out", str(out),
+              "--plot", "", timeout=400)
+    report = _json(out)
+    t = report["totals"]
+    assert report["ok"] and report["problems"] == [], r.stdout[-3000:]
+    assert [run["steps_done"] for run in report["runs"]] == [report["config"]["steps"]] * 2
+    assert t["lost_steps"] == 0 and t["changed_steps"] == 0
+    assert t["kills"] >= 1 and t["restarts_ready"] >= 1
+    assert t["connection"]["refused"] >= 1 and t["connection"]["accepted"] == 0
+    assert t["connection"]["no_verdict"] == 0 and t["refused_logged"] >= 1
+    assert t["bytes"]["connections"] >= 1
+    assert t["unexpected_deaths"] == 0 and t["unexplained_failovers"] == 0
+    assert t["leftover_processes"] == []
+    assert "| kill | at s |" in report["table"]
+
+
 def test_gpu_check_every_step_on_cpu(tmp_path):
     """Every step of the hardware check on the CPU, end to end; what each reports."""
     out = tmp_path / "check"
