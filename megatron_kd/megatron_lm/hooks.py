@@ -46,20 +46,11 @@ the loss of a replica (:class:`~megatron_kd.teacher.client.TeacherClient`). Eval
 the student's cross-entropy only (its data iterator is not read ahead).
 
 Layouts: tensor, pipeline, data and expert parallelism as Megatron-LM sets them up;
-``--sequence-parallel`` (the bypassed student returns this TP rank's ``[b, s/tp, h]`` slice of
-the sequence, the colocated teacher is built sequence-parallel too and the loss gathers the
-sequence inside, while labels and loss mask stay the whole sequence, as Megatron-LM's
-``get_batch`` gives them); virtual pipeline stages (``--num-layers-per-virtual-pipeline-stage``
-/ ``--virtual-pipeline-model-parallel-size``): Megatron-LM gives each model chunk its own data
-iterator, the KD state sits on the chunk with the output layer and reads that chunk's
-iterator, whose microbatches the interleaved schedule runs in order, ``get_num_microbatches()``
-to a step, as the non-interleaved one does; ``--context-parallel-size`` (``get_batch`` hands
-the model, labels and loss mask this rank's load-balanced chunks of each sequence; the
-colocated teacher runs in the student's context-parallel group on the same inputs, and on a
-last stage called without tokens on the data iterator's tokens cut to those chunks; a
-disaggregated teacher's replica answers each rank its positions; :func:`loss_func` sums over
-this rank's tokens, and Megatron-LM reduces sums, token counts and gradients over data x
-context parallelism as for its own loss).
+``--sequence-parallel`` (the student returns its ``[b, s/tp, h]`` slice and the loss gathers
+the sequence inside); virtual pipeline stages (the KD state sits on the chunk with the output
+layer and reads that chunk's iterator); ``--context-parallel-size`` (the teacher, colocated or
+served, answers this rank's load-balanced chunks, and :func:`loss_func` sums over this rank's
+tokens, reduced by Megatron-LM over data x context parallelism as for its own loss).
 
 Megatron-LM's checks of the loss stay on: :func:`loss_func` hands its loss to Megatron-Core's
 rerun state machine exactly as Megatron-LM's own ``pretrain_gpt.loss_func`` does
@@ -73,14 +64,9 @@ iterator's, broadcast over TP; this CP rank's positions kept): any layout or sam
 a sample the cache does not hold is a ``ValueError`` in its forward step naming it and the cache
 (:class:`~megatron_kd.cache.lookup.TokenLookup`).
 
-Not supported here (each refused with ``ValueError`` before anything is built):
-a ``--seq-length`` that the context-parallel (and
-sequence-parallel) split does not divide, ``--hybrid-context-parallel``, ``--sft`` or a
-colocated Gated DeltaNet teacher with context parallelism, ``--init-model-with-meta-device``,
-multi-token prediction, ``--overlap-moe-expert-parallel-comm`` schedule plans, and the
-Megatron-LM flags of :data:`~megatron_kd.megatron_lm.checks.CONFLICTING_FLAGS`
-(another distillation, or a second build of the model); see
-:func:`~megatron_kd.megatron_lm.checks.check_megatron_args`.
+What is not supported here (a sequence the context-parallel split does not divide,
+multi-token prediction, another distillation, ...) is refused with ``ValueError`` before
+anything is built: :func:`~megatron_kd.megatron_lm.checks.check_megatron_args`.
 
 Nothing here imports Megatron-LM (``megatron.training``) at import time (only megatron-core):
 :func:`model_provider` reads Megatron-LM's ``get_args()`` when it is called, and the model

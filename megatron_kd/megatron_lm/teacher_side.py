@@ -13,6 +13,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from megatron.core import rerun_state_machine as rsm
 from megatron.core.num_microbatches_calculator import get_num_microbatches
 
 from megatron_kd.integration.context_parallel import cp_positions
@@ -43,11 +44,11 @@ def lookahead(state, data_iterator, training: bool) -> Lookahead:
 
 def _rerun_machine():
     """Megatron-Core's rerun state machine where it may run a step again (``--rerun-mode``
-    other than ``disabled``), else None."""
-    from megatron.core.rerun_state_machine import RerunMode, get_rerun_state_machine
-
-    machine = get_rerun_state_machine()
-    return None if machine.get_mode() == RerunMode.DISABLED else machine
+    other than ``disabled``), else None. A run that started none (``megatron-kd train``, a
+    test) has none: ``get_rerun_state_machine()`` would start a default one as a side effect,
+    which Megatron-LM's own ``initialize_rerun_state_machine`` later refuses."""
+    machine = rsm._GLOBAL_RERUN_STATE_MACHINE  # read, not started
+    return None if machine is None or machine.get_mode() == rsm.RerunMode.DISABLED else machine
 
 
 def run_again(state) -> bool:
@@ -59,9 +60,7 @@ def run_again(state) -> bool:
     machine = _rerun_machine()
     if machine is None:
         return False
-    from megatron.core.rerun_state_machine import RerunState
-
-    again = machine.state == RerunState.RERUNNING_IN_PLACE
+    again = machine.state == rsm.RerunState.RERUNNING_IN_PLACE
     if not again and state.rerun_iteration != machine.current_iteration:
         state.rerun_iteration, state.rerun_first = machine.current_iteration, state.microbatches
         state.rerun_rewound = False

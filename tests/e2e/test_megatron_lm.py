@@ -300,6 +300,7 @@ def rerun_machine():
     from megatron_kd.integration.cpu_shim import install_cpu_shim
 
     install_cpu_shim()  # its messages name torch.cuda.current_device()
+    rsm.destroy_rerun_state_machine()  # a machine an earlier test started implicitly
     rsm.initialize_rerun_state_machine(mode=rsm.RerunMode.DISABLED)
     yield rsm.get_rerun_state_machine()
     rsm.destroy_rerun_state_machine()
@@ -637,7 +638,7 @@ def case_pp1_direct_losses(ctx, teacher_dir, weights, seeds, loss_kw):
     directly on it, configured by ``loss_kw`` (literal ``KDLossConfig`` fields, not the parsed
     flags), for the batch of each of ``seeds``: ``[{name: [sum, tokens]}]`` as the loss
     reports name them."""
-    from megatron_kd.integration.arch import GPTArchConfig
+    from megatron_kd.arch import GPTArchConfig
     from megatron_kd.integration.cpu_shim import device_context
     from megatron_kd.integration.gpt import build_gpt_model
     from megatron_kd.integration.groups import model_parallel
