@@ -135,6 +135,12 @@ class GPTArchConfig:
     yarn_truncate: bool = True
     """YaRN: round the correction range to whole dimensions (Hugging Face's ``truncate``)."""
 
+    rope_scaling_factor: float | None = None
+    """Llama 3.1-style RoPE frequency scaling (Hugging Face ``rope_type`` "llama3"; Megatron-LM's
+    ``--use-rope-scaling --rope-scaling-factor``): low frequencies divided by this factor, with
+    Megatron-Core's fixed low / high frequency factors 1 and 4 and original context 8192
+    (Llama-3.1: 8, Llama-3.2: 32). None: plain RoPE."""
+
     rotary_percent: float = 1.0
     """Fraction of each head's width that RoPE rotates (Qwen3.5: 0.25, Hugging Face's
     ``partial_rotary_factor``); the rest passes through unrotated."""
@@ -254,6 +260,11 @@ class GPTArchConfig:
                              f"{self.yarn_factor!r} (YaRN needs both, and only YaRN has a factor)")
         if self.yarn_factor is not None and self.yarn_original_max_position_embeddings is None:
             raise ValueError("GPTArchConfig: YaRN needs yarn_original_max_position_embeddings")
+        if self.rope_scaling_factor is not None and (
+                self.position_embedding_type != "rope" or not self.rope_scaling_factor > 0):
+            raise ValueError(f"GPTArchConfig.rope_scaling_factor {self.rope_scaling_factor!r} "
+                             f"needs position_embedding_type 'rope' (got "
+                             f"{self.position_embedding_type!r}) and a factor > 0")
 
     def _check_linear_attention(self) -> None:
         if not 0 < self.rotary_percent <= 1:

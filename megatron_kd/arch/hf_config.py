@@ -42,9 +42,18 @@ def _rope_fields(config: Mapping[str, Any]) -> dict[str, Any]:
     theta = float(params.get("rope_theta", config.get("rope_theta", 10000.0)))
     if rope_type in (None, "default"):
         return {"rotary_base": theta}
+    if rope_type == "llama3":
+        llama3 = {**scaling, **params}
+        fixed = {"low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                 "original_max_position_embeddings": 8192}
+        other = {k: llama3.get(k) for k, v in fixed.items() if float(llama3.get(k, v)) != v}
+        if other:
+            raise ValueError(f"RoPE type 'llama3' with {other}: only Megatron-Core's fixed "
+                             f"{fixed} are supported (those of Llama-3.1 and 3.2)")
+        return {"rotary_base": theta, "rope_scaling_factor": float(llama3["factor"])}
     if rope_type != "yarn":
         raise ValueError(f"RoPE type {rope_type!r} (rope scaling) is not supported; "
-                         f"only the default RoPE and YaRN are")
+                         f"only the default RoPE, 'llama3' and YaRN are")
     yarn = {**scaling, **params}
     for key in ("mscale", "mscale_all_dim", "attention_factor"):
         if yarn.get(key) not in (None, 1, 1.0) and not (key == "mscale_all_dim"
@@ -65,6 +74,10 @@ def _rope(arch: GPTArchConfig) -> dict[str, Any]:
                 "original_max_position_embeddings": arch.yarn_original_max_position_embeddings,
                 "beta_fast": arch.yarn_beta_fast, "beta_slow": arch.yarn_beta_slow,
                 "truncate": arch.yarn_truncate}
+    if arch.rope_scaling_factor is not None:
+        return {"rope_type": "llama3", "rope_theta": arch.rotary_base,
+                "factor": arch.rope_scaling_factor, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
     return {"rope_type": "default", "rope_theta": arch.rotary_base}
 
 

@@ -22,7 +22,7 @@ from typing import Any
 
 from megatron_kd.arch.config import GPTArchConfig
 
-__all__ = ["arch_from_megatron_lm_args", "parse_megatron_lm_flags"]
+__all__ = ["arch_from_megatron_lm_args", "megatron_lm_flags", "parse_megatron_lm_flags"]
 
 # Flags of a launch line that do not change the weights or the function: accepted, ignored.
 _IGNORED_VALUE_FLAGS = ("--seq-length", "--attention-dropout", "--hidden-dropout",
@@ -59,6 +59,8 @@ def _parser() -> argparse.ArgumentParser:
                    choices=("learned_absolute", "rope", "none"))
     p.add_argument("--rotary-base", type=float, default=10000.0)
     p.add_argument("--rotary-percent", type=float, default=1.0)
+    p.add_argument("--use-rope-scaling", action="store_true")
+    p.add_argument("--rope-scaling-factor", type=float, default=8.0)
     p.add_argument("--normalization", default="LayerNorm")
     # Megatron-LM's own destination names (its saved args use them)
     p.add_argument("--norm-epsilon", dest="layernorm_epsilon", type=float, default=1e-5)
@@ -149,4 +151,79 @@ def arch_from_megatron_lm_args(args: Any, *, embedding_rows: int,
         num_experts=experts,
         moe_ffn_hidden_size=saved.get("moe_ffn_hidden_size") if experts else None,
         moe_router_topk=int(saved.get("moe_router_topk", 2) or 2),
-        moe_router_pre_softmax=bool(saved.get("moe_router_pre_softmax", False)))
+        moe_router_pre_softmax=bool(saved.get("moe_router_pre_softmax", False)),
+        rope_scaling_factor=(float(saved.get("rope_scaling_factor", 8.0))
+                             if saved.get("use_rope_scaling", False) else None))
+
+
+def _not_expressible(arch: GPTArchConfig) -> list[str]:
+    """The features of ``arch`` that Megatron-LM's GPT flags (as this module reads them)
+    cannot say."""
+    found = []
+    checks = (("Gated DeltaNet layers", arch.linear_attention_layers),
+              ("an attention output gate", arch.attention_output_gate),
+              ("shared experts", arch.moe_shared_expert_size),
+              ("sliding-window attention", arch.window_size),
+              ("attention sinks", arch.attention_sinks),
+              ("YaRN RoPE", arch.yarn_factor),
+              (f"gated activation {arch.gated_activation!r}", arch.gated_activation != "silu"),
+              ("a GLU linear offset", arch.glu_linear_offset),
+              ("an activation clamp", arch.activation_clamp),
+              (f"partial RoPE ({arch.rotary_percent})", arch.rotary_percent != 1.0),
+              ("QKV bias without linear bias", arch.add_qkv_bias and not arch.add_bias_linear))
+    for name, present in checks:
+        if present:
+            found.append(name)
+    return found
+
+
+def megatron_lm_flags(arch: GPTArchConfig) -> list[str]:
+    """The Megatron-LM model flags that build ``arch`` (the inverse of
+    :func:`parse_megatron_lm_flags` + :func:`arch_from_megatron_lm_args`), every value
+    explicit: what ``pretrain_gpt.py`` needs to load this checkpoint with
+    ``--pretrained-checkpoint``. The vocabulary is the tokenizer's (``--tokenizer-model``) and
+    its padding ``--make-vocab-size-divisible-by``: not model flags. ``ValueError`` naming the
+    features Megatron-LM's GPT flags cannot express (a Gated DeltaNet hybrid, gpt-oss...)."""
+    missing = _not_expressible(arch)
+    if missing:
+        raise ValueError(f"Megatron-LM's GPT model flags cannot express this model's "
+                         f"{', '.join(missing)}: train it with `megatron-kd train` instead")
+    flags = ["--num-layers", arch.num_layers, "--hidden-size", arch.hidden_size,
+             "--ffn-hidden-size", arch.ffn_hidden_size,
+             "--num-attention-heads", arch.num_attention_heads]
+    if arch.query_groups != arch.num_attention_heads:
+        flags += ["--group-query-attention", "--num-query-groups", arch.query_groups]
+    if arch.kv_channels is not None:
+        flags += ["--kv-channels", arch.kv_channels]
+    flags += ["--max-position-embeddings", arch.max_position_embeddings,
+              "--position-embedding-type", arch.position_embedding_type]
+    if arch.position_embedding_type == "rope":
+        flags += ["--rotary-base", _number(arch.rotary_base)]
+        if arch.rope_scaling_factor is not None:
+            flags += ["--use-rope-scaling", "--rope-scaling-factor",
+                      _number(arch.rope_scaling_factor)]
+    flags += ["--normalization", arch.normalization, "--norm-epsilon",
+              _number(arch.norm_epsilon)]
+    if arch.swiglu:
+        flags.append("--swiglu")
+    if not arch.tie_embeddings:
+        flags.append("--untie-embeddings-and-output-weights")
+    if not arch.add_bias_linear:
+        flags.append("--disable-bias-linear")
+    if arch.add_qkv_bias:
+        flags.append("--add-qkv-bias")
+    if arch.qk_layernorm:
+        flags.append("--qk-layernorm")
+    if arch.num_experts:
+        flags += ["--num-experts", arch.num_experts,
+                  "--moe-ffn-hidden-size", arch.expert_ffn_hidden_size,
+                  "--moe-router-topk", arch.moe_router_topk]
+        if arch.moe_router_pre_softmax:
+            flags.append("--moe-router-pre-softmax")
+    flags += ["--init-method-std", _number(arch.init_method_std)]
+    return [str(f) for f in flags]
+
+
+def _number(value: float) -> str:
+    """A float as Megatron-LM's argparse reads it back exactly (``repr``: the shortest)."""
+    return repr(float(value)) if float(value) != int(value) else str(int(value))

@@ -59,6 +59,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_kd.arch.hf_config import text_config
+from megatron_kd.arch.megatron_lm_args import megatron_lm_flags
 from megatron_kd.data.tokenizer import tokenizer_difference
 from megatron_kd.hf.import_weights import (
     arch_from_hf_config,
@@ -75,6 +76,7 @@ from megatron_kd.integration.groups import unsharded_model_parallel
 __all__ = [
     "HF_FILES_DIR",
     "HF_SIDE_FILES",
+    "MEGATRON_LM_FLAGS_FILE",
     "TOKENIZER_FILE",
     "HFCheckpoint",
     "TokenizerMismatchError",
@@ -87,11 +89,15 @@ __all__ = [
     "load_hf_checkpoint",
     "load_tokenizer",
     "pad_for_tensor_parallel",
+    "source_dtype",
+    "write_megatron_lm_flags",
     "run",
     "shard_megatron_state_dict",
 ]
 
 TOKENIZER_FILE = "tokenizer.json"
+#: The Megatron-LM model flags of an imported checkpoint (:func:`write_megatron_lm_flags`).
+MEGATRON_LM_FLAGS_FILE = "megatron_lm_flags.txt"
 HF_FILES_DIR = "hf"
 """The subdirectory of an imported checkpoint that keeps the source's own files
 (:data:`HF_SIDE_FILES`)."""
@@ -118,11 +124,14 @@ class HFCheckpoint:
     ``tokenizers.Tokenizer`` or None), plus a short ``source`` description."""
 
     def __init__(self, config: dict, state_dict: dict[str, torch.Tensor], tokenizer: Any,
-                 source: str) -> None:
+                 source: str, dtype: torch.dtype = torch.float32) -> None:
         self.config = config
         self.state_dict = state_dict
         self.tokenizer = tokenizer
         self.source = source
+        self.dtype = dtype
+        """The floating dtype most of the weights were stored in (the tensors in
+        ``state_dict`` are float32 whatever it is)."""
 
 
 def _split_gguf_path(path: str, gguf_file: str | None) -> tuple[str, str] | None:
@@ -162,14 +171,18 @@ def load_hf_checkpoint(path: str | os.PathLike, *, gguf_file: str | None = None)
     from safetensors.torch import load_file  # optional: only for safetensors sources
 
     state_dict: dict[str, torch.Tensor] = {}
+    stored: dict[torch.dtype, int] = {}  # elements by stored floating dtype
     for file in files:
         for name, tensor in load_file(file).items():
+            if tensor.is_floating_point():
+                stored[tensor.dtype] = stored.get(tensor.dtype, 0) + tensor.numel()
             state_dict[name] = tensor.float()
     tokenizer = None
     tok_path = os.path.join(path, TOKENIZER_FILE)
     if os.path.isfile(tok_path):
         tokenizer = load_tokenizer(tok_path)
-    return HFCheckpoint(config, strip_prefix(state_dict), tokenizer, source=path)
+    return HFCheckpoint(config, strip_prefix(state_dict), tokenizer, source=path,
+                        dtype=max(stored, key=stored.get) if stored else torch.float32)
 
 
 def _load_gguf(directory: str, file_name: str) -> HFCheckpoint:
@@ -291,9 +304,40 @@ def import_hf(path: str | os.PathLike, save_dir: str | os.PathLike, *,
             if ckpt.tokenizer is not None:
                 ckpt.tokenizer.save(os.path.join(save_dir, TOKENIZER_FILE))
             _keep_hf_files(ckpt, os.path.join(save_dir, HF_FILES_DIR))
+            write_megatron_lm_flags(arch, save_dir)
         if dist.is_initialized():
             dist.barrier()
     return arch
+
+
+def write_megatron_lm_flags(arch, directory: str) -> str | None:
+    """Write :data:`MEGATRON_LM_FLAGS_FILE` into ``directory``: the Megatron-LM model flags of
+    ``arch`` (one per line), what ``pretrain_gpt.py --pretrained-checkpoint DIR`` needs and
+    ``--kd-teacher-args`` reads. Returns its path, or None (nothing written) for a model those
+    flags cannot express (the reason is the file's absence and :func:`megatron_lm_flags`')."""
+    try:
+        flags = megatron_lm_flags(arch)
+    except ValueError:
+        return None
+    lines, i = [], 0
+    while i < len(flags):  # a flag and its value on one line
+        takes_value = i + 1 < len(flags) and not flags[i + 1].startswith("--")
+        lines.append(" ".join(flags[i:i + 2]) if takes_value else flags[i])
+        i += 2 if takes_value else 1
+    path = os.path.join(directory, MEGATRON_LM_FLAGS_FILE)
+    with open(path, "w", encoding="utf-8") as f:
+        f.write("# Megatron-LM's model flags for this checkpoint (written by megatron-kd "
+                "import-hf).\n# Vocabulary: --tokenizer-model and --make-vocab-size-divisible-by."
+                "\n" + "\n".join(lines) + "\n")
+    return path
+
+
+def _why_no_flags(arch) -> str:
+    try:
+        megatron_lm_flags(arch)
+    except ValueError as e:
+        return str(e)
+    return "?"
 
 
 def _keep_hf_files(ckpt: HFCheckpoint, directory: str) -> None:
@@ -316,6 +360,12 @@ def _keep_hf_files(ckpt: HFCheckpoint, directory: str) -> None:
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def source_dtype(ckpt: HFCheckpoint) -> torch.dtype:
+    """The dtype the checkpoint's weights were published in (bf16 for today's large models),
+    if the import can write it; else float32 (a GGUF source, dequantized, is float32)."""
+    return ckpt.dtype if ckpt.dtype in _DTYPES.values() else torch.float32
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hf-path", required=True,
                         help="Hugging Face checkpoint: a directory with config.json and "
@@ -334,19 +384,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "and vocabulary so the checkpoint also splits N ways; the model "
                              "computes exactly the same function (e.g. SmolLM2-135M's 9 heads "
                              "in 3 groups become 12 in 4 for N=2)")
-    parser.add_argument("--params-dtype", choices=sorted(_DTYPES), default="float32",
-                        help="dtype of the saved weights (default float32)")
+    parser.add_argument("--params-dtype", choices=["auto", *sorted(_DTYPES)], default="auto",
+                        help="dtype of the saved weights (default auto: the source's own, "
+                             "bfloat16 for a model published in bf16; float32 for GGUF)")
 
 
 def run(args: argparse.Namespace) -> int:
     if os.path.isdir(args.save) and os.listdir(args.save):
         raise ValueError(f"--save directory {args.save!r} is not empty")
+    ckpt = load_hf_checkpoint(args.hf_path, gguf_file=args.gguf_file)
+    dtype = source_dtype(ckpt) if args.params_dtype == "auto" else _DTYPES[args.params_dtype]
     arch = import_hf(args.hf_path, args.save, gguf_file=args.gguf_file,
                      make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
-                     vocab_size=args.vocab_size, params_dtype=_DTYPES[args.params_dtype],
-                     pad_for_tp=args.pad_for_tensor_parallel)
-    print(f"saved Megatron-Core checkpoint to {args.save}: {arch.num_layers} layers, "
+                     vocab_size=args.vocab_size, params_dtype=dtype,
+                     pad_for_tp=args.pad_for_tensor_parallel, checkpoint=ckpt)
+    print(f"saved Megatron-Core checkpoint ({str(dtype).removeprefix('torch.')}) to "
+          f"{args.save}: {arch.num_layers} layers, "
           f"hidden {arch.hidden_size}, heads {arch.num_attention_heads}/{arch.query_groups}, "
           f"vocab {arch.vocab_size} (padded {arch.padded_vocab_size}), "
           f"tied embeddings {arch.tie_embeddings}")
+    flags = os.path.join(args.save, MEGATRON_LM_FLAGS_FILE)
+    print(f"Megatron-LM's model flags for it (pretrain_gpt.py --pretrained-checkpoint): {flags}"
+          if os.path.isfile(flags) else "no Megatron-LM flags written: "
+          f"{_why_no_flags(arch)}")
     return 0

@@ -353,6 +353,8 @@ def build_gpt_model(
         position_embedding_type=arch.position_embedding_type,
         rotary_base=arch.rotary_base,
         rotary_percent=arch.rotary_percent,
+        rope_scaling=arch.rope_scaling_factor is not None,
+        rope_scaling_factor=arch.rope_scaling_factor or 8.0,
         **kwargs,
     )
     model.kd_arch = arch

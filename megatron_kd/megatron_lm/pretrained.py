@@ -55,6 +55,9 @@ def _check_arch(args: argparse.Namespace, arch: GPTArchConfig, path: str) -> Non
              ("--ffn-hidden-size", args.ffn_hidden_size, arch.ffn_hidden_size),
              ("--num-experts", getattr(args, "num_experts", None) or None,
               arch.num_experts or None),
+             ("--use-rope-scaling / --rope-scaling-factor",
+              (args.rope_scaling_factor if getattr(args, "use_rope_scaling", False) else None)
+              if hasattr(args, "use_rope_scaling") else None, arch.rope_scaling_factor),
              ("padded vocabulary (--vocab-size / tokenizer, --make-vocab-size-divisible-by)",
               args.padded_vocab_size, arch.padded_vocab_size)]
     for flag, given, recorded in pairs:

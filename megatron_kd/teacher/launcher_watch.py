@@ -17,15 +17,20 @@ releases nothing. Polling costs one system call per ``poll_s`` and works under e
 
 from __future__ import annotations
 
+import faulthandler
 import os
+import signal
 import sys
 import threading
 from collections.abc import Callable
 
-__all__ = ["EXIT_CODE", "LauncherWatch"]
+__all__ = ["EXIT_CODE", "STOP_OVERDUE_EXIT", "LauncherWatch", "StopSignal", "stop_on_signals"]
 
 #: The exit status of a rank that left because its launcher died (after ``grace_s``).
 EXIT_CODE = 3
+#: The exit status of a rank still running ``grace_s`` after SIGTERM / SIGINT
+#: (:func:`stop_on_signals`).
+STOP_OVERDUE_EXIT = 4
 
 
 class LauncherWatch:
@@ -98,3 +103,49 @@ class LauncherWatch:
             self.log(text)
         else:
             print(f"[pid {os.getpid()}] {text}", file=sys.stderr, flush=True)
+
+
+class StopSignal(threading.Event):
+    """Set by SIGTERM / SIGINT (:func:`stop_on_signals`); :meth:`ended` says the process is
+    leaving in order (the overdue exit is called off)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.done = threading.Event()
+
+    def ended(self) -> None:
+        self.done.set()
+
+
+def stop_on_signals(grace_s: float | None = None,
+                    release: Callable[[], None] | None = None) -> StopSignal:
+    """A :class:`StopSignal` set by SIGTERM / SIGINT (a serving loop checks it between
+    batches). With ``grace_s``: a process that has not called :meth:`StopSignal.ended` that
+    long after the first signal writes every thread's stack to stderr (what it was stuck in),
+    calls ``release`` and leaves with :data:`STOP_OVERDUE_EXIT`: a stop is never a hang."""
+    stop = StopSignal()
+
+    def overdue() -> None:
+        if stop.done.wait(grace_s):
+            return
+        print(f"[pid {os.getpid()}] still running {grace_s:g} s after the stop signal: its "
+              f"threads' stacks follow, then it exits ({STOP_OVERDUE_EXIT})", file=sys.stderr,
+              flush=True)
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        if release is not None:
+            try:
+                release()
+            except Exception as e:  # noqa: BLE001 - leaving anyway; say why it was not clean
+                print(f"releasing before exit failed: {type(e).__name__}: {e}", file=sys.stderr,
+                      flush=True)
+        sys.stderr.flush()
+        os._exit(STOP_OVERDUE_EXIT)
+
+    def handler(*_) -> None:
+        if grace_s is not None and not stop.is_set():
+            threading.Thread(target=overdue, daemon=True, name="kd-stop-deadline").start()
+        stop.set()
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, handler)
+    return stop

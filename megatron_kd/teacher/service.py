@@ -333,6 +333,14 @@ class TeacherService:
         if self.rank == 0:
             self.endpoint.withdraw(self.replica)
 
+    def abandon(self, reason: str) -> None:
+        """A rank leaving without stopping in order (its launcher died, or a stop overdue),
+        called from another thread: rank 0 withdraws the endpoint record and writes its
+        ``stopped`` record, marked ``forced``, with what it served so far."""
+        self.withdraw()
+        self._say({"event": "stopped", "replica": self.replica, "forced": reason,
+                   **self.stats.summary()})
+
     def _open(self, conn: int, meta: ConnectionMeta) -> None:
         """Make this rank's links of a new connection (the student makes its ends now too)."""
         device = link_device(meta.device, self.device.type)

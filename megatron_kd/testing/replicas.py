@@ -139,9 +139,9 @@ class Replica:
         why = (f"exited with {exited}" if exited is not None
                else f"did not register within {self.start_timeout_s:g} s")
         raise RuntimeError(f"teacher replica {why} at {self.endpoint}; its stderr "
-                           f"({self.stderr_path}) ends:\n{self._stderr_tail()}")
+                           f"({self.stderr_path}) ends:\n{self.stderr_tail()}")
 
-    def _stderr_tail(self, chars: int = 3000) -> str:
+    def stderr_tail(self, chars: int = 3000) -> str:
         try:
             return self.stderr_path.read_text(errors="replace")[-chars:]
         except OSError:
@@ -204,7 +204,7 @@ class Replica:
                 self.proc.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:
                 print(f"teacher replica {self.proc.pid}: no exit {timeout_s:.0f} s after SIGTERM, "
-                      f"killed (stderr: {self.stderr_path})", file=sys.stderr)
+                      f"killed; its stderr ends:\n{self.stderr_tail()}", file=sys.stderr)
                 self.kill(signal.SIGKILL)
                 self.proc.wait(timeout=30)
         self.kill(signal.SIGKILL)  # any worker left behind

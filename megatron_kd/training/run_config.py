@@ -79,6 +79,11 @@ class ArchitectureSection:
     position_embedding_type: str | None = _defaulted(
         "position_embedding_type", choices=("rope", "learned_absolute", "none"), group=_MODEL)
     rotary_base: float | None = _defaulted("rotary_base", group=_MODEL)
+    use_rope_scaling: bool = flag(False, "Llama 3.1-style RoPE frequency scaling",
+                                  group=_MODEL)
+    rope_scaling_factor: float | None = flag(
+        None, "with --use-rope-scaling (Llama-3.1: 8, Llama-3.2: 32); default 8", type=float,
+        group=_MODEL)
     untie_embeddings_and_output_weights: bool = flag(
         False, "separate output layer (default: tied to the input embedding)", group=_MODEL)
     add_bias_linear: bool = flag(False, group=_MODEL)

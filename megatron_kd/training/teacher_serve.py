@@ -13,7 +13,8 @@ A replica builds the frozen teacher (Megatron-Core ``GPTModel``, its own pipelin
 tensor-parallel layout over its whole world: a replica is never a data-parallel rank of another
 replica's world), registers at the endpoint once it is ready, and serves any number of student
 runs until it is stopped (SIGTERM or SIGINT: it finishes the batch in flight, withdraws from the
-endpoint and exits 0). Each rank also exits when its launcher dies (torchrun's agent SIGKILLed,
+endpoint and exits 0; a rank still running ``--stop-grace`` seconds later writes its threads'
+stacks to stderr, withdraws and exits 4). Each rank also exits when its launcher dies (torchrun's agent SIGKILLed,
 say): within ``--launcher-grace`` + 0.5 s, the record withdrawn
 (:mod:`megatron_kd.teacher.launcher_watch`; ``--no-exit-with-launcher`` for a replica meant to
 outlive the shell that started it). Rank 0 writes its log lines (JSON: connections, requests and
@@ -25,10 +26,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import socket
 import sys
-import threading
 import time
 
 import torch
@@ -49,7 +48,7 @@ from megatron_kd.integration.output_layer import gather_sequence, to_sbh
 from megatron_kd.integration.teacher import build_frozen_teacher, check_teacher, teacher_identity
 from megatron_kd.placement import compute_device
 from megatron_kd.teacher.endpoint import parse_endpoint
-from megatron_kd.teacher.launcher_watch import LauncherWatch
+from megatron_kd.teacher.launcher_watch import STOP_OVERDUE_EXIT, LauncherWatch, stop_on_signals
 from megatron_kd.teacher.service import TeacherService
 from megatron_kd.training.metrics import MetricsSection, MetricWriters, service_scalars
 from megatron_kd.training.run_config import ParallelSection
@@ -93,6 +92,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--launcher-grace", type=float, default=5.0, metavar="SECONDS",
                    help="seconds a rank whose launcher died has to stop in order before it "
                         "leaves anyway")
+    s.add_argument("--stop-grace", type=float, default=30.0, metavar="SECONDS",
+                   help=f"seconds a rank has to stop in order after SIGTERM / SIGINT; still "
+                        f"running then, it writes its threads' stacks to stderr, withdraws and "
+                        f"exits {STOP_OVERDUE_EXIT}")
     add_flags(s, MetricsSection, use_groups=False, only=(
         "tensorboard_dir", "tensorboard_queue_size", "wandb_project", "wandb_exp_name",
         "wandb_save_dir"), help={"tensorboard_dir": "the replica's stats as TensorBoard "
@@ -110,18 +113,10 @@ def run(args: argparse.Namespace) -> int:
     return _serve(args)
 
 
-def _stopper() -> threading.Event:
-    """An event set by SIGTERM / SIGINT (the loop checks it between batches)."""
-    stop = threading.Event()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda *_: stop.set())
-    return stop
-
-
 def _registry(args: argparse.Namespace) -> int:
     store = dist.TCPStore(args.host, args.port, is_master=True, wait_for_workers=False)
     print(json.dumps({"event": "registry", "port": store.port}), file=sys.stderr, flush=True)
-    stop = _stopper()
+    stop = stop_on_signals()
     while not stop.wait(0.5):
         pass
     return 0
@@ -154,16 +149,19 @@ def _check(args: argparse.Namespace, world: int):
 
 
 def _serve(args: argparse.Namespace) -> int:
-    if args.launcher_grace < 0:
-        raise ValueError(f"--launcher-grace must be >= 0, got {args.launcher_grace}")
+    for flag, value in (("launcher-grace", args.launcher_grace),
+                        ("stop-grace", args.stop_grace)):
+        if value < 0:
+            raise ValueError(f"--{flag} must be >= 0, got {value}")
     install_cpu_shim()
     if on_cpu():
         torch.set_flush_denormal(True)
-    stop = _stopper()
     services: list[TeacherService] = []  # the one built below (what a forced exit withdraws)
+    stop = stop_on_signals(args.stop_grace,
+                           lambda: [s.abandon("stop overdue") for s in services])
     watch = None
     if args.exit_with_launcher:  # watched from before the rendezvous: it may hang there too
-        watch = LauncherWatch(stop.set, lambda: [s.withdraw() for s in services],
+        watch = LauncherWatch(stop.set, lambda: [s.abandon("launcher gone") for s in services],
                               grace_s=args.launcher_grace).start()
     created = init_distributed_from_env()
     try:
@@ -181,6 +179,7 @@ def _serve(args: argparse.Namespace) -> int:
             dist.destroy_process_group()
         if watch is not None:
             watch.close()  # ended in order (a forced exit would not come back here)
+        stop.ended()
 
 
 def _service(args: argparse.Namespace, teacher_dir: str, arch, tp: int, pp: int) -> TeacherService:

@@ -132,6 +132,50 @@ def test_logits_parity_with_heads_padded_for_tp2(tmp_path, dist_pool_factory):
                                    atol=ATOL, rtol=0)
 
 
+def test_llama3_rope_scaling_logits_parity_and_export(tmp_path, dist_pool_factory):
+    """Llama-3.1 / 3.2's RoPE scaling (``rope_type`` "llama3", factor 32 as Llama-3.2's):
+    the import's RoPE frequencies are transformers' own, its logits transformers' at TP 1 and
+    TP 2, and the export writes the same ``rope_parameters`` back. Without the scaling the
+    logits differ by ~1e-3 (two of the four frequencies move)."""
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from megatron_kd.arch import GPTArchConfig
+    from megatron_kd.arch.hf_config import hf_config_from_arch
+
+    pool = dist_pool_factory(2)
+    hf_path, tokens, expected = tiny_llama(tmp_path, tied=False, llama3_rope_factor=32.0,
+                                           name="llama3rope")
+    save_dir = str(tmp_path / "megatron_llama3rope")
+    arch = GPTArchConfig.from_dict(pool.run(case_import, hf_path, save_dir)[0])
+    assert (arch.rope_scaling_factor, arch.rotary_base) == (32.0, 500000.0)
+    config = LlamaConfig.from_pretrained(hf_path)
+    theirs, _ = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
+    ours = pool.run(case_inv_freq, save_dir)[0]
+    torch.testing.assert_close(ours, theirs.float(), rtol=1e-6, atol=0)
+    vocab = expected.shape[-1]
+    for tp in (1, 2):
+        shards = pool.run(case_logits, save_dir, tokens, tp)[:tp]
+        torch.testing.assert_close(torch.cat(shards, dim=-1)[..., :vocab], expected,
+                                   atol=ATOL, rtol=0)
+    exported = hf_config_from_arch(arch)
+    assert exported["rope_parameters"] == config.rope_parameters
+
+
+def case_inv_freq(ctx, save_dir):
+    """The RoPE frequencies of the model built from ``save_dir``'s architecture."""
+    from megatron.core import parallel_state
+
+    from megatron_kd.integration import checkpoint, gpt
+
+    parallel_state.initialize_model_parallel(1, 1)
+    try:
+        model = gpt.build_gpt_model(checkpoint.read_checkpoint_arch(save_dir), seed=1)
+        return model.rotary_pos_emb.inv_freq.detach().float().cpu()
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
 _QWEN_MODELS = {
     "qwen3": lambda tmp: tiny_qwen3(tmp),
     "qwen3_moe": lambda tmp: tiny_qwen3_moe(tmp),

@@ -37,6 +37,7 @@ from support.hf_models import (
 from support.train_cases import case_import, case_train
 
 from megatron_kd.cli import main
+from megatron_kd.hf.importer import load_hf_checkpoint, source_dtype
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 transformers = pytest.importorskip("transformers")
@@ -96,6 +97,7 @@ def case_rewrite(ctx, src, dst, megatron_lm_flags=None):
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
 
+    from megatron_kd.arch.megatron_lm_args import parse_megatron_lm_flags
     from megatron_kd.integration.checkpoint import (
         load_model_checkpoint,
         read_checkpoint_arch,
@@ -105,7 +107,6 @@ def case_rewrite(ctx, src, dst, megatron_lm_flags=None):
     from megatron_kd.integration.cpu_shim import checkpoint_save_strategy
     from megatron_kd.integration.gpt import build_gpt_model
     from megatron_kd.integration.groups import model_parallel
-    from megatron_kd.arch.megatron_lm_args import parse_megatron_lm_flags
 
     with model_parallel(tp=2, ep=2, etp=1):
         arch = read_checkpoint_arch(src)
@@ -272,3 +273,31 @@ def test_trained_student_exports_with_the_trainers_evaluation_loss(dist_pool_fac
     assert lm_loss(out) == pytest.approx(trainer_loss, rel=1e-5)
     # the student learned: the original's loss is not the trained one's
     assert abs(lm_loss(str(tmp_path / "qwen3")) - trainer_loss) > 0.05
+
+
+def _stored_dtypes(directory) -> set:
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    [meta] = glob.glob(os.path.join(directory, "**", ".metadata"), recursive=True)
+    stored = FileSystemReader(os.path.dirname(meta)).read_metadata().state_dict_metadata
+    return {m.properties.dtype for k, m in stored.items()
+            if isinstance(m, TensorStorageMetadata) and "weight" in k}
+
+
+@pytest.mark.parametrize("published", [torch.bfloat16, torch.float32])
+def test_import_hf_keeps_the_sources_dtype_by_default(tmp_path, published):
+    """``import-hf`` without ``--params-dtype`` writes the dtype the model was published in
+    (a 35B bf16 teacher stays ~70 GB, not 140 GB of fp32); ``--params-dtype`` overrides it."""
+    from safetensors.torch import load_file, save_file
+
+    path = tiny_llama(tmp_path, tied=False)[0]
+    [weights] = glob.glob(os.path.join(path, "*.safetensors"))
+    save_file({k: v.to(published) for k, v in load_file(weights).items()}, weights,
+              metadata={"format": "pt"})
+    assert source_dtype(load_hf_checkpoint(path)) == published
+    assert main(["import-hf", "--hf-path", path, "--save", str(tmp_path / "auto")]) == 0
+    assert _stored_dtypes(tmp_path / "auto") == {published}
+    assert main(["import-hf", "--hf-path", path, "--save", str(tmp_path / "fp16"),
+                 "--params-dtype", "float16"]) == 0
+    assert _stored_dtypes(tmp_path / "fp16") == {torch.float16}

@@ -81,6 +81,7 @@ def test_export_of_a_real_megatron_lm_checkpoint_gives_the_model_back(tmp_path, 
     from support.hf_models import tiny_llama
     from support.text import TEXT, write_tokenizer
 
+    from megatron_kd.arch.megatron_lm_args import parse_megatron_lm_flags
     from megatron_kd.data.preprocess import preprocess
     from megatron_kd.data.tokenizer import HFTokenizer
 
@@ -99,6 +100,13 @@ def test_export_of_a_real_megatron_lm_checkpoint_gives_the_model_back(tmp_path, 
     (release / "latest_checkpointed_iteration.txt").write_text("release")
     original = _tensors(hf_dir)
     config = transformers.AutoConfig.from_pretrained(hf_dir).to_dict()
+    # the model flags import-hf wrote are what Megatron-LM builds the student from: the same
+    # model as the flags written here by hand from the tiny Llama's config
+    written = os.path.join(imported, "megatron_lm_flags.txt")
+    with open(written, encoding="utf-8") as f:
+        model_flags = " ".join(line for line in f if not line.startswith("#")).split()
+    assert vars(parse_megatron_lm_flags(written)) == vars(parse_megatron_lm_flags(
+        " ".join(LLAMA_FLAGS)))
 
     only = MEGATRON_LM_ONLY[MEGATRON_LM_ONLY.index("--tokenizer-type"):
                             MEGATRON_LM_ONLY.index("--save-interval")]
@@ -108,7 +116,7 @@ def test_export_of_a_real_megatron_lm_checkpoint_gives_the_model_back(tmp_path, 
                    CUDA_DEVICE_MAX_CONNECTIONS="1",
                    PYTHONPATH=os.pathsep.join([root, os.path.join(REPO, "tests"), REPO]),
                    PATH=os.pathsep.join([os.path.dirname(python), os.environ["PATH"]]))
-        _torchrun(python, 2, [LAUNCHER, _patched_script(root, tmp_path), *LLAMA_FLAGS, *only,
+        _torchrun(python, 2, [LAUNCHER, _patched_script(root, tmp_path), *model_flags, *only,
                               "--kd-weight", "0", "--kd-ce-weight", "1",
                               "--tensor-model-parallel-size", "2", "--seq-length", "32",
                               "--micro-batch-size", "2", "--global-batch-size", "2",

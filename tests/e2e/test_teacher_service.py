@@ -112,7 +112,8 @@ def test_two_replicas_serve_four_student_dp_ranks(dist_pool_factory, teacher, re
     first.stop()
     second.stop()
     # least-loaded choice: the four connections spread over both replicas
-    assert first.requests_served() > 0 and second.requests_served() > 0
+    assert first.requests_served() > 0 and second.requests_served() > 0, \
+        [(r.final_stats(), r.stderr_tail()) for r in (first, second)]
 
 
 def test_two_runs_with_different_seeds_share_one_replica(pool, teacher, replicas, tmp_path):

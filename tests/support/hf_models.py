@@ -1,5 +1,5 @@
-"""Tiny random Llama / Qwen3 / Qwen3-MoE / gpt-oss / Qwen3.5 models saved as safetensors, with transformers' own
-logits on fixed tokens: the independent reference of the import tests."""
+"""Tiny random Llama / Qwen3 / Qwen3-MoE / gpt-oss / Qwen3.5 models saved as safetensors, with
+transformers' own logits on fixed tokens: the independent reference of the import tests."""
 
 from __future__ import annotations
 
@@ -31,10 +31,17 @@ def _randomise_and_save(model, out: str, vocab: int, seed: int):
 
 
 def tiny_llama(tmp_path, *, tied: bool, vocab: int = 203, name: str = "hf", groups: int = 2,
-               ffn: int = 72):
-    """A randomly initialised tiny Llama (GQA: 6 heads in ``groups`` groups) as safetensors."""
+               ffn: int = 72, llama3_rope_factor: float | None = None):
+    """A randomly initialised tiny Llama (GQA: 6 heads in ``groups`` groups) as safetensors;
+    with ``llama3_rope_factor``, Llama-3.1 / 3.2's RoPE scaling (base 500,000, as theirs, so
+    that the scaling moves two of the four frequencies)."""
     from transformers import LlamaConfig, LlamaForCausalLM  # the tests skip without it
 
+    rope = {}
+    if llama3_rope_factor is not None:
+        rope = {"rope_theta": 500000.0, "rope_scaling": {
+            "rope_type": "llama3", "factor": llama3_rope_factor, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}}
     config = LlamaConfig(
         vocab_size=vocab,  # odd: padded to 256 by the import
         hidden_size=48,
@@ -42,12 +49,12 @@ def tiny_llama(tmp_path, *, tied: bool, vocab: int = 203, name: str = "hf", grou
         num_hidden_layers=2,
         num_attention_heads=6,
         num_key_value_heads=groups,
-        max_position_embeddings=64,
+        max_position_embeddings=131072 if rope else 64,
         rms_norm_eps=1e-5,
-        rope_theta=5000.0,
         tie_word_embeddings=tied,
         attention_bias=False,
         mlp_bias=False,
+        **({"rope_theta": 5000.0} | rope),
     )
     torch.manual_seed(7 if tied else 8)
     model = LlamaForCausalLM(config)

@@ -267,3 +267,4 @@ def test_qwen35_moe_multimodal_names_and_fused_experts(tmp_path):
     assert sorted(converted) == sorted(reference)
     for name, t in reference.items():
         assert torch.equal(converted[name], t), name
+

@@ -93,3 +93,49 @@ def test_exit_code_and_arguments():
     watch = LauncherWatch(lambda: None).start()  # this test's parent lives: nothing happens
     assert watch.watching and not watch.gone.is_set()
     watch.close()
+
+
+STOPPING = textwrap.dedent("""
+    import os, sys, time
+    from megatron_kd.teacher.launcher_watch import stop_on_signals
+    record, stuck = sys.argv[1], sys.argv[2] == "stuck"
+
+    def release():
+        os.remove(record)
+
+    open(record, "w").close()
+    stop = stop_on_signals({grace}, release)
+    open(record + ".ready", "w").close()
+    while not stop.wait(0.05) or stuck:  # stuck: the loop never sees the stop
+        time.sleep(0.05)
+    stop.ended()
+    os.remove(record)  # in order
+    time.sleep({grace} * 3)  # ended: the overdue exit is called off, this exit is its own
+""").format(grace=GRACE_S)
+
+
+@pytest.mark.parametrize("how", ["in_order", "stuck"])
+def test_a_stop_signal_ends_the_process_within_the_grace(tmp_path, how):
+    """SIGTERM: a loop that sees it leaves in order (0, no stacks written); one stuck past
+    ``grace_s`` writes its threads' stacks, releases and exits STOP_OVERDUE_EXIT."""
+    from megatron_kd.teacher.launcher_watch import STOP_OVERDUE_EXIT
+
+    record = tmp_path / "replica-x.json"
+    proc = subprocess.Popen([sys.executable, "-c", STOPPING, str(record), how],
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        assert _wait(lambda: os.path.exists(f"{record}.ready"), 60), "never started"
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=GONE_WITHIN_S + 3 * GRACE_S)
+        took = time.monotonic() - t0
+    finally:
+        proc.kill()
+    assert not record.exists()  # released either way
+    if how == "in_order":
+        assert proc.returncode == 0 and "still running" not in err, err
+    else:
+        assert proc.returncode == STOP_OVERDUE_EXIT, err
+        assert GRACE_S - 0.1 <= took < GONE_WITHIN_S
+        assert "still running 1 s after the stop signal" in err
+        assert "most recent call first" in err  # faulthandler's stacks: where it was stuck
