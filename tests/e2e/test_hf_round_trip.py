@@ -36,8 +36,10 @@ from support.hf_models import (
 )
 from support.train_cases import case_import, case_train
 
+from megatron_kd.arch.megatron_lm_args import arch_from_megatron_lm_args, parse_megatron_lm_flags
 from megatron_kd.cli import main
 from megatron_kd.hf.importer import load_hf_checkpoint, source_dtype
+from megatron_kd.integration.checkpoint import read_checkpoint_arch
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 transformers = pytest.importorskip("transformers")
@@ -298,6 +300,11 @@ def test_import_hf_keeps_the_sources_dtype_by_default(tmp_path, published):
     assert source_dtype(load_hf_checkpoint(path)) == published
     assert main(["import-hf", "--hf-path", path, "--save", str(tmp_path / "auto")]) == 0
     assert _stored_dtypes(tmp_path / "auto") == {published}
+    # beside the weights: the Megatron-LM model flags that build the same model
+    flags = parse_megatron_lm_flags(str(tmp_path / "auto" / "megatron_lm_flags.txt"))
+    arch = read_checkpoint_arch(str(tmp_path / "auto"))
+    assert arch_from_megatron_lm_args(flags, embedding_rows=arch.padded_vocab_size,
+                                      vocab_size=arch.vocab_size) == arch
     assert main(["import-hf", "--hf-path", path, "--save", str(tmp_path / "fp16"),
                  "--params-dtype", "float16"]) == 0
     assert _stored_dtypes(tmp_path / "fp16") == {torch.float16}
