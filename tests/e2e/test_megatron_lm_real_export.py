@@ -141,3 +141,70 @@ def test_export_of_a_real_megatron_lm_checkpoint_gives_the_model_back(tmp_path, 
             else:
                 assert {k: back.get(k) for k in ARCH_FIELDS} == \
                     {k: config.get(k) for k in ARCH_FIELDS}, root
+
+
+def test_the_example_script_trains_an_imported_student(tmp_path):
+    """``examples/megatron_lm/train_kd_colocated.sh`` as a user runs it, ``STUDENT`` an
+    ``import-hf`` directory (its model flags from the ``megatron_lm_flags.txt`` the import
+    wrote, its weights by ``--pretrained-checkpoint``) and the same model as the colocated
+    teacher, 2 ranks at TP 2, fp32, 2 iterations at learning rate 0 on the real patched
+    ``pretrain_gpt.py`` of each checkout (through the test's CPU launcher, ``PRETRAIN_GPT``):
+    the run saves iteration 2 and its export is the imported model bit for bit."""
+    if not _checkouts():
+        pytest.skip("MEGATRON_LM_DIR is not set (Megatron-LM checkouts)")
+    pytest.importorskip("transformers")
+    from support.hf_models import tiny_llama
+    from support.text import TEXT, write_tokenizer
+
+    from megatron_kd.data.preprocess import preprocess
+    from megatron_kd.data.tokenizer import HFTokenizer
+
+    python = _megatron_lm_python()
+    (tmp_path / "text").mkdir()
+    (tmp_path / "text" / "part.txt").write_text(TEXT * 10, encoding="utf-8")
+    tok = write_tokenizer(tmp_path / "tokenizer.json")
+    preprocess([str(tmp_path / "text")], HFTokenizer(tok), str(tmp_path / "corpus"))
+    hf_dir = tiny_llama(tmp_path, tied=False, vocab=VOCAB, name="llama")[0]
+    student = str(tmp_path / "student")
+    _cli("import-hf", "--hf-path", hf_dir, "--save", student)
+    original = _tensors(hf_dir)
+    cpu_only = MEGATRON_LM_ONLY[MEGATRON_LM_ONLY.index("--tokenizer-type"):
+                                MEGATRON_LM_ONLY.index("--log-interval")]
+    script = os.path.join(REPO, "examples", "megatron_lm", "train_kd_colocated.sh")
+    bin_dir = tmp_path / "bin"  # the script's `torchrun`: Megatron-LM's interpreter's
+    bin_dir.mkdir()
+    (bin_dir / "torchrun").write_text(f'#!/bin/sh\nexec {python} -m torch.distributed.run "$@"\n')
+    (bin_dir / "torchrun").chmod(0o755)
+    for root in _checkouts():
+        out = tmp_path / f"run_{os.path.basename(root)}"
+        env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
+                   PYTHONPATH=os.pathsep.join([root, os.path.join(REPO, "tests"), REPO]),
+                   PATH=os.pathsep.join([str(bin_dir), os.environ["PATH"]]),
+                   STUDENT=student, GPUS_PER_NODE="2", TP="2", MASTER_PORT=str(_free_port()),
+                   PRETRAIN_GPT=f"{LAUNCHER} {_patched_script(root, tmp_path)}",
+                   SEQ_LENGTH="32", MICRO_BATCH="2", GLOBAL_BATCH="2", TRAIN_ITERS="2",
+                   LR="0.0", WARMUP="0", PRECISION="fp32", KD_TEACHER_DTYPE="fp32",
+                   KD_CE_WEIGHT="1.0")
+        proc = subprocess.run(
+            ["bash", script, str(out), str(tmp_path / "tb"), student, str(tmp_path / "corpus"),
+             "unused-tokenizer", *cpu_only, "--weight-decay", "0.0", "--clip-grad", "0.0",
+             "--eval-iters", "0", "--eval-interval", "100", "--save-interval", "2",
+             "--split", "90,5,5",  # the tiny corpus has no 1/1000 test split
+             "--log-interval", "1"], env=env, capture_output=True, text=True, timeout=240,
+            check=False)
+        errors = [line for line in proc.stderr.splitlines() if "Error" in line]
+        assert proc.returncode == 0, (proc.stdout[-3000:], errors[-20:])
+        assert (out / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
+        exported = str(tmp_path / f"hf_{os.path.basename(root)}")
+        _cli("export-hf", "--load", str(out), "--save", exported, "--dtype", "float32",
+             "--hf-config", hf_dir)
+        got = _tensors(exported)
+        assert [n for n in original if not got[n].equal(original[n])] == [], root
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
