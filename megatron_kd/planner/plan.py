@@ -27,7 +27,7 @@ from megatron_kd.planner.memory import (
     Precision,
     Term,
 )
-from megatron_kd.planner.models import ModelConfig
+from megatron_kd.planner.models import PlannedModel
 from megatron_kd.planner.presets import GpuSpec, LinkSpec
 from megatron_kd.planner.traffic import Traffic
 
@@ -62,10 +62,10 @@ class PlanOptions:
     """Everything a plan depends on. The defaults written here are the only ones: ``megatron-kd
     plan`` leaves out what its command line does not give."""
 
-    student: ModelConfig
+    student: PlannedModel
     """The model being trained."""
 
-    teacher: ModelConfig
+    teacher: PlannedModel
     """The frozen teacher."""
 
     gpu: GpuSpec

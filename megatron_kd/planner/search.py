@@ -172,7 +172,7 @@ def _context_parallel_sizes(opts: PlanOptions, ranks: int) -> list[int]:
     layers) every divisor whose ``2 cp`` chunks divide the sequence."""
     if opts.cp is not None:
         return [opts.cp]
-    if opts.student.linear_attention_freq:
+    if opts.student.linear_attention_layers:
         return [1]
     return [c for c in _divisors(ranks) if c == 1 or opts.seq_length % (2 * c) == 0]
 

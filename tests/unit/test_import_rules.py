@@ -58,8 +58,9 @@ def test_parallel_has_no_megatron(modules):
 
 
 def test_teacher_service_needs_no_megatron(modules):
-    # the model and its schedule are handed in: a replica's transport works without Megatron
-    assert rules.check_allowed_imports(modules, "teacher", {"parallel", "collectives"},
+    # the model and its schedule are handed in: a replica's transport works without Megatron;
+    # arch: the sequence-split rule (pure Python)
+    assert rules.check_allowed_imports(modules, "teacher", {"arch", "parallel", "collectives"},
                                        ("megatron",)) == []
 
 
