@@ -49,6 +49,7 @@ from megatron_kd.arch.megatron_lm_args import (
     complete_megatron_lm_flags,
     read_megatron_lm_flags,
 )
+from megatron_kd.flags import KDSharedFlags, default_of, flag_spec
 from megatron_kd.planner.memory import (
     CP_COMM_TYPES,
     GIB,
@@ -65,7 +66,6 @@ from megatron_kd.planner.options import layout_options
 from megatron_kd.planner.plan import LayoutOption, Mode, ModePlan, PlanOptions, PlanResult
 from megatron_kd.planner.presets import GPU_PRESETS, LINK_PRESETS, get_gpu, get_link, load_model
 from megatron_kd.planner.search import plan_all
-from megatron_kd.planner.traffic import WIRE_ELEMENT_BYTES
 
 #: The GPU and the link between nodes when none is given (the other defaults are
 #: :class:`PlanOptions`').
@@ -173,10 +173,8 @@ def _add_distillation_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         help="fused-loss rows per window (default: the loss's 64 MiB fp32 window)",
     )
-    g.add_argument("--kd-prefetch-depth", dest="prefetch_depth", type=int,
-                   help=f"ring slots D (default {_default('prefetch_depth')})")
-    g.add_argument("--kd-topk", dest="topk", type=int,
-                   help=f"offline cache entries per token (default {_default('topk')})")
+    for name in ("prefetch_depth", "topk"):
+        _add_shared(g, name)
     g.add_argument("--kd-cache-entry-bytes", dest="cache_entry_bytes", type=int,
                    help=f"bytes per cached entry on storage (default "
                    f"{_default('cache_entry_bytes')}: int32 id + bf16 value)")
@@ -186,10 +184,21 @@ def _add_distillation_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         help="disaggregated: plan with this many teacher replicas (default: as many as needed)",
     )
-    g.add_argument("--kd-wire-dtype", dest="wire_dtype", choices=list(WIRE_ELEMENT_BYTES),
-                   help=f"hidden states on the disaggregated wire (default "
-                   f"{_default('wire_dtype')})")
+    _add_shared(g, "wire_dtype", default=_default("wire_dtype"))
     g.add_argument("--modes", help=f"comma-separated subset of {','.join(m.value for m in Mode)}")
+
+
+def _add_shared(group, name: str, *, default=None) -> None:
+    """A ``--kd-*`` flag other commands take too, as they declare it
+    (:class:`~megatron_kd.flags.KDSharedFlags`: its name, type, help and choices; the default
+    :class:`PlanOptions` takes unless ``default``), with ``dest`` the :class:`PlanOptions`
+    field; None when not given (``--from-args`` may give it)."""
+    spec = flag_spec(KDSharedFlags, name)
+    shared = default_of(KDSharedFlags, name)
+    group.add_argument(spec.option(name), dest=name,
+                       type=spec.type or (str if shared is None else type(shared)),
+                       choices=spec.choices,
+                       help=f"{spec.help} (default {shared if default is None else default})")
 
 
 def build_options(args: argparse.Namespace) -> tuple[PlanOptions, list[str]]:
@@ -509,7 +518,8 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument(f"--{name}", type=int, default=None)
     for name in ("hidden-dropout", "attention-dropout"):
         p.add_argument(f"--{name}", type=float, default=None)
-    p.add_argument("--kd-wire-dtype", choices=list(WIRE_ELEMENT_BYTES), default=None)
+    p.add_argument("--kd-wire-dtype", choices=flag_spec(KDSharedFlags, "wire_dtype").choices,
+                   default=None)
     # Megatron-LM: one type, or one per layer
     p.add_argument("--cp-comm-type", nargs="+", default=None)
     for name in ("recompute-granularity", "recompute-method", "kd-teacher-load"):

@@ -38,6 +38,7 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
+from megatron_kd.arch import sequence_parts
 from megatron_kd.planner import memory as mem
 from megatron_kd.planner import schedule
 from megatron_kd.planner import traffic as tr
@@ -174,7 +175,7 @@ def _context_parallel_sizes(opts: PlanOptions, ranks: int) -> list[int]:
         return [opts.cp]
     if opts.student.linear_attention_layers:
         return [1]
-    return [c for c in _divisors(ranks) if c == 1 or opts.seq_length % (2 * c) == 0]
+    return [c for c in _divisors(ranks) if opts.seq_length % sequence_parts(cp=c) == 0]
 
 
 def _split_candidates(

@@ -37,7 +37,7 @@ from megatron_kd.cache.identity import dataset_identity, tokenizer_identity
 from megatron_kd.cache.summary import print_info, print_verify
 from megatron_kd.data.datasets import collate
 from megatron_kd.data.tokenizer import MockTokenizer
-from megatron_kd.flags import add_flags, flag, from_flags
+from megatron_kd.flags import KDSharedFlags, add_flags, flag, from_flags, shared_flag
 from megatron_kd.integration.args import KDArgs, add_teacher_flags
 from megatron_kd.integration.checkpoint import checkpoint_hash
 from megatron_kd.integration.context_parallel import cp_positions, gather_positions
@@ -60,7 +60,7 @@ class CacheBuildSection:
     """What ``cache build`` asks beyond the run's data, parallelism and teacher flags."""
 
     out: str = flag(help="cache directory (resumed)", metavar="DIR")
-    topk: int = flag(100, "entries per token (K)", name="--kd-topk")
+    topk: int = shared_flag(KDSharedFlags, "topk")
     logprob_encoding: str = flag("log1p-u11", "'log1p-u<bits>' (compact, default 11 bits) or "
                                               "'fp32' (lossless)")
     samples_per_shard: int = flag(128)
