@@ -137,7 +137,9 @@ sharded over the data-parallel x context-parallel group ``dp_cp``).
 * refused: Gated DeltaNet layers (Megatron-Core 0.16.1's ``ssm/gated_delta_net.py`` has no context
   parallelism: its import of ``GatedDeltaNetContextParallel`` is commented out), a sequence that
   does not split in ``2 cp`` chunks (``s/cp`` a multiple of ``t`` with sequence parallelism), and
-  the comm types Transformer Engine does not run for the model.
+  the comm types Transformer Engine does not run for the model. The first two are the rules every
+  command checks, written once in :mod:`megatron_kd.arch`
+  (``GPTArchConfig.check_context_parallel``, ``check_sequence_split``).
 
 Pipeline (same paper, section 4.2.3): which layers a rank holds and how many micro-batches of
 them it keeps, for 1F1B and for the interleaved schedule with ``v`` virtual stages per rank, are

@@ -162,3 +162,21 @@ def test_shared_experts_in_megatron_lm_flags_are_refused_by_name():
         parse_launch_args("--num-layers 2 --hidden-size 64 --num-attention-heads 4 "
                           "--vocab-size 100 --num-experts 4 "
                           "--moe-shared-expert-intermediate-size 8")
+
+
+def test_llama3_rope_scaling_plans_as_plain_rope(tmp_path, capsys):
+    # Llama 3.1's config.json as published: RoPE scaling "llama3", which no converter of this
+    # project builds; the plan does not depend on it, and says so
+    config = {**hf_config_from_arch(MODEL_PRESETS["llama-3.1-8b"].arch),
+              "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                               "high_freq_factor": 4.0,
+                               "original_max_position_embeddings": 8192}}
+    config.pop("rope_parameters")
+    config["rope_theta"] = 500000.0
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    out = _plan(capsys, "--teacher", str(path), "--student", "llama-3.2-1b")
+    preset = _plan(capsys, "--teacher", "llama-3.1-8b", "--student", "llama-3.2-1b")
+    _same_model(out["teacher"], preset["teacher"])
+    assert "'llama3' planned as plain RoPE" in out["teacher"]["source"]
+    assert _without_models(out) == _without_models(preset)
