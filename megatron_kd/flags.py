@@ -19,7 +19,8 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Flag", "add_flags", "default_of", "flag", "from_flags"]
+__all__ = ["WIRE_DTYPES", "Flag", "KDSharedFlags", "add_flags", "default_of", "flag",
+           "flag_spec", "from_flags", "shared_flag"]
 
 _KEY = "megatron_kd.flag"
 
@@ -73,6 +74,20 @@ def default_of(cls: type, name: str) -> Any:
     if f.default_factory is not dataclasses.MISSING:
         return f.default_factory()
     return dataclasses.MISSING
+
+
+def flag_spec(cls: type, name: str) -> Flag:
+    """The :class:`Flag` of field ``name`` of dataclass ``cls``."""
+    return cls.__dataclass_fields__[name].metadata[_KEY]
+
+
+def shared_flag(cls: type, name: str) -> Any:
+    """A field declaring the same flag as field ``name`` of ``cls`` (its name, help and
+    default): one flag that several commands' sections take, written once."""
+    f = cls.__dataclass_fields__[name]
+    if f.default_factory is not dataclasses.MISSING:
+        return dataclasses.field(default_factory=f.default_factory, metadata=f.metadata)
+    return dataclasses.field(default=f.default, metadata=f.metadata)
 
 
 def _flags(cls: type, specs: Mapping[str, Flag] | None) -> list[tuple[str, Flag]]:
@@ -144,3 +159,33 @@ def from_flags(cls: type, args: argparse.Namespace, *, specs: Mapping[str, Flag]
               if spec.dest(name) in given}
     values.update(overrides)
     return cls(**values)
+
+
+#: Element types of the hidden states on a disaggregated teacher's wire (``--kd-wire-dtype``).
+WIRE_DTYPES = ("fp32", "bf16", "fp8")
+
+
+@dataclass(frozen=True, kw_only=True)
+class KDSharedFlags:
+    """The ``--kd-*`` flags more than one command declares (``megatron-kd train`` and the
+    Megatron-LM hooks, ``cache build``, ``plan``), each with its one default: the commands'
+    sections take these fields (:func:`shared_flag`), the planner its defaults
+    (:func:`default_of`)."""
+
+    topk: int = flag(100, "entries per token (K) of the offline top-K cache", name="--kd-topk")
+    """Offline: the teacher's K most probable tokens stored per position."""
+
+    prefetch_depth: int = flag(
+        2, name="--kd-prefetch-depth", group="knowledge distillation: disaggregated teacher",
+        help="disaggregated: requests in flight (token ids sent this many microbatches ahead, "
+             "as many receive slots). Offline: microbatches of top-K values decoded ahead of "
+             "training")
+    """Disaggregated: requests in flight (and receive slots). Offline: microbatches decoded
+    ahead of the one training."""
+
+    wire_dtype: str | None = flag(
+        None, name="--kd-wire-dtype", choices=WIRE_DTYPES,
+        group="knowledge distillation: disaggregated teacher",
+        help="disaggregated: element type of the hidden states on the wire: fp32, bf16, or fp8 "
+             "(e4m3, one fp32 scale per token); default: --kd-teacher-dtype")
+    """Disaggregated: the hidden states' element type on the wire (None: the teacher dtype's)."""

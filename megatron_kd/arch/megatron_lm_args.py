@@ -21,8 +21,10 @@ import shlex
 from typing import Any
 
 from megatron_kd.arch.config import GPTArchConfig
+from megatron_kd.parallel import pad_vocab_size
 
-__all__ = ["arch_from_megatron_lm_args", "megatron_lm_flags", "parse_megatron_lm_flags"]
+__all__ = ["arch_from_megatron_lm_args", "complete_megatron_lm_flags", "megatron_lm_flags",
+           "parse_megatron_lm_flags", "read_megatron_lm_flags"]
 
 # Flags of a launch line that do not change the weights or the function: accepted, ignored.
 _IGNORED_VALUE_FLAGS = ("--seq-length", "--attention-dropout", "--hidden-dropout",
@@ -45,11 +47,13 @@ _UNSUPPORTED = {"multi_latent_attention": False, "rotary_interleaved": False,
                 "heterogeneous_layers_config_path": None, "hybrid_override_pattern": None}
 
 
-def _parser() -> argparse.ArgumentParser:
+def _parser(*, with_ignored: bool = True) -> argparse.ArgumentParser:
+    """The model flags (and, ``with_ignored``, the launch flags accepted and ignored)."""
     p = argparse.ArgumentParser(prog="--kd-teacher-args", add_help=False, allow_abbrev=False)
     for flag in ("--num-layers", "--hidden-size", "--num-attention-heads", "--ffn-hidden-size",
                  "--kv-channels", "--max-position-embeddings", "--num-query-groups",
-                 "--num-experts", "--moe-ffn-hidden-size", "--vocab-size"):
+                 "--num-experts", "--moe-ffn-hidden-size", "--vocab-size",
+                 "--moe-shared-expert-intermediate-size"):
         p.add_argument(flag, type=int, default=None)
     p.add_argument("--moe-router-topk", type=int, default=2)
     p.add_argument("--moe-layer-freq", default=1)
@@ -70,6 +74,8 @@ def _parser() -> argparse.ArgumentParser:
                  "--multi-latent-attention", "--rotary-interleaved"):
         p.add_argument(flag, action="store_true")
     p.add_argument("--disable-bias-linear", dest="add_bias_linear", action="store_false")
+    if not with_ignored:
+        return p
     for flag in _IGNORED_VALUE_FLAGS:
         p.add_argument(flag, dest="_ignored_" + flag[2:].replace("-", "_"))
     for flag in _IGNORED_SWITCHES:
@@ -77,23 +83,39 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def parse_megatron_lm_flags(value: str) -> argparse.Namespace:
+def parse_megatron_lm_flags(value: str, *, what: str = "--kd-teacher-args") -> argparse.Namespace:
     """The architecture in Megatron-LM flags (a string, or the path of a file holding them),
-    with Megatron-LM's defaults and derived values (``ffn_hidden_size`` 4h, or with SwiGLU
-    ``int(8h/3 / 64) * 64``; ``kv_channels`` h / heads; one query group per head without
-    ``--group-query-attention``). Unknown flags raise ``ValueError`` naming them."""
+    completed by :func:`complete_megatron_lm_flags`. Unknown flags raise ``ValueError`` naming
+    them; ``what``: the option the flags came from, for messages."""
     text = value
     if os.path.isfile(value):
         with open(value, encoding="utf-8") as f:
             text = " ".join(line.split("#", 1)[0] for line in f)
     args, unknown = _parser().parse_known_args(shlex.split(text.replace("\\\n", " ")))
     if unknown:
-        raise ValueError(f"--kd-teacher-args: flags not known as teacher architecture: "
-                         f"{unknown} (give the teacher's model flags only)")
+        raise ValueError(f"{what}: flags not known as a model architecture: {unknown} (give "
+                         f"the model flags only)")
+    return complete_megatron_lm_flags(args, what=what)
+
+
+def read_megatron_lm_flags(tokens: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    """The model flags among a whole launch line's ``tokens`` (Megatron-LM's defaults for those
+    left out; not completed), and the other tokens, in their order."""
+    try:
+        return _parser(with_ignored=False).parse_known_args(tokens)
+    except SystemExit as exc:  # argparse's way of saying a value was malformed
+        raise ValueError(f"cannot read the model flags of {' '.join(tokens)!r}") from exc
+
+
+def complete_megatron_lm_flags(args: argparse.Namespace, *,
+                               what: str = "--kd-teacher-args") -> argparse.Namespace:
+    """``args`` (model flags) with Megatron-LM's derived values: ``ffn_hidden_size`` 4h, or
+    with SwiGLU ``int(8h/3 / 64) * 64``; ``kv_channels`` h / heads; one query group per head
+    without ``--group-query-attention``. ``ValueError`` without the model's shape flags."""
     given = vars(args)
     for name in ("num_layers", "hidden_size", "num_attention_heads"):
         if given[name] is None:
-            raise ValueError(f"--kd-teacher-args needs --{name.replace('_', '-')}")
+            raise ValueError(f"{what} needs --{name.replace('_', '-')}")
     h = args.hidden_size
     if args.ffn_hidden_size is None:
         args.ffn_hidden_size = int(4 * h * 2 / 3 / 64) * 64 if args.swiglu else 4 * h
@@ -116,14 +138,15 @@ def _refuse_unsupported(saved: dict) -> None:
     if saved.get("add_qkv_bias", False) and not saved.get("add_bias_linear", True):
         found.append("add_qkv_bias without add_bias_linear")
     if found:
-        raise ValueError(f"teacher architecture not supported: {', '.join(found)}")
+        raise ValueError(f"Megatron-LM architecture not supported: {', '.join(found)}")
 
 
-def arch_from_megatron_lm_args(args: Any, *, embedding_rows: int,
+def arch_from_megatron_lm_args(args: Any, *, embedding_rows: int | None = None,
                                vocab_size: int | None = None) -> GPTArchConfig:
     """:class:`GPTArchConfig` of Megatron-LM arguments (parsed flags or the saved ``args``).
 
-    ``embedding_rows``: the checkpoint's embedding rows (its padded vocabulary). The true
+    ``embedding_rows``: the checkpoint's embedding rows (its padded vocabulary); without a
+    checkpoint, the vocabulary padded to ``--make-vocab-size-divisible-by`` (at TP 1). The true
     vocabulary is ``vocab_size``, else the arguments' ``--vocab-size``, else every row. Saved
     arguments are data from whichever Megatron-LM release wrote the checkpoint: a field that
     release did not have reads as Megatron-LM's default for it.
@@ -131,6 +154,12 @@ def arch_from_megatron_lm_args(args: Any, *, embedding_rows: int,
     saved = vars(args)
     _refuse_unsupported(saved)
     vocab = vocab_size or saved.get("vocab_size") or embedding_rows
+    if vocab is None:
+        raise ValueError("the Megatron-LM arguments give no vocabulary (--vocab-size) and there "
+                         "is no checkpoint embedding to count")
+    if embedding_rows is None:
+        embedding_rows = pad_vocab_size(int(vocab), 1,
+                                        int(saved.get("make_vocab_size_divisible_by") or 128))
     heads = args.num_attention_heads
     groups = args.num_query_groups if saved.get("group_query_attention", False) else heads
     kv = args.kv_channels

@@ -21,7 +21,15 @@ from typing import Any
 
 import torch
 
-from megatron_kd.flags import Flag, add_flags, flag, from_flags
+from megatron_kd.flags import (
+    WIRE_DTYPES,
+    Flag,
+    KDSharedFlags,
+    add_flags,
+    flag,
+    from_flags,
+    shared_flag,
+)
 from megatron_kd.loss import GpuTuning, KDLossConfig
 from megatron_kd.loss.config import ELEMENTWISE, GPU_KERNELS, PATHS, TOPK_TAILS
 from megatron_kd.loss.config import KINDS as KD_LOSSES
@@ -31,7 +39,6 @@ __all__ = ["KD_MODES", "LOSS_FLAGS", "TEACHER_DTYPES", "WIRE_DTYPES", "KDArgs", 
 
 KD_MODES = ("colocated", "disaggregated", "offline")
 TEACHER_DTYPES = ("fp32", "bf16")
-WIRE_DTYPES = ("fp32", "bf16", "fp8")
 _TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 _KD = "knowledge distillation"
@@ -149,17 +156,10 @@ class KDArgs:
              "register: a shared directory or a registry's host:port")
     """Disaggregated: where the teacher replicas register (a directory or ``host:port``)."""
 
-    wire_dtype: str | None = flag(
-        None, name="--kd-wire-dtype", choices=WIRE_DTYPES, group=_DISAGGREGATED,
-        help="disaggregated: element type of the hidden states on the wire: fp32, bf16, or fp8 "
-             "(e4m3, one fp32 scale per token); default: --kd-teacher-dtype")
+    wire_dtype: str | None = shared_flag(KDSharedFlags, "wire_dtype")
     """Disaggregated: the hidden states' element type on the wire (None: the teacher dtype's)."""
 
-    prefetch_depth: int = flag(
-        2, name="--kd-prefetch-depth", group=_DISAGGREGATED,
-        help="disaggregated: requests in flight (token ids sent this many microbatches ahead, "
-             "as many receive slots). Offline: microbatches of top-K values decoded ahead of "
-             "training")
+    prefetch_depth: int = shared_flag(KDSharedFlags, "prefetch_depth")
     """Disaggregated: requests in flight (and receive slots). Offline: microbatches decoded
     ahead of the one training."""
 

@@ -23,6 +23,7 @@ from functools import partial
 import torch
 from megatron.core.rerun_state_machine import get_rerun_state_machine
 
+from megatron_kd.arch import check_sequence_split
 from megatron_kd.cache.format import CacheFormatError
 from megatron_kd.cache.reader import TopKCacheReader
 from megatron_kd.integration.args import KDArgs
@@ -118,12 +119,9 @@ def check_megatron_args(args: argparse.Namespace):
             f"(true vocabulary {arch.vocab_size}): both output layers must have the same rows; "
             f"use the teacher's tokenizer and a --make-vocab-size-divisible-by that gives "
             f"{arch.padded_vocab_size}")
-    if cp > 1 and kd.mode == "colocated" and arch.linear_attention_layers:
-        raise ValueError(f"--context-parallel-size {cp} with a colocated Gated DeltaNet teacher "
-                         f"(layers {arch.linear_attention_layers}): a colocated teacher runs "
-                         f"with the student's context parallelism, which its recurrence (the "
-                         f"local Gated DeltaNet layer) does not split; serve it (--kd-mode "
-                         f"disaggregated)")
+    if kd.mode == "colocated":
+        arch.check_context_parallel(cp, role="teacher", colocated=True,
+                                    advice="serve it (--kd-mode disaggregated)")
     return kd, arch
 
 
@@ -157,14 +155,8 @@ def _check_sequence_split(args: argparse.Namespace, tp: int, cp: int) -> None:
     ``2 x cp`` already; this names both flags, and sequence parallelism)."""
     # Megatron-LM's validate_args turns --sequence-parallel off at TP 1 itself
     sequence_parallel = bool(args.sequence_parallel) and tp > 1
-    seq = args.seq_length or 0
-    split = (2 * cp if cp > 1 else 1) * (tp if sequence_parallel else 1)
-    if split > 1 and seq % split:
-        parts = (([f"2 x --context-parallel-size {cp}"] if cp > 1 else [])
-                 + ([f"--tensor-model-parallel-size {tp} (--sequence-parallel)"]
-                    if sequence_parallel else []))
-        raise ValueError(f"--seq-length {seq} is not divisible by {' x '.join(parts)} = "
-                         f"{split}: each sequence is split over those ranks")
+    check_sequence_split(args.seq_length or 0, tp=tp, cp=cp,
+                         sequence_parallel=sequence_parallel)
     if cp == 1:
         return
     # both flags exist in both patched trees; getattr: absent elsewhere is not given

@@ -44,6 +44,12 @@ import shlex
 import sys
 from dataclasses import asdict, dataclass, field
 
+from megatron_kd.arch.megatron_lm_args import (
+    arch_from_megatron_lm_args,
+    complete_megatron_lm_flags,
+    read_megatron_lm_flags,
+)
+from megatron_kd.flags import KDSharedFlags, default_of, flag_spec
 from megatron_kd.planner.memory import (
     CP_COMM_TYPES,
     GIB,
@@ -55,12 +61,11 @@ from megatron_kd.planner.memory import (
     Precision,
     total_bytes,
 )
-from megatron_kd.planner.models import ModelConfig
+from megatron_kd.planner.models import PlannedModel
 from megatron_kd.planner.options import layout_options
 from megatron_kd.planner.plan import LayoutOption, Mode, ModePlan, PlanOptions, PlanResult
 from megatron_kd.planner.presets import GPU_PRESETS, LINK_PRESETS, get_gpu, get_link, load_model
 from megatron_kd.planner.search import plan_all
-from megatron_kd.planner.traffic import WIRE_ELEMENT_BYTES
 
 #: The GPU and the link between nodes when none is given (the other defaults are
 #: :class:`PlanOptions`').
@@ -168,10 +173,8 @@ def _add_distillation_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         help="fused-loss rows per window (default: the loss's 64 MiB fp32 window)",
     )
-    g.add_argument("--kd-prefetch-depth", dest="prefetch_depth", type=int,
-                   help=f"ring slots D (default {_default('prefetch_depth')})")
-    g.add_argument("--kd-topk", dest="topk", type=int,
-                   help=f"offline cache entries per token (default {_default('topk')})")
+    for name in ("prefetch_depth", "topk"):
+        _add_shared(g, name)
     g.add_argument("--kd-cache-entry-bytes", dest="cache_entry_bytes", type=int,
                    help=f"bytes per cached entry on storage (default "
                    f"{_default('cache_entry_bytes')}: int32 id + bf16 value)")
@@ -181,10 +184,21 @@ def _add_distillation_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         help="disaggregated: plan with this many teacher replicas (default: as many as needed)",
     )
-    g.add_argument("--kd-wire-dtype", dest="wire_dtype", choices=list(WIRE_ELEMENT_BYTES),
-                   help=f"hidden states on the disaggregated wire (default "
-                   f"{_default('wire_dtype')})")
+    _add_shared(g, "wire_dtype", default=_default("wire_dtype"))
     g.add_argument("--modes", help=f"comma-separated subset of {','.join(m.value for m in Mode)}")
+
+
+def _add_shared(group, name: str, *, default=None) -> None:
+    """A ``--kd-*`` flag other commands take too, as they declare it
+    (:class:`~megatron_kd.flags.KDSharedFlags`: its name, type, help and choices; the default
+    :class:`PlanOptions` takes unless ``default``), with ``dest`` the :class:`PlanOptions`
+    field; None when not given (``--from-args`` may give it)."""
+    spec = flag_spec(KDSharedFlags, name)
+    shared = default_of(KDSharedFlags, name)
+    group.add_argument(spec.option(name), dest=name,
+                       type=spec.type or (str if shared is None else type(shared)),
+                       choices=spec.choices,
+                       help=f"{spec.help} (default {shared if default is None else default})")
 
 
 def build_options(args: argparse.Namespace) -> tuple[PlanOptions, list[str]]:
@@ -475,7 +489,7 @@ _RENAMED = {
 class LaunchArgs:
     """What a Megatron launch line says, as far as the planner is concerned."""
 
-    student: ModelConfig | None = None
+    student: PlannedModel | None = None
     """The model the launch builds, when its shape flags are present (``--num-layers`` ...)."""
 
     values: dict = field(default_factory=dict)
@@ -487,30 +501,30 @@ class LaunchArgs:
 
 
 def _parser() -> argparse.ArgumentParser:
-    """The launch flags the planner reads (the others end up in ``LaunchArgs.ignored``)."""
+    """The launch flags the planner reads besides the model's (those are
+    :func:`~megatron_kd.arch.megatron_lm_args.read_megatron_lm_flags`'; the others end up in
+    ``LaunchArgs.ignored``)."""
     p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     for name in (
-        "num-layers", "hidden-size", "ffn-hidden-size", "num-attention-heads", "num-query-groups",
-        "kv-channels", "vocab-size", "num-experts", "moe-router-topk", "moe-ffn-hidden-size",
-        "moe-shared-expert-intermediate-size", "seq-length", "micro-batch-size",
+        "seq-length", "micro-batch-size",
         "global-batch-size", "tensor-model-parallel-size", "pipeline-model-parallel-size",
         "expert-model-parallel-size", "expert-tensor-parallel-size", "context-parallel-size",
         "num-layers-per-virtual-pipeline-stage", "virtual-pipeline-model-parallel-size",
         "num-virtual-stages-per-pipeline-rank", "microbatch-group-size-per-virtual-pipeline-stage",
-        "recompute-num-layers", "make-vocab-size-divisible-by",
+        "recompute-num-layers",
         "kd-teacher-tensor-model-parallel-size", "kd-teacher-pipeline-model-parallel-size",
         "kd-teacher-expert-model-parallel-size", "kd-window-size", "kd-prefetch-depth", "kd-topk",
     ):
         p.add_argument(f"--{name}", type=int, default=None)
     for name in ("hidden-dropout", "attention-dropout"):
         p.add_argument(f"--{name}", type=float, default=None)
-    p.add_argument("--kd-wire-dtype", choices=list(WIRE_ELEMENT_BYTES), default=None)
+    p.add_argument("--kd-wire-dtype", choices=flag_spec(KDSharedFlags, "wire_dtype").choices,
+                   default=None)
     # Megatron-LM: one type, or one per layer
     p.add_argument("--cp-comm-type", nargs="+", default=None)
     for name in ("recompute-granularity", "recompute-method", "kd-teacher-load"):
         p.add_argument(f"--{name}", default=None)
     for name in (
-        "group-query-attention", "swiglu", "untie-embeddings-and-output-weights", "qk-layernorm",
         "sequence-parallel", "use-distributed-optimizer", "grad-reduce-in-bf16", "bf16", "fp16",
     ):
         p.add_argument(f"--{name}", action="store_true", default=False)
@@ -518,7 +532,9 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def parse_launch_args(text: str) -> LaunchArgs:
-    """Parse a Megatron launch's argument string (shell quoting allowed).
+    """Parse a Megatron launch's argument string (shell quoting allowed): the model flags by
+    the one Megatron-LM flag reader (:mod:`megatron_kd.arch.megatron_lm_args`), the layout and
+    the batch here.
 
     Raises ``ValueError`` for settings the planner does not model and for an incomplete model.
     """
@@ -527,13 +543,15 @@ def parse_launch_args(text: str) -> LaunchArgs:
         ns, rest = _parser().parse_known_args(tokens)
     except SystemExit as exc:  # argparse's way of saying a value was malformed
         raise ValueError(f"--from-args: cannot parse {text!r}") from exc
-    out = LaunchArgs(ignored=[tok for tok in rest if tok.startswith("--")])
+    model_flags, not_model = read_megatron_lm_flags(tokens)
+    out = LaunchArgs(ignored=[tok for tok in rest
+                              if tok.startswith("--") and tok in set(not_model)])
     _refuse_unmodelled(ns)
     out.values.update(_planner_values(ns))
     recompute, unused = _recompute(ns)
     out.values.update(recompute)
     out.ignored += unused
-    out.student = _student_model(ns)
+    out.student = _student_model(model_flags, ns.seq_length)
     return out
 
 
@@ -579,12 +597,7 @@ def _refuse_unmodelled(ns: argparse.Namespace) -> None:
 def _planner_values(ns: argparse.Namespace) -> dict:
     """The planner inputs the launch sets, with Megatron's defaults for what it leaves out."""
     v = {}
-    for key in (
-        "seq_length",
-        "micro_batch_size",
-        "global_batch_size",
-        "make_vocab_size_divisible_by",
-    ):
+    for key in ("seq_length", "micro_batch_size", "global_batch_size"):
         if getattr(ns, key) is not None:
             v[key] = getattr(ns, key)
     for src, dst in _RENAMED.items():
@@ -648,35 +661,18 @@ def _recompute(ns: argparse.Namespace) -> tuple[dict, list[str]]:
     )
 
 
-def _student_model(ns: argparse.Namespace) -> ModelConfig | None:
-    """The model the launch builds, or None without shape flags; ``ValueError`` when incomplete."""
-    given = [k for k in _MODEL_FLAGS if getattr(ns, k) is not None]
+def _student_model(flags: argparse.Namespace, seq_length: int | None) -> PlannedModel | None:
+    """The model the launch builds (its model flags, read as Megatron-LM reads them), or None
+    without shape flags; ``ValueError`` when incomplete."""
+    given = [k for k in _MODEL_FLAGS if getattr(flags, k) is not None]
     if not given:
         return None
-    missing = [k for k in _MODEL_FLAGS + ("vocab_size",) if getattr(ns, k) is None]
+    missing = [k for k in _MODEL_FLAGS + ("vocab_size",) if getattr(flags, k) is None]
     if missing:
-        flags = ", ".join("--" + m.replace("_", "-") for m in missing)
-        raise ValueError(f"--from-args describes a model but lacks {flags}")
-    heads = ns.num_attention_heads
-    groups = ns.num_query_groups if ns.group_query_attention and ns.num_query_groups else heads
-    dense_ffn = 0 if ns.num_experts else (ns.ffn_hidden_size or 4 * ns.hidden_size)
-    return ModelConfig(
-        name="from-args",
-        num_layers=ns.num_layers,
-        hidden_size=ns.hidden_size,
-        num_attention_heads=heads,
-        num_query_groups=groups,
-        head_dim=ns.kv_channels or ns.hidden_size // heads,
-        ffn_hidden_size=dense_ffn,
-        vocab_size=ns.vocab_size,
-        tie_embeddings=not ns.untie_embeddings_and_output_weights,
-        gated_linear_unit=ns.swiglu,
-        qk_layernorm=ns.qk_layernorm,
-        num_experts=ns.num_experts or 0,
-        moe_router_topk=(ns.moe_router_topk or 2) if ns.num_experts else 0,
-        moe_ffn_hidden_size=(ns.moe_ffn_hidden_size or ns.ffn_hidden_size or 4 * ns.hidden_size)
-        if ns.num_experts
-        else 0,
-        moe_shared_expert_ffn_hidden_size=ns.moe_shared_expert_intermediate_size or 0,
-        source="Megatron launch arguments",
-    )
+        names = ", ".join("--" + m.replace("_", "-") for m in missing)
+        raise ValueError(f"--from-args describes a model but lacks {names}")
+    if flags.max_position_embeddings is None:
+        # Megatron-LM builds for --seq-length then (the planner counts no position embedding)
+        flags.max_position_embeddings = seq_length or _default("seq_length")
+    arch = arch_from_megatron_lm_args(complete_megatron_lm_flags(flags, what="--from-args"))
+    return PlannedModel(name="from-args", arch=arch, source="Megatron-LM launch arguments")

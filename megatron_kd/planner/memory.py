@@ -137,7 +137,9 @@ sharded over the data-parallel x context-parallel group ``dp_cp``).
 * refused: Gated DeltaNet layers (Megatron-Core 0.16.1's ``ssm/gated_delta_net.py`` has no context
   parallelism: its import of ``GatedDeltaNetContextParallel`` is commented out), a sequence that
   does not split in ``2 cp`` chunks (``s/cp`` a multiple of ``t`` with sequence parallelism), and
-  the comm types Transformer Engine does not run for the model.
+  the comm types Transformer Engine does not run for the model. The first two are the rules every
+  command checks, written once in :mod:`megatron_kd.arch`
+  (``GPTArchConfig.check_context_parallel``, ``check_sequence_split``).
 
 Pipeline (same paper, section 4.2.3): which layers a rank holds and how many micro-batches of
 them it keeps, for 1F1B and for the interleaved schedule with ``v`` virtual stages per rank, are
@@ -193,8 +195,9 @@ from dataclasses import dataclass, field
 from enum import Enum
 from functools import lru_cache
 
+from megatron_kd.arch import check_sequence_split
 from megatron_kd.planner import schedule
-from megatron_kd.planner.models import ModelConfig
+from megatron_kd.planner.models import PlannedModel
 
 #: Bytes in a GiB: the unit of the reports.
 GIB = 1 << 30
@@ -405,22 +408,21 @@ class Precision:
                 raise ValueError(f"Precision.{name} must be a positive int, got {value!r}")
 
 
-def default_cp_comm_type(model: ModelConfig) -> str:
+def default_cp_comm_type(model: PlannedModel) -> str:
     """The context-parallel exchange Megatron-Core runs for ``model`` when none is given:
     ``p2p``, or ``a2a`` where Transformer Engine runs nothing else (attention sinks, sliding
     windows: see the module docstring)."""
     return "a2a" if model.attention_sinks or model.sliding_window else "p2p"
 
 
-def _validate_context_parallel(model: ModelConfig, layout: ParallelLayout, role: str) -> None:
+def _validate_context_parallel(model: PlannedModel, layout: ParallelLayout, role: str) -> None:
     """``ValueError`` when Megatron-Core with Transformer Engine cannot split ``model``'s
     sequence over ``layout.cp`` ranks with ``layout.cp_comm_type``."""
     cp, comm = layout.cp, layout.cp_comm_type
-    if model.linear_attention_freq:
-        raise ValueError(
-            f"{role} {model.name}: cp={cp} with Gated DeltaNet layers: Megatron-Core 0.16.1's "
-            f"GatedDeltaNet has no context parallelism (ssm/gated_delta_net.py)"
-        )
+    try:
+        model.check_context_parallel(cp, role)
+    except ValueError as e:
+        raise ValueError(f"{role} {model.name}: {e}") from None
     if comm != "a2a" and (model.attention_sinks or model.sliding_window):
         raise ValueError(
             f"{role} {model.name}: cp={cp} with cp_comm_type={comm!r}: Transformer Engine runs "
@@ -439,18 +441,13 @@ def _validate_context_parallel(model: ModelConfig, layout: ParallelLayout, role:
 
 def validate_sequence_split(layout: ParallelLayout, seq_length: int) -> None:
     """``ValueError`` when a sequence of ``seq_length`` tokens does not split as Megatron splits
-    it: ``2 cp`` equal chunks, each rank's ``s/cp`` tokens divisible by ``t`` with sequence
-    parallelism."""
-    parts = (2 * layout.cp if layout.cp > 1 else 1) * (
-        layout.tp if layout.sequence_parallel else 1)
-    if seq_length % parts:
-        raise ValueError(
-            f"seq_length={seq_length} does not split over {parts} parts (2 x cp={layout.cp} "
-            f"chunks, x tp={layout.tp} with sequence parallelism)"
-        )
+    it (:func:`megatron_kd.arch.check_sequence_split`: ``2 cp`` equal chunks, each rank's
+    ``s/cp`` tokens divisible by ``t`` with sequence parallelism)."""
+    check_sequence_split(seq_length, tp=layout.tp, cp=layout.cp,
+                         sequence_parallel=layout.sequence_parallel)
 
 
-def validate_layout(model: ModelConfig, layout: ParallelLayout, role: str) -> None:
+def validate_layout(model: PlannedModel, layout: ParallelLayout, role: str) -> None:
     """Raise ``ValueError`` when ``layout`` cannot hold ``model`` the way Megatron would."""
     if layout.pp > model.num_layers:
         raise ValueError(f"{role} {model.name}: pp={layout.pp} > num_layers={model.num_layers}")
@@ -507,7 +504,7 @@ def validate_layout(model: ModelConfig, layout: ParallelLayout, role: str) -> No
 # --- parameters per rank ---------------------------------------------------------------------
 
 
-def rank_params(model: ModelConfig, layout: ParallelLayout, stage: int) -> tuple[int, int]:
+def rank_params(model: PlannedModel, layout: ParallelLayout, stage: int) -> tuple[int, int]:
     """Parameters one rank of ``stage`` holds: ``(dense, expert)``."""
     t = layout.tp
     h = model.hidden_size
@@ -550,7 +547,7 @@ class ModelState:
 
 
 def model_state_bytes(
-    model: ModelConfig, layout: ParallelLayout, stage: int, precision: Precision, trainable: bool
+    model: PlannedModel, layout: ParallelLayout, stage: int, precision: Precision, trainable: bool
 ) -> ModelState:
     """Weights, gradients and optimizer state of one rank of ``stage``."""
     dense, expert = rank_params(model, layout, stage)
@@ -624,7 +621,7 @@ class ActivationOptions:
 
 
 def _mixer_terms(
-    model: ModelConfig, full_attention: bool, keys: int, recompute: str, opts: ActivationOptions,
+    model: PlannedModel, full_attention: bool, keys: int, recompute: str, opts: ActivationOptions,
     cp: int = 1,
 ) -> tuple[float, float]:
     """(R, S) bytes per (local) token of a token mixer (attention seeing ``keys`` keys, or Gated
@@ -658,7 +655,7 @@ def _mixer_terms(
 
 
 def _mlp_terms(
-    model: ModelConfig, layout: ParallelLayout, opts: ActivationOptions
+    model: PlannedModel, layout: ParallelLayout, opts: ActivationOptions
 ) -> tuple[float, float]:
     """(R, S) bytes per token of the MLP / MoE block, before dividing by ``t``."""
     h = model.hidden_size
@@ -677,7 +674,7 @@ def _mlp_terms(
 
 
 def layer_activation_bytes(
-    model: ModelConfig,
+    model: PlannedModel,
     layout: ParallelLayout,
     layer: int,
     seq_length: int,
@@ -696,7 +693,7 @@ def layer_activation_bytes(
 
 @lru_cache(maxsize=4096)
 def _layer_bytes_of_kind(
-    model: ModelConfig,
+    model: PlannedModel,
     layout: ParallelLayout,
     kind: tuple[bool, int],
     seq_length: int,
@@ -748,7 +745,7 @@ def recomputed_layers(num_layers: int, layout: ParallelLayout) -> list[int]:
 
 
 def _chunk_activation_bytes(
-    model: ModelConfig,
+    model: PlannedModel,
     layout: ParallelLayout,
     chunk: range,
     seq_length: int,
@@ -777,7 +774,7 @@ def _chunk_activation_bytes(
 
 
 def stage_activation_bytes(
-    model: ModelConfig,
+    model: PlannedModel,
     layout: ParallelLayout,
     stage: int,
     seq_length: int,
@@ -803,7 +800,7 @@ def stage_activation_bytes(
 
 
 def attention_score_bytes(
-    model: ModelConfig,
+    model: PlannedModel,
     layout: ParallelLayout,
     seq_length: int,
     micro_batch_size: int,
@@ -818,7 +815,7 @@ def attention_score_bytes(
 
 
 def cp_exchange_bytes(
-    model: ModelConfig, layout: ParallelLayout, seq_length: int, micro_batch_size: int,
+    model: PlannedModel, layout: ParallelLayout, seq_length: int, micro_batch_size: int,
     activation_bytes: int = 2,
 ) -> float:
     """Transformer Engine's context-parallel exchange buffers of one attention layer (one layer
@@ -843,7 +840,7 @@ def cp_exchange_bytes(
 
 
 def teacher_forward_working_bytes(
-    model: ModelConfig,
+    model: PlannedModel,
     layout: ParallelLayout,
     seq_length: int,
     micro_batch_size: int,
@@ -862,7 +859,7 @@ def teacher_forward_working_bytes(
     r_div = t if layout.sequence_parallel else 1
     a, g, d = model.num_attention_heads, model.num_query_groups, model.head_dim
     mixer = 2 * (2 * a * d + 2 * g * d) * (2 if model.attention_output_gate else 1)
-    if model.linear_attention_freq:
+    if model.linear_attention_layers:
         kd = model.linear_num_key_heads * model.linear_key_head_dim
         vd = model.linear_num_value_heads * model.linear_value_head_dim
         mixer = max(mixer, 2 * (2 * kd + 2 * vd) + 2 * (2 * kd + vd))
@@ -899,7 +896,7 @@ def default_window_rows(local_vocab_size: int) -> int:
     return max(1, DEFAULT_WINDOW_ELEMENTS // max(1, local_vocab_size))
 
 
-def window_rows(student: ModelConfig, layout: ParallelLayout, window_size: int | None) -> int:
+def window_rows(student: PlannedModel, layout: ParallelLayout, window_size: int | None) -> int:
     """Rows per window: ``window_size`` or the loss's default for this vocabulary shard."""
     if window_size is None:
         return default_window_rows(layout.padded_vocab(student.vocab_size) // layout.tp)
@@ -909,7 +906,7 @@ def window_rows(student: ModelConfig, layout: ParallelLayout, window_size: int |
 
 
 def output_layer_activation_bytes(
-    model: ModelConfig,
+    model: PlannedModel,
     layout: ParallelLayout,
     seq_length: int,
     micro_batch_size: int,
@@ -926,8 +923,8 @@ def output_layer_activation_bytes(
 
 
 def dense_loss_bytes(
-    student: ModelConfig,
-    teacher: ModelConfig,
+    student: PlannedModel,
+    teacher: PlannedModel,
     layout: ParallelLayout,
     seq_length: int,
     micro_batch_size: int,
@@ -958,7 +955,7 @@ class FusedLossBytes:
 
 
 def fused_loss_bytes(
-    student: ModelConfig,
+    student: PlannedModel,
     layout: ParallelLayout,
     seq_length: int,
     micro_batch_size: int,
@@ -1041,7 +1038,7 @@ class RingBytes:
 
 
 def ring_bytes(
-    teacher: ModelConfig,
+    teacher: PlannedModel,
     layout: ParallelLayout,
     seq_length: int,
     micro_batch_size: int,
@@ -1066,7 +1063,7 @@ def ring_bytes(
 
 
 def teacher_output_layer_bytes(
-    teacher: ModelConfig, layout: ParallelLayout, param_bytes: int = 2
+    teacher: PlannedModel, layout: ParallelLayout, param_bytes: int = 2
 ) -> int:
     """The frozen teacher output-layer shard a student TP rank holds: ``V_t/t * h_t``."""
     return layout.padded_vocab(teacher.vocab_size) // layout.tp * teacher.hidden_size * param_bytes

@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, field
 from enum import Enum
 from types import MappingProxyType
 
+from megatron_kd.flags import WIRE_DTYPES, KDSharedFlags, default_of
 from megatron_kd.planner.memory import (
     CP_COMM_TYPES,
     GIB,
@@ -27,7 +28,7 @@ from megatron_kd.planner.memory import (
     Precision,
     Term,
 )
-from megatron_kd.planner.models import ModelConfig
+from megatron_kd.planner.models import PlannedModel
 from megatron_kd.planner.presets import GpuSpec, LinkSpec
 from megatron_kd.planner.traffic import Traffic
 
@@ -62,10 +63,10 @@ class PlanOptions:
     """Everything a plan depends on. The defaults written here are the only ones: ``megatron-kd
     plan`` leaves out what its command line does not give."""
 
-    student: ModelConfig
+    student: PlannedModel
     """The model being trained."""
 
-    teacher: ModelConfig
+    teacher: PlannedModel
     """The frozen teacher."""
 
     gpu: GpuSpec
@@ -149,12 +150,13 @@ class PlanOptions:
     """Fused-loss rows per window ``w`` (an upper bound on rows in flight); None = the loss's
     default, a 64 MiB fp32 ``[w, V/t]`` buffer."""
 
-    prefetch_depth: int = 2
+    prefetch_depth: int = default_of(KDSharedFlags, "prefetch_depth")
     """Receive slots ``D`` of the disaggregated ring, and micro-batches the cache reader decodes
     ahead (into host memory); the default is ``--kd-prefetch-depth``'s."""
 
-    topk: int = 64
-    """Entries per token in the offline cache."""
+    topk: int = default_of(KDSharedFlags, "topk")
+    """Entries per token in the offline cache; the default is ``--kd-topk``'s (``cache
+    build``'s)."""
 
     cache_entry_bytes: int = 6
     """Bytes per cached entry on storage (a 4-byte token id and a 2-byte value): the cache's size
@@ -181,7 +183,8 @@ class PlanOptions:
 
     wire_dtype: str = "bf16"
     """``--kd-wire-dtype``: the hidden states' element type on the wire (fp32, bf16, or fp8
-    with one fp32 scale per token)."""
+    with one fp32 scale per token); the default is the flag's, the teacher's dtype, which the
+    plan takes as bf16."""
 
     loss_stats: int = 5
     """fp32 per-row values the fused loss all-reduces over TP per window: forward KL needs the
@@ -227,8 +230,8 @@ class PlanOptions:
                 not isinstance(self.teacher_replicas, int) or self.teacher_replicas <= 0):
             raise ValueError(f"PlanOptions.teacher_replicas must be a positive int or None, got "
                              f"{self.teacher_replicas!r}")
-        if self.wire_dtype not in ("fp32", "bf16", "fp8"):
-            raise ValueError(f"PlanOptions.wire_dtype must be fp32, bf16 or fp8, got "
+        if self.wire_dtype not in WIRE_DTYPES:
+            raise ValueError(f"PlanOptions.wire_dtype must be one of {WIRE_DTYPES}, got "
                              f"{self.wire_dtype!r}")
         for name in ("window_size", "loss_block_elements"):
             value = getattr(self, name)

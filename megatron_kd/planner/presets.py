@@ -2,9 +2,11 @@
 
 Models
 ------
-Numbers are those of each model's Hugging Face ``config.json`` (text tower), as published by the
-model's authors; the published parameter counts are those of the model cards. Each preset's
-``source`` says which config it mirrors and names any assumption.
+Each preset is a :class:`~megatron_kd.arch.GPTArchConfig` (the one architecture type: what an
+imported checkpoint of the model stores) with a name; its numbers are those of the model's
+Hugging Face ``config.json`` (text tower), as published by the model's authors; the published
+parameter counts are those of the model cards. Each preset's ``source`` says which config it
+mirrors and names any assumption.
 
 * Qwen3.5 (35B-A3B and 9B) are hybrid: three Gated DeltaNet (linear attention) layers for every
   full-attention layer (``full_attention_interval = 4``), gated attention (the query projection
@@ -35,154 +37,116 @@ import json
 import os
 from dataclasses import dataclass
 
-from megatron_kd.planner.models import ModelConfig, from_hf_config, from_megatron_kd_arch
+from megatron_kd.arch import GPTArchConfig
+from megatron_kd.arch.hf_config import arch_from_hf_config
+from megatron_kd.planner.models import PlannedModel
 
-_QWEN35_LINEAR = dict(
-    linear_attention_freq=4,
-    linear_num_key_heads=16,
-    linear_num_value_heads=32,
-    linear_key_head_dim=128,
-    linear_value_head_dim=128,
-    linear_conv_kernel_dim=4,
-    qk_layernorm=True,
-    attention_output_gate=True,
-)
 
-_GPT_OSS = dict(
-    hidden_size=2880,
-    num_attention_heads=64,
-    num_query_groups=8,
-    head_dim=64,
-    ffn_hidden_size=0,
-    vocab_size=201088,
-    tie_embeddings=False,
-    attention_bias=True,
-    attention_sinks=True,
-    moe_router_topk=4,
-    moe_ffn_hidden_size=2880,
-    moe_bias=True,
-    sliding_window=128,
-    sliding_window_every=2,
-)
+def _arch(*, vocab_size: int, **fields) -> GPTArchConfig:
+    """A preset's architecture: every preset's vocabulary is a multiple of 128 (Megatron's
+    default padding), so its embedding has no padding rows."""
+    return GPTArchConfig(vocab_size=vocab_size, padded_vocab_size=vocab_size, swiglu=True,
+                         normalization="RMSNorm", **fields)
+
+
+def _llama(*, layers, hidden, heads, groups, head_dim, ffn, tied,
+           rope_factor) -> GPTArchConfig:
+    # RoPE "llama3" scaling: factor 8 (Llama-3.1), 32 (Llama-3.2)
+    return _arch(num_layers=layers, hidden_size=hidden, num_attention_heads=heads,
+                 num_query_groups=groups, kv_channels=head_dim, ffn_hidden_size=ffn,
+                 vocab_size=128256, tie_embeddings=tied, max_position_embeddings=131072,
+                 rotary_base=500000.0, norm_epsilon=1e-5, rope_scaling_factor=rope_factor)
+
+
+def _qwen3(*, layers, hidden, heads, groups, ffn, **moe) -> GPTArchConfig:
+    return _arch(num_layers=layers, hidden_size=hidden, num_attention_heads=heads,
+                 num_query_groups=groups, kv_channels=128, ffn_hidden_size=ffn,
+                 vocab_size=151936, tie_embeddings=False, max_position_embeddings=40960,
+                 rotary_base=1000000.0, norm_epsilon=1e-6, qk_layernorm=True, **moe)
+
+
+def _qwen35(*, layers, hidden, groups, ffn, **moe) -> GPTArchConfig:
+    # three Gated DeltaNet layers for every full-attention one (full_attention_interval 4)
+    return _arch(num_layers=layers, hidden_size=hidden, num_attention_heads=16,
+                 num_query_groups=groups, kv_channels=256, ffn_hidden_size=ffn,
+                 vocab_size=248320, tie_embeddings=False, max_position_embeddings=262144,
+                 rotary_base=10000000.0, norm_epsilon=1e-6, qk_layernorm=True,
+                 attention_output_gate=True, rotary_percent=0.25,
+                 linear_attention_layers=[i for i in range(layers) if (i + 1) % 4],
+                 linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
+                 linear_value_head_dim=128, linear_conv_kernel_dim=4, **moe)
+
+
+def _gpt_oss(*, layers, experts) -> GPTArchConfig:
+    # sliding-window (128) attention on every other layer, from the first; biased attention
+    # with sinks and biased experts with the clamped x * sigmoid(1.702 x) * (up + 1) MLP
+    return _arch(num_layers=layers, hidden_size=2880, num_attention_heads=64,
+                 num_query_groups=8, kv_channels=64, ffn_hidden_size=2880, vocab_size=201088,
+                 tie_embeddings=False, max_position_embeddings=131072, norm_epsilon=1e-5,
+                 num_experts=experts, moe_ffn_hidden_size=2880, moe_router_topk=4,
+                 add_bias_linear=True, add_qkv_bias=True, attention_sinks=True,
+                 window_size=128, window_layers=list(range(0, layers, 2)),
+                 gated_activation="quick_gelu", glu_linear_offset=1.0, activation_clamp=7.0,
+                 rotary_base=150000.0, position_embedding_type="yarn", yarn_factor=32.0,
+                 yarn_original_max_position_embeddings=4096)
+
 
 _MODELS = [
-    ModelConfig(
+    PlannedModel(
         name="llama-3.1-8b",
-        num_layers=32,
-        hidden_size=4096,
-        num_attention_heads=32,
-        num_query_groups=8,
-        head_dim=128,
-        ffn_hidden_size=14336,
-        vocab_size=128256,
-        tie_embeddings=False,
+        arch=_llama(layers=32, hidden=4096, heads=32, groups=8, head_dim=128, ffn=14336,
+                    tied=False, rope_factor=8.0),
         published_total_params=8.03e9,
         source="meta-llama/Llama-3.1-8B config.json",
     ),
-    ModelConfig(
+    PlannedModel(
         name="llama-3.2-3b",
-        num_layers=28,
-        hidden_size=3072,
-        num_attention_heads=24,
-        num_query_groups=8,
-        head_dim=128,
-        ffn_hidden_size=8192,
-        vocab_size=128256,
-        tie_embeddings=True,
+        arch=_llama(layers=28, hidden=3072, heads=24, groups=8, head_dim=128, ffn=8192,
+                    tied=True, rope_factor=32.0),
         published_total_params=3.21e9,
         source="meta-llama/Llama-3.2-3B config.json",
     ),
-    ModelConfig(
+    PlannedModel(
         name="llama-3.2-1b",
-        num_layers=16,
-        hidden_size=2048,
-        num_attention_heads=32,
-        num_query_groups=8,
-        head_dim=64,
-        ffn_hidden_size=8192,
-        vocab_size=128256,
-        tie_embeddings=True,
+        arch=_llama(layers=16, hidden=2048, heads=32, groups=8, head_dim=64, ffn=8192,
+                    tied=True, rope_factor=32.0),
         published_total_params=1.24e9,
         source="meta-llama/Llama-3.2-1B config.json",
     ),
-    ModelConfig(
+    PlannedModel(
         name="qwen3-8b",
-        num_layers=36,
-        hidden_size=4096,
-        num_attention_heads=32,
-        num_query_groups=8,
-        head_dim=128,
-        ffn_hidden_size=12288,
-        vocab_size=151936,
-        tie_embeddings=False,
-        qk_layernorm=True,
+        arch=_qwen3(layers=36, hidden=4096, heads=32, groups=8, ffn=12288),
         published_total_params=8.2e9,
         source="Qwen/Qwen3-8B config.json",
     ),
-    ModelConfig(
+    PlannedModel(
         name="qwen3-32b",
-        num_layers=64,
-        hidden_size=5120,
-        num_attention_heads=64,
-        num_query_groups=8,
-        head_dim=128,
-        ffn_hidden_size=25600,
-        vocab_size=151936,
-        tie_embeddings=False,
-        qk_layernorm=True,
+        arch=_qwen3(layers=64, hidden=5120, heads=64, groups=8, ffn=25600),
         published_total_params=32.8e9,
         source="Qwen/Qwen3-32B config.json",
     ),
-    ModelConfig(
+    PlannedModel(
         name="qwen3-30b-a3b",
-        num_layers=48,
-        hidden_size=2048,
-        num_attention_heads=32,
-        num_query_groups=4,
-        head_dim=128,
-        ffn_hidden_size=0,
-        vocab_size=151936,
-        tie_embeddings=False,
-        qk_layernorm=True,
-        num_experts=128,
-        moe_router_topk=8,
-        moe_ffn_hidden_size=768,
+        arch=_qwen3(layers=48, hidden=2048, heads=32, groups=4, ffn=6144, num_experts=128,
+                    moe_router_topk=8, moe_ffn_hidden_size=768),
         published_total_params=30.5e9,
         published_active_params=3.3e9,
         source="Qwen/Qwen3-30B-A3B config.json",
     ),
-    ModelConfig(
+    PlannedModel(
         name="qwen3-235b-a22b",
-        num_layers=94,
-        hidden_size=4096,
-        num_attention_heads=64,
-        num_query_groups=4,
-        head_dim=128,
-        ffn_hidden_size=0,
-        vocab_size=151936,
-        tie_embeddings=False,
-        qk_layernorm=True,
-        num_experts=128,
-        moe_router_topk=8,
-        moe_ffn_hidden_size=1536,
+        arch=_qwen3(layers=94, hidden=4096, heads=64, groups=4, ffn=12288, num_experts=128,
+                    moe_router_topk=8, moe_ffn_hidden_size=1536),
         published_total_params=235e9,
         published_active_params=22e9,
         source="Qwen/Qwen3-235B-A22B config.json",
     ),
-    ModelConfig(
+    PlannedModel(
         name="qwen3.5-35b-a3b",
-        num_layers=40,
-        hidden_size=2048,
-        num_attention_heads=16,
-        num_query_groups=2,
-        head_dim=256,
-        ffn_hidden_size=0,
-        vocab_size=248320,
-        tie_embeddings=False,
-        num_experts=256,
-        moe_router_topk=8,
-        moe_ffn_hidden_size=512,
-        moe_shared_expert_ffn_hidden_size=512,
+        # no dense MLP: the expert width stands in for ffn_hidden_size (as on import)
+        arch=_qwen35(layers=40, hidden=2048, groups=2, ffn=512, num_experts=256,
+                     moe_router_topk=8, moe_ffn_hidden_size=512, moe_shared_expert_size=512,
+                     moe_shared_expert_gate=True),
         published_total_params=35e9,
         published_active_params=3e9,
         source=(
@@ -192,47 +156,34 @@ _MODELS = [
             "text tower counted here is 34.7B / 3.4B (the 0.5B vision tower and the MTP layer are "
             "left out)."
         ),
-        **_QWEN35_LINEAR,
     ),
-    ModelConfig(
+    PlannedModel(
         name="qwen3.5-9b",
-        num_layers=32,
-        hidden_size=4096,
-        num_attention_heads=16,
-        num_query_groups=4,
-        head_dim=256,
-        ffn_hidden_size=12288,
-        vocab_size=248320,
-        tie_embeddings=False,
+        arch=_qwen35(layers=32, hidden=4096, groups=4, ffn=12288),
         published_total_params=9e9,
         source=(
             "Qwen/Qwen3.5-9B config.json text_config (model_type qwen3_5): 32 layers, 24 Gated "
             "DeltaNet + 8 gated full attention. The published 9B is the name's rounding and "
             "includes the vision tower; the text tower counted here is 8.95B."
         ),
-        **_QWEN35_LINEAR,
     ),
-    ModelConfig(
+    PlannedModel(
         name="gpt-oss-20b",
-        num_layers=24,
-        num_experts=32,
+        arch=_gpt_oss(layers=24, experts=32),
         published_total_params=20.9e9,
         published_active_params=3.6e9,
         source="openai/gpt-oss-20b config.json (experts counted in bf16, as trained)",
-        **_GPT_OSS,
     ),
-    ModelConfig(
+    PlannedModel(
         name="gpt-oss-120b",
-        num_layers=36,
-        num_experts=128,
+        arch=_gpt_oss(layers=36, experts=128),
         published_total_params=116.8e9,
         published_active_params=5.1e9,
         source="openai/gpt-oss-120b config.json (experts counted in bf16, as trained)",
-        **_GPT_OSS,
     ),
 ]
 
-MODEL_PRESETS: dict[str, ModelConfig] = {m.name: m for m in _MODELS}
+MODEL_PRESETS: dict[str, PlannedModel] = {m.name: m for m in _MODELS}
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -321,9 +272,10 @@ def get_link(name: str, gpu: GpuSpec) -> LinkSpec:
     return LINK_PRESETS[key]
 
 
-def load_model(spec: str) -> ModelConfig:
+def load_model(spec: str) -> PlannedModel:
     """A preset name (case-insensitive), the path of a Hugging Face ``config.json``, or a
-    megatron_kd checkpoint directory (its ``model_config.json``)."""
+    megatron_kd checkpoint directory (its ``model_config.json``), each read into the one
+    architecture type (:class:`~megatron_kd.arch.GPTArchConfig`) as what it is."""
     key = spec.lower()
     if key in MODEL_PRESETS:
         return MODEL_PRESETS[key]
@@ -335,10 +287,19 @@ def load_model(spec: str) -> ModelConfig:
             raise ValueError(
                 f"{path}: no 'arch' entry (format_version {payload.get('format_version')})"
             )
-        return from_megatron_kd_arch(payload["arch"], name=spec)
+        return PlannedModel(name=spec, arch=GPTArchConfig.from_dict(payload["arch"]),
+                            source=f"megatron_kd checkpoint {path}")
     if os.path.isfile(spec):
         with open(spec, encoding="utf-8") as f:
-            return from_hf_config(json.load(f), name=spec)
+            config = json.load(f)
+        try:
+            arch = arch_from_hf_config(config)
+        except KeyError as e:
+            raise ValueError(f"{spec}: missing key {e} (a {config.get('model_type')!r} "
+                             f"config)") from None
+        except ValueError as e:
+            raise ValueError(f"{spec}: {e}") from None
+        return PlannedModel(name=spec, arch=arch, source=f"read from {spec}")
     raise ValueError(
         f"unknown model {spec!r}: not a preset ({', '.join(sorted(MODEL_PRESETS))}), a config.json "
         f"file nor a megatron_kd checkpoint directory"

@@ -38,6 +38,7 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
+from megatron_kd.arch import sequence_parts
 from megatron_kd.planner import memory as mem
 from megatron_kd.planner import schedule
 from megatron_kd.planner import traffic as tr
@@ -172,9 +173,9 @@ def _context_parallel_sizes(opts: PlanOptions, ranks: int) -> list[int]:
     layers) every divisor whose ``2 cp`` chunks divide the sequence."""
     if opts.cp is not None:
         return [opts.cp]
-    if opts.student.linear_attention_freq:
+    if opts.student.linear_attention_layers:
         return [1]
-    return [c for c in _divisors(ranks) if c == 1 or opts.seq_length % (2 * c) == 0]
+    return [c for c in _divisors(ranks) if opts.seq_length % sequence_parts(cp=c) == 0]
 
 
 def _split_candidates(

@@ -85,7 +85,7 @@ from enum import Enum
 from functools import lru_cache
 
 from megatron_kd.planner import schedule
-from megatron_kd.planner.models import ModelConfig
+from megatron_kd.planner.models import PlannedModel
 
 #: Bytes per element of each ``--kd-wire-dtype``, and per token on top (fp8's fp32 scale): what
 #: ``megatron_kd.teacher.wire.encode_hidden`` sends (``tests/unit/test_wire.py`` compares them).
@@ -148,7 +148,7 @@ def attention_keys_mean(seq_length: int, window: int) -> float:
 
 
 @lru_cache(maxsize=65536)
-def layer_forward_flops_per_token(model: ModelConfig, seq_length: int, layer: int) -> float:
+def layer_forward_flops_per_token(model: PlannedModel, seq_length: int, layer: int) -> float:
     """Forward FLOPs per token of layer ``layer``: its matmuls ``2 N_active`` (``k`` routed experts)
     + attention or the linear-attention state."""
     n_active = model.layer_dense_params(layer)
@@ -164,7 +164,7 @@ def layer_forward_flops_per_token(model: ModelConfig, seq_length: int, layer: in
 
 
 def forward_flops_per_token(
-    model: ModelConfig, seq_length: int, include_output_layer: bool = True
+    model: PlannedModel, seq_length: int, include_output_layer: bool = True
 ) -> float:
     """Forward FLOPs per token: every layer's, the final norm and the output layer."""
     flops = sum(layer_forward_flops_per_token(model, seq_length, i)
@@ -175,7 +175,7 @@ def forward_flops_per_token(
     return flops
 
 
-def attention_forward_flops_per_token(model: ModelConfig, seq_length: int) -> float:
+def attention_forward_flops_per_token(model: PlannedModel, seq_length: int) -> float:
     """The softmax-attention share of the forward (what selective recompute runs again)."""
     a, d = model.num_attention_heads, model.head_dim
     return sum(
@@ -186,7 +186,7 @@ def attention_forward_flops_per_token(model: ModelConfig, seq_length: int) -> fl
 
 
 def training_flops_per_token(
-    model: ModelConfig,
+    model: PlannedModel,
     seq_length: int,
     recompute: str,
     recomputed_layers: Iterable[int] | None = None,
@@ -224,7 +224,7 @@ def step_time_s(
 
 
 def tp_collective_bytes_per_step_per_rank(
-    model: ModelConfig,
+    model: PlannedModel,
     layers: Iterable[int],
     recomputed: Iterable[int],
     num_microbatches: int,
@@ -274,7 +274,7 @@ def p2p_bytes_per_step_per_rank(
 
 
 def cp_exchange_bytes_per_step_per_rank(
-    model: ModelConfig,
+    model: PlannedModel,
     layers: Iterable[int],
     recomputed: Iterable[int],
     num_microbatches: int,
@@ -314,7 +314,7 @@ def tokens_per_step_per_dp_rank(global_batch_size: int, dp: int, seq_length: int
 
 
 def hidden_bytes_per_step_per_dp_rank(
-    teacher: ModelConfig, global_batch_size: int, dp: int, seq_length: int,
+    teacher: PlannedModel, global_batch_size: int, dp: int, seq_length: int,
     wire_dtype: str = "bf16",
 ) -> int:
     """Teacher -> student bytes per step for one student data-parallel rank (exact: what a run
@@ -329,7 +329,7 @@ def token_bytes_per_step_per_dp_rank(global_batch_size: int, dp: int, seq_length
 
 
 def allgather_bytes_per_step_per_rank(
-    teacher: ModelConfig,
+    teacher: PlannedModel,
     num_microbatches: int,
     seq_length: int,
     micro_batch_size: int,

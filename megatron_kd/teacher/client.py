@@ -33,6 +33,7 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.distributed as dist
 
+from megatron_kd.arch import check_sequence_split
 from megatron_kd.collectives import all_gather_into
 from megatron_kd.teacher.choice import ReplicaChooser
 from megatron_kd.teacher.endpoint import Endpoint, ReplicaRecord
@@ -101,10 +102,10 @@ class TeacherClient:
                  log: Callable[[str], None] | None = None, rebalance_every: int = 8,
                  sequence_parallel: bool = False, cp_size: int = 1,
                  gather_group=None) -> None:
-        if seq_length % (tp_size * (2 if cp_size > 1 else 1)):
-            raise ValueError(f"--seq-length {seq_length} must be divisible by the student ranks "
-                             f"a connection answers, {tp_size} (x 2 with context parallelism: "
-                             f"each receives its part of the sequence)")
+        # the answer is cut for the connection's TP x CP members as sequence parallelism cuts
+        # a sequence (each member receives its slice)
+        check_sequence_split(seq_length, tp=tp_size // cp_size, cp=cp_size,
+                             sequence_parallel=True)
         self.endpoint, self.expected, self.run, self.dp_rank = endpoint, expected, run, dp_rank
         self.tp_group, self.tp_rank, self.tp_size = tp_group, tp_rank, tp_size
         self.sequence_parallel, self.cp_size = sequence_parallel, cp_size

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
+from megatron_kd.arch import check_sequence_split
 from megatron_kd.cache.build import build_cache
 from megatron_kd.cache.codec import LogprobCodec
 from megatron_kd.cache.format import CacheSpec
@@ -36,7 +37,7 @@ from megatron_kd.cache.identity import dataset_identity, tokenizer_identity
 from megatron_kd.cache.summary import print_info, print_verify
 from megatron_kd.data.datasets import collate
 from megatron_kd.data.tokenizer import MockTokenizer
-from megatron_kd.flags import add_flags, flag, from_flags
+from megatron_kd.flags import KDSharedFlags, add_flags, flag, from_flags, shared_flag
 from megatron_kd.integration.args import KDArgs, add_teacher_flags
 from megatron_kd.integration.checkpoint import checkpoint_hash
 from megatron_kd.integration.context_parallel import cp_positions, gather_positions
@@ -59,7 +60,7 @@ class CacheBuildSection:
     """What ``cache build`` asks beyond the run's data, parallelism and teacher flags."""
 
     out: str = flag(help="cache directory (resumed)", metavar="DIR")
-    topk: int = flag(100, "entries per token (K)", name="--kd-topk")
+    topk: int = shared_flag(KDSharedFlags, "topk")
     logprob_encoding: str = flag("log1p-u11", "'log1p-u<bits>' (compact, default 11 bits) or "
                                               "'fp32' (lossless)")
     samples_per_shard: int = flag(128)
@@ -147,17 +148,9 @@ def _build_in_model_parallel(build: CacheBuildSection, data: DataSection,
                                 need_valid=False)
     sp = parallel.sequence_parallel and tp > 1
     cp = parallel.context_parallel_size
-    split = (2 * cp if cp > 1 else 1) * (tp if sp else 1)
-    if data.seq_length % split:
-        raise ValueError(f"--seq-length {data.seq_length} is not divisible by "
-                         f"{split} (2 x --context-parallel-size {cp} x, with "
-                         f"--sequence-parallel, --tensor-model-parallel-size {tp}): each "
-                         f"sequence is split over those ranks")
-    if cp > 1 and arch.linear_attention_layers:
-        raise ValueError(f"--context-parallel-size {cp} with a Gated DeltaNet teacher (layers "
-                         f"{arch.linear_attention_layers}): its recurrence does not split over "
-                         f"context-parallel ranks (megatron-core 0.16.1 and 0.19.2 local "
-                         f"layers); build the cache at --context-parallel-size 1")
+    check_sequence_split(data.seq_length, tp=tp, cp=cp, sequence_parallel=sp)
+    arch.check_context_parallel(cp, role="teacher",
+                                advice="build the cache at --context-parallel-size 1")
     cp_group = ps.get_context_parallel_group() if cp > 1 else None
     # seeded only so Megatron's model-parallel RNG exists; the weights are loaded next
     teacher = build_frozen_teacher(arch, teacher_dir, dtype=kd.teacher_torch_dtype,

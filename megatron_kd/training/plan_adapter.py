@@ -36,7 +36,7 @@ from megatron_kd.arch import GPTArchConfig
 from megatron_kd.loss.config import CpuTuning
 from megatron_kd.planner import traffic
 from megatron_kd.planner.memory import ActivationOptions, ParallelLayout, Precision, Term
-from megatron_kd.planner.models import ModelConfig, from_megatron_kd_arch
+from megatron_kd.planner.models import PlannedModel
 from megatron_kd.planner.plan import Mode, PlanOptions
 from megatron_kd.planner.presets import GpuSpec, LinkSpec
 from megatron_kd.planner.search import student_stage_terms, teacher_inference_terms
@@ -64,11 +64,11 @@ def resolve_run(train_args: str, world_size: int) -> tuple[argparse.Namespace, C
     return args, check_run(RunConfig.from_args(args), world_size)
 
 
-def arch_to_model(arch: GPTArchConfig, name: str) -> ModelConfig:
-    """A planner :class:`ModelConfig` from a ``GPTArchConfig``, with the padded vocabulary as its
-    vocabulary (the runs' layouts then pad by 1, see :func:`predict`)."""
-    model = from_megatron_kd_arch(dict(arch.to_dict(), vocab_size=arch.padded_vocab_size), name)
-    return dataclasses.replace(model, source="megatron-kd train check_run")
+def arch_to_model(arch: GPTArchConfig, name: str) -> PlannedModel:
+    """The planner's :class:`PlannedModel` of a ``GPTArchConfig``, with the padded vocabulary as
+    its vocabulary (the runs' layouts then pad by 1, see :func:`predict`)."""
+    padded = dataclasses.replace(arch, vocab_size=arch.padded_vocab_size)
+    return PlannedModel(name=name, arch=padded, source="megatron-kd train check_run")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -77,8 +77,8 @@ class RunShape:
 
     kd_mode: str
     """The run's ``--kd-mode``."""
-    student: ModelConfig
-    teacher: ModelConfig | None
+    student: PlannedModel
+    teacher: PlannedModel | None
     """None: no teacher (the fused loss with the student's logits only)."""
     fp32: bool
     """Parameters in fp32 (no ``--bf16``)."""

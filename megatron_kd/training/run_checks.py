@@ -29,7 +29,7 @@ from megatron_kd.data.datasets import (
     parse_data_path,
 )
 from megatron_kd.data.tokenizer import HFTokenizer, MockTokenizer, tokenizer_difference
-from megatron_kd.arch import GPTArchConfig
+from megatron_kd.arch import GPTArchConfig, check_sequence_split
 from megatron_kd.integration.args import KDArgs
 from megatron_kd.integration.checkpoint import (
     has_model_config,
@@ -237,26 +237,13 @@ def _check_layout(config: RunConfig, run: CheckedRun) -> None:
         run.notes.append("--sequence-parallel is off at --tensor-model-parallel-size 1 (as in "
                          "Megatron-LM: there is no sequence to split)")
     cp = run.cp = par.context_parallel_size
-    split = (2 * cp if cp > 1 else 1) * (tp if run.sequence_parallel else 1)
-    if split > 1 and seq % split:
-        parts = (([f"2 x --context-parallel-size {cp}"] if cp > 1 else [])
-                 + ([f"--tensor-model-parallel-size {tp} (--sequence-parallel)"]
-                    if run.sequence_parallel else []))
-        raise ValueError(f"--seq-length {seq} is not divisible by {' x '.join(parts)} = "
-                         f"{split}: each sequence is split over those ranks")
-    if cp > 1 and run.student_arch.linear_attention_layers:
-        raise ValueError(f"--context-parallel-size {cp} with a Gated DeltaNet student (layers "
-                         f"{run.student_arch.linear_attention_layers}): its recurrence runs "
-                         f"over the whole sequence and does not split over context-parallel "
-                         f"ranks here (megatron-core 0.16.1 and 0.19.2 local layers); use "
-                         f"--context-parallel-size 1")
-    teacher = run.teacher_arch if run.kd.mode == "colocated" else None
-    if cp > 1 and teacher is not None and teacher.linear_attention_layers:
-        raise ValueError(f"--context-parallel-size {cp} with a colocated Gated DeltaNet teacher "
-                         f"(layers {teacher.linear_attention_layers}): a colocated teacher runs "
-                         f"with the student's context parallelism, which its recurrence does not "
-                         f"split (megatron-core 0.16.1 and 0.19.2 local layers); serve it "
-                         f"(--kd-mode disaggregated) or cache it (--kd-mode offline)")
+    check_sequence_split(seq, tp=tp, cp=cp, sequence_parallel=run.sequence_parallel)
+    run.student_arch.check_context_parallel(cp, role="student",
+                                            advice="use --context-parallel-size 1")
+    if run.kd.mode == "colocated" and run.teacher_arch is not None:
+        run.teacher_arch.check_context_parallel(
+            cp, role="teacher", colocated=True,
+            advice="serve it (--kd-mode disaggregated) or cache it (--kd-mode offline)")
     vp = par.virtual_stages(run.student_arch.num_layers)
     if vp is not None:
         if vp < 1:

@@ -35,6 +35,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
+from megatron_kd.arch import sequence_parts
 from megatron_kd.flags import add_flags, from_flags
 from megatron_kd.integration.args import add_teacher_flags, teacher_torch_dtype
 from megatron_kd.integration.context_parallel import cp_positions, gather_positions
@@ -138,11 +139,8 @@ def _check(args: argparse.Namespace, world: int):
                          f"must be able to fail alone)")
     teacher_dir, arch = check_teacher(args.kd_teacher_load, seq_length=args.max_seq_length or 1,
                                       tp_sizes=(tp,), pp_size=pp, teacher_args=args.kd_teacher_args)
-    if cp > 1 and arch.linear_attention_layers:
-        raise ValueError(f"--context-parallel-size {cp} with a Gated DeltaNet teacher (layers "
-                         f"{arch.linear_attention_layers}): its recurrence does not split over "
-                         f"context-parallel ranks (megatron-core 0.16.1 and 0.19.2 local "
-                         f"layers); serve it at --context-parallel-size 1")
+    arch.check_context_parallel(cp, role="teacher",
+                                advice="serve it at --context-parallel-size 1")
     check_experts_within_tensor_parallel(arch, tp, args.expert_model_parallel_size,
                                          args.expert_tensor_parallel_size)
     return teacher_dir, arch
@@ -240,7 +238,8 @@ def _forward_fn(model, is_last: bool, sp_group=None, cp_group=None):
     earlier position) and cut back after."""
     forward_backward = get_forward_backward_func()
     cp = cp_group.size() if cp_group is not None else 1
-    split = (sp_group.size() if sp_group is not None else 1) * (2 * cp if cp > 1 else 1)
+    split = sequence_parts(tp=sp_group.size() if sp_group is not None else 1, cp=cp,
+                           sequence_parallel=sp_group is not None)
 
     def forward(tokens: torch.Tensor):
         batch, given = tokens.shape

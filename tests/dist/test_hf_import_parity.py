@@ -285,24 +285,22 @@ def case_param_count(ctx, save_dir):
 @pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3_moe", "gpt_oss", "qwen35",
                                     "qwen35_moe"])
 def test_planner_counts_the_imported_parameters(tmp_path, dist_pool_factory, family):
-    # One config, three counts: the planner's model of it (what `megatron-kd plan` sizes its
-    # presets with), the tensors transformers saved, and the Megatron-Core model imported.
-    import json
-
+    # One config, three counts: the planner's model of it and of the checkpoint imported from it
+    # (what `megatron-kd plan` sizes a model with), the tensors transformers saved, and the
+    # Megatron-Core model imported.
     from safetensors.torch import load_file
 
-    from megatron_kd.planner.models import from_hf_config
+    from megatron_kd.planner.presets import load_model
 
     make = {"llama": lambda t: tiny_llama(t, tied=False), "qwen3": tiny_qwen3,
             "qwen3_moe": tiny_qwen3_moe, "gpt_oss": tiny_gpt_oss, "qwen35": tiny_qwen35,
             "qwen35_moe": tiny_qwen35_moe}[family]
     hf_path, _, _ = make(tmp_path)
-    with open(os.path.join(hf_path, "config.json"), encoding="utf-8") as f:
-        config = json.load(f)
     saved = sum(t.numel() for t in load_file(os.path.join(hf_path, "model.safetensors")).values())
     save_dir = str(tmp_path / "megatron")
     pool = dist_pool_factory(2)
     pool.run(case_import, hf_path, save_dir)
     imported = pool.run(case_param_count, save_dir)[0]
     assert imported == saved
-    assert from_hf_config(config).total_params() == saved
+    assert load_model(os.path.join(hf_path, "config.json")).total_params() == saved
+    assert load_model(save_dir).total_params() == saved

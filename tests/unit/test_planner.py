@@ -9,6 +9,7 @@ import dataclasses
 
 import pytest
 
+from megatron_kd.arch import GPTArchConfig
 from megatron_kd.planner import memory as mem
 from megatron_kd.planner import schedule, search
 from megatron_kd.planner import traffic as tr
@@ -21,32 +22,48 @@ from megatron_kd.planner.memory import (
     RingBytes,
     Term,
 )
-from megatron_kd.planner.models import ModelConfig
+from megatron_kd.planner.models import PlannedModel
 from megatron_kd.planner.plan import PlanOptions
 from megatron_kd.planner.presets import GpuSpec, LinkSpec
 
+
+def _model(name: str, **arch) -> PlannedModel:
+    """A planner model of a small architecture (no padding rows; the position embeddings the
+    planner does not count)."""
+    arch.setdefault("padded_vocab_size", arch["vocab_size"])
+    arch.setdefault("max_position_embeddings", 4096)
+    return PlannedModel(name=name, arch=GPTArchConfig(**arch))
+
+
+def _replace(model: PlannedModel, name: str | None = None, **arch) -> PlannedModel:
+    """``model`` with some architecture fields changed (and the padding rows following)."""
+    if "vocab_size" in arch:
+        arch.setdefault("padded_vocab_size", arch["vocab_size"])
+    return PlannedModel(name=name or model.name, arch=dataclasses.replace(model.arch, **arch))
+
+
 # A tiny dense GQA/SwiGLU model: L=2, h=8, a=2, g=1, d=4, f=16, V=10, untied.
-TINY = ModelConfig(
+TINY = _model(
     name="tiny",
     num_layers=2,
     hidden_size=8,
     num_attention_heads=2,
     num_query_groups=1,
-    head_dim=4,
+    kv_channels=4,
     ffn_hidden_size=16,
     vocab_size=10,
     tie_embeddings=False,
 )
 
 # A tiny MoE: L=1, h=8, a=g=2, d=4, E=4 experts of f_e=4, top-2, V=10, tied.
-TINY_MOE = ModelConfig(
+TINY_MOE = _model(
     name="tiny-moe",
     num_layers=1,
     hidden_size=8,
     num_attention_heads=2,
     num_query_groups=2,
-    head_dim=4,
-    ffn_hidden_size=0,
+    kv_channels=4,
+    ffn_hidden_size=4,  # the experts' width stands in
     vocab_size=10,
     tie_embeddings=True,
     num_experts=4,
@@ -82,19 +99,19 @@ def test_moe_param_count():
 
 
 def test_gated_attention_and_linear_attention_params():
-    m = ModelConfig(
+    m = _model(
         name="hyb",
         num_layers=4,
         hidden_size=8,
         num_attention_heads=2,
         num_query_groups=1,
-        head_dim=4,
+        kv_channels=4,
         ffn_hidden_size=16,
         vocab_size=10,
         tie_embeddings=False,
         qk_layernorm=True,
         attention_output_gate=True,
-        linear_attention_freq=4,
+        linear_attention_layers=[0, 1, 2],
         linear_num_key_heads=1,
         linear_num_value_heads=2,
         linear_key_head_dim=2,
@@ -110,27 +127,27 @@ def test_gated_attention_and_linear_attention_params():
 
 
 def test_model_config_rejects_bad_values():
-    with pytest.raises(ValueError, match="num_query_groups=3"):
-        ModelConfig(
+    with pytest.raises(ValueError, match="divisible by num_query_groups \\(3\\)"):
+        _model(
             name="x",
             num_layers=1,
             hidden_size=8,
             num_attention_heads=4,
             num_query_groups=3,
-            head_dim=2,
+            kv_channels=2,
             ffn_hidden_size=8,
             vocab_size=10,
             tie_embeddings=True,
         )
-    with pytest.raises(ValueError, match="moe_router_topk=5"):
-        ModelConfig(
+    with pytest.raises(ValueError, match="moe_router_topk \\(5\\) exceeds num_experts \\(4\\)"):
+        _model(
             name="x",
             num_layers=1,
             hidden_size=8,
             num_attention_heads=2,
             num_query_groups=2,
-            head_dim=4,
-            ffn_hidden_size=0,
+            kv_channels=4,
+            ffn_hidden_size=4,  # the experts' width stands in
             vocab_size=10,
             tie_embeddings=True,
             num_experts=4,
@@ -215,17 +232,17 @@ def test_rank_params_experts_over_ep():
 # --------------------------------------------------------------------------------------
 
 
-GPT = ModelConfig(
+GPT = _model(
     name="gpt",
     num_layers=1,
     hidden_size=64,
     num_attention_heads=4,
     num_query_groups=4,
-    head_dim=16,
+    kv_channels=16,
     ffn_hidden_size=256,
     vocab_size=128,
     tie_embeddings=True,
-    gated_linear_unit=False,
+    swiglu=False,
 )
 PAPER = ActivationOptions(flash_attention=False, hidden_dropout=True, attention_dropout=True)
 
@@ -253,13 +270,13 @@ def test_activations_reproduce_korthikanti(tp, sp, recompute, expected):
 
 
 def test_activations_gqa_swiglu_flash():
-    m = ModelConfig(
+    m = _model(
         name="g",
         num_layers=1,
         hidden_size=64,
         num_attention_heads=4,
         num_query_groups=2,
-        head_dim=16,
+        kv_channels=16,
         ffn_hidden_size=128,
         vocab_size=128,
         tie_embeddings=True,
@@ -279,13 +296,13 @@ def test_activations_moe():
 
 def test_stage_activations_pipeline_and_full_recompute():
     # pp=2, m=8: stage 0 holds 2 micro-batches of layer 0; per layer 8 tokens * 1680 (see above)
-    m = ModelConfig(
+    m = _model(
         name="g",
         num_layers=2,
         hidden_size=64,
         num_attention_heads=4,
         num_query_groups=2,
-        head_dim=16,
+        kv_channels=16,
         ffn_hidden_size=128,
         vocab_size=128,
         tie_embeddings=True,
@@ -301,18 +318,18 @@ def test_stage_activations_pipeline_and_full_recompute():
 
 # The "g" model of the tests above with 8 and 16 layers: per layer and token R 512 + S 1168 = 1680
 # bytes saved (no recompute); a checkpointed group keeps its input, 2h = 128 bytes a token.
-G8 = ModelConfig(
+G8 = _model(
     name="g8",
     num_layers=8,
     hidden_size=64,
     num_attention_heads=4,
     num_query_groups=2,
-    head_dim=16,
+    kv_channels=16,
     ffn_hidden_size=128,
     vocab_size=128,
     tie_embeddings=True,
 )
-G16 = dataclasses.replace(G8, name="g16", num_layers=16)
+G16 = _replace(G8, name="g16", num_layers=16)
 FULL = 8 * 1680  # one layer, 8 tokens
 INPUT = 8 * 128  # one checkpoint input, 8 tokens
 
@@ -451,24 +468,24 @@ def test_layout_validation_of_virtual_stages_and_recompute():
 
 
 def test_loss_terms():
-    stu = ModelConfig(
+    stu = _model(
         name="s",
         num_layers=1,
         hidden_size=8,
         num_attention_heads=2,
         num_query_groups=2,
-        head_dim=4,
+        kv_channels=4,
         ffn_hidden_size=8,
         vocab_size=200,
         tie_embeddings=True,
     )
-    tea = ModelConfig(
+    tea = _model(
         name="t",
         num_layers=1,
         hidden_size=16,
         num_attention_heads=2,
         num_query_groups=2,
-        head_dim=8,
+        kv_channels=8,
         ffn_hidden_size=8,
         vocab_size=250,
         tie_embeddings=True,
@@ -547,7 +564,7 @@ def test_teacher_inference_terms():
     assert last[Term.REPLICA_OUTPUT_LAYER] == 160
     # tied, one stage: the embedding is the output layer and is needed for the input anyway:
     # 1352 - 80 = 1272 params = 2544 bytes, no separate output-layer term
-    tied = dataclasses.replace(TINY, tie_embeddings=True)
+    tied = _replace(TINY, tie_embeddings=True)
     opts = dataclasses.replace(opts, teacher=tied)
     terms = search.teacher_inference_terms(opts, ParallelLayout(make_vocab_size_divisible_by=1), 0)
     assert terms[Term.REPLICA_WEIGHTS] == 2544
@@ -605,13 +622,13 @@ def test_tp_collective_and_p2p_bytes():
 
 
 def test_wire_bytes():
-    tea = ModelConfig(
+    tea = _model(
         name="t",
         num_layers=1,
         hidden_size=32,
         num_attention_heads=2,
         num_query_groups=2,
-        head_dim=16,
+        kv_channels=16,
         ffn_hidden_size=8,
         vocab_size=10,
         tie_embeddings=True,
@@ -691,9 +708,12 @@ def test_context_parallel_refusals():
         ParallelLayout(cp=2, cp_comm_type="ring")
     # 2*cp chunks, each rank's s/cp a multiple of t with sequence parallelism
     mem.validate_sequence_split(ParallelLayout(cp=2), 8)
-    with pytest.raises(ValueError, match="seq_length=6 does not split over 4 parts"):
+    with pytest.raises(ValueError, match="--seq-length 6 is not divisible by 2 x "
+                       "--context-parallel-size 2 = 4"):
         mem.validate_sequence_split(ParallelLayout(cp=2), 6)
-    with pytest.raises(ValueError, match="seq_length=12 does not split over 8 parts"):
+    with pytest.raises(ValueError, match=r"--seq-length 12 is not divisible by 2 x "
+                       r"--context-parallel-size 2 x --tensor-model-parallel-size 2 "
+                       r"\(--sequence-parallel\) = 8"):
         mem.validate_sequence_split(ParallelLayout(cp=2, tp=2, sequence_parallel=True), 12)
 
 
@@ -721,8 +741,8 @@ def test_context_parallel_exchange():
 
 
 def test_context_parallel_loss_ring_and_cache():
-    stu = dataclasses.replace(TINY, vocab_size=200)
-    tea = dataclasses.replace(TINY, hidden_size=16, vocab_size=250)
+    stu = _replace(TINY, vocab_size=200)
+    tea = _replace(TINY, hidden_size=16, vocab_size=250)
     layout = ParallelLayout(tp=2, cp=2)  # local vocabulary 128; 2 of the 4 rows on each rank
     # window w=2 rows: 2*128*(2 + 8) + a block of the elementwise temporaries 2*128*8; gradients
     # 4*2*8 (hidden, the rank's rows) + 4*128*8 (output layer); 8 statistics * 4 bytes * 2 rows

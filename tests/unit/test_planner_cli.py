@@ -14,7 +14,6 @@ from megatron_kd.cli import main
 from megatron_kd.planner import memory as mem
 from megatron_kd.planner.cli import parse_launch_args, to_json
 from megatron_kd.planner.memory import LOSS_TERMS, Term
-from megatron_kd.planner.models import from_hf_config
 from megatron_kd.planner.plan import Mode, PlanOptions
 from megatron_kd.planner.presets import MODEL_PRESETS, get_gpu, get_link, load_model
 from megatron_kd.planner.search import (
@@ -68,7 +67,14 @@ def test_every_required_preset_exists():
     assert get_link("ib-400g", get_gpu("h100-80g")).bytes_per_s == 50e9
 
 
-def test_hf_config_reader_matches_presets():
+def _read_config(tmp_path, config: dict):
+    """The planner's model of a Hugging Face ``config.json`` holding ``config``."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    return load_model(str(path))
+
+
+def test_hf_config_reader_matches_presets(tmp_path):
     # A Qwen3.5-MoE config.json, shaped as published (text_config nested, layer_types listed).
     cfg = {
         "model_type": "qwen3_5_moe",
@@ -95,7 +101,7 @@ def test_hf_config_reader_matches_presets():
             "shared_expert_intermediate_size": 512,
         },
     }
-    model = from_hf_config(cfg)
+    model = _read_config(tmp_path, cfg)
     preset = MODEL_PRESETS["qwen3.5-35b-a3b"]
     assert model.total_params() == preset.total_params()
     assert model.active_params() == preset.active_params()
@@ -115,11 +121,12 @@ def test_hf_config_reader_matches_presets():
         "layer_types": ["sliding_attention", "full_attention"] * 18,
         "tie_word_embeddings": False,
     }
-    model = from_hf_config(gpt)
-    assert model.sliding_window_every == 2
+    model = _read_config(tmp_path, gpt)
+    assert model.arch.window_layers == list(range(0, 36, 2))  # every other layer, from the first
     assert model.total_params() == MODEL_PRESETS["gpt-oss-120b"].total_params()
-    with pytest.raises(ValueError, match="missing keys \\['hidden_size'\\]"):
-        from_hf_config({"num_hidden_layers": 2, "num_attention_heads": 2, "vocab_size": 10})
+    with pytest.raises(ValueError, match="missing key 'hidden_size'"):
+        _read_config(tmp_path, {"model_type": "llama", "num_hidden_layers": 2,
+                                "num_attention_heads": 2, "vocab_size": 10})
 
 
 def test_load_model_from_megatron_kd_checkpoint(tmp_path):
@@ -149,6 +156,7 @@ def test_load_model_from_file_and_unknown(tmp_path):
     path.write_text(
         json.dumps(
             {
+                "model_type": "llama",
                 "hidden_size": 64,
                 "num_hidden_layers": 2,
                 "num_attention_heads": 4,
@@ -471,6 +479,7 @@ def test_cli_table_and_errors(capsys):
 LAUNCH = (
     "--num-layers 16 --hidden-size 2048 --ffn-hidden-size 8192 --num-attention-heads 32 "
     "--group-query-attention --num-query-groups 8 --kv-channels 64 --swiglu --vocab-size 128256 "
+    "--disable-bias-linear --normalization RMSNorm --position-embedding-type rope "
     "--seq-length 4096 --micro-batch-size 2 --global-batch-size 64 --tensor-model-parallel-size 2 "
     "--sequence-parallel --use-distributed-optimizer --recompute-granularity selective "
     "--hidden-dropout 0 --lr 3e-4 --data-path /x --bf16"

@@ -97,6 +97,45 @@ def test_prefetch_depth_is_the_trainers_default():
     assert _default(PlanOptions, "prefetch_depth") == _train_default("kd_prefetch_depth")
 
 
+def _options(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
+    return {option: action for action in parser._actions for option in action.option_strings}
+
+
+def _cache_build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser()
+    importlib.import_module(SUBCOMMANDS["cache"][0]).add_arguments(parser)
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices["build"]
+
+
+def test_kd_flags_are_the_training_commands():
+    # the --kd-* flags `megatron-kd plan` shares with `train` (and the Megatron-LM hooks) and
+    # `cache build`: the same flag, choices and help, and the plan's default is theirs
+    planner = argparse.ArgumentParser()
+    importlib.import_module(SUBCOMMANDS["plan"][0]).add_arguments(planner)
+    train = argparse.ArgumentParser()
+    importlib.import_module(SUBCOMMANDS["train"][0]).add_arguments(train)
+    plan, trained, cache = _options(planner), _options(train), _options(_cache_build_parser())
+    for option, other, field in (("--kd-prefetch-depth", trained, "prefetch_depth"),
+                                 ("--kd-window-size", trained, "window_size"),
+                                 ("--kd-wire-dtype", trained, "wire_dtype"),
+                                 ("--kd-topk", cache, "topk")):
+        assert plan[option].choices == other[option].choices, option
+        assert plan[option].type == other[option].type, option
+        # None on the planner's command line: given, or else --from-args's, else the plan's
+        assert plan[option].default is None and plan[option].dest == field
+        if field != "wire_dtype":
+            assert _default(PlanOptions, field) == other[option].default, option
+        if field != "window_size":
+            assert plan[option].help.startswith(other[option].help), option
+    # one pinned K: cache build's, and the plan's when none is given
+    assert _default(PlanOptions, "topk") == cache["--kd-topk"].default == 100
+    # the wire's default is the teacher's dtype, which the plan takes as bf16 (its weights')
+    assert trained["--kd-wire-dtype"].default is None
+    assert _default(PlanOptions, "wire_dtype") == "bf16"
+    assert _default(PlanOptions, "hidden_elem_bytes") == 2
+
+
 def _p2p(pp: int, rank: int, vp: int | None) -> types.SimpleNamespace:
     """What ``get_pp_rank_microbatches`` asks of a P2P communicator: the pipeline group's size and
     this rank, and the virtual pipeline size (None without interleaving)."""
