@@ -164,9 +164,9 @@ def test_shared_experts_in_megatron_lm_flags_are_refused_by_name():
                           "--moe-shared-expert-intermediate-size 8")
 
 
-def test_llama3_rope_scaling_plans_as_plain_rope(tmp_path, capsys):
-    # Llama 3.1's config.json as published: RoPE scaling "llama3", which no converter of this
-    # project builds; the plan does not depend on it, and says so
+def test_llama3_rope_scaling_config_plans_as_its_preset(tmp_path, capsys):
+    # Llama 3.1's config.json as published (RoPE scaling "llama3" in the legacy key): the
+    # preset's model, its RoPE scaling included
     config = {**hf_config_from_arch(MODEL_PRESETS["llama-3.1-8b"].arch),
               "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                "high_freq_factor": 4.0,
@@ -178,5 +178,5 @@ def test_llama3_rope_scaling_plans_as_plain_rope(tmp_path, capsys):
     out = _plan(capsys, "--teacher", str(path), "--student", "llama-3.2-1b")
     preset = _plan(capsys, "--teacher", "llama-3.1-8b", "--student", "llama-3.2-1b")
     _same_model(out["teacher"], preset["teacher"])
-    assert "'llama3' planned as plain RoPE" in out["teacher"]["source"]
+    assert MODEL_PRESETS["llama-3.1-8b"].arch.rope_scaling_factor == 8.0
     assert _without_models(out) == _without_models(preset)
