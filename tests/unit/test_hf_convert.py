@@ -65,7 +65,10 @@ def test_arch_from_config_pads_vocab_and_records_true_size(tmp_path):
     ({"model_type": "gpt2"}, "model_type"),
     ({"hidden_act": "gelu"}, "hidden_act"),
     ({"attention_bias": True}, "attention_bias"),
-    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "llama3"),
+    # Llama-3's scaling with other frequency factors than Megatron-Core's fixed 1 and 4
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "high_freq_factor": 2.0}},
+     "high_freq_factor"),
+    ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "'dynamic'"),
 ])
 def test_unsupported_configs_are_refused(change, match):
     config = {"model_type": "llama", "hidden_size": 8, "num_attention_heads": 2,
