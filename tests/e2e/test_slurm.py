@@ -459,3 +459,61 @@ def test_scancel_term_saves_and_the_resubmitted_job_continues(slurm, teacher_ckp
     assert [first[i] for i in range(1, stopped + 1)] == [straight[i] for i in range(1, stopped + 1)]
     assert [resumed[i] for i in (stopped + 1, stopped + 2)] == \
         [straight[i] for i in (stopped + 1, stopped + 2)]
+
+
+def test_megatron_lm_job_runs_the_real_pretrain_gpt_on_two_nodes(slurm, tmp_path):
+    """``megatron_lm.sbatch`` on two Slurm nodes, one task each: every node's torchrun runs
+    ``examples/megatron_lm/train_kd_colocated.sh`` with ``STUDENT`` an ``import-hf`` directory
+    (the same tiny Llama as the colocated teacher), one rank a node at TP 2 across the nodes,
+    on the real patched ``pretrain_gpt.py`` (the first ``MEGATRON_LM_DIR`` checkout, through
+    the test's CPU launcher): the job completes and the run saves its last iteration. Needs the
+    real Megatron-LM tier's ``MEGATRON_LM_DIR`` and ``MEGATRON_LM_PYTHON``."""
+    from test_megatron_lm_real import (
+        LAUNCHER,
+        MEGATRON_LM_ONLY,
+        _checkouts,
+        _megatron_lm_python,
+        _patched_script,
+    )
+
+    if not _checkouts():
+        pytest.skip("MEGATRON_LM_DIR is not set (Megatron-LM checkouts)")
+    pytest.importorskip("transformers")
+    from support.hf_models import tiny_llama
+    from support.text import TEXT, write_tokenizer
+
+    from megatron_kd.data.preprocess import preprocess
+    from megatron_kd.data.tokenizer import HFTokenizer
+
+    root, python = _checkouts()[0], _megatron_lm_python()
+    (tmp_path / "text").mkdir()
+    (tmp_path / "text" / "part.txt").write_text(TEXT * 10, encoding="utf-8")
+    tok = write_tokenizer(tmp_path / "tokenizer.json")
+    preprocess([str(tmp_path / "text")], HFTokenizer(tok), str(tmp_path / "corpus"))
+    hf_dir = tiny_llama(tmp_path, tied=False, vocab=500, name="llama")[0]
+    student = tmp_path / "student"
+    subprocess.run([sys.executable, "-m", "megatron_kd", "import-hf", "--hf-path", hf_dir,
+                    "--save", str(student)], check=True, capture_output=True, timeout=600)
+    bin_dir = tmp_path / "bin"  # the script's `torchrun`: Megatron-LM's interpreter's
+    bin_dir.mkdir()
+    (bin_dir / "torchrun").write_text(f'#!/bin/sh\nexec {python} -m torch.distributed.run "$@"\n')
+    (bin_dir / "torchrun").chmod(0o755)
+    cpu_only = MEGATRON_LM_ONLY[MEGATRON_LM_ONLY.index("--tokenizer-type"):
+                                MEGATRON_LM_ONLY.index("--log-interval")]
+    run = tmp_path / "run"
+    info, log_dir, text = _submit(
+        slurm, "megatron_lm.sbatch", tmp_path, "--nodes=2", "--ntasks-per-node=1",
+        MEGATRON_LM_DIR=root, STUDENT=str(student), GPUS_PER_NODE="1", TP="2",
+        PRETRAIN_GPT=f"{LAUNCHER} {_patched_script(root, tmp_path)}",
+        PATH=os.pathsep.join([str(bin_dir), os.environ["PATH"]]),
+        PYTHONPATH=os.pathsep.join([root, str(REPO / "tests"), str(REPO)]),
+        KD_MEGATRON_LM_ARGS=f"{run} {tmp_path / 'tb'} {student} {tmp_path / 'corpus'} unused",
+        KD_EXTRA_ARGS=" ".join([*cpu_only, "--eval-iters", "0", "--eval-interval", "100",
+                                "--save-interval", "2", "--log-interval", "1", "--split",
+                                "90,5,5"]),
+        SEQ_LENGTH="32", MICRO_BATCH="2", GLOBAL_BATCH="2", TRAIN_ITERS="2", LR="1e-3",
+        WARMUP="0", PRECISION="fp32", KD_TEACHER_DTYPE="fp32", OMP_NUM_THREADS="1")
+    _assert_completed(info, log_dir, text)
+    assert "pretrain_gpt.py: 2 node(s) x 1 rank(s)" in text, text[-3000:]
+    assert (run / "latest_checkpointed_iteration.txt").read_text().strip() == "2", \
+        _explain(info, log_dir, text)
