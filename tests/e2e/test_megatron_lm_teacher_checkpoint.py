@@ -114,7 +114,7 @@ def test_megatron_lm_checkpoint_teacher_offline_and_disaggregated(pool, checkpoi
     (("--hidden-size 48", "--hidden-size 64"), "hidden_size=64"),
     (("--swiglu", "--swiglu --multi-latent-attention"), "multi_latent_attention"),
     (("--swiglu", "--swiglu --rotary-percent 0.5"), "rotary_percent=0.5"),
-    (("--swiglu", "--swiglu --lr 1e-4"), r"not known as teacher architecture: \['--lr'"),
+    (("--swiglu", "--swiglu --lr 1e-4"), r"not known as a model architecture: \['--lr'"),
 ])
 def test_wrong_teacher_args_are_refused_before_any_step(checkpoints, change, message):
     from megatron_kd.integration.teacher import check_teacher
