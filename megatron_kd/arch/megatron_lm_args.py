@@ -24,7 +24,7 @@ from megatron_kd.arch.config import GPTArchConfig
 from megatron_kd.parallel import pad_vocab_size
 
 __all__ = ["arch_from_megatron_lm_args", "complete_megatron_lm_flags", "megatron_lm_flags",
-           "parse_megatron_lm_flags", "read_megatron_lm_flags"]
+           "megatron_lm_flags_text", "parse_megatron_lm_flags", "read_megatron_lm_flags"]
 
 # Flags of a launch line that do not change the weights or the function: accepted, ignored.
 _IGNORED_VALUE_FLAGS = ("--seq-length", "--attention-dropout", "--hidden-dropout",
@@ -251,6 +251,20 @@ def megatron_lm_flags(arch: GPTArchConfig) -> list[str]:
             flags.append("--moe-router-pre-softmax")
     flags += ["--init-method-std", _number(arch.init_method_std)]
     return [str(f) for f in flags]
+
+
+def megatron_lm_flags_text(arch: GPTArchConfig, source: str) -> str:
+    """:func:`megatron_lm_flags` as a flags file (a flag and its value a line, ``#`` comments
+    naming ``source``): what ``--kd-teacher-args FILE``, :func:`parse_megatron_lm_flags` and
+    ``examples/megatron_lm/train_kd_*.sh``'s ``MODEL_ARGS_FILE`` read."""
+    flags, lines, i = megatron_lm_flags(arch), [], 0
+    while i < len(flags):
+        takes_value = i + 1 < len(flags) and not flags[i + 1].startswith("--")
+        lines.append(" ".join(flags[i:i + 2]) if takes_value else flags[i])
+        i += 2 if takes_value else 1
+    return (f"# Megatron-LM's model flags of {source}.\n"
+            f"# Vocabulary: --tokenizer-model and --make-vocab-size-divisible-by.\n"
+            + "\n".join(lines) + "\n")
 
 
 def _number(value: float) -> str:

@@ -59,7 +59,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_kd.arch.hf_config import text_config
-from megatron_kd.arch.megatron_lm_args import megatron_lm_flags
+from megatron_kd.arch.megatron_lm_args import megatron_lm_flags, megatron_lm_flags_text
 from megatron_kd.data.tokenizer import tokenizer_difference
 from megatron_kd.hf.import_weights import (
     arch_from_hf_config,
@@ -316,19 +316,12 @@ def write_megatron_lm_flags(arch, directory: str) -> str | None:
     ``--kd-teacher-args`` reads. Returns its path, or None (nothing written) for a model those
     flags cannot express (the reason is the file's absence and :func:`megatron_lm_flags`')."""
     try:
-        flags = megatron_lm_flags(arch)
+        text = megatron_lm_flags_text(arch, "this checkpoint (written by megatron-kd import-hf)")
     except ValueError:
         return None
-    lines, i = [], 0
-    while i < len(flags):  # a flag and its value on one line
-        takes_value = i + 1 < len(flags) and not flags[i + 1].startswith("--")
-        lines.append(" ".join(flags[i:i + 2]) if takes_value else flags[i])
-        i += 2 if takes_value else 1
     path = os.path.join(directory, MEGATRON_LM_FLAGS_FILE)
     with open(path, "w", encoding="utf-8") as f:
-        f.write("# Megatron-LM's model flags for this checkpoint (written by megatron-kd "
-                "import-hf).\n# Vocabulary: --tokenizer-model and --make-vocab-size-divisible-by."
-                "\n" + "\n".join(lines) + "\n")
+        f.write(text)
     return path
 
 

@@ -79,3 +79,29 @@ def test_the_flags_omit_no_difference():
 def test_a_model_the_flags_cannot_say_is_refused_naming_what(change, named):
     with pytest.raises(ValueError, match=named):
         megatron_lm_flags(dataclasses.replace(LLAMA_32_3B, **change))
+
+
+def _tool():
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "tools", "write_model_args.py")
+    spec = importlib.util.spec_from_file_location("write_model_args", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_shipped_model_args_files_are_the_presets():
+    """``examples/megatron_lm/model_args/*.txt`` equal what the presets give (no drift), one
+    for each preset the flags can say; Llama-3.2-3B's reads back as its published shape."""
+    import os
+
+    tool = _tool()
+    assert tool.main(["--check"]) == 0
+    assert sorted(os.listdir(tool.DIRECTORY)) == sorted(tool.expected())
+    assert {"llama-3.2-3b.txt", "llama-3.1-8b.txt", "qwen3-8b.txt"} <= set(tool.expected())
+    assert "qwen3.5-9b.txt" not in tool.expected()  # a Gated DeltaNet hybrid
+    path = os.path.join(tool.DIRECTORY, "llama-3.2-3b.txt")
+    args = parse_megatron_lm_flags(path)
+    assert arch_from_megatron_lm_args(args, embedding_rows=128256) == LLAMA_32_3B
