@@ -8,7 +8,8 @@
 #       KD_NTASKS         SLURM_NTASKS (every rank of the job)
 #       KD_TASKS_PER_NODE KD_NTASKS / KD_NNODES (the scripts ask for an even spread)
 #       KD_MASTER_ADDR    the first node's address (its NodeAddr): the rendezvous host
-#       KD_MASTER_PORT    15000 + job id mod 15000 (below Linux's ephemeral range), unless set
+#       KD_MASTER_PORT    15000 + 8 x (job id mod 1875), unless set: the job owns the 8 ports from
+#                         it (below Linux's ephemeral range); a job's steps use KD_MASTER_PORT + k
 #       KD_LOG_DIR        where the JSON training log and per-step outputs go
 #       KD_TASK           the per-task launcher: srun "${KD_TASK[@]}" python -m megatron_kd ...
 #     and the helpers kd_read_args, kd_log and kd_run_step.
@@ -26,8 +27,9 @@
 #                        one thread per rank unless OMP_NUM_THREADS is set. For tests and trials.
 #   KD_PYTHON            the Python interpreter (default: python)
 #   KD_MASTER_PORT       a fixed rendezvous port instead of the one derived from the job id; set it
-#                        if a daemon on your nodes listens in 15000-30000 (disaggregated.sbatch
-#                        also uses the port after it, for the teacher step)
+#                        if a daemon on your nodes listens in 15000-30000 (the scripts also use
+#                        the 7 ports after it: disaggregated.sbatch's teacher step, the replicas
+#                        that teacher.sbatch puts on one node)
 #   KD_LOG_DIR           default: $SLURM_SUBMIT_DIR/logs/$SLURM_JOB_NAME-$SLURM_JOB_ID
 #   KD_NETWORK_ENV       a site file of network settings, sourced by every task (see below)
 
@@ -102,8 +104,9 @@ if [ -n "${KD_ENV_JOB_ID:-}" ] && [ "$KD_ENV_JOB_ID" != "$SLURM_JOB_ID" ]; then
 fi
 export KD_ENV_JOB_ID="$SLURM_JOB_ID"
 KD_MASTER_ADDR="${KD_MASTER_ADDR:-$(kd_node_addr "${KD_NODES[0]}")}"
-# Derived from the job id, so that two jobs sharing a node do not collide.
-KD_MASTER_PORT="${KD_MASTER_PORT:-$(( 15000 + SLURM_JOB_ID % 15000 ))}"
+# Derived from the job id, so that two jobs sharing a node do not collide: 8 ports a job.
+KD_PORTS_PER_JOB=8
+KD_MASTER_PORT="${KD_MASTER_PORT:-$(( 15000 + KD_PORTS_PER_JOB * (SLURM_JOB_ID % 1875) ))}"
 KD_WORLD_SIZE="$KD_NTASKS"
 KD_LOG_DIR="${KD_LOG_DIR:-${SLURM_SUBMIT_DIR:-$PWD}/logs/${SLURM_JOB_NAME:-job}-$SLURM_JOB_ID}"
 KD_PYTHON="${KD_PYTHON:-python}"

@@ -229,6 +229,12 @@ def stub_python(tmp_path_factory):
     return str(wrapper)
 
 
+def _job_port(job_id) -> int:
+    """kd_env.sh's rendezvous port of a job: 8 ports a job, from 15000 (written out here, not
+    read from the script)."""
+    return 15000 + 8 * (int(job_id) % 1875)
+
+
 def _views(path: Path) -> list[dict]:
     return json.loads(path.read_text())
 
@@ -243,7 +249,7 @@ def _check_worlds(log_dir: Path, *, students, teachers, job_id):
         assert len({v["SLURM_STEP_ID"] for v in views}) == 1
         assert {v["CUDA_VISIBLE_DEVICES"] for v in views} == {""}  # KD_USE_CPU=1
     assert student[0]["SLURM_STEP_ID"] != teacher[0]["SLURM_STEP_ID"]
-    port = 15000 + int(job_id) % 15000
+    port = _job_port(job_id)
     assert {v["MASTER_PORT"] for v in student} == {str(port)}
     assert {v["MASTER_PORT"] for v in teacher} == {str(port + 1)}
     endpoint = str(log_dir / "teacher-endpoint")
@@ -336,7 +342,7 @@ def test_colocated_job(slurm, teacher_ckpt, tmp_path):
     job_id = info["JobId"]
     line = _launch_line(text, job_id)
     # the rendezvous: the first node's address (NodeAddr), a port derived from the job id
-    assert "world 2" in line and f"127.0.0.1:{15000 + int(job_id) % 15000}" in line, line
+    assert "world 2" in line and f"127.0.0.1:{_job_port(job_id)}" in line, line
     _check_train_log(log_dir, info, text)
     # Each rank's output is labelled; rank 0 prints its progress and the summary.
     assert "0: [" in text and '0: {"iterations": 3' in text, text[-2000:]
@@ -371,8 +377,10 @@ def test_disaggregated_job_with_a_teacher_step(slurm, teacher_ckpt, tmp_path):
 
 
 def test_teacher_job_serves_a_separate_student_job(slurm, teacher_ckpt, tmp_path):
-    """Two jobs: `teacher.sbatch` registers at an endpoint, a student job reads it; the teacher
-    runs on after the student is done, until it is cancelled."""
+    """Two jobs: `teacher.sbatch` starts two one-rank replicas in its one allocation
+    (``KD_TEACHER_REPLICAS=2``, a step each), both register at an endpoint, a student job of two
+    data-parallel ranks reads it and each replica serves one of them; the teacher runs on after
+    the student is done, until it is cancelled."""
     endpoint = tmp_path / "endpoint"
     serve_dir = tmp_path / "serve"
     serve_dir.mkdir()
@@ -380,8 +388,18 @@ def test_teacher_job_serves_a_separate_student_job(slurm, teacher_ckpt, tmp_path
                             teacher=teacher_ckpt)
     teacher_job, teacher_logs, teacher_out = _submit_nowait(
         slurm, "teacher.sbatch", serve_dir, "--nodes=1", f"--nodelist={slurm.nodes[1]}",
-        "--ntasks-per-node=1", KD_ARGS_FILE=str(serve_args), KD_TEACHER_ENDPOINT=str(endpoint))
+        "--ntasks-per-node=2", KD_ARGS_FILE=str(serve_args), KD_TEACHER_ENDPOINT=str(endpoint),
+        KD_TEACHER_REPLICAS="2")
     try:
+        # both replicas registered before the student starts: it then spreads over both
+        deadline = time.monotonic() + JOB_TIMEOUT_S
+        while len(list(endpoint.glob("replica-*.json"))) < 2:
+            assert time.monotonic() < deadline, (slurm.show_job(teacher_job),
+                                                 teacher_out.read_text()
+                                                 if teacher_out.exists() else "")
+            assert slurm.show_job(teacher_job).get("JobState") in ("PENDING", "RUNNING"), \
+                teacher_out.read_text() if teacher_out.exists() else "(no output)"
+            time.sleep(0.5)
         student_dir = tmp_path / "student"
         student_dir.mkdir()
         args = _args_file(student_dir / "train.args", STUDENT_FLAGS, iters=TRAIN_ITERS,
@@ -395,9 +413,14 @@ def test_teacher_job_serves_a_separate_student_job(slurm, teacher_ckpt, tmp_path
     finally:
         slurm.run("scancel", teacher_job, check=False)
     info = slurm.wait(teacher_job, timeout_s=JOB_TIMEOUT_S)
-    served = [json.loads(line) for line in (teacher_logs / "teacher.jsonl").read_text()
-              .splitlines() if '"stats"' in line or '"stopped"' in line]
-    assert served and max(e["requests"] for e in served) >= TRAIN_ITERS * 2  # 2 DP ranks
+    requests = []
+    for i in range(2):
+        served = [json.loads(line) for line in (teacher_logs / f"teacher-{i}.jsonl").read_text()
+                  .splitlines() if '"stats"' in line or '"stopped"' in line]
+        requests.append(max((e["requests"] for e in served), default=0))
+    # least loaded first: each of the 2 DP ranks on its own replica, a request a step each
+    assert min(requests) >= TRAIN_ITERS, (requests, teacher_out.read_text()
+                                          if teacher_out.exists() else "")
 
 
 PREEMPT_ITERS = 400  # far more than run before the signal: the schedule is the same in every run
