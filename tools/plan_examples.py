@@ -32,9 +32,9 @@ from dataclasses import dataclass
 
 from megatron_kd.planner.cli import format_report, report_options, to_json
 from megatron_kd.planner.memory import GIB, total_bytes
+from megatron_kd.planner.options import plan_all
 from megatron_kd.planner.plan import Mode, ModePlan, PlanOptions, PlanResult
 from megatron_kd.planner.presets import MODEL_PRESETS, get_gpu, get_link
-from megatron_kd.planner.search import plan_all
 
 
 @dataclass(frozen=True)

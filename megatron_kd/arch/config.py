@@ -364,21 +364,27 @@ class GPTArchConfig:
                              + (f" x {vp_size} virtual stages" if vp_size else "")
                              + f" does not divide num_layers={self.num_layers}")
 
+    @property
+    def context_parallel_limit(self) -> str | None:
+        """Why this architecture cannot run with context parallelism, in one sentence (the
+        recurrence's rule, written once); None when it can."""
+        if not self.linear_attention_layers:
+            return None
+        return ("a Gated DeltaNet recurrence runs over the whole sequence and does not split "
+                "over context-parallel ranks (Megatron-Core's GatedDeltaNet has no context "
+                "parallelism: megatron-core 0.16.1 and 0.19.2 local layers)")
+
     def check_context_parallel(self, cp_size: int, *, role: str = "student",
                                colocated: bool = False, advice: str = "") -> None:
         """Raise ``ValueError`` when this architecture cannot run with ``cp_size``
-        context-parallel ranks: a Gated DeltaNet layer's recurrence runs over the whole
-        sequence (megatron-core 0.16.1's and 0.19.2's ``GatedDeltaNet`` has no context
-        parallelism). ``role``: whose architecture (``"student"``, ``"teacher"``);
-        ``colocated``: a teacher run with the student's context parallelism; ``advice``: what
-        the caller's command offers instead."""
-        if cp_size <= 1 or not self.linear_attention_layers:
+        context-parallel ranks (:attr:`context_parallel_limit`). ``role``: whose architecture
+        (``"student"``, ``"teacher"``); ``colocated``: a teacher run with the student's context
+        parallelism; ``advice``: what the caller's command offers instead."""
+        limit = self.context_parallel_limit
+        if cp_size <= 1 or limit is None:
             return
         whose = f"a colocated Gated DeltaNet {role}" if colocated else f"a Gated DeltaNet {role}"
-        why = ("it runs with the student's context parallelism, and its recurrence"
-               if colocated else "its recurrence")
+        why = "it runs with the student's context parallelism, and " if colocated else ""
         raise ValueError(f"--context-parallel-size {cp_size} with {whose} (layers "
-                         f"{self.linear_attention_layers}): {why} runs over the whole sequence "
-                         f"and does not split over context-parallel ranks (Megatron-Core's "
-                         f"GatedDeltaNet has no context parallelism: megatron-core 0.16.1 and "
-                         f"0.19.2 local layers)" + (f"; {advice}" if advice else ""))
+                         f"{self.linear_attention_layers}): {why}{limit}"
+                         + (f"; {advice}" if advice else ""))

@@ -50,6 +50,7 @@ from megatron_kd.arch.megatron_lm_args import (
     read_megatron_lm_flags,
 )
 from megatron_kd.flags import KDSharedFlags, default_of, flag_spec
+from megatron_kd.planner.launch import launch
 from megatron_kd.planner.memory import (
     CP_COMM_TYPES,
     GIB,
@@ -62,10 +63,9 @@ from megatron_kd.planner.memory import (
     total_bytes,
 )
 from megatron_kd.planner.models import PlannedModel
-from megatron_kd.planner.options import layout_options
+from megatron_kd.planner.options import layout_options, plan_all
 from megatron_kd.planner.plan import LayoutOption, Mode, ModePlan, PlanOptions, PlanResult
 from megatron_kd.planner.presets import GPU_PRESETS, LINK_PRESETS, get_gpu, get_link, load_model
-from megatron_kd.planner.search import plan_all
 
 #: The GPU and the link between nodes when none is given (the other defaults are
 #: :class:`PlanOptions`').
@@ -76,7 +76,7 @@ DEFAULT_LINK = "ib-400g"
 _AS_GIVEN = ("gpus_per_node", "nodes", "seq_length", "micro_batch_size", "global_batch_size",
              "cp_comm_type", "sequence_parallel", "use_distributed_optimizer", "window_size",
              "prefetch_depth", "topk", "cache_entry_bytes", "wire_dtype", "teacher_replicas", "mfu",
-             "teacher_mfu", "link_efficiency")
+             "teacher_mfu", "link_efficiency", "headroom")
 
 
 def _default(name: str):
@@ -144,7 +144,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sp.add_argument(
         "--no-sequence-parallel", dest="sequence_parallel", action="store_const", const=False
     )
-    g.add_argument("--use-distributed-optimizer", action="store_const", const=True)
+    do = g.add_mutually_exclusive_group()
+    do.add_argument("--use-distributed-optimizer", dest="use_distributed_optimizer",
+                    action="store_const", const=True,
+                    help="shard the optimizer state over data parallel (default: on where dp > 1)")
+    do.add_argument("--no-use-distributed-optimizer", dest="use_distributed_optimizer",
+                    action="store_const", const=False)
     g = parser.add_argument_group("teacher parallelism (N or 'search')")
     g.add_argument("--kd-teacher-tensor-model-parallel-size", dest="teacher_tp", type=_size)
     g.add_argument("--kd-teacher-pipeline-model-parallel-size", dest="teacher_pp", type=_size)
@@ -159,6 +164,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help=f"achieved / line rate (default {_default('link_efficiency'):g})")
     g.add_argument("--reserve-gib", type=float, help=f"per-GPU reserve: context, NCCL, "
                    f"fragmentation (default {_default('reserve_bytes') / GIB:g})")
+    g.add_argument("--headroom", type=float,
+                   help=f"fraction of each GPU's memory left free on top of the reserve "
+                   f"(default {_default('headroom'):g})")
     g = parser.add_argument_group("output")
     g.add_argument("--from-args", "--launch-args", dest="from_args",
                    help="a Megatron-LM launch's own arguments, quoted as one string")
@@ -319,8 +327,9 @@ def format_plan(plan: ModePlan, opts: PlanOptions) -> str:
         lines.append(f"   {term.label:<40}{value / GIB:>9.2f}")
     status = "fits" if plan.fits else "OOM"
     lines.append(
-        f"   {'total':<40}{plan.total_bytes / GIB:>9.2f}  of {plan.capacity_bytes / GIB:.1f} "
-        f"({opts.gpu.name}): {status}"
+        f"   {'total':<40}{plan.total_bytes / GIB:>9.2f}  of {plan.usable_bytes / GIB:.1f} "
+        f"({opts.gpu.name}'s {plan.capacity_bytes / GIB:.1f} less {opts.headroom:.0%} "
+        f"headroom): {status}"
     )
     phases = [phase for phase in PHASES if any(plan.terms.get(t) for t in phase)]
     if len(phases) > 1:
@@ -348,6 +357,11 @@ def format_plan(plan: ModePlan, opts: PlanOptions) -> str:
         )
     for note in plan.notes:
         lines.append(f"   note: {note}")
+    for lever in plan.levers:
+        lines.append(f"   why: {lever}")
+    start = launch(opts, plan)
+    if start is not None:
+        lines += [f"   {line}" for line in start.lines()]
     return "\n".join(lines)
 
 
@@ -435,17 +449,24 @@ def to_json(
             "teacher_mfu": opts.teacher_mfu,
             "link_efficiency": opts.link_efficiency,
             "reserve_bytes": opts.reserve_bytes,
+            "headroom": opts.headroom,
             "precision": asdict(opts.precision),
             "activation": asdict(opts.activation),
         },
         "ignored_launch_flags": ignored,
-        "plans": {m.value: p.to_dict() for m, p in result.plans.items()},
+        "plans": {m.value: {**p.to_dict(), "launch": _launch_dict(opts, p)}
+                  for m, p in result.plans.items()},
         "recommendation": result.recommendation,
         "options": None if options is None else {
             "mode": options[0].value,
             "rows": [row.to_dict() for row in options[1]],
         },
     }
+
+
+def _launch_dict(opts: PlanOptions, plan: ModePlan) -> dict | None:
+    start = launch(opts, plan)
+    return None if start is None else start.to_dict()
 
 
 def run(args: argparse.Namespace) -> int:

@@ -20,9 +20,9 @@ from dataclasses import replace
 
 from megatron_kd.planner import memory as mem
 from megatron_kd.planner import schedule
-from megatron_kd.planner.memory import ParallelLayout
-from megatron_kd.planner.plan import LayoutOption, Mode, ModePlan, PlanOptions
-from megatron_kd.planner.search import evaluate, search_teacher
+from megatron_kd.planner.memory import GIB, ParallelLayout
+from megatron_kd.planner.plan import LayoutOption, Mode, ModePlan, PlanOptions, PlanResult
+from megatron_kd.planner.search import evaluate, plan_mode, search_teacher
 from megatron_kd.planner.traffic import Traffic
 
 
@@ -38,10 +38,149 @@ def layout_label(layout: ParallelLayout) -> str:
     return f"{text} recompute={layout.recompute_label}"
 
 
+def plan_all(opts: PlanOptions, modes: tuple[Mode, ...] = tuple(Mode)) -> PlanResult:
+    """Every mode's plan (and so the recommendation): the search's layout, replaced by an
+    alternative of its options table that is better on both axes (less memory and a shorter
+    step) while one is, with the reason for every lever left as it is."""
+    return PlanResult(plans={m: choose(opts, plan_mode(opts, m)) for m in modes})
+
+
+def choose(opts: PlanOptions, plan: ModePlan) -> ModePlan:
+    """``plan``, or the alternative (one searched setting changed) that fits with less peak
+    memory *and* a shorter step, repeatedly (the fastest such first); then its
+    :attr:`~ModePlan.levers`. Settings the options give are never changed."""
+    if plan.fits:
+        for _ in range(_MAX_MOVES):
+            better = [(label, alt) for label, alt, changes in _evaluated(opts, plan)
+                      if alt.fits and not _given(opts, changes)
+                      and alt.total_bytes < plan.total_bytes
+                      and alt.step_time_s < plan.step_time_s]
+            if not better:
+                break
+            label, alt = min(better, key=lambda x: (x[1].step_time_s, x[1].total_bytes))
+            saved = (plan.total_bytes - alt.total_bytes) / GIB
+            note = (f"took {label!r} over the search's first choice "
+                    f"({layout_label(plan.layout)}): {saved:.1f} GiB less and "
+                    f"{1 - alt.step_time_s / plan.step_time_s:.1%} faster")
+            plan = replace(alt, notes=(*alt.notes, note))
+    return replace(plan, levers=tuple(levers(opts, plan, _evaluated(opts, plan))))
+
+
+#: Improvements taken in a row at most (each strictly better on both axes: it ends anyway).
+_MAX_MOVES = 4
+
+#: Which :class:`PlanOptions` field fixes each layout field an alternative changes.
+_GIVEN_BY = {"tp": "tp", "pp": "pp", "vp": "vp", "cp": "cp", "sequence_parallel":
+             "sequence_parallel", "recompute": "recompute", "recompute_method":
+             "recompute_method", "recompute_num_layers": "recompute_num_layers"}
+
+
+def _given(opts: PlanOptions, changes: dict) -> bool:
+    """Whether ``changes`` touches a setting the options give (not searched)."""
+    if "vp" in changes and opts.layers_per_virtual_stage is not None:
+        return True
+    return any(getattr(opts, _GIVEN_BY[key]) is not None for key in changes if key in _GIVEN_BY)
+
+
+#: The levers :func:`levers` explains, each with the layout fields its alternatives change.
+_LEVERS = (
+    ("tensor parallelism", ("tp",)),
+    ("pipeline stages", ("pp", "vp")),
+    ("context parallelism", ("cp",)),
+    ("recompute", ("recompute",)),
+)
+
+
+def levers(opts: PlanOptions, plan: ModePlan,
+           evaluated: list[tuple[str, ModePlan, dict]]) -> list[str]:
+    """One line per lever of the student layout saying why it is where it is: given by the
+    options, refused by the model, or what its best alternative (``evaluated``, from
+    :func:`_evaluated`) would cost."""
+    layout = plan.layout
+    lines = []
+    for name, fields in _LEVERS:
+        current = _lever_value(layout, name)
+        given = [f for f in fields if _given(opts, {f: None})]
+        if given:
+            lines.append(f"{name}: {current}, as given")
+            continue
+        if name == "context parallelism" and opts.student.arch.context_parallel_limit:
+            lines.append(f"{name}: cp=1, the student cannot split: "
+                         f"{opts.student.arch.context_parallel_limit}")
+            continue
+        alternatives = [(label, alt) for label, alt, changes in evaluated
+                        if any(f in changes for f in fields)]
+        if not alternatives:
+            lines.append(f"{name}: {current}; {_no_alternative(opts, layout, name)}")
+            continue
+        fitting = [x for x in alternatives if x[1].fits]
+        label, alt = (min(fitting, key=lambda x: x[1].step_time_s) if fitting
+                      else min(alternatives, key=lambda x: x[1].total_bytes))
+        lines.append(f"{name}: {current}; not {label} ({_why_not(plan, alt)})")
+    dp = layout.dp * layout.cp
+    if layout.use_distributed_optimizer:
+        lines.append(f"distributed optimizer: on (its fp32 state sharded over dp={layout.dp}, "
+                     f"the same bytes moved as the all-reduce it replaces)")
+    elif opts.use_distributed_optimizer is False:
+        lines.append("distributed optimizer: off, as given")
+    else:
+        lines.append(f"distributed optimizer: off (dp={dp}: nothing to shard)")
+    return lines
+
+
+def _lever_value(layout: ParallelLayout, name: str) -> str:
+    if name == "tensor parallelism":
+        return f"tp={layout.tp}" + (" +SP" if layout.sequence_parallel and layout.tp > 1 else "")
+    if name == "pipeline stages":
+        return f"pp={layout.pp}" + (f" vp={layout.vp}" if layout.pp > 1 else "")
+    if name == "context parallelism":
+        return f"cp={layout.cp}"
+    return f"recompute={layout.recompute_label}"
+
+
+def _no_alternative(opts: PlanOptions, layout: ParallelLayout, name: str) -> str:
+    """Why :func:`_alternatives` offered nothing (or nothing Megatron-Core would run)."""
+    if name == "tensor parallelism" and layout.tp * 2 > opts.gpus_per_node:
+        return f"tensor parallelism stays inside a node of {opts.gpus_per_node} GPUs"
+    if layout.dp % 2:
+        return f"no other split of dp={layout.dp} that Megatron-Core would run"
+    return "no other setting that Megatron-Core would run with this model and batch"
+
+
+def _why_not(plan: ModePlan, alt: ModePlan) -> str:
+    """Why ``alt`` is not the plan: its cost against the plan's, and the verdict."""
+    gib = round((alt.total_bytes - plan.total_bytes) / GIB, 1) + 0.0  # (no -0.0)
+    step = alt.step_time_s / plan.step_time_s - 1
+    cost = f"{gib:+.1f} GiB, {step:+.1%} step time"
+    comm = (_comm_s(alt) - _comm_s(plan))
+    if comm > 0.005 * plan.step_time_s:
+        cost += f", {comm:+.2f} s of collectives a step at link speed"
+    if not alt.fits:
+        return f"{cost}: does not fit"
+    if step >= 0 and gib >= 0:
+        return f"{cost}: no less memory, no faster"
+    if step >= 0:
+        return f"{cost}: no faster, and the chosen layout fits"
+    return f"{cost}: faster, but not on less memory"
+
+
+def _comm_s(plan: ModePlan) -> float:
+    """The collectives' seconds a step that the step time does not count."""
+    return sum(plan.wire.get(t, 0.0) for t in (Traffic.TP_COLLECTIVE_SECONDS,
+                                                Traffic.P2P_SECONDS, Traffic.CP_EXCHANGE_SECONDS))
+
+
 def layout_options(opts: PlanOptions, plan: ModePlan) -> list[LayoutOption]:
     """The chosen layout of ``plan`` first, then each alternative (see the module docstring)."""
-    teacher_search = search_teacher(opts) if plan.mode is Mode.DISAGGREGATED else None
     rows = [_option(f"chosen: {layout_label(plan.layout)}", plan)]
+    rows += [_option(label, alternative) for label, alternative, _ in _evaluated(opts, plan)]
+    return rows
+
+
+def _evaluated(opts: PlanOptions, plan: ModePlan) -> list[tuple[str, ModePlan, dict]]:
+    """``(label, plan, changes)`` of each alternative Megatron-Core would run."""
+    teacher_search = search_teacher(opts) if plan.mode is Mode.DISAGGREGATED else None
+    out = []
     seen = {plan.layout}
     for label, changes in _alternatives(opts, plan.layout):
         try:
@@ -55,8 +194,8 @@ def layout_options(opts: PlanOptions, plan: ModePlan) -> list[LayoutOption]:
             alternative = evaluate(opts, plan.mode, layout, teacher_search)
         except ValueError:
             continue  # Megatron-Core would refuse it: not an option
-        rows.append(_option(label, alternative))
-    return rows
+        out.append((label, alternative, changes))
+    return out
 
 
 def _option(label: str, plan: ModePlan) -> LayoutOption:

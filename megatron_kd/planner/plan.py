@@ -8,6 +8,9 @@ Assumptions stated here, used everywhere: the teacher's micro-batch equals the s
 parallelism stays inside a node; expert-tensor parallelism is 1 unless given; a fixed reserve
 (:attr:`PlanOptions.reserve_bytes`: CUDA context ~0.5-1 GiB, NCCL buffers ~1-2 GiB, allocator
 fragmentation) is part of every GPU's total.
+
+The module is one piece: the inputs, the answers and the recommendation are the planner's
+vocabulary, read together by every other module of it.
 """
 
 from __future__ import annotations
@@ -134,8 +137,10 @@ class PlanOptions:
     sequence_parallel: bool | None = None
     """None = on whenever ``tp > 1``."""
 
-    use_distributed_optimizer: bool = False
-    """Shard optimizer state over data parallel (Megatron ``--use-distributed-optimizer``)."""
+    use_distributed_optimizer: bool | None = None
+    """Shard optimizer state over data parallel (Megatron ``--use-distributed-optimizer``); None
+    = on wherever ``dp > 1``: the reduce-scatter and all-gather it runs move the bytes of the
+    all-reduce it replaces, and the fp32 state shrinks ``dp``-fold."""
 
     teacher_tp: int | None = None
     """Disaggregated teacher tensor-parallel size; None = search."""
@@ -202,6 +207,11 @@ class PlanOptions:
 
     reserve_bytes: int = 4 * GIB
     """Per-GPU reserve: CUDA context, NCCL buffers, allocator fragmentation."""
+
+    headroom: float = 0.05
+    """Fraction of each GPU's memory a plan leaves free on top of the reserve (the model's
+    estimates are not exact): a layout fits when its peak is at most ``(1 - headroom)`` of the
+    GPU's memory."""
 
     precision: Precision = field(default_factory=Precision)
     """Bytes per element of weights, gradients, optimizer state and activations."""
@@ -270,6 +280,8 @@ class PlanOptions:
                 )
         if self.reserve_bytes < 0:
             raise ValueError(f"reserve_bytes must be >= 0, got {self.reserve_bytes}")
+        if not 0 <= self.headroom < 1:
+            raise ValueError(f"PlanOptions.headroom must be in [0, 1), got {self.headroom}")
 
     def _check_recompute_and_vp(self) -> None:
         if self.recompute_method is not None and self.recompute_method not in RECOMPUTE_METHODS:
@@ -299,6 +311,11 @@ class PlanOptions:
     def world_size(self) -> int:
         return self.nodes * self.gpus_per_node
 
+    @property
+    def usable_bytes(self) -> float:
+        """What a GPU's peak may reach: its memory less :attr:`headroom`."""
+        return self.gpu.memory_bytes * (1 - self.headroom)
+
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -321,6 +338,8 @@ class ModePlan:
     """Memory of one disaggregated teacher GPU (its worst stage), bytes."""
     total_bytes: float = 0.0
     capacity_bytes: int = 0
+    usable_bytes: float = 0.0
+    """:attr:`capacity_bytes` less the headroom: what :attr:`fits` compares with."""
     step_time_s: float = 0.0
     bubble: float = 0.0
     """The student's pipeline bubble: idle time over ideal time, ``(p-1)/(v*m)``."""
@@ -334,12 +353,16 @@ class ModePlan:
     wire_ok: bool = True
     """Whether every link the mode uses keeps up."""
     notes: tuple[str, ...] = ()
+    levers: tuple[str, ...] = ()
+    """Why each lever of the student layout (tensor, pipeline and context parallelism,
+    recompute, the distributed optimizer) is where it is, a line each (:func:`.options.choose`)."""
 
     def __post_init__(self) -> None:
         # read-only views: the plan is a value
         for name in ("terms", "teacher_terms", "wire"):
             object.__setattr__(self, name, MappingProxyType(dict(getattr(self, name))))
         object.__setattr__(self, "notes", tuple(self.notes))
+        object.__setattr__(self, "levers", tuple(self.levers))
 
     @property
     def tokens_per_s_per_gpu(self) -> float:
@@ -351,9 +374,12 @@ class ModePlan:
         """The plan in one line."""
         gib = self.total_bytes / GIB
         cap = self.capacity_bytes / GIB
+        usable = self.usable_bytes / GIB
         if not self.fits:
-            return f"OOM: {gib:.1f} GiB > {cap:.1f} GiB per GPU"
-        text = f"fits: {gib:.1f} of {cap:.1f} GiB, {self.student_tokens_per_s:,.0f} tokens/s"
+            return (f"OOM: {gib:.1f} GiB > {usable:.1f} GiB per GPU ({cap:.1f} less the "
+                    f"headroom)")
+        text = (f"fits: {gib:.1f} of {usable:.1f} GiB ({cap:.1f} less the headroom), "
+                f"{self.student_tokens_per_s:,.0f} tokens/s")
         if self.mode is Mode.DISAGGREGATED:
             text += (
                 f", +{self.teacher_gpus} teacher GPU(s) on {self.teacher_nodes} node(s); "
@@ -375,6 +401,7 @@ class ModePlan:
             "teacher_terms": {t.label: v for t, v in self.teacher_terms.items()},
             "total_bytes": self.total_bytes,
             "capacity_bytes": self.capacity_bytes,
+            "usable_bytes": self.usable_bytes,
             "step_time_s": self.step_time_s,
             "bubble": self.bubble,
             "student_tokens_per_s": self.student_tokens_per_s,
@@ -386,6 +413,7 @@ class ModePlan:
             "wire": {f.label: v for f, v in self.wire.items()},
             "wire_ok": self.wire_ok,
             "notes": list(self.notes),
+            "levers": list(self.levers),
             "verdict": self.verdict,
         }
 

@@ -43,7 +43,7 @@ from megatron_kd.planner import memory as mem
 from megatron_kd.planner import schedule
 from megatron_kd.planner import traffic as tr
 from megatron_kd.planner.memory import GIB, RECOMPUTE_METHODS, ParallelLayout, Term
-from megatron_kd.planner.plan import Mode, ModePlan, PlanOptions, PlanResult
+from megatron_kd.planner.plan import Mode, ModePlan, PlanOptions
 from megatron_kd.planner.traffic import Traffic
 
 #: A disaggregated teacher replica found by :func:`search_teacher`: its layout, the terms of its
@@ -57,11 +57,6 @@ _CACHE_NOTE = (
 
 
 # --- the search ------------------------------------------------------------------------------
-
-
-def plan_all(opts: PlanOptions, modes: tuple[Mode, ...] = tuple(Mode)) -> PlanResult:
-    """Every mode's plan (and so the recommendation)."""
-    return PlanResult(plans={m: plan_mode(opts, m) for m in modes})
 
 
 def plan_mode(opts: PlanOptions, mode: Mode) -> ModePlan:
@@ -195,6 +190,9 @@ def _split_candidates(
     else:
         eps = [1]
     m = opts.global_batch_size // (opts.micro_batch_size * dp)
+    dist_opt = opts.use_distributed_optimizer
+    if dist_opt is None:
+        dist_opt = dp > 1
     out = []
     for v in _virtual_stages(opts, p, m, reasons):
         for e in eps:
@@ -210,7 +208,7 @@ def _split_candidates(
                         ep=e,
                         etp=opts.etp if model.is_moe else 1,
                         sequence_parallel=sp,
-                        use_distributed_optimizer=opts.use_distributed_optimizer,
+                        use_distributed_optimizer=dist_opt,
                         recompute=rc,
                         recompute_method=method,
                         recompute_num_layers=n,
@@ -540,7 +538,7 @@ def search_teacher(opts: PlanOptions) -> TeacherSearch:
             key=mem.total_bytes,
         )
         total = mem.total_bytes(worst)
-        scored.append((total <= opts.gpu.memory_bytes, tl, worst, total))
+        scored.append((total <= opts.usable_bytes, tl, worst, total))
     fitting = [x for x in scored if x[0]]
     if fitting:
         _, tl, worst, _ = min(fitting, key=lambda x: (x[1].world_size, x[1].pp, x[1].tp))
@@ -622,13 +620,14 @@ def _student_plan(
     tokens = opts.global_batch_size * opts.seq_length
     return ModePlan(
         mode=mode,
-        fits=total <= opts.gpu.memory_bytes,
+        fits=total <= opts.usable_bytes,
         layout=layout,
         teacher_layout=teacher_layout,
         worst_stage=stage,
         terms=terms,
         total_bytes=total,
         capacity_bytes=opts.gpu.memory_bytes,
+        usable_bytes=opts.usable_bytes,
         step_time_s=step,
         bubble=schedule.bubble_fraction(layout.pp, layout.vp, m),
         student_tokens_per_s=tokens / step,

@@ -67,13 +67,16 @@ def test_context_parallel_check():
     hybrid.check_context_parallel(1)
     tiny_arch().check_context_parallel(4)  # softmax attention splits over any cp
     with pytest.raises(ValueError, match=r"^--context-parallel-size 2 with a Gated DeltaNet "
-                                         r"student \(layers \[0\]\): its recurrence runs .*"
+                                         r"student \(layers \[0\]\): a Gated DeltaNet "
+                                         r"recurrence runs .*"
                                          r"no context parallelism.*; use cp 1$"):
         hybrid.check_context_parallel(2, advice="use cp 1")
     with pytest.raises(ValueError, match=r"^--context-parallel-size 4 with a colocated Gated "
                                          r"DeltaNet teacher \(layers \[0\]\): it runs with "
                                          r"the student's context parallelism"):
         hybrid.check_context_parallel(4, role="teacher", colocated=True)
+    assert tiny_arch().context_parallel_limit is None
+    assert "does not split over context-parallel ranks" in hybrid.context_parallel_limit
 
 
 @pytest.mark.parametrize("seq, tp, cp, sp, parts, message", [

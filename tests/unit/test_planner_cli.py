@@ -14,11 +14,11 @@ from megatron_kd.cli import main
 from megatron_kd.planner import memory as mem
 from megatron_kd.planner.cli import parse_launch_args, to_json
 from megatron_kd.planner.memory import LOSS_TERMS, Term
+from megatron_kd.planner.options import plan_all
 from megatron_kd.planner.plan import Mode, PlanOptions
 from megatron_kd.planner.presets import MODEL_PRESETS, get_gpu, get_link, load_model
 from megatron_kd.planner.search import (
     evaluate,
-    plan_all,
     plan_mode,
     student_candidates,
     student_stage_terms,
@@ -235,8 +235,9 @@ def test_search_prefers_no_recompute_and_reports_oom():
 def test_search_takes_the_least_recompute_that_fits():
     # the 9B student at 8K on H100s without model parallelism: no recompute needs 111 GiB; full
     # recompute of every layer fits (uniform x1) but the search takes the fewest layers block
-    # recompute needs (least compute): N fits, N - 1 does not
-    opts = _opts("qwen3.5-9b", "qwen3.5-35b-a3b", gpu="h100-80g", tp=1, pp=1)
+    # recompute needs (least compute): N fits, N - 1 does not (no headroom: with 5% only full
+    # recompute of every layer fits)
+    opts = _opts("qwen3.5-9b", "qwen3.5-35b-a3b", gpu="h100-80g", tp=1, pp=1, headroom=0.0)
     plan = plan_mode(opts, Mode.DISAGGREGATED)
     layout = plan.layout
     assert plan.fits and (layout.recompute, layout.recompute_method) == ("full", "block")
@@ -428,7 +429,8 @@ def test_cli_total_counts_the_larger_of_two_exclusive_phases(capsys):
                     "h100-80g", "--seq-length", "4096", "--micro-batch-size", "1",
                     "--global-batch-size", "8", "--tensor-model-parallel-size", "1",
                     "--pipeline-model-parallel-size", "1", "--context-parallel-size", "2",
-                    "--recompute-granularity", "none", "--modes", "colocated-fused")
+                    "--recompute-granularity", "none", "--modes", "colocated-fused",
+                    "--no-use-distributed-optimizer")
     plan = out["plans"]["colocated-fused"]
     assert (plan["layout"]["dp"], plan["layout"]["cp_comm_type"]) == (4, "p2p")
     # student parameters: 16 x (4,194,304 Q + 2,097,152 K V + 4,194,304 O + 50,331,648 SwiGLU

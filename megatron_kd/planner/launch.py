@@ -1,0 +1,272 @@
+"""A plan as launch lines (pure Python, no torch): the flags of the student's run, the teacher
+job's (a ``teacher serve`` replica, or the ``cache build`` of the offline cache) and the
+``sbatch`` lines of ``examples/slurm/`` that start them, for one mode's plan.
+
+The student's flags are the layout, batch, precision and ``--kd-*`` flags, in Megatron-LM's
+spelling: ``megatron-kd train`` and the patched ``pretrain_gpt.py`` both take them, beside the
+model's flags (``megatron_lm_flags.txt`` of an imported checkpoint, or ``--pretrained-checkpoint``
+for ``megatron-kd train``) and the data's. Paths the plan cannot know are shell variables the
+user sets: ``$TEACHER_CKPT`` (the teacher as ``megatron-kd import-hf`` wrote it; the planned
+teacher's path when it was given as a checkpoint directory), ``$STUDENT_CKPT``,
+``$KD_TEACHER_ENDPOINT`` and ``$KD_CACHE_DIR``.
+
+The colocated-dense mode is the incumbent dense loss, planned for comparison: megatron-kd runs
+the fused loss (colocated-fused), so that mode has no launch lines.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shlex
+from dataclasses import dataclass
+
+from megatron_kd.arch.megatron_lm_args import megatron_lm_flags
+from megatron_kd.planner.memory import ParallelLayout
+from megatron_kd.planner.plan import Mode, ModePlan, PlanOptions
+from megatron_kd.planner.search import search_teacher
+
+#: Replicas a node may hold in one ``teacher.sbatch`` job: a rendezvous port each of the job's
+#: eight (examples/slurm/kd_env.sh).
+REPLICAS_PER_NODE_MAX = 8
+
+#: The ``megatron_lm.sbatch`` driver script of each mode (examples/megatron_lm/).
+_MEGATRON_LM_SCRIPT = {
+    Mode.COLOCATED_FUSED: "train_kd_colocated.sh",
+    Mode.OFFLINE_CACHE: "train_kd_offline.sh",
+    Mode.DISAGGREGATED: "train_kd_disaggregated.sh",
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Launch:
+    """How to start one mode's plan."""
+
+    student_flags: tuple[str, ...]
+    """The student run's layout, batch, precision and ``--kd-*`` flags (Megatron-LM spelling)."""
+
+    teacher_command: tuple[str, ...] = ()
+    """``megatron-kd teacher serve ...`` (disaggregated) or ``megatron-kd cache build ...``
+    (offline), with its flags; empty when the teacher runs inside the student's job."""
+
+    sbatch: tuple[str, ...] = ()
+    """Shell lines, in order: the teacher job's (with its flags written to a file first), then
+    the student's with ``megatron-kd train``, then the same with ``pretrain_gpt.py``."""
+
+    def to_dict(self) -> dict:
+        return {
+            "student_flags": list(self.student_flags),
+            "student_flags_text": shell_join(self.student_flags),
+            "teacher_command": list(self.teacher_command),
+            "teacher_command_text": shell_join(self.teacher_command),
+            "sbatch": list(self.sbatch),
+        }
+
+    def lines(self) -> list[str]:
+        """The launch as the text report prints it."""
+        out = ["launch, the student's flags (with the model's and the data's):",
+               f"  {shell_join(self.student_flags)}"]
+        if self.teacher_command:
+            out += ["the teacher job:", f"  {shell_join(self.teacher_command)}"]
+        out.append("on Slurm (examples/slurm/):")
+        out += [f"  {line}" for line in self.sbatch]
+        return out
+
+
+def launch(opts: PlanOptions, plan: ModePlan) -> Launch | None:
+    """The launch lines of ``plan``; None for the colocated-dense comparison."""
+    if plan.mode is Mode.COLOCATED_DENSE:
+        return None
+    teacher = _teacher_path(opts)
+    student = student_flags(opts, plan, teacher)
+    teacher_command: tuple[str, ...] = ()
+    sbatch: list[str] = []
+    gpn = opts.gpus_per_node
+    shape = f"--nodes={opts.nodes} --ntasks-per-node={gpn} --gpus-per-node={gpn}"
+    if plan.mode is Mode.DISAGGREGATED and plan.teacher_layout is not None:
+        teacher_command = _serve_command(opts, plan.teacher_layout, teacher)
+        replicas, nodes, per_node = teacher_job_shape(
+            plan.teacher_replicas, _ranks(plan.teacher_layout), gpn)
+        sbatch += [
+            f"printf '%s\\n' {shell_join(teacher_command[3:])} > teacher.args",
+            f"KD_ARGS_FILE=$PWD/teacher.args KD_TEACHER_REPLICAS={replicas} "
+            f"KD_TEACHER_ENDPOINT=$KD_TEACHER_ENDPOINT sbatch --nodes={nodes} "
+            f"--ntasks-per-node={per_node} --gpus-per-node={per_node} "
+            f"examples/slurm/teacher.sbatch",
+        ]
+    elif plan.mode is Mode.OFFLINE_CACHE:
+        teacher_command = _cache_command(opts, teacher)
+        sbatch += [
+            f"printf '%s\\n' {shell_join(teacher_command[3:])} > cache.args  # + the run's "
+            f"data flags",
+            f"KD_ARGS_FILE=$PWD/cache.args KD_CACHE_DIR=$KD_CACHE_DIR sbatch {shape} "
+            f"examples/slurm/cache_build.sbatch",
+        ]
+    script = "disaggregated.sbatch" if plan.mode is Mode.DISAGGREGATED else "colocated.sbatch"
+    endpoint = ("KD_TEACHER_ENDPOINT=$KD_TEACHER_ENDPOINT "
+                if plan.mode is Mode.DISAGGREGATED else "")
+    sbatch += [
+        f"printf '%s\\n' {shell_join(student)} > student.args  # + the model's and data's flags",
+        f"KD_ARGS_FILE=$PWD/student.args {endpoint}sbatch {shape} examples/slurm/{script}",
+        _megatron_lm_line(opts, plan, endpoint),
+    ]
+    return Launch(student_flags=student, teacher_command=teacher_command, sbatch=tuple(sbatch))
+
+
+def student_flags(opts: PlanOptions, plan: ModePlan, teacher: str = "$TEACHER_CKPT"
+                  ) -> tuple[str, ...]:
+    """The student run's flags of ``plan`` (see the module docstring)."""
+    layout = plan.layout
+    flags = [*_layout_flags(opts, layout, _expert_parallel(opts, plan)),
+             "--micro-batch-size", str(opts.micro_batch_size),
+             "--global-batch-size", str(opts.global_batch_size),
+             "--seq-length", str(opts.seq_length), "--bf16"]
+    if plan.mode is Mode.OFFLINE_CACHE:
+        flags += ["--kd-mode", "offline", "--kd-topk-cache", "$KD_CACHE_DIR"]
+    else:
+        flags += ["--kd-mode", "colocated" if plan.mode.colocated else "disaggregated",
+                  "--kd-teacher-load", teacher, "--kd-teacher-dtype", "bf16"]
+    if plan.mode is Mode.DISAGGREGATED:
+        flags += ["--kd-teacher-endpoint", "$KD_TEACHER_ENDPOINT",
+                  "--kd-wire-dtype", opts.wire_dtype,
+                  "--kd-prefetch-depth", str(opts.prefetch_depth)]
+    if opts.window_size is not None:
+        flags += ["--kd-window-size", str(opts.window_size)]
+    return tuple(flags)
+
+
+def _layout_flags(opts: PlanOptions, layout: ParallelLayout, experts: tuple[int, int]
+                  ) -> list[str]:
+    flags = ["--tensor-model-parallel-size", str(layout.tp),
+             "--pipeline-model-parallel-size", str(layout.pp)]
+    if layout.vp > 1:
+        per_stage = opts.student.num_layers // (layout.pp * layout.vp)
+        flags += ["--num-layers-per-virtual-pipeline-stage", str(per_stage)]
+    if layout.sequence_parallel and layout.tp > 1:
+        flags.append("--sequence-parallel")
+    if layout.cp > 1:
+        flags += ["--context-parallel-size", str(layout.cp)]
+    ep, etp = experts
+    if ep > 1:
+        # always with its expert-tensor size: Megatron's default is the TP size, the plan's 1
+        flags += ["--expert-model-parallel-size", str(ep), "--expert-tensor-parallel-size",
+                  str(etp)]
+    if layout.recompute == "selective":
+        flags += ["--recompute-granularity", "selective"]
+    elif layout.recompute == "full":
+        flags += ["--recompute-granularity", "full", "--recompute-method",
+                  layout.recompute_method, "--recompute-num-layers",
+                  str(layout.recompute_num_layers)]
+    if layout.use_distributed_optimizer:
+        flags.append("--use-distributed-optimizer")
+    return flags
+
+
+def _expert_parallel(opts: PlanOptions, plan: ModePlan) -> tuple[int, int]:
+    """``(--expert-model-parallel-size, --expert-tensor-parallel-size)``: the student's; for a
+    dense student beside a colocated mixture-of-experts teacher, the teacher's (it runs in the
+    student's expert groups)."""
+    if opts.student.is_moe or not plan.mode.colocated or plan.teacher_layout is None:
+        return plan.layout.ep, plan.layout.etp
+    return plan.teacher_layout.ep, plan.teacher_layout.etp
+
+
+def _ranks(layout: ParallelLayout) -> int:
+    return layout.tp * layout.pp * layout.dp
+
+
+def teacher_job_shape(replicas: int, ranks: int, gpus_per_node: int) -> tuple[int, int, int]:
+    """``(replicas, nodes, tasks per node)`` of one ``teacher.sbatch`` job holding at least
+    ``replicas`` replicas of ``ranks`` ranks each: replicas packed into nodes when one fits a
+    node (whole nodes: the count rounds up to fill them), else each over whole nodes."""
+    if ranks <= gpus_per_node:
+        per_node = min(gpus_per_node // ranks, REPLICAS_PER_NODE_MAX)
+        if replicas <= per_node:
+            return replicas, 1, replicas * ranks
+        nodes = math.ceil(replicas / per_node)
+        return nodes * per_node, nodes, per_node * ranks
+    if ranks % gpus_per_node:
+        raise ValueError(f"a teacher replica of {ranks} ranks is not whole nodes of "
+                         f"{gpus_per_node} GPUs")
+    return replicas, replicas * ranks // gpus_per_node, gpus_per_node
+
+
+def _serve_command(opts: PlanOptions, layout: ParallelLayout, teacher: str) -> tuple[str, ...]:
+    flags = ["megatron-kd", "teacher", "serve", "--kd-teacher-load", teacher,
+             "--tensor-model-parallel-size", str(layout.tp),
+             "--pipeline-model-parallel-size", str(layout.pp)]
+    if layout.ep > 1:
+        flags += ["--expert-model-parallel-size", str(layout.ep),
+                  "--expert-tensor-parallel-size", str(layout.etp)]
+    flags += ["--max-seq-length", str(opts.seq_length), "--kd-teacher-dtype", "bf16"]
+    return tuple(flags)
+
+
+def _cache_command(opts: PlanOptions, teacher: str) -> tuple[str, ...]:
+    """``cache build`` on replicas of the layout a served replica would have (the build runs
+    no pipeline: a replica needing one is spread over a node's tensor-parallel ranks)."""
+    layout, _, _ = search_teacher(opts)
+    tp = layout.tp if layout.pp == 1 else opts.gpus_per_node
+    flags = ["megatron-kd", "cache", "build", "--kd-teacher-load", teacher,
+             "--tensor-model-parallel-size", str(tp)]
+    if layout.ep > 1 and layout.pp == 1:
+        flags += ["--expert-model-parallel-size", str(layout.ep),
+                  "--expert-tensor-parallel-size", str(layout.etp)]
+    flags += ["--kd-topk", str(opts.topk), "--seq-length", str(opts.seq_length),
+              "--micro-batch-size", str(opts.micro_batch_size),
+              "--global-batch-size", str(opts.global_batch_size),
+              "--kd-teacher-dtype", "bf16", "--out", "$KD_CACHE_DIR"]
+    return tuple(flags)
+
+
+def _megatron_lm_line(opts: PlanOptions, plan: ModePlan, endpoint: str) -> str:
+    """The student with the patched ``pretrain_gpt.py``: the driver script's own variables for
+    the layout and batch (it derives the vocabulary padding from ``TP``), the rest appended; a
+    comment saying why where Megatron-LM's GPT flags cannot build the student."""
+    try:
+        megatron_lm_flags(opts.student.arch)
+    except ValueError as exc:
+        return f"# pretrain_gpt.py: not for {opts.student.name}: {exc}"
+    layout = plan.layout
+    env = [f"TP={layout.tp}", f"PP={layout.pp}", f"CP={layout.cp}"]
+    if layout.vp > 1:
+        env.append(f"VP_LAYERS={opts.student.num_layers // (layout.pp * layout.vp)}")
+    env += [f"SEQ_LENGTH={opts.seq_length}", f"MICRO_BATCH={opts.micro_batch_size}",
+            f"GLOBAL_BATCH={opts.global_batch_size}"]
+    extra = _without(_layout_flags(opts, layout, _expert_parallel(opts, plan)),
+                     {"--tensor-model-parallel-size", "--pipeline-model-parallel-size",
+                      "--context-parallel-size", "--num-layers-per-virtual-pipeline-stage",
+                      "--sequence-parallel"})
+    script = _MEGATRON_LM_SCRIPT[plan.mode]
+    source = "$KD_CACHE_DIR" if plan.mode is Mode.OFFLINE_CACHE else "$TEACHER_CKPT"
+    return (f"MEGATRON_LM_DIR=$MEGATRON_LM_DIR STUDENT=$STUDENT_CKPT {' '.join(env)} "
+            f"{endpoint}KD_MEGATRON_LM_SCRIPT={script} "
+            f"KD_EXTRA_ARGS={shlex.quote(' '.join(extra))} "
+            f"KD_MEGATRON_LM_ARGS=\"$RUN_DIR $TB_DIR {source} $DATA_PREFIX $HF_TOKENIZER\" "
+            f"sbatch --nodes={opts.nodes} --gpus-per-node={opts.gpus_per_node} "
+            f"examples/slurm/megatron_lm.sbatch")
+
+
+def _without(flags: list[str], names: set[str]) -> list[str]:
+    """``flags`` less the flags ``names`` and their values."""
+    out: list[str] = []
+    skipping = False
+    for token in flags:
+        if token.startswith("--"):
+            skipping = token in names
+        if not skipping:
+            out.append(token)
+    return out
+
+
+def shell_join(tokens) -> str:
+    """``tokens`` as one shell line: ``$NAME`` tokens double-quoted (the shell expands them),
+    the rest quoted as needed."""
+    return " ".join(f'"{t}"' if t.startswith("$") and t[1:].isidentifier() else shlex.quote(t)
+                    for t in tokens)
+
+
+def _teacher_path(opts: PlanOptions) -> str:
+    """The teacher's checkpoint: the planned path when it is a directory, else a variable."""
+    name = opts.teacher.name
+    return name if os.path.isdir(name) else "$TEACHER_CKPT"
