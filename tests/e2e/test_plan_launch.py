@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 import pickle
+from pathlib import Path
 
 import pytest
 import torch
@@ -198,3 +199,65 @@ def test_the_megatron_lm_checks_accept_the_planned_student_flags(plans, checkpoi
     assert kd.teacher_load == checkpoints[teacher] and arch.num_layers == \
         MODEL_PRESETS[teacher].arch.num_layers
     assert args.tensor_model_parallel_size == plan["layout"]["tp"]
+
+
+_REAL_CHECK = """
+import json, os, sys
+sys.path.insert(0, os.environ["KD_MEGATRON_LM_ROOT"])
+from megatron.training.arguments import parse_args, validate_args
+from megatron_kd.megatron_lm.hooks import extra_args_provider
+from megatron_kd.megatron_lm.checks import check_megatron_args
+sys.argv = ["pretrain_gpt.py", *json.loads(sys.argv[1])]
+args = parse_args(extra_args_provider)
+validate_args(args, {})
+kd, _ = check_megatron_args(args)
+print("CHECKED", json.dumps({"tp": args.tensor_model_parallel_size,
+                             "pp": args.pipeline_model_parallel_size,
+                             "dp": args.data_parallel_size,
+                             "dist_opt": args.use_distributed_optimizer, "mode": kd.mode}))
+"""
+
+
+def _megatron_lm_checkouts():
+    return [d for d in os.environ.get("MEGATRON_LM_DIR", "").split(os.pathsep) if d]
+
+
+@pytest.mark.parametrize("mode", ONLINE)
+def test_real_megatron_lm_accepts_the_planned_flags(plans, checkpoints, tmp_path, mode):
+    """The dense pair's printed student flags, with the imported student's Megatron-LM model
+    flags and ``--pretrained-checkpoint``, through Megatron-LM's own ``parse_args`` and
+    ``validate_args`` at the planned world size, then the integration's checks (the real
+    tier: ``MEGATRON_LM_DIR``, ``MEGATRON_LM_PYTHON`` >= 3.12)."""
+    import subprocess
+    import sys
+
+    from megatron_kd.arch.megatron_lm_args import megatron_lm_flags
+
+    roots = _megatron_lm_checkouts()
+    if not roots:
+        pytest.skip("MEGATRON_LM_DIR is not set (the real Megatron-LM tier)")
+    python = os.environ.get("MEGATRON_LM_PYTHON", sys.executable)
+    teacher, student, _ = PLANS["llama-8k"]
+    plan = plans["llama-8k"]["plans"][mode]
+    arch = MODEL_PRESETS[student].arch
+    flags = [*map(str, megatron_lm_flags(arch)),
+             *_expand(plan["launch"]["student_flags"], checkpoints[teacher]),
+             "--pretrained-checkpoint", checkpoints[student], "--tokenizer-type",
+             "NullTokenizer", "--vocab-size", str(arch.vocab_size), "--train-iters", "10",
+             "--lr", "1e-4", "--mock-data"]
+    if mode == "disaggregated":
+        flags = [f.replace("/shared/endpoint", str(tmp_path / "endpoint")) for f in flags]
+    layout = plan["layout"]
+    for root in roots:
+        env = {**os.environ, "KD_MEGATRON_LM_ROOT": root, "WORLD_SIZE": str(plan["student_gpus"]),
+               "RANK": "0", "LOCAL_RANK": "0",
+               "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[2]),
+                                              os.environ.get("PYTHONPATH", "")])}
+        done = subprocess.run([python, "-c", _REAL_CHECK, json.dumps(flags)], env=env,
+                              capture_output=True, text=True, timeout=300, check=False)
+        line = [x for x in done.stdout.splitlines() if x.startswith("CHECKED ")]
+        assert done.returncode == 0 and line, (root, done.stdout[-2000:], done.stderr[-4000:])
+        got = json.loads(line[0][len("CHECKED "):])
+        assert got == {"tp": layout["tp"], "pp": layout["pp"], "dp": layout["dp"],
+                       "dist_opt": layout["use_distributed_optimizer"],
+                       "mode": "colocated" if mode == "colocated-fused" else "disaggregated"}
