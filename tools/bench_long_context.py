@@ -141,8 +141,8 @@ def run_one(a, workdir: str, teacher: str, mode: str, seq: int, cp: int) -> dict
             raise RuntimeError(f"{log}: kd_wire_bytes differs between steps: {sorted(counted)}")
         point["wire_bytes_per_step"] = counted.pop()
         point["wire_bytes_per_student_rank"] = point["wire_bytes_per_step"] / cp
-        args, run = resolve_run(" ".join(flags), cp)
-        point["planner_wire_bytes_per_student_rank"] = predict(args, run, True).wire["tp-rank"]
+        config, run = resolve_run(" ".join(flags), cp)
+        point["planner_wire_bytes_per_student_rank"] = predict(config, run, True).wire["tp-rank"]
     return point
 
 

@@ -508,14 +508,14 @@ def compare(case: Case, baseline: int | None, wire_key: str, wire_scope: str) ->
     replica's serve flags and peaks, the replica's rank 0."""
     if case.log_json is None:
         raise ValueError(f"case {case.name!r}: no log (pass --log-json, or --run)")
-    args, plan = resolve_run(case.train_args, case.nproc)
+    config, run = resolve_run(case.train_args, case.nproc)
     steps = read_log(case.log_json)
     kinds = {r.get("peak_mem_kind") for r in steps}
     if len(kinds) != 1:
         raise ValueError(f"{case.log_json}: mixed peak_mem_kind {kinds}")
     kind = kinds.pop()
     on_cpu = kind == "cpu_max_rss"
-    pred = predict(args, plan, on_cpu)
+    pred = predict(config, run, on_cpu)
     measured = max(r["peak_mem_bytes"] for r in steps)
     row = _memory_row(case.name, pred.mode, kind, pred.terms, measured, baseline, on_cpu)
     rows = [row]
@@ -545,7 +545,7 @@ def compare(case: Case, baseline: int | None, wire_key: str, wire_scope: str) ->
         if on_cpu and peak is not None:
             serve = teacher_serve_args(case)
             tp, pp = serve.tensor_model_parallel_size, serve.pipeline_model_parallel_size
-            terms = predict_teacher(args, plan, on_cpu, tp, pp)
+            terms = predict_teacher(config, run, on_cpu, tp, pp)
             rows.append(
                 _memory_row(
                     f"{case.name} (teacher)",

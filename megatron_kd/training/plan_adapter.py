@@ -57,11 +57,12 @@ def parse_train_args(train_args: str) -> argparse.Namespace:
     return parser.parse_args(shlex.split(train_args))
 
 
-def resolve_run(train_args: str, world_size: int) -> tuple[argparse.Namespace, CheckedRun]:
-    """``(args, run)``: the parsed flags and the run exactly as ``megatron-kd train`` checks
-    them (no model is built; an offline run's cache is opened and checked against the run)."""
-    args = parse_train_args(train_args)
-    return args, check_run(RunConfig.from_args(args), world_size)
+def resolve_run(train_args: str, world_size: int) -> tuple[RunConfig, CheckedRun]:
+    """``(config, run)``: the run configuration of the flags and the run exactly as
+    ``megatron-kd train`` checks them (no model is built; an offline run's cache is opened and
+    checked against the run)."""
+    config = RunConfig.from_args(parse_train_args(train_args))
+    return config, check_run(config, world_size)
 
 
 def arch_to_model(arch: GPTArchConfig, name: str) -> PlannedModel:
@@ -118,34 +119,33 @@ class RunShape:
         return _ONLINE_MODES[self.kd_mode]
 
 
-def run_shape(args: argparse.Namespace, plan: CheckedRun) -> RunShape:
-    """The one place that reads the trainer's resolved run: ``args`` and ``plan`` of
+def run_shape(config: RunConfig, run: CheckedRun) -> RunShape:
+    """The one place that reads the trainer's resolved run: ``config`` and ``run`` of
     :func:`resolve_run`."""
-    config = RunConfig.from_args(args)
     return RunShape(
-        kd_mode=plan.kd.mode,
-        student=arch_to_model(plan.student_arch, "student"),
-        teacher=arch_to_model(plan.teacher_arch, "teacher") if plan.teacher_arch else None,
-        fp32=plan.params_dtype == torch.float32,
-        teacher_dtype=plan.kd.teacher_dtype,
-        tp=plan.tp,
-        pp=plan.pp,
-        dp=plan.dp,
+        kd_mode=run.kd.mode,
+        student=arch_to_model(run.student_arch, "student"),
+        teacher=arch_to_model(run.teacher_arch, "teacher") if run.teacher_arch else None,
+        fp32=run.params_dtype == torch.float32,
+        teacher_dtype=run.kd.teacher_dtype,
+        tp=run.tp,
+        pp=run.pp,
+        dp=run.dp,
         seq_length=config.data.seq_length,
         micro_batch_size=config.optimizer.micro_batch_size,
-        global_batch_size=plan.global_batch_size,
+        global_batch_size=run.global_batch_size,
         hidden_dropout=config.arch.hidden_dropout > 0,
         attention_dropout=config.arch.attention_dropout > 0,
-        topk=plan.topk_cache.spec.topk if plan.topk_cache is not None else None,
-        prefetch_depth=plan.kd.prefetch_depth,
-        wire_dtype=plan.kd.wire,
-        window_size=plan.kd.loss.window_size,
-        sequence_parallel=plan.sequence_parallel,
-        cp=plan.cp,
-        vp=plan.vp or 1,
-        recompute=plan.model_overrides.get("recompute_granularity") or "none",
-        recompute_method=plan.model_overrides.get("recompute_method") or "uniform",
-        recompute_num_layers=plan.model_overrides.get("recompute_num_layers") or 1,
+        topk=run.topk_cache.spec.topk if run.topk_cache is not None else None,
+        prefetch_depth=run.kd.prefetch_depth,
+        wire_dtype=run.kd.wire,
+        window_size=run.kd.loss.window_size,
+        sequence_parallel=run.sequence_parallel,
+        cp=run.cp,
+        vp=run.vp or 1,
+        recompute=run.model_overrides.get("recompute_granularity") or "none",
+        recompute_method=run.model_overrides.get("recompute_method") or "uniform",
+        recompute_num_layers=run.model_overrides.get("recompute_num_layers") or 1,
     )
 
 
@@ -166,11 +166,11 @@ class Prediction:
     ``all-ranks``: what ``kd_wire_bytes_to_teacher`` counts)."""
 
 
-def plan_options(args, plan, on_cpu: bool, teacher_tp: int | None = None,
-                 teacher_pp: int | None = None) -> PlanOptions:
+def plan_options(config: RunConfig, run: CheckedRun, on_cpu: bool,
+                 teacher_tp: int | None = None, teacher_pp: int | None = None) -> PlanOptions:
     """The planner's options for the run (see the module docstring); ``teacher_tp`` /
     ``teacher_pp``: a disaggregated run's replica layout (None: not known)."""
-    return _options(run_shape(args, plan), on_cpu, teacher_tp, teacher_pp)
+    return _options(run_shape(config, run), on_cpu, teacher_tp, teacher_pp)
 
 
 def _options(run: RunShape, on_cpu: bool, teacher_tp: int | None,
@@ -237,20 +237,20 @@ def _options(run: RunShape, on_cpu: bool, teacher_tp: int | None,
     )
 
 
-def predict(args, plan, on_cpu: bool) -> Prediction:
+def predict(config: RunConfig, run: CheckedRun, on_cpu: bool) -> Prediction:
     """The planner's terms for the logging rank (student rank 0: stage 0, TP rank 0), and for a
     disaggregated run its wire bytes both ways."""
-    run = run_shape(args, plan)
-    opts = _options(run, on_cpu, None, None)
-    mode = run.mode
-    layout = ParallelLayout(tp=run.tp, pp=run.pp, vp=run.vp, dp=run.dp, cp=run.cp,
-                            sequence_parallel=run.sequence_parallel, recompute=run.recompute,
-                            recompute_method=run.recompute_method,
-                            recompute_num_layers=run.recompute_num_layers,
+    shape = run_shape(config, run)
+    opts = _options(shape, on_cpu, None, None)
+    mode = shape.mode
+    layout = ParallelLayout(tp=shape.tp, pp=shape.pp, vp=shape.vp, dp=shape.dp, cp=shape.cp,
+                            sequence_parallel=shape.sequence_parallel, recompute=shape.recompute,
+                            recompute_method=shape.recompute_method,
+                            recompute_num_layers=shape.recompute_num_layers,
                             make_vocab_size_divisible_by=1)
     # a colocated teacher runs in the student's groups, context parallelism included
-    teacher_layout = ParallelLayout(tp=run.tp, pp=1, dp=run.dp, cp=run.cp,
-                                    sequence_parallel=run.sequence_parallel,
+    teacher_layout = ParallelLayout(tp=shape.tp, pp=1, dp=shape.dp, cp=shape.cp,
+                                    sequence_parallel=shape.sequence_parallel,
                                     make_vocab_size_divisible_by=1)
     colocated = mode is not None and mode.colocated
     # no teacher: the offline mode's terms, less its cache reader
@@ -261,21 +261,22 @@ def predict(args, plan, on_cpu: bool) -> Prediction:
         terms.pop(Term.CACHE_READER, None)
     wire = to_teacher = None
     if mode is Mode.DISAGGREGATED:
-        gbs, dp, s = run.global_batch_size, run.dp, run.seq_length
+        gbs, dp, s = shape.global_batch_size, shape.dp, shape.seq_length
         per_dp = traffic.hidden_bytes_per_step_per_dp_rank(opts.teacher, gbs, dp, s,
                                                           opts.wire_dtype)
         # a student rank receives 1/tp of its context-parallel rank's positions
-        wire = {"tp-rank": per_dp / (run.tp * run.cp), "dp-rank": per_dp,
+        wire = {"tp-rank": per_dp / (shape.tp * shape.cp), "dp-rank": per_dp,
                 "all-ranks": per_dp * dp}
         ids = traffic.token_bytes_per_step_per_dp_rank(gbs, dp, s)
         to_teacher = {"dp-rank": ids, "all-ranks": ids * dp}
     return Prediction(mode=mode, terms=terms, wire=wire, wire_to_teacher=to_teacher)
 
 
-def predict_teacher(args, plan, on_cpu: bool, tp: int, pp: int) -> dict[Term, float]:
+def predict_teacher(config: RunConfig, run: CheckedRun, on_cpu: bool, tp: int,
+                    pp: int) -> dict[Term, float]:
     """The planner's terms for rank 0 of a disaggregated run's teacher replica (its stage 0,
     TP rank 0) with the replica's layout ``tp`` x ``pp`` (a replica has no data parallelism)."""
-    opts = plan_options(args, plan, on_cpu, teacher_tp=tp, teacher_pp=pp)
+    opts = plan_options(config, run, on_cpu, teacher_tp=tp, teacher_pp=pp)
     layout = ParallelLayout(tp=tp, pp=pp, dp=1, make_vocab_size_divisible_by=1)
     terms = teacher_inference_terms(opts, layout, 0)
     terms.pop(Term.RESERVE, None)

@@ -49,8 +49,8 @@ def vp():
 @pytest.fixture
 def cases(vp, tmp_path, monkeypatch):
     # where the run's checks read the teacher's tensors
-    from megatron_kd.integration import teacher as models
     from megatron_kd.arch import GPTArchConfig
+    from megatron_kd.integration import teacher as models
 
     teacher = tmp_path / "teacher"
     teacher.mkdir()
@@ -161,35 +161,35 @@ def test_builtin_cases_resolve_and_predict(vp, cases, tmp_path):
 
     gib = 1 << 30
     for case in cases:
-        args, plan = resolve_run(case.train_args, case.nproc)
+        config, run = resolve_run(case.train_args, case.nproc)
         # the teacher: h_t=768, V=32000, fp32; G sequences of s tokens, dp = 1 in every case
-        gbs, seq = args.global_batch_size, args.seq_length
+        gbs, seq = config.data.global_batch_size, config.data.seq_length
         wire_per_dp_rank = gbs * seq * 768 * 4  # G/dp * s * h_t * 4 bytes
         ids_per_dp_rank = gbs * seq * 4  # G/dp * s token ids of 4 bytes
-        pred = predict(args, plan, on_cpu=True)
+        pred = predict(config, run, on_cpu=True)
         total = total_bytes(pred.terms)
         # well above the ~0.35 GiB framework baseline, as the tool's docstring asks
         assert total > 0.5 * gib, (case.name, total)
         assert Term.RESERVE not in pred.terms
-        if plan.kd.mode != "disaggregated":
+        if run.kd.mode != "disaggregated":
             assert case.teacher_args is None and pred.wire is None
             assert pred.wire_to_teacher is None
-        if plan.kd.mode == "colocated":
+        if run.kd.mode == "colocated":
             assert pred.mode is Mode.COLOCATED_FUSED and Term.TEACHER_WEIGHTS in pred.terms
-        elif plan.kd.mode == "offline":
-            assert pred.mode is Mode.OFFLINE_CACHE and plan.topk_cache.spec.topk == TOPK
+        elif run.kd.mode == "offline":
+            assert pred.mode is Mode.OFFLINE_CACHE and run.topk_cache.spec.topk == TOPK
             # CPU: D=2 queued + 1 decoding + 1 in use, b*s tokens, K entries of 12 bytes
-            b = args.micro_batch_size
+            b = config.optimizer.micro_batch_size
             assert pred.terms[Term.CACHE_READER] == 4 * b * 512 * TOPK * 12
             assert Term.TEACHER_WEIGHTS not in pred.terms
         else:
             assert pred.mode is Mode.DISAGGREGATED
             # the wire is the teacher's dtype (fp32: no --kd-wire-dtype)
-            assert plan.kd.wire == "fp32"
+            assert run.kd.wire == "fp32"
             # a student rank receives 1/tp of its context-parallel rank's s/cp positions
             assert pred.wire == {
                 "dp-rank": wire_per_dp_rank,
-                "tp-rank": wire_per_dp_rank / (plan.tp * plan.cp),
+                "tp-rank": wire_per_dp_rank / (run.tp * run.cp),
                 "all-ranks": wire_per_dp_rank,
             }
             # kd_wire_bytes_to_teacher sums the student's ranks: dp x (G/dp * s * 4), dp = 1
@@ -198,28 +198,28 @@ def test_builtin_cases_resolve_and_predict(vp, cases, tmp_path):
                 "all-ranks": ids_per_dp_rank,
             }
             # the student's copy of the teacher output-layer shard: V/t * h_t * 4 bytes
-            assert pred.terms[Term.TEACHER_OUTPUT_SHARD] == 32000 // plan.tp * 768 * 4
+            assert pred.terms[Term.TEACHER_OUTPUT_SHARD] == 32000 // run.tp * 768 * 4
             # one replica of one rank, outside the student's world, at the student's endpoint
-            assert args.kd_teacher_endpoint == str(tmp_endpoint(case))
+            assert config.kd.teacher_endpoint == str(tmp_endpoint(case))
             assert case.teacher_nproc == 1
             serve = vp.teacher_serve_args(case)
             assert (serve.tensor_model_parallel_size, serve.pipeline_model_parallel_size) == (1, 1)
-            assert serve.kd_teacher_load == args.kd_teacher_load
-            assert serve.kd_teacher_endpoint == args.kd_teacher_endpoint
+            assert serve.kd_teacher_load == config.kd.teacher_load
+            assert serve.kd_teacher_endpoint == config.kd.teacher_endpoint
             assert serve.host == "127.0.0.1"
-            teacher = predict_teacher(args, plan, True, 1, 1)
+            teacher = predict_teacher(config, run, True, 1, 1)
             # the replica loads its (untied) output layer too: V * h_t * 4 bytes
             assert teacher[Term.REPLICA_OUTPUT_LAYER] == 32000 * 768 * 4
             # its D = 2 send slots: whole micro-batches (replica TP 1), fp32 on the wire
-            b = args.micro_batch_size
+            b = config.optimizer.micro_batch_size
             assert teacher[Term.SEND_SLOTS] == 2 * seq * b * 768 * 4
             assert Term.RESERVE not in teacher
 
 
 def test_rows_and_table(vp, cases):
     case = next(c for c in cases if "disaggregated" in c.train_args)
-    args, plan = resolve_run(case.train_args, case.nproc)
-    pred = predict(args, plan, on_cpu=True)
+    config, run = resolve_run(case.train_args, case.nproc)
+    pred = predict(config, run, on_cpu=True)
     baseline = 1 << 28
     # literal terms with both exclusive phases (a colocated teacher's forward, the unfused
     # attention backward): predicted 6 + max(0.5, 1) = 7 x 2^28, not their sum 7.5 x 2^28
@@ -326,9 +326,9 @@ def test_compare_disaggregated_run(vp, cases, tmp_path):
 
 def test_teacher_dtype_mismatch_is_refused(vp, cases):
     case = next(c for c in cases if "colocated" in parse_train_args(c.train_args).kd_mode)
-    args, plan = resolve_run(case.train_args + " --kd-teacher-dtype bf16", case.nproc)
+    config, run = resolve_run(case.train_args + " --kd-teacher-dtype bf16", case.nproc)
     with pytest.raises(ValueError, match="--kd-teacher-dtype bf16 with fp32"):
-        predict(args, plan, on_cpu=True)
+        predict(config, run, on_cpu=True)
 
 
 def test_context_parallel_cases_halve_a_ranks_share(vp, cases):
