@@ -30,15 +30,15 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from megatron_kd.arch import GPTArchConfig
 from megatron_kd.cache.loader import TopKPrefetcher
 from megatron_kd.cache.lookup import TokenLookup
-from megatron_kd.arch import GPTArchConfig
 from megatron_kd.integration.args import KDArgs
 from megatron_kd.integration.groups import collective_device, shared_random_id
 from megatron_kd.integration.output_layer import output_layer_weight, to_sbh
@@ -49,6 +49,7 @@ from megatron_kd.integration.teacher import (
     unpipelined_groups,
 )
 from megatron_kd.placement import compute_device
+from megatron_kd.teacher.client import ClientStepStats
 
 __all__ = ["Cached", "Colocated", "Microbatch", "NoTeacher", "Remote", "StepStats",
            "TeacherInputs", "TeacherSource", "build_teacher_source", "kd_scalars",
@@ -265,7 +266,6 @@ class Remote(TeacherSource):
         self.micro_batch_size, self.seq_length = micro_batch_size, seq_length
         self.max_samples, self.active, self.log = max_samples, active, log
         self.client = None
-        self._events_seen = 0
 
     @property
     def member(self) -> int:
@@ -303,36 +303,27 @@ class Remote(TeacherSource):
         one all-reduce and one object gather; with ``group`` None this rank's own (events and
         live replicas as its client saw them)."""
         client = self.client
-        stats = client.take_step_stats() if client is not None else {
-            "bytes": 0, "bytes_sent": 0, "wait_s": 0.0, "occupancy": None}
         head = client is not None and (self.member == 0 or group is None)
-        events = []
-        if head:
-            events, self._events_seen = (client.failovers[self._events_seen:],
-                                         len(client.failovers))
-        live = client.live_replicas() if head and (self.dp_rank == 0 or group is None) else 0
-        occupancy = stats["occupancy"]
-        vec = [stats["bytes"], stats["bytes_sent"] if head else 0, len(events), stats["wait_s"],
-               client is not None, occupancy or 0.0, occupancy is not None, live]
-        by_replica = dict(stats.get("tokens_by_replica", {}))
+        stats = client.take_step_stats(count_live=head and (self.dp_rank == 0 or group is None)) \
+            if client is not None else ClientStepStats()
+        if not head:  # the other members of a connection fail over with it: one reports
+            stats = replace(stats, failovers=[])
         if group is not None:
-            t = torch.tensor(vec, dtype=torch.float64, device=collective_device(group))
+            t = torch.tensor(stats.to_vector(), dtype=torch.float64,
+                             device=collective_device(group))
             dist.all_reduce(t, group=group)
-            vec = t.tolist()
             gathered = [None] * dist.get_world_size(group)
-            dist.all_gather_object(gathered, (by_replica, events), group=group)
-            by_replica, events = {}, []
-            for tokens, rank_events in gathered:
-                for replica, n in tokens.items():
-                    by_replica[replica] = by_replica.get(replica, 0) + n
-                events.extend(rank_events)
-        got, sent, failovers, wait_s, receivers, fill, senders, live = vec
+            dist.all_gather_object(gathered, stats.gathered(), group=group)
+            stats = ClientStepStats.combine(t.tolist(), gathered)
         return StepStats(scalars={
-            "kd_wire_bytes": int(got), "kd_wire_bytes_per_dp_rank": int(got) // self.dp_size,
-            "kd_wire_bytes_to_teacher": int(sent), "failovers": int(failovers),
-            "kd_teacher_wait_s": round(wait_s / receivers, 6) if receivers else 0.0,
-            "kd_ring_occupancy": round(fill / senders, 4) if senders else None,
-            "kd_live_replicas": int(live), "kd_replica_tokens": by_replica}, events=events)
+            "kd_wire_bytes": stats.bytes_received,
+            "kd_wire_bytes_per_dp_rank": stats.bytes_received // self.dp_size,
+            "kd_wire_bytes_to_teacher": stats.bytes_sent, "failovers": len(stats.failovers),
+            "kd_teacher_wait_s": round(stats.wait_s, 6) if stats.wait_s is not None else 0.0,
+            "kd_ring_occupancy": round(stats.occupancy, 4) if stats.occupancy is not None
+            else None,
+            "kd_live_replicas": stats.live_replicas,
+            "kd_replica_tokens": dict(stats.tokens_by_replica)}, events=stats.failovers)
 
     def close(self) -> None:
         if self.client is not None:
