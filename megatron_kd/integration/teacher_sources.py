@@ -49,7 +49,7 @@ from megatron_kd.integration.teacher import (
     unpipelined_groups,
 )
 from megatron_kd.placement import compute_device
-from megatron_kd.teacher.client import ClientStepStats
+from megatron_kd.teacher.step_stats import ClientStepStats
 
 __all__ = ["Cached", "Colocated", "Microbatch", "NoTeacher", "Remote", "StepStats",
            "TeacherInputs", "TeacherSource", "build_teacher_source", "kd_scalars",

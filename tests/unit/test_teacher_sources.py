@@ -13,7 +13,7 @@ from megatron_kd.integration.teacher_sources import (
     kd_scalars,
     replica_rates,
 )
-from megatron_kd.teacher.client import ClientStepStats
+from megatron_kd.teacher.step_stats import ClientStepStats
 
 
 def test_microbatch_reads_tokens_only_when_asked():
