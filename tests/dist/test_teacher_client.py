@@ -140,7 +140,8 @@ class _Replica:
                                     or os.path.exists(f"{self.tmp}/done")
                                     or time.monotonic() > deadline)
         return {"replica": self.service.replica, "failed": self.failed,
-                "requests": totals["requests"]}
+                "requests": totals["requests"], "bytes_in": totals["bytes_in"],
+                "bytes_out": totals["bytes_out"]}
 
 
 def _client(endpoint, schedule, log=None, rebalance_every=0, micro_batch_size=MBS,
@@ -314,6 +315,13 @@ def test_second_replica_takes_the_connection(pool, tmp_path):
     # without a failover the bytes sent are the planner's, step by step
     assert [s.bytes_sent for s in student["stats"]] == [_planner_bytes_per_step()] * STEPS
     assert [s.bytes_resent for s in student["stats"]] == [0] * STEPS
+    # each end counts the bytes its links moved, and they agree: the token ids the replicas
+    # received are those the client sent, the hidden states they sent those it received
+    assert first["bytes_in"] + second["bytes_in"] == sum(s.bytes_sent for s in student["stats"])
+    assert first["bytes_out"] + second["bytes_out"] == \
+        sum(s.bytes_received for s in student["stats"]) == STEPS * MICROBATCHES * MBS * SEQ * \
+        HIDDEN * 4  # fp32
+    assert first["bytes_in"] == first["requests"] * MBS * SEQ * 4  # int32 token ids
     # and each request's header: header_size(MBS) int64 words
     assert [s.header_bytes_sent for s in student["stats"]] == \
         [MICROBATCHES * header_size(MBS) * 8] * STEPS
