@@ -18,7 +18,8 @@ costs nothing else. Each request is checked against its connection's metadata be
 are received. Transfers run on threads per link (:mod:`.transport`): a slow or dead student
 never stops the loop; its links are dropped after the timeout and the replica serves the
 others. Rank 0 logs one JSON line per ``stats_interval_s`` (requests, samples and tokens served,
-tokens/s, wire bytes each way, per student run), one per connection refused, and one on exit.
+tokens/s, the bytes its links moved each way, per student run), one per connection refused, and
+one on exit.
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ from megatron_kd.teacher.protocol import (
     response_prefix,
     status_key,
 )
+from megatron_kd.teacher.replica_stats import ReplicaStats
 from megatron_kd.teacher.transport import Link, LinkDown
 from megatron_kd.teacher.wire import (
     Request,
@@ -278,7 +280,7 @@ class TeacherService:
         self.stats_interval_s = stats_interval_s
         self.replica = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.conns: dict[int, _Conn] = {}
-        self.stats = _Stats()
+        self.stats = ReplicaStats()
         addr = [None]
         if self.rank == 0:
             self.store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
@@ -439,85 +441,3 @@ class TeacherService:
     def _say(self, record: dict) -> None:
         if self.log is not None:
             self.log(json.dumps({"time": round(time.time(), 3), **record}))
-
-
-@dataclass
-class _Stats:
-    """What a replica has served, in all and per student run. The byte counts are those its
-    links moved: token ids received from each request link (rank 0), hidden states handed to
-    each response link (the last pipeline stage's ranks); each rank counts its own
-    (:meth:`received`, :meth:`sent`, from the links' threads) and learns the others' when a
-    record is written (:meth:`others_link_bytes`)."""
-
-    requests: int = 0
-    samples: int = 0
-    tokens: int = 0
-    forward_s: float = 0.0
-    runs: dict = field(default_factory=dict)
-    t0: float = field(default_factory=time.monotonic)
-    last_log: float = field(default_factory=time.monotonic)
-    own: dict = field(default_factory=dict)
-    """Student run -> ``[bytes in, bytes out]`` this rank's links moved."""
-    others: dict = field(default_factory=dict)
-    """The same, summed over the replica's other ranks when last learned."""
-    lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def _run(self, run) -> dict:
-        return self.runs.setdefault(str(run), {"requests": 0, "tokens": 0, "connections": 0})
-
-    def connected(self, meta: ConnectionMeta) -> None:
-        self._run(meta.run)["connections"] += 1
-
-    def served(self, req: Request) -> None:
-        tokens = req.batch * req.seq_length
-        self.requests += 1
-        self.samples += req.batch
-        self.tokens += tokens
-        run = self.runs.get(str(req.run))
-        if run is not None:
-            run["requests"] += 1
-            run["tokens"] += tokens
-
-    def received(self, run: int, n: int) -> None:
-        """``n`` token-id bytes of ``run`` arrived on a request link of this rank."""
-        self._count(run, 0, n)
-
-    def sent(self, run: int, n: int) -> None:
-        """``n`` hidden-state bytes for ``run`` were handed to a response link of this rank."""
-        self._count(run, 1, n)
-
-    def _count(self, run: int, which: int, n: int) -> None:
-        with self.lock:
-            self.own.setdefault(str(run), [0, 0])[which] += n
-
-    def link_bytes(self) -> dict:
-        """This rank's counts (a copy)."""
-        with self.lock:
-            return {run: list(counts) for run, counts in self.own.items()}
-
-    def others_link_bytes(self, ranks: list[dict]) -> None:
-        """The other ranks' :meth:`link_bytes`, summed."""
-        summed: dict = {}
-        for counts in ranks:
-            for run, (n_in, n_out) in counts.items():
-                total = summed.setdefault(run, [0, 0])
-                total[0] += n_in
-                total[1] += n_out
-        with self.lock:
-            self.others = summed
-
-    def summary(self) -> dict:
-        elapsed = max(1e-9, time.monotonic() - self.t0)
-        with self.lock:
-            moved = {run: [a + b for a, b in zip(self.own.get(run, [0, 0]),
-                                                 self.others.get(run, [0, 0]))]
-                     for run in {*self.own, *self.others}}
-        runs = {run: {"requests": per["requests"], "tokens": per["tokens"],
-                      "bytes_in": moved.get(run, [0, 0])[0],
-                      "bytes_out": moved.get(run, [0, 0])[1],
-                      "connections": per["connections"]} for run, per in self.runs.items()}
-        return {"requests": self.requests, "samples": self.samples, "tokens": self.tokens,
-                "tokens_per_s": round(self.tokens / elapsed, 1),
-                "bytes_in": sum(n_in for n_in, _ in moved.values()),
-                "bytes_out": sum(n_out for _, n_out in moved.values()),
-                "forward_s": round(self.forward_s, 3), "runs": runs}
