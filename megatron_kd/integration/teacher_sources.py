@@ -156,6 +156,10 @@ class TeacherSource:
     client = None
     """The started teacher client (a disaggregated teacher's active ranks)."""
 
+    vocab_size: int | None = None
+    """The teacher's true vocabulary (the loss's ``vocab_size``: output-layer rows at or past it
+    are padding); None without a teacher."""
+
     streamed: bool = False
     """Whether each training microbatch's inputs can be taken once only, in the schedule's
     order (a stream of responses): a step run again must be given the inputs kept from its
@@ -201,11 +205,13 @@ class Colocated(TeacherSource):
 
     timer = "teacher-forward"
 
-    def __init__(self, model, *, load_dir: str, groups: list | None = None) -> None:
+    def __init__(self, model, *, load_dir: str, groups: list | None = None,
+                 vocab_size: int | None = None) -> None:
         self.model = model
         self.holds_model = model is not None
         self.load_dir = load_dir
         self._groups = list(groups or [])
+        self.vocab_size = vocab_size
 
     def inputs(self, mb: Microbatch, *, training: bool) -> TeacherInputs:
         args, kwargs = mb.model_call()
@@ -231,7 +237,8 @@ def colocated(kd: KDArgs, arch: GPTArchConfig, *, keep: bool, pg_collection=None
     model = build_frozen_teacher(arch, kd.teacher_load, dtype=kd.teacher_torch_dtype,
                                  pg_collection=pgc, replicated=True, keep=keep,
                                  sequence_parallel=sequence_parallel)
-    return Colocated(model, load_dir=kd.teacher_load, groups=[single] if own_groups else [])
+    return Colocated(model, load_dir=kd.teacher_load, groups=[single] if own_groups else [],
+                     vocab_size=arch.vocab_size)
 
 
 def replica_rates(tokens_by_replica: dict[str, int], seconds: float | None) -> dict[str, float]:
@@ -266,6 +273,7 @@ class Remote(TeacherSource):
         self.micro_batch_size, self.seq_length = micro_batch_size, seq_length
         self.max_samples, self.active, self.log = max_samples, active, log
         self.client = None
+        self.vocab_size = arch.vocab_size if arch is not None else None
 
     @property
     def member(self) -> int:
@@ -350,6 +358,7 @@ class Cached(TeacherSource):
         self.prefetcher: TopKPrefetcher | None = None
         self.lookup: TokenLookup | None = None
         self._waited = 0.0
+        self.vocab_size = reader.spec.vocab_size if reader is not None else None  # its teacher's
 
     def start(self, schedule: Iterable[Microbatch]) -> None:
         if not self.active:

@@ -1,13 +1,17 @@
 """The teacher sources' pieces that need no process group: microbatch records, the inputs they
 hand the loss, the ``kd/`` scalars both trainers write."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from megatron_kd.integration.teacher_sources import (
     Cached,
+    Colocated,
     Microbatch,
     NoTeacher,
+    Remote,
     StepStats,
     TeacherInputs,
     kd_scalars,
@@ -83,3 +87,16 @@ def test_client_step_stats_combine_over_ranks_by_field():
     # one rank alone combines to itself; no client anywhere: no wait, no occupancy
     assert ClientStepStats.combine(sender.to_vector(), [sender.gathered()]) == sender
     assert ClientStepStats.combine(no_client.to_vector(), [no_client.gathered()]) == no_client
+
+
+def test_each_source_names_its_teacher_vocabulary():
+    # what both trainers give the loss as vocab_size, without asking the mode
+    assert NoTeacher().vocab_size is None
+    assert Colocated(None, load_dir="t", vocab_size=1009).vocab_size == 1009
+    remote = Remote(None, SimpleNamespace(vocab_size=1009), weight=None, run=0, tp_group=None,
+                    dp_rank=0, dp_size=1, micro_batch_size=1, seq_length=4, max_samples=1,
+                    active=False, log=None)
+    assert remote.vocab_size == 1009
+    reader = SimpleNamespace(spec=SimpleNamespace(vocab_size=500))
+    cached = Cached(reader, directory="c", depth=2, active=True, micro_batch_size=1, device=None)
+    assert cached.vocab_size == 500
