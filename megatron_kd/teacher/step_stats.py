@@ -20,8 +20,9 @@ _JOIN = "join"  # a list gathered as an object: joined in rank order
 
 @dataclass(kw_only=True)
 class ClientStepStats:
-    """One step of a :class:`TeacherClient`'s traffic (:meth:`TeacherClient.take_step_stats`)
-    and, combined over student ranks, the same record (each field says how it combines:
+    """One step of a teacher client's traffic
+    (:meth:`~megatron_kd.teacher.client.TeacherClient.take_step_stats`) and, combined over
+    student ranks, the same record (each field says how it combines:
     :meth:`to_vector` and :meth:`gathered` on each rank, then :meth:`combine`). The defaults
     are a rank with no client."""
 
@@ -41,7 +42,8 @@ class ClientStepStats:
 
     live_replicas: int = field(default=0, metadata={"over_ranks": _SUM})
     """Replicas registered and not found dead, where counted (an endpoint read:
-    :meth:`TeacherClient.take_step_stats` counts them when asked); else 0."""
+    :meth:`~megatron_kd.teacher.client.TeacherClient.take_step_stats` counts them when
+    asked); else 0."""
 
     wait_s: float | None = field(default=None, metadata={"over_ranks": _MEAN})
     """Seconds waited for responses (None: no client); combined, the mean over the ranks with
