@@ -47,6 +47,10 @@ class Flag:
     group: str | None = None
     """The help section the flag is listed under (default: the one :func:`add_flags` makes)."""
 
+    action: Any = None
+    """An argparse action (``argparse.BooleanOptionalAction``: ``--x`` / ``--no-x``) instead of
+    the one the default implies."""
+
     def option(self, field_name: str) -> str:
         return self.name or "--" + field_name.replace("_", "-")
 
@@ -138,7 +142,9 @@ def add_flags(parser, cls: type, *, title: str | None = None,
             kwargs["required"] = True
         else:
             kwargs["default"] = default
-        if default is False and spec.type is None:
+        if spec.action is not None:
+            kwargs["action"] = spec.action
+        elif default is False and spec.type is None:
             kwargs["action"] = "store_true"
         else:
             plain = default is not None and default is not dataclasses.MISSING

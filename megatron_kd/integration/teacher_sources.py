@@ -30,15 +30,15 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from megatron_kd.arch import GPTArchConfig
 from megatron_kd.cache.loader import TopKPrefetcher
 from megatron_kd.cache.lookup import TokenLookup
-from megatron_kd.arch import GPTArchConfig
 from megatron_kd.integration.args import KDArgs
 from megatron_kd.integration.groups import collective_device, shared_random_id
 from megatron_kd.integration.output_layer import output_layer_weight, to_sbh
@@ -49,6 +49,7 @@ from megatron_kd.integration.teacher import (
     unpipelined_groups,
 )
 from megatron_kd.placement import compute_device
+from megatron_kd.teacher.step_stats import ClientStepStats
 
 __all__ = ["Cached", "Colocated", "Microbatch", "NoTeacher", "Remote", "StepStats",
            "TeacherInputs", "TeacherSource", "build_teacher_source", "kd_scalars",
@@ -155,6 +156,10 @@ class TeacherSource:
     client = None
     """The started teacher client (a disaggregated teacher's active ranks)."""
 
+    vocab_size: int | None = None
+    """The teacher's true vocabulary (the loss's ``vocab_size``: output-layer rows at or past it
+    are padding); None without a teacher."""
+
     streamed: bool = False
     """Whether each training microbatch's inputs can be taken once only, in the schedule's
     order (a stream of responses): a step run again must be given the inputs kept from its
@@ -200,11 +205,13 @@ class Colocated(TeacherSource):
 
     timer = "teacher-forward"
 
-    def __init__(self, model, *, load_dir: str, groups: list | None = None) -> None:
+    def __init__(self, model, *, load_dir: str, groups: list | None = None,
+                 vocab_size: int | None = None) -> None:
         self.model = model
         self.holds_model = model is not None
         self.load_dir = load_dir
         self._groups = list(groups or [])
+        self.vocab_size = vocab_size
 
     def inputs(self, mb: Microbatch, *, training: bool) -> TeacherInputs:
         args, kwargs = mb.model_call()
@@ -230,7 +237,8 @@ def colocated(kd: KDArgs, arch: GPTArchConfig, *, keep: bool, pg_collection=None
     model = build_frozen_teacher(arch, kd.teacher_load, dtype=kd.teacher_torch_dtype,
                                  pg_collection=pgc, replicated=True, keep=keep,
                                  sequence_parallel=sequence_parallel)
-    return Colocated(model, load_dir=kd.teacher_load, groups=[single] if own_groups else [])
+    return Colocated(model, load_dir=kd.teacher_load, groups=[single] if own_groups else [],
+                     vocab_size=arch.vocab_size)
 
 
 def replica_rates(tokens_by_replica: dict[str, int], seconds: float | None) -> dict[str, float]:
@@ -265,7 +273,7 @@ class Remote(TeacherSource):
         self.micro_batch_size, self.seq_length = micro_batch_size, seq_length
         self.max_samples, self.active, self.log = max_samples, active, log
         self.client = None
-        self._events_seen = 0
+        self.vocab_size = arch.vocab_size if arch is not None else None
 
     @property
     def member(self) -> int:
@@ -303,36 +311,27 @@ class Remote(TeacherSource):
         one all-reduce and one object gather; with ``group`` None this rank's own (events and
         live replicas as its client saw them)."""
         client = self.client
-        stats = client.take_step_stats() if client is not None else {
-            "bytes": 0, "bytes_sent": 0, "wait_s": 0.0, "occupancy": None}
         head = client is not None and (self.member == 0 or group is None)
-        events = []
-        if head:
-            events, self._events_seen = (client.failovers[self._events_seen:],
-                                         len(client.failovers))
-        live = client.live_replicas() if head and (self.dp_rank == 0 or group is None) else 0
-        occupancy = stats["occupancy"]
-        vec = [stats["bytes"], stats["bytes_sent"] if head else 0, len(events), stats["wait_s"],
-               client is not None, occupancy or 0.0, occupancy is not None, live]
-        by_replica = dict(stats.get("tokens_by_replica", {}))
+        stats = client.take_step_stats(count_live=head and (self.dp_rank == 0 or group is None)) \
+            if client is not None else ClientStepStats()
+        if not head:  # the other members of a connection fail over with it: one reports
+            stats = replace(stats, failovers=[])
         if group is not None:
-            t = torch.tensor(vec, dtype=torch.float64, device=collective_device(group))
+            t = torch.tensor(stats.to_vector(), dtype=torch.float64,
+                             device=collective_device(group))
             dist.all_reduce(t, group=group)
-            vec = t.tolist()
             gathered = [None] * dist.get_world_size(group)
-            dist.all_gather_object(gathered, (by_replica, events), group=group)
-            by_replica, events = {}, []
-            for tokens, rank_events in gathered:
-                for replica, n in tokens.items():
-                    by_replica[replica] = by_replica.get(replica, 0) + n
-                events.extend(rank_events)
-        got, sent, failovers, wait_s, receivers, fill, senders, live = vec
+            dist.all_gather_object(gathered, stats.gathered(), group=group)
+            stats = ClientStepStats.combine(t.tolist(), gathered)
         return StepStats(scalars={
-            "kd_wire_bytes": int(got), "kd_wire_bytes_per_dp_rank": int(got) // self.dp_size,
-            "kd_wire_bytes_to_teacher": int(sent), "failovers": int(failovers),
-            "kd_teacher_wait_s": round(wait_s / receivers, 6) if receivers else 0.0,
-            "kd_ring_occupancy": round(fill / senders, 4) if senders else None,
-            "kd_live_replicas": int(live), "kd_replica_tokens": by_replica}, events=events)
+            "kd_wire_bytes": stats.bytes_received,
+            "kd_wire_bytes_per_dp_rank": stats.bytes_received // self.dp_size,
+            "kd_wire_bytes_to_teacher": stats.bytes_sent, "failovers": len(stats.failovers),
+            "kd_teacher_wait_s": round(stats.wait_s, 6) if stats.wait_s is not None else 0.0,
+            "kd_ring_occupancy": round(stats.occupancy, 4) if stats.occupancy is not None
+            else None,
+            "kd_live_replicas": stats.live_replicas,
+            "kd_replica_tokens": dict(stats.tokens_by_replica)}, events=stats.failovers)
 
     def close(self) -> None:
         if self.client is not None:
@@ -359,6 +358,7 @@ class Cached(TeacherSource):
         self.prefetcher: TopKPrefetcher | None = None
         self.lookup: TokenLookup | None = None
         self._waited = 0.0
+        self.vocab_size = reader.spec.vocab_size if reader is not None else None  # its teacher's
 
     def start(self, schedule: Iterable[Microbatch]) -> None:
         if not self.active:

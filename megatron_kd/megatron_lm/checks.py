@@ -125,11 +125,14 @@ def check_megatron_args(args: argparse.Namespace):
     return kd, arch
 
 
-def open_topk_cache(kd: KDArgs, args: argparse.Namespace) -> TopKCacheReader:
+def open_topk_cache(kd: KDArgs, args: argparse.Namespace) -> TopKCacheReader | None:
     """Offline: the ``--kd-topk-cache`` reader, checked against Megatron-LM's flags
-    (``ValueError`` naming both values). Reads the manifest only. The cache's dataset identity
-    is not compared (Megatron-LM builds its own dataset, maybe with another Megatron-Core):
-    each microbatch's tokens are, against the cache's fingerprints."""
+    (``ValueError`` naming both values); None without a cache (the other modes). Reads the
+    manifest only. The cache's dataset identity is not compared (Megatron-LM builds its own
+    dataset, maybe with another Megatron-Core): each microbatch's tokens are, against the
+    cache's fingerprints."""
+    if not kd.topk_cache:
+        return None
     try:
         reader = TopKCacheReader(kd.topk_cache)
     except CacheFormatError as e:

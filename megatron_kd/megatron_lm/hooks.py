@@ -330,7 +330,7 @@ def _prepare_teacher(args, kd: KDArgs, teacher_arch, pg_collection) -> None:
     # rank and size leave context parallelism out (its ranks share one data-parallel rank).
     cp_group, tp_cp_group = _cp_groups(pg_collection)
     # Offline: the data iterator gives no sample indices; rows are found by tokens.
-    topk_cache = open_topk_cache(kd, args) if kd.mode == "offline" else None
+    topk_cache = open_topk_cache(kd, args)
     source = build_teacher_source(
         kd, teacher_arch, active=last, tp_group=_tp_group(pg_collection), topk_cache=topk_cache,
         rows_by_tokens=True,
@@ -347,11 +347,11 @@ def _attach_kd_state(model, args, kd: KDArgs, teacher_arch, pg_collection) -> No
     """The output layer of ``model`` (the chunk that has it) bypassed, its KD state attached."""
     bypass_output_layer(model)
     source = _pending_teacher.pop("source", None)
-    if (teacher_arch is not None or kd.mode == "offline") and source is None:
+    if source is None and (teacher_arch is not None or kd.topk_cache):  # a teacher is due
         raise RuntimeError("the chunk with the output layer was built before the teacher "
                            "(expected virtual stage 0 first)")
-    vocab_size = (teacher_arch.vocab_size if teacher_arch is not None else
-                  source.reader.spec.vocab_size if kd.mode == "offline" else args.vocab_size)
+    source = source or NoTeacher()
+    vocab_size = source.vocab_size or args.vocab_size  # the teacher's, else the student's
     # Megatron-LM's --gradient-accumulation-fusion (on by default on a GPU): the output-layer
     # weight gradient goes into its DDP's main_grad, as Megatron's own output layer does.
     # --sequence-parallel: the student's (and a dense teacher's) hidden states are this TP
@@ -361,7 +361,7 @@ def _attach_kd_state(model, args, kd: KDArgs, teacher_arch, pg_collection) -> No
                                      gradient_accumulation_fusion=args.gradient_accumulation_fusion,
                                      sequence_parallel=bool(args.sequence_parallel)),
         tp_group=_tp_group(pg_collection), cp_group=_cp_groups(pg_collection)[0],
-        source=source or NoTeacher(), teacher_arch=teacher_arch,
+        source=source, teacher_arch=teacher_arch,
         checks=LossChecks.from_args(args))
 
 

@@ -49,6 +49,7 @@ from megatron_kd.teacher.protocol import (
     response_prefix,
 )
 from megatron_kd.teacher.ring import Outstanding, SendBuffers, SentBytes, Slot
+from megatron_kd.teacher.step_stats import ClientStepStats
 from megatron_kd.teacher.transport import Link, LinkDown
 from megatron_kd.teacher.wire import (
     HeaderMismatchError,
@@ -64,8 +65,6 @@ from megatron_kd.teacher.wire import (
 )
 
 __all__ = ["TeacherClient"]
-
-
 
 class TeacherClient:
     """One student rank's view of the teacher service (see the module docstring).
@@ -126,6 +125,7 @@ class TeacherClient:
         self._wait_s = self._occupancy = 0.0  # this step's: seconds waited, ring fill summed
         self._asks = 0
         self.failovers: list[dict] = []
+        self._failovers_taken = 0  # failovers reported by take_step_stats
         self.replica: ReplicaRecord | None = None
         self._links: list[Link] = []
         self._draining: list[Link] = []  # links of a connection left by a rebalance
@@ -430,21 +430,19 @@ class TeacherClient:
                 n += 1
         return n
 
-    def take_step_stats(self) -> dict:
-        """Since the last call: bytes received (``bytes``), seconds waited for responses, the
-        mean fraction of the prefetched responses (up to ``depth``) already there when one was
-        asked for (TP rank 0; None when none was, or elsewhere), tokens answered by each
-        replica (TP rank 0; else empty), and what TP rank 0 sent for the requests whose
-        responses were taken (0 elsewhere): ``bytes_sent``, the token-id bytes handed to
-        links, re-sends after a failover included (without a failover: the planner's
-        ``token_bytes_per_step_per_dp_rank`` in a step); ``bytes_resent``, the part of them
-        sent again after a failover; ``header_bytes_sent``, the request headers'."""
-        stats = {"bytes": self.bytes_this_step, "wait_s": self._wait_s,
-                 "occupancy": self._occupancy / self._asks if self._asks else None,
-                 "tokens_by_replica": self._tokens, "bytes_sent": self._sent.tokens,
-                 "bytes_resent": self._sent.resent, "header_bytes_sent": self._sent.headers}
+    def take_step_stats(self, *, count_live: bool = False) -> ClientStepStats:
+        """This rank's statistics since the last call (see :class:`ClientStepStats`);
+        ``count_live``: with the live replicas (an endpoint read)."""
+        stats = ClientStepStats(
+            bytes_received=self.bytes_this_step, wait_s=self._wait_s,
+            occupancy=self._occupancy / self._asks if self._asks else None,
+            tokens_by_replica=self._tokens, bytes_sent=self._sent.tokens,
+            bytes_resent=self._sent.resent, header_bytes_sent=self._sent.headers,
+            failovers=self.failovers[self._failovers_taken:],
+            live_replicas=self.live_replicas() if count_live else 0)
         self.bytes_this_step, self._wait_s, self._occupancy, self._asks = 0, 0.0, 0.0, 0
         self._tokens, self._sent = {}, SentBytes()
+        self._failovers_taken = len(self.failovers)
         return stats
 
     def live_replicas(self) -> int:

@@ -18,13 +18,15 @@ costs nothing else. Each request is checked against its connection's metadata be
 are received. Transfers run on threads per link (:mod:`.transport`): a slow or dead student
 never stops the loop; its links are dropped after the timeout and the replica serves the
 others. Rank 0 logs one JSON line per ``stats_interval_s`` (requests, samples and tokens served,
-tokens/s, wire bytes each way, per student run), one per connection refused, and one on exit.
+tokens/s, the bytes its links moved each way, per student run), one per connection refused, and
+one on exit.
 """
 
 from __future__ import annotations
 
 import collections
 import datetime
+import functools
 import json
 import os
 import queue
@@ -57,6 +59,7 @@ from megatron_kd.teacher.protocol import (
     response_prefix,
     status_key,
 )
+from megatron_kd.teacher.replica_stats import ReplicaStats
 from megatron_kd.teacher.transport import Link, LinkDown
 from megatron_kd.teacher.wire import (
     Request,
@@ -64,7 +67,6 @@ from megatron_kd.teacher.wire import (
     WireError,
     encode_hidden,
     header_size,
-    wire_bytes_per_token,
 )
 
 __all__ = ["TeacherService"]
@@ -86,11 +88,12 @@ class _Conn:
 
 
 class _Sender(threading.Thread):
-    """Sends one link's responses in order; a dead or stalled student drops the link."""
+    """Sends one link's responses in order; a dead or stalled student drops the link.
+    ``sent(n)``: told the payload bytes of each response once they are handed to the link."""
 
-    def __init__(self, link: Link, timeout_s: float) -> None:
+    def __init__(self, link: Link, timeout_s: float, sent: Callable[[int], None]) -> None:
         super().__init__(daemon=True, name=f"kd-teacher-send-{link.peer}")
-        self.link, self.timeout_s = link, timeout_s
+        self.link, self.timeout_s, self.sent = link, timeout_s, sent
         self.queue: queue.Queue = queue.Queue()
         self.dead = False
         self.start()
@@ -105,7 +108,9 @@ class _Sender(threading.Thread):
             header, parts = item
             try:
                 works = self.link.send([header], Tag.RESPONSE)
+                before = self.link.bytes_sent[Tag.PAYLOAD]
                 works += self.link.send(parts, Tag.PAYLOAD)
+                self.sent(self.link.bytes_sent[Tag.PAYLOAD] - before)
                 self.link.wait(works, time.monotonic() + self.timeout_s)
             except LinkDown:
                 self.dead = True  # the student went away: drop what is queued for it
@@ -204,9 +209,11 @@ class _Front:
         self.pending = keep
         return batch
 
-    def read_requests(self, conn: int, link: Link, meta: ConnectionMeta) -> None:
+    def read_requests(self, conn: int, link: Link, meta: ConnectionMeta,
+                      received: Callable[[int], None]) -> None:
         """A thread per connection: requests into the inbox until the link closes (or a
-        request its connection's metadata does not allow: the connection is closed)."""
+        request its connection's metadata does not allow: the connection is closed);
+        ``received(n)``: told the bytes of each request's token ids once they arrived."""
         max_samples = meta.max_samples
 
         def loop() -> None:
@@ -221,6 +228,7 @@ class _Front:
                                          device=link.device)
                     link.wait(link.recv([tokens], Tag.TOKENS),
                               time.monotonic() + self.timeout_s)
+                    received(tokens.numel() * tokens.element_size())
                     self.inbox.put((conn, req, tokens.cpu()))
             except (LinkDown, WireError):
                 link.abort()
@@ -272,7 +280,7 @@ class TeacherService:
         self.stats_interval_s = stats_interval_s
         self.replica = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.conns: dict[int, _Conn] = {}
-        self.stats = _Stats()
+        self.stats = ReplicaStats()
         addr = [None]
         if self.rank == 0:
             self.store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
@@ -304,7 +312,8 @@ class TeacherService:
                        "host": self.host, "port": self.port})
         try:
             while True:
-                ctrl = [self.front.control(self.conns, stop()) if self.rank == 0 else None]
+                ctrl = [{**self.front.control(self.conns, stop()), "log": self._log_due()}
+                        if self.rank == 0 else None]
                 dist.broadcast_object_list(ctrl, src=self._src, group=self.group)
                 ctrl = ctrl[0]
                 for conn, reason in ctrl["refused"]:
@@ -315,7 +324,8 @@ class TeacherService:
                     self._close(conn)
                 if ctrl["batch"]:
                     self._serve_batch(ctrl["batch"])
-                self._maybe_log()
+                if ctrl["log"]:
+                    self._log_stats()
                 if ctrl["stop"]:
                     break
         finally:
@@ -323,6 +333,7 @@ class TeacherService:
                 self.endpoint.withdraw(self.replica)
             for conn in list(self.conns):
                 self._close(conn)
+        self._gather_link_bytes()  # every rank left the loop at the same control
         totals = self.stats.summary()
         self._say({"event": "stopped", "replica": self.replica, **totals})
         return totals
@@ -350,13 +361,15 @@ class TeacherService:
             if self.rank == 0:
                 state.request_link = Link(self.store, request_prefix(conn), 0, device=device,
                                           timeout_s=self.timeout_s, peer=peer)
-                self.front.read_requests(conn, state.request_link, meta)
+                self.front.read_requests(conn, state.request_link, meta,
+                                         functools.partial(self.stats.received, meta.run))
             for chunk in range(meta.members):
                 if self.last_stage_ranks[chunk % len(self.last_stage_ranks)] == self.rank:
                     link = Link(self.store, response_prefix(conn, chunk), 0, device=device,
                                 timeout_s=self.timeout_s,
                                 peer=f"{peer} {route_name(chunk, meta.tp, meta.cp)}")
-                    state.senders[chunk] = _Sender(link, self.timeout_s)
+                    state.senders[chunk] = _Sender(link, self.timeout_s,
+                                                   functools.partial(self.stats.sent, meta.run))
         except LinkDown as e:
             self._say({"event": "connect_failed", "conn": conn, "reason": str(e)})
         self.conns[conn] = state
@@ -384,8 +397,7 @@ class TeacherService:
             if hidden is not None and state is not None:
                 self._respond(state, req, hidden[:, offset:offset + req.batch])
             offset += req.batch
-            self.stats.served(self.conns[conn].meta if conn in self.conns else None, req,
-                              self.identity["hidden_size"])
+            self.stats.served(req)
         self.stats.forward_s += time.perf_counter() - t0
 
     def _respond(self, state: _Conn, req: Request, hidden: torch.Tensor) -> None:
@@ -408,54 +420,24 @@ class TeacherService:
             sender.queue.put((header.encode(meta.max_samples).to(sender.link.device), parts))
 
     # -- logging ----------------------------------------------------------------------------------
-    def _maybe_log(self) -> None:
-        if self.log is not None and time.monotonic() - self.stats.last_log > self.stats_interval_s:
-            self._say({"event": "stats", "replica": self.replica,
-                       "connections": len(self.conns), **self.stats.summary()})
-            self.stats.last_log = time.monotonic()
+    def _log_due(self) -> bool:
+        """Rank 0: time for a ``stats`` record (every rank then takes part in it)."""
+        return self.log is not None and \
+            time.monotonic() - self.stats.last_log > self.stats_interval_s
+
+    def _log_stats(self) -> None:
+        self._gather_link_bytes()
+        self._say({"event": "stats", "replica": self.replica,
+                   "connections": len(self.conns), **self.stats.summary()})
+        self.stats.last_log = time.monotonic()
+
+    def _gather_link_bytes(self) -> None:
+        """Every rank learns the bytes the others' links moved (collective over the replica's
+        world): rank 0 receives the requests, the last stage's ranks send the responses."""
+        everyone = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(everyone, self.stats.link_bytes(), group=self.group)
+        self.stats.others_link_bytes(everyone[:self.rank] + everyone[self.rank + 1:])
 
     def _say(self, record: dict) -> None:
         if self.log is not None:
             self.log(json.dumps({"time": round(time.time(), 3), **record}))
-
-
-@dataclass
-class _Stats:
-    """What a replica has served, in all and per student run."""
-
-    requests: int = 0
-    samples: int = 0
-    tokens: int = 0
-    bytes_in: int = 0
-    bytes_out: int = 0
-    forward_s: float = 0.0
-    runs: dict = field(default_factory=dict)
-    t0: float = field(default_factory=time.monotonic)
-    last_log: float = field(default_factory=time.monotonic)
-
-    def connected(self, meta: ConnectionMeta) -> None:
-        self.runs.setdefault(str(meta.run), {"requests": 0, "tokens": 0, "bytes_in": 0,
-                                             "bytes_out": 0, "connections": 0})
-        self.runs[str(meta.run)]["connections"] += 1
-
-    def served(self, meta: ConnectionMeta | None, req: Request, hidden_size: int) -> None:
-        tokens = req.batch * req.seq_length
-        out = tokens * wire_bytes_per_token(hidden_size, meta.wire_dtype) if meta else 0
-        self.requests += 1
-        self.samples += req.batch
-        self.tokens += tokens
-        self.bytes_in += 4 * tokens
-        self.bytes_out += out
-        run = self.runs.get(str(req.run))
-        if run is not None:
-            run["requests"] += 1
-            run["tokens"] += tokens
-            run["bytes_in"] += 4 * tokens
-            run["bytes_out"] += out
-
-    def summary(self) -> dict:
-        elapsed = max(1e-9, time.monotonic() - self.t0)
-        return {"requests": self.requests, "samples": self.samples, "tokens": self.tokens,
-                "tokens_per_s": round(self.tokens / elapsed, 1), "bytes_in": self.bytes_in,
-                "bytes_out": self.bytes_out, "forward_s": round(self.forward_s, 3),
-                "runs": self.runs}

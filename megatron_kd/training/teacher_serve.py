@@ -14,8 +14,8 @@ tensor-parallel layout over its whole world: a replica is never a data-parallel 
 replica's world), registers at the endpoint once it is ready, and serves any number of student
 runs until it is stopped (SIGTERM or SIGINT: it finishes the batch in flight, withdraws from the
 endpoint and exits 0; a rank still running ``--stop-grace`` seconds later writes its threads'
-stacks to stderr, withdraws and exits 4). Each rank also exits when its launcher dies (torchrun's agent SIGKILLed,
-say): within ``--launcher-grace`` + 0.5 s, the record withdrawn
+stacks to stderr, withdraws and exits 4). Each rank also exits when its launcher dies
+(torchrun's agent SIGKILLed, say): within ``--launcher-grace`` + 0.5 s, the record withdrawn
 (:mod:`megatron_kd.teacher.launcher_watch`; ``--no-exit-with-launcher`` for a replica meant to
 outlive the shell that started it). Rank 0 writes its log lines (JSON: connections, requests and
 tokens served, tokens/s, wire bytes, per student run) to stderr and ``--log-json``.
@@ -29,6 +29,7 @@ import os
 import socket
 import sys
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -36,8 +37,8 @@ from megatron.core import parallel_state as ps
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megatron_kd.arch import sequence_parts
-from megatron_kd.flags import add_flags, from_flags
-from megatron_kd.integration.args import add_teacher_flags, teacher_torch_dtype
+from megatron_kd.flags import add_flags, flag, from_flags
+from megatron_kd.integration.args import KDArgs, add_teacher_flags
 from megatron_kd.integration.context_parallel import cp_positions, gather_positions
 from megatron_kd.integration.cpu_shim import device_context, install_cpu_shim, on_cpu
 from megatron_kd.integration.groups import (
@@ -54,7 +55,86 @@ from megatron_kd.teacher.service import TeacherService
 from megatron_kd.training.metrics import MetricsSection, MetricWriters, service_scalars
 from megatron_kd.training.run_config import ParallelSection
 
-__all__ = ["add_arguments", "run"]
+__all__ = ["ServeConfig", "ServeSection", "add_arguments", "run"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServeSection:
+    """What ``teacher serve`` asks beyond the teacher, its layout and its metrics: batching,
+    where students reach it, logging, and how it stops."""
+
+    max_batch_size: int = flag(16, "samples batched into one forward at most (requests of "
+                                   "several student ranks and runs together)")
+    """Samples in one forward at most (also the largest microbatch a student may announce)."""
+
+    max_seq_length: int | None = flag(None, "longest request accepted (default: the teacher's "
+                                            "positions)", type=int)
+    """The longest sequence a connection may announce (None: the teacher's positions)."""
+
+    host: str | None = flag(None, "the address students reach this replica at (default: this "
+                                  "host's name)")
+    """The address students reach rank 0 at (None: this host's name)."""
+
+    port: int = flag(0, "rendezvous port (default: any free one)")
+    """Rank 0's store port (0: any free one)."""
+
+    seed: int = flag(1234)
+    """The teacher model's initialisation seed (its weights come from the checkpoint)."""
+
+    log_json: str | None = flag(None, "append the replica's log lines here")
+    """Rank 0 appends its JSON log lines here too (None: stderr only)."""
+
+    stats_interval: float = flag(10.0, metavar="SECONDS")
+    """Seconds between ``stats`` log records."""
+
+    exit_with_launcher: bool = flag(
+        True, "each rank stops when the process that launched it (torchrun, srun, a shell) "
+              "dies, and exits --launcher-grace seconds later at the latest, its endpoint "
+              "record withdrawn (default: on; off for a replica started with nohup that must "
+              "outlive its shell)", action=argparse.BooleanOptionalAction)
+    """Each rank stops when its launcher dies (:mod:`megatron_kd.teacher.launcher_watch`)."""
+
+    launcher_grace: float = flag(5.0, "seconds a rank whose launcher died has to stop in order "
+                                      "before it leaves anyway", metavar="SECONDS")
+    """Seconds a rank whose launcher died has to stop in order."""
+
+    stop_grace: float = flag(
+        30.0, f"seconds a rank has to stop in order after SIGTERM / SIGINT; still running then, "
+              f"it writes its threads' stacks to stderr, withdraws and exits "
+              f"{STOP_OVERDUE_EXIT}", metavar="SECONDS")
+    """Seconds a rank has to stop in order after SIGTERM / SIGINT."""
+
+    def __post_init__(self) -> None:
+        if self.max_batch_size < 1:
+            raise ValueError(f"--max-batch-size must be >= 1, got {self.max_batch_size}")
+        for name, value in (("launcher-grace", self.launcher_grace),
+                            ("stop-grace", self.stop_grace)):
+            if value < 0:
+                raise ValueError(f"--{name} must be >= 0, got {value}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServeConfig:
+    """Everything ``megatron-kd teacher serve`` was asked for, as typed sections: made once
+    from the parsed flags (:meth:`from_args`); nothing past it reads argparse."""
+
+    teacher: KDArgs
+    """The teacher flags (``--kd-teacher-load``, ``-endpoint``, ``-args``, ``-dtype``,
+    ``-timeout``), validated as a disaggregated teacher's."""
+
+    parallel: ParallelSection
+    """The replica's own layout (TP, PP, CP, experts, sequence parallelism)."""
+
+    serve: ServeSection
+    metrics: MetricsSection
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> ServeConfig:
+        """The sections of the flags :func:`add_arguments` added to ``serve``."""
+        return cls(serve=from_flags(ServeSection, args),
+                   teacher=from_flags(KDArgs, args, mode="disaggregated"),
+                   parallel=from_flags(ParallelSection, args),
+                   metrics=from_flags(MetricsSection, args))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -71,32 +151,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "context_parallel_size"))
     add_teacher_flags(s, only=("teacher_args", "teacher_dtype"),
                       help={"teacher_dtype": "parameter dtype of the teacher"})
-    s.add_argument("--max-batch-size", type=int, default=16,
-                   help="samples batched into one forward at most (requests of several student "
-                        "ranks and runs together)")
-    s.add_argument("--max-seq-length", type=int, default=None,
-                   help="longest request accepted (default: the teacher's positions)")
+    add_flags(s, ServeSection, only=("max_batch_size", "max_seq_length"))
     add_teacher_flags(s, only=("teacher_timeout",),
                       help={"teacher_timeout": "a student silent this long while a response is "
                                                "sent to it is dropped"})
-    s.add_argument("--host", default=None,
-                   help="the address students reach this replica at (default: this host's name)")
-    s.add_argument("--port", type=int, default=0, help="rendezvous port (default: any free one)")
-    s.add_argument("--seed", type=int, default=1234)
-    s.add_argument("--log-json", default=None, help="append the replica's log lines here")
-    s.add_argument("--stats-interval", type=float, default=10.0, metavar="SECONDS")
-    s.add_argument("--exit-with-launcher", action=argparse.BooleanOptionalAction, default=True,
-                   help="each rank stops when the process that launched it (torchrun, srun, a "
-                        "shell) dies, and exits --launcher-grace seconds later at the latest, "
-                        "its endpoint record withdrawn (default: on; off for a replica started "
-                        "with nohup that must outlive its shell)")
-    s.add_argument("--launcher-grace", type=float, default=5.0, metavar="SECONDS",
-                   help="seconds a rank whose launcher died has to stop in order before it "
-                        "leaves anyway")
-    s.add_argument("--stop-grace", type=float, default=30.0, metavar="SECONDS",
-                   help=f"seconds a rank has to stop in order after SIGTERM / SIGINT; still "
-                        f"running then, it writes its threads' stacks to stderr, withdraws and "
-                        f"exits {STOP_OVERDUE_EXIT}")
+    add_flags(s, ServeSection, exclude=("max_batch_size", "max_seq_length"))
     add_flags(s, MetricsSection, use_groups=False, only=(
         "tensorboard_dir", "tensorboard_queue_size", "wandb_project", "wandb_exp_name",
         "wandb_save_dir"), help={"tensorboard_dir": "the replica's stats as TensorBoard "
@@ -110,12 +169,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.action == "registry":
-        return _registry(args)
-    return _serve(args)
+        return _registry(args.host, args.port)
+    return _serve(ServeConfig.from_args(args))
 
 
-def _registry(args: argparse.Namespace) -> int:
-    store = dist.TCPStore(args.host, args.port, is_master=True, wait_for_workers=False)
+def _registry(host: str, port: int) -> int:
+    store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False)
     print(json.dumps({"event": "registry", "port": store.port}), file=sys.stderr, flush=True)
     stop = stop_on_signals()
     while not stop.wait(0.5):
@@ -123,52 +182,51 @@ def _registry(args: argparse.Namespace) -> int:
     return 0
 
 
-def _check(args: argparse.Namespace, world: int):
-    for name, value in (("tensor_model_parallel_size", args.tensor_model_parallel_size),
-                        ("pipeline_model_parallel_size", args.pipeline_model_parallel_size),
-                        ("context_parallel_size", args.context_parallel_size),
-                        ("max_batch_size", args.max_batch_size)):
+def _check(cfg: ServeConfig, world: int):
+    parallel = cfg.parallel
+    for name, value in (("tensor_model_parallel_size", parallel.tensor_model_parallel_size),
+                        ("pipeline_model_parallel_size", parallel.pipeline_model_parallel_size),
+                        ("context_parallel_size", parallel.context_parallel_size)):
         if value < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
-    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    cp = args.context_parallel_size
+    tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
+    cp = parallel.context_parallel_size
     if world != tp * pp * cp:
         raise ValueError(f"a teacher replica's world is its TP x PP x CP ({tp} x {pp} x {cp} = "
                          f"{tp * pp * cp}), got {world} ranks: launch one `teacher serve` per "
                          f"replica (a replica is never a data-parallel rank of another: each "
                          f"must be able to fail alone)")
-    teacher_dir, arch = check_teacher(args.kd_teacher_load, seq_length=args.max_seq_length or 1,
-                                      tp_sizes=(tp,), pp_size=pp, teacher_args=args.kd_teacher_args)
+    teacher_dir, arch = check_teacher(cfg.teacher.teacher_load,
+                                      seq_length=cfg.serve.max_seq_length or 1, tp_sizes=(tp,),
+                                      pp_size=pp, teacher_args=cfg.teacher.teacher_args)
     arch.check_context_parallel(cp, role="teacher",
                                 advice="serve it at --context-parallel-size 1")
-    check_experts_within_tensor_parallel(arch, tp, args.expert_model_parallel_size,
-                                         args.expert_tensor_parallel_size)
+    check_experts_within_tensor_parallel(arch, tp, parallel.expert_model_parallel_size,
+                                         parallel.expert_tensor_parallel_size)
     return teacher_dir, arch
 
 
-def _serve(args: argparse.Namespace) -> int:
-    for flag, value in (("launcher-grace", args.launcher_grace),
-                        ("stop-grace", args.stop_grace)):
-        if value < 0:
-            raise ValueError(f"--{flag} must be >= 0, got {value}")
+def _serve(cfg: ServeConfig) -> int:
     install_cpu_shim()
     if on_cpu():
         torch.set_flush_denormal(True)
     services: list[TeacherService] = []  # the one built below (what a forced exit withdraws)
-    stop = stop_on_signals(args.stop_grace,
+    stop = stop_on_signals(cfg.serve.stop_grace,
                            lambda: [s.abandon("stop overdue") for s in services])
     watch = None
-    if args.exit_with_launcher:  # watched from before the rendezvous: it may hang there too
+    if cfg.serve.exit_with_launcher:  # watched from before the rendezvous: it may hang there too
         watch = LauncherWatch(stop.set, lambda: [s.abandon("launcher gone") for s in services],
-                              grace_s=args.launcher_grace).start()
+                              grace_s=cfg.serve.launcher_grace).start()
     created = init_distributed_from_env()
     try:
-        teacher_dir, arch = _check(args, dist.get_world_size())
-        tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-        with model_parallel(tp, pp, args.expert_model_parallel_size,
-                            args.expert_tensor_parallel_size,
-                            cp=args.context_parallel_size), device_context():
-            service = _service(args, teacher_dir, arch, tp, pp)
+        teacher_dir, arch = _check(cfg, dist.get_world_size())
+        parallel = cfg.parallel
+        with model_parallel(parallel.tensor_model_parallel_size,
+                            parallel.pipeline_model_parallel_size,
+                            parallel.expert_model_parallel_size,
+                            parallel.expert_tensor_parallel_size,
+                            cp=parallel.context_parallel_size), device_context():
+            service = _service(cfg, teacher_dir, arch)
             services.append(service)
             service.serve(stop.is_set)
         return 0
@@ -180,22 +238,24 @@ def _serve(args: argparse.Namespace) -> int:
         stop.ended()
 
 
-def _service(args: argparse.Namespace, teacher_dir: str, arch, tp: int, pp: int) -> TeacherService:
+def _service(cfg: ServeConfig, teacher_dir: str, arch) -> TeacherService:
+    serve, teacher, parallel = cfg.serve, cfg.teacher, cfg.parallel
+    tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
+    cp = parallel.context_parallel_size
     is_first, is_last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
-    sp = args.sequence_parallel and tp > 1
-    model = build_frozen_teacher(arch, teacher_dir,
-                                 dtype=teacher_torch_dtype(args.kd_teacher_dtype),
-                                 pre_process=is_first, post_process=is_last, seed=args.seed,
+    sp = parallel.sequence_parallel and tp > 1
+    model = build_frozen_teacher(arch, teacher_dir, dtype=teacher.teacher_torch_dtype,
+                                 pre_process=is_first, post_process=is_last, seed=serve.seed,
                                  sequence_parallel=sp)
     # the ranks of the last pipeline stage (TP x CP of them), each with the whole answer
     stages = [None] * dist.get_world_size()
     dist.all_gather_object(stages, is_last)
     last_stage = [r for r, last in enumerate(stages) if last]
     device = compute_device()
-    log_file = open(args.log_json, "a", encoding="utf-8") if (  # noqa: SIM115 - lives as long
-            args.log_json and dist.get_rank() == 0) else None   # as the process
+    log_file = open(serve.log_json, "a", encoding="utf-8") if (  # noqa: SIM115 - lives as long
+            serve.log_json and dist.get_rank() == 0) else None   # as the process
     # closed at exit (atexit in both)
-    writers = MetricWriters(from_flags(MetricsSection, args), dist.get_rank() == 0)
+    writers = MetricWriters(cfg.metrics, dist.get_rank() == 0)
     started = time.monotonic()
 
     def log(line: str) -> None:
@@ -212,19 +272,17 @@ def _service(args: argparse.Namespace, teacher_dir: str, arch, tp: int, pp: int)
 
     return TeacherService(
         last_stage_ranks=last_stage, identity=teacher_identity(teacher_dir, arch,
-                                                               args.kd_teacher_dtype),
-        endpoint=parse_endpoint(args.kd_teacher_endpoint),
-        host=args.host or socket.gethostname(), port=args.port,
+                                                               teacher.teacher_dtype),
+        endpoint=parse_endpoint(teacher.teacher_endpoint),
+        host=serve.host or socket.gethostname(), port=serve.port,
         forward=_forward_fn(model, is_last, ps.get_tensor_model_parallel_group() if sp else None,
-                            ps.get_context_parallel_group() if args.context_parallel_size > 1
-                            else None),
-        device=device, timeout_s=args.kd_teacher_timeout,
-        max_batch=args.max_batch_size,
-        max_seq_length=args.max_seq_length or arch.max_position_embeddings,
-        log=log, stats_interval_s=args.stats_interval,
-        layout={"world_size": dist.get_world_size(), "tp": tp, "pp": pp,
-                "cp": args.context_parallel_size,
-                "ep": args.expert_model_parallel_size, "pid": os.getpid(),
+                            ps.get_context_parallel_group() if cp > 1 else None),
+        device=device, timeout_s=teacher.teacher_timeout,
+        max_batch=serve.max_batch_size,
+        max_seq_length=serve.max_seq_length or arch.max_position_embeddings,
+        log=log, stats_interval_s=serve.stats_interval,
+        layout={"world_size": dist.get_world_size(), "tp": tp, "pp": pp, "cp": cp,
+                "ep": parallel.expert_model_parallel_size, "pid": os.getpid(),
                 "started": round(time.time(), 3)})
 
 

@@ -140,7 +140,8 @@ class _Replica:
                                     or os.path.exists(f"{self.tmp}/done")
                                     or time.monotonic() > deadline)
         return {"replica": self.service.replica, "failed": self.failed,
-                "requests": totals["requests"]}
+                "requests": totals["requests"], "bytes_in": totals["bytes_in"],
+                "bytes_out": totals["bytes_out"]}
 
 
 def _client(endpoint, schedule, log=None, rebalance_every=0, micro_batch_size=MBS,
@@ -287,9 +288,11 @@ def test_failover_resends_outstanding_requests(pool, tmp_path, how):
     assert lost["replica"] in failovers[0]["replica_lost"]
     assert taken["replica"] in failovers[0]["replica_taken"]
     assert failovers[0]["requests_resent"] >= 1 and taken["requests"] >= 1
+    # the step statistics carry each failover once, as it was logged
+    assert [e for s in student["stats"] for e in s.failovers] == failovers
     # sent = the planner's token ids + what was sent again; each request answered once
-    sent = sum(s["bytes_sent"] for s in student["stats"])
-    resent = sum(s["bytes_resent"] for s in student["stats"])
+    sent = sum(s.bytes_sent for s in student["stats"])
+    resent = sum(s.bytes_resent for s in student["stats"])
     per_request = MBS * SEQ * 4
     assert 0 < resent <= failovers[0]["requests_resent"] * per_request
     assert sent - resent == STEPS * _planner_bytes_per_step()
@@ -305,15 +308,22 @@ def test_second_replica_takes_the_connection(pool, tmp_path):
     assert first["requests"] + second["requests"] == STEPS * MICROBATCHES  # none lost, none twice
     by_replica = {}
     for s in student["stats"]:
-        for replica, tokens in s["tokens_by_replica"].items():
+        for replica, tokens in s.tokens_by_replica.items():
             by_replica[replica] = by_replica.get(replica, 0) + tokens
     assert by_replica == {first["replica"]: first["requests"] * MBS * SEQ,
                           second["replica"]: second["requests"] * MBS * SEQ}
     # without a failover the bytes sent are the planner's, step by step
-    assert [s["bytes_sent"] for s in student["stats"]] == [_planner_bytes_per_step()] * STEPS
-    assert [s["bytes_resent"] for s in student["stats"]] == [0] * STEPS
+    assert [s.bytes_sent for s in student["stats"]] == [_planner_bytes_per_step()] * STEPS
+    assert [s.bytes_resent for s in student["stats"]] == [0] * STEPS
+    # each end counts the bytes its links moved, and they agree: the token ids the replicas
+    # received are those the client sent, the hidden states they sent those it received
+    assert first["bytes_in"] + second["bytes_in"] == sum(s.bytes_sent for s in student["stats"])
+    assert first["bytes_out"] + second["bytes_out"] == \
+        sum(s.bytes_received for s in student["stats"]) == STEPS * MICROBATCHES * MBS * SEQ * \
+        HIDDEN * 4  # fp32
+    assert first["bytes_in"] == first["requests"] * MBS * SEQ * 4  # int32 token ids
     # and each request's header: header_size(MBS) int64 words
-    assert [s["header_bytes_sent"] for s in student["stats"]] == \
+    assert [s.header_bytes_sent for s in student["stats"]] == \
         [MICROBATCHES * header_size(MBS) * 8] * STEPS
 
 

@@ -2,13 +2,14 @@
 
 import argparse
 import dataclasses
+import re
 
 import pytest
 
 from megatron_kd.flags import Flag, add_flags, default_of, flag, from_flags
 from megatron_kd.integration.args import GPU_LOSS_FLAGS, LOSS_FLAGS, KDArgs, add_kd_args
 from megatron_kd.loss import GpuTuning, KDLossConfig
-from megatron_kd.training import cache_command
+from megatron_kd.training import cache_command, teacher_serve
 from megatron_kd.training.metrics import MetricsSection
 from megatron_kd.training.run_config import (
     ArchitectureSection,
@@ -134,3 +135,42 @@ def test_loss_flag_errors_name_the_flags():
 def test_flag_spec_names():
     assert Flag(name="--kd-loss").dest("kind") == "kd_loss"
     assert Flag().option("micro_batch_size") == "--micro-batch-size"
+
+
+def _serve_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser()
+    teacher_serve.add_arguments(parser)
+    return parser
+
+
+SERVE = ["serve", "--kd-teacher-load", "ckpt", "--kd-teacher-endpoint", "ep"]
+
+
+def test_teacher_serve_flags_make_its_config_once():
+    args = _serve_parser().parse_args(SERVE + [
+        "--tensor-model-parallel-size", "2", "--kd-teacher-dtype", "bf16", "--port", "7",
+        "--no-exit-with-launcher", "--stop-grace", "0", "--tensorboard-dir", "tb"])
+    cfg = teacher_serve.ServeConfig.from_args(args)
+    assert cfg.serve == teacher_serve.ServeSection(port=7, exit_with_launcher=False,
+                                                   stop_grace=0.0)
+    assert (cfg.teacher.teacher_load, cfg.teacher.teacher_endpoint) == ("ckpt", "ep")
+    assert cfg.teacher.teacher_dtype == "bf16" and cfg.teacher.teacher_timeout == \
+        default_of(KDArgs, "teacher_timeout")
+    assert cfg.parallel == ParallelSection(tensor_model_parallel_size=2)
+    assert cfg.metrics == MetricsSection(tensorboard_dir="tb")
+    # the defaults are the sections' own: the launcher watched unless asked otherwise
+    plain = teacher_serve.ServeConfig.from_args(_serve_parser().parse_args(SERVE))
+    assert plain.serve == teacher_serve.ServeSection() and plain.serve.exit_with_launcher
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--max-batch-size", "0"], "--max-batch-size must be >= 1, got 0"),
+    (["--launcher-grace", "-1"], "--launcher-grace must be >= 0, got -1.0"),
+    (["--stop-grace", "-0.5"], "--stop-grace must be >= 0, got -0.5"),
+    (["--kd-teacher-timeout", "0"], "--kd-teacher-timeout must be > 0, got 0.0"),
+])
+def test_teacher_serve_config_refuses_bad_values(flags, message):
+    args = _serve_parser().parse_args(SERVE + flags)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        teacher_serve.ServeConfig.from_args(args)
+
