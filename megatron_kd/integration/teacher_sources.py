@@ -23,6 +23,9 @@ A source is built on every rank (its construction may be collective: a checkpoin
 id); ``active`` says whether this rank is one that computes the loss (the last pipeline stage),
 and only active ranks start clients or decoders. A layout (sequence or context parallelism,
 virtual stages) changes the sources here, once for both trainers.
+
+The module is one piece: the four sources implement one interface and are read side by side (a
+change to the interface changes each of them).
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ import os
 import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -338,6 +341,19 @@ class Remote(TeacherSource):
             self.client.close()
 
 
+class _CacheRates(NamedTuple):
+    """A cache-reading rank's step (summed over ranks by one all-reduce, field by field)."""
+
+    wait_s: float
+    """Seconds waited for decoded targets this step."""
+    tokens: float
+    """Tokens decoded so far."""
+    decode_s: float
+    """Seconds spent decoding so far."""
+    readers: float
+    """1 on a rank that reads the cache, else 0."""
+
+
 class Cached(TeacherSource):
     """Top-K teacher ids and log-probs from a cache made by ``megatron-kd cache build``, read
     by dataset sample index (so any DP / TP / micro-batch layout reads the same cache),
@@ -402,16 +418,17 @@ class Cached(TeacherSource):
         ranks: it decodes ahead, so a step may decode nothing); one all-reduce over ``group``."""
         p = self.prefetcher if self.prefetcher is not None else self.lookup
         wait_s, tokens, decode_s = p.rates() if p is not None else (0.0, 0, 0.0)
-        vec = [wait_s - self._waited, tokens, decode_s, p is not None]
+        rates = _CacheRates(wait_s=wait_s - self._waited, tokens=tokens, decode_s=decode_s,
+                            readers=float(p is not None))
         self._waited = wait_s
-        if group is not None:
-            t = torch.tensor(vec, dtype=torch.float64, device=collective_device(group))
+        if group is not None:  # every field a sum over the ranks
+            t = torch.tensor(rates, dtype=torch.float64, device=collective_device(group))
             dist.all_reduce(t, group=group)
-            vec = t.tolist()
-        wait_s, tokens, decode_s, readers = vec
+            rates = _CacheRates(*t.tolist())
         return StepStats(scalars={
-            "kd_cache_wait_s": round(wait_s / readers, 6) if readers else 0.0,
-            "kd_cache_read_tokens_per_s": round(tokens / decode_s, 1) if decode_s else None})
+            "kd_cache_wait_s": round(rates.wait_s / rates.readers, 6) if rates.readers else 0.0,
+            "kd_cache_read_tokens_per_s": (round(rates.tokens / rates.decode_s, 1)
+                                           if rates.decode_s else None)})
 
     def summary(self) -> dict[str, Any]:
         return {**super().summary(),
