@@ -41,9 +41,9 @@ from megatron_kd.integration.megatron_lm_checkpoint import (
     megatron_lm_teacher_dir,
 )
 from megatron_kd.integration.output_layer import bypass_output_layer
+from megatron_kd.placement import compute_device
 from megatron_kd.teacher.client import TeacherClient
 from megatron_kd.teacher.endpoint import parse_endpoint
-from megatron_kd.placement import compute_device
 
 __all__ = ["build_frozen_teacher", "check_teacher", "connect_teacher", "load_output_layer_shard",
            "teacher_identity", "unpipelined_groups"]
@@ -219,8 +219,8 @@ def connect_teacher(kd, arch: GPTArchConfig, *, run: int, dp_rank: int, tp_group
     client = TeacherClient(
         endpoint=parse_endpoint(kd.teacher_endpoint),
         expected=teacher_identity(kd.teacher_load, arch, kd.teacher_dtype), run=run,
-        dp_rank=dp_rank, tp_group=group if tp * cp > 1 else None, tp_rank=member,
-        tp_size=tp * cp, micro_batch_size=micro_batch_size, seq_length=seq_length,
+        dp_rank=dp_rank, member_group=group if tp * cp > 1 else None, member=member,
+        members=tp * cp, micro_batch_size=micro_batch_size, seq_length=seq_length,
         hidden_size=arch.hidden_size, dtype=kd.teacher_torch_dtype, wire_dtype=kd.wire,
         depth=kd.prefetch_depth, timeout_s=kd.teacher_timeout, device=device,
         schedule=schedule if member == 0 else None, max_samples=max_samples,

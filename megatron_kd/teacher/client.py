@@ -74,9 +74,9 @@ class TeacherClient:
         expected: the teacher identity this run needs (checked against each replica's).
         run: this run's id (the same on every rank of the run).
         dp_rank: the student data-parallel rank of this TP group.
-        tp_group / tp_rank / tp_size: the student ranks one connection answers (the TP group;
-            with context parallelism the TP x CP group, member ``c * tp + t``), this rank's
-            place in them and their number (``tp_group`` None when 1 rank).
+        member_group / member / members: the student ranks one connection answers, its members
+            (the TP group; with context parallelism the TP x CP group, member ``c * tp + t``),
+            this rank's place in them and their number (``member_group`` None when 1 rank).
         micro_batch_size / seq_length / hidden_size: the shapes of a response.
         dtype: the teacher hidden states' dtype for the loss (the output-layer shard's).
         wire_dtype: ``fp32``, ``bf16`` or ``fp8``.
@@ -90,11 +90,11 @@ class TeacherClient:
             sequence-parallel loss takes) instead of all-gathering the whole sequence.
         cp_size / gather_group: context parallelism: each CP rank receives its load-balanced
             positions; without sequence parallelism the TP ranks of one CP rank all-gather
-            over ``gather_group`` (without context parallelism: ``tp_group``).
+            over ``gather_group`` (without context parallelism: ``member_group``).
     """
 
-    def __init__(self, *, endpoint: Endpoint, expected: dict, run: int, dp_rank: int, tp_group,
-                 tp_rank: int, tp_size: int, micro_batch_size: int, seq_length: int,
+    def __init__(self, *, endpoint: Endpoint, expected: dict, run: int, dp_rank: int, member_group,
+                 member: int, members: int, micro_batch_size: int, seq_length: int,
                  hidden_size: int, dtype: torch.dtype, wire_dtype: str, depth: int,
                  timeout_s: float, device: torch.device,
                  schedule: Iterator | None = None, max_samples: int = 64,
@@ -103,13 +103,13 @@ class TeacherClient:
                  gather_group=None) -> None:
         # the answer is cut for the connection's TP x CP members as sequence parallelism cuts
         # a sequence (each member receives its slice)
-        check_sequence_split(seq_length, tp=tp_size // cp_size, cp=cp_size,
+        check_sequence_split(seq_length, tp=members // cp_size, cp=cp_size,
                              sequence_parallel=True)
         self.endpoint, self.expected, self.run, self.dp_rank = endpoint, expected, run, dp_rank
-        self.tp_group, self.tp_rank, self.tp_size = tp_group, tp_rank, tp_size
+        self.member_group, self.member, self.members = member_group, member, members
         self.sequence_parallel, self.cp_size = sequence_parallel, cp_size
-        self.gather_group = tp_group if gather_group is None and cp_size == 1 else gather_group
-        self.shape = (seq_length // tp_size, micro_batch_size, hidden_size)
+        self.gather_group = member_group if gather_group is None and cp_size == 1 else gather_group
+        self.shape = (seq_length // members, micro_batch_size, hidden_size)
         self.seq_length, self.dtype, self.wire_dtype = seq_length, dtype, wire_dtype
         self.depth, self.timeout_s = depth, timeout_s
         self.device, self.max_samples = torch.device(device), max_samples
@@ -149,7 +149,7 @@ class TeacherClient:
         rank makes its links; with ``repost`` it posts its receives for the outstanding
         requests (a fresh start or a failover: they are all sent to this connection)."""
         choice = [None]
-        if self.tp_rank == 0:
+        if self.member == 0:
             try:
                 choice = [self._chooser.choose(deadline, only)]
             except (TeacherMismatchError, TeacherRefusedError, TeacherUnavailableError) as e:
@@ -168,11 +168,11 @@ class TeacherClient:
         self._peer_ids[peer] = record.replica
         self._records[peer] = record
         self._links = []
-        if self.tp_rank == 0:
+        if self.member == 0:
             self.request_link = Link(store, request_prefix(conn), 1, device=device,
                                      timeout_s=self.timeout_s, peer=peer, release_on_abort=True)
             self._links.append(self.request_link)
-        self.response_link = Link(store, response_prefix(conn, self.tp_rank), 1, device=device,
+        self.response_link = Link(store, response_prefix(conn, self.member), 1, device=device,
                                   timeout_s=self.timeout_s, peer=peer, release_on_abort=True)
         self._links.append(self.response_link)
         if repost:
@@ -182,7 +182,7 @@ class TeacherClient:
                 self._post(request)
 
     def _meta(self) -> ConnectionMeta:
-        return ConnectionMeta(run=self.run, dp_rank=self.dp_rank, tp=self.tp_size // self.cp_size,
+        return ConnectionMeta(run=self.run, dp_rank=self.dp_rank, tp=self.members // self.cp_size,
                               cp=self.cp_size,
                               micro_batch_size=self.shape[1], seq_length=self.seq_length,
                               max_samples=self.max_samples, wire_dtype=self.wire_dtype,
@@ -192,16 +192,16 @@ class TeacherClient:
     def _send_next(self) -> None:
         """Queue the next microbatch of the schedule (TP rank 0 sends it); others count it."""
         item = [None]
-        if self.tp_rank == 0:
+        if self.member == 0:
             item = [next(self.schedule, None)] if self.schedule is not None else [None]
-        if self.tp_rank == 0 and item[0] is not None:
+        if self.member == 0 and item[0] is not None:
             step, microbatch, sample_ids, tokens = item[0]
             out = Outstanding(request=self.next_request, step=step, microbatch=microbatch,
                               sample_ids=tuple(int(i) for i in sample_ids),
                               tokens=tokens.to(torch.int32), fingerprint=token_fingerprint(tokens))
             self.outstanding.append(out)
             self._transmit(out)
-        elif self.tp_rank != 0:
+        elif self.member != 0:
             self.outstanding.append(Outstanding(request=self.next_request, step=-1,
                                                 microbatch=-1, sample_ids=(), tokens=None,
                                                 fingerprint=0))
@@ -256,14 +256,14 @@ class TeacherClient:
             raise RuntimeError(f"teacher client: microbatch {microbatch} of step {step} asked "
                                f"for with no request outstanding")
         head = self.outstanding[0]
-        if self.tp_rank == 0 and (head.step, head.microbatch) != (step, microbatch) or (
-                self.tp_rank == 0 and sample_ids is not None
+        if self.member == 0 and (head.step, head.microbatch) != (step, microbatch) or (
+                self.member == 0 and sample_ids is not None
                 and tuple(int(i) for i in sample_ids) != head.sample_ids):
             raise RuntimeError(f"teacher client: the trainer is at step {step} microbatch "
                                f"{microbatch} (samples {sample_ids}) but the next request is "
                                f"step {head.step} microbatch {head.microbatch} (samples "
                                f"{head.sample_ids})")
-        if self.tp_rank == 0:  # the ring as the rank that sends sees it
+        if self.member == 0:  # the ring as the rank that sends sees it
             self._occupancy += self._arrived() / len(self.outstanding)
             self._asks += 1
         t0 = time.monotonic()
@@ -305,18 +305,18 @@ class TeacherClient:
         except WireError as e:
             raise HeaderMismatchError(f"from {self.replica}: {e}") from e
         expected = Response(run=self.run, conn=slot.conn, request=head.request,
-                            step=response.step if self.tp_rank else head.step,
-                            microbatch=response.microbatch if self.tp_rank else head.microbatch,
-                            sample_ids=response.sample_ids if self.tp_rank else head.sample_ids,
-                            fingerprint=response.fingerprint if self.tp_rank else
-                            head.fingerprint, chunk=self.tp_rank, num_chunks=self.tp_size,
+                            step=response.step if self.member else head.step,
+                            microbatch=response.microbatch if self.member else head.microbatch,
+                            sample_ids=response.sample_ids if self.member else head.sample_ids,
+                            fingerprint=response.fingerprint if self.member else
+                            head.fingerprint, chunk=self.member, num_chunks=self.members,
                             cp_size=self.cp_size,
                             shape=self.shape, wire_dtype=self.wire_dtype)
         response.check_against(expected, replica=link.peer,
                                student_rank=dist.get_rank() if dist.is_initialized() else 0)
         self._response = response
         self.bytes_this_step += sum(p.numel() * p.element_size() for p in parts)
-        if self.tp_rank == 0:
+        if self.member == 0:
             replica = self._peer_ids.get(link.peer, link.peer)
             self._tokens[replica] = self._tokens.get(replica, 0) + self.seq_length * len(
                 response.sample_ids)
@@ -324,16 +324,16 @@ class TeacherClient:
 
     def _agree(self, head: Outstanding, failure: str | None) -> bool:
         """Every TP rank got its chunk of the same request (else all fail over together)."""
-        if self.tp_size == 1:
+        if self.members == 1:
             return failure is None
         r = self._response if failure is None else None
         mine = torch.tensor([0 if failure else 1, head.request,
                              r.step if r else -1, r.microbatch if r else -1,
                              r.fingerprint if r else -1], dtype=torch.int64,
-                            device=group_device(self.tp_group))
-        every = torch.empty(self.tp_size * 5, dtype=torch.int64, device=mine.device)
-        all_gather_into(every, mine, group=self.tp_group)
-        rows = every.view(self.tp_size, 5).cpu().tolist()
+                            device=group_device(self.member_group))
+        every = torch.empty(self.members * 5, dtype=torch.int64, device=mine.device)
+        all_gather_into(every, mine, group=self.member_group)
+        rows = every.view(self.members, 5).cpu().tolist()
         if not all(row[0] for row in rows):
             return False
         if any(row[1:] != rows[0][1:] for row in rows):
@@ -357,7 +357,7 @@ class TeacherClient:
         rebalance, the one left (its connection still draining), not the one connected now."""
         slot = self._slots.get(head.request % self.depth)
         lost = self.replica if slot is None else self._records.get(slot.link.peer, self.replica)
-        if self.tp_size > 1:  # the rank whose receive failed may not be rank 0: all name one
+        if self.members > 1:  # the rank whose receive failed may not be rank 0: all name one
             lost = self._first_failed(lost, failure)
         self._chooser.found_dead(lost)  # a restarted replica registers under a new id
         self._link_stores.pop(lost.replica, None)
@@ -365,21 +365,21 @@ class TeacherClient:
             link.abort()
         self._draining = []
         self._connect(time.monotonic() + self.timeout_s)
-        if self.tp_rank == 0:
+        if self.member == 0:
             for out in self.outstanding:
                 self._transmit(out)
         event = {"event": "failover", "time": round(time.time(), 3), "replica_lost": str(lost),
                  "replica_taken": str(self.replica), "requests_resent": len(self.outstanding),
                  "seconds_lost": round(time.monotonic() - t0, 3), "reason": failure,
-                 "dp_rank": self.dp_rank, "tp_rank": self.tp_rank}
+                 "dp_rank": self.dp_rank, "member": self.member}
         self.failovers.append(event)
-        if self.log is not None and self.tp_rank == 0:
+        if self.log is not None and self.member == 0:
             self.log(json.dumps(event))
 
     def _first_failed(self, mine: ReplicaRecord, failure: str | None) -> ReplicaRecord:
         """The replica named by the lowest TP rank whose receive failed (every rank learns it)."""
-        named = [None] * self.tp_size
-        dist.all_gather_object(named, mine.to_json() if failure else None, group=self.tp_group)
+        named = [None] * self.members
+        dist.all_gather_object(named, mine.to_json() if failure else None, group=self.member_group)
         first = next((n for n in named if n is not None), None)
         return mine if first is None else ReplicaRecord.from_json(first)
 
@@ -389,7 +389,7 @@ class TeacherClient:
         later takes work this way); responses already on their way are still taken from the
         old one."""
         target = [None]
-        if self.tp_rank == 0:
+        if self.member == 0:
             target = [self._chooser.less_loaded(self.replica, own_requests=len(self.outstanding))]
         self._broadcast(target)
         if target[0] is None:
@@ -402,7 +402,7 @@ class TeacherClient:
         self._draining.extend(old)
         event = {"event": "rebalance", "time": round(time.time(), 3), "replica_taken":
                  str(self.replica), "from_request": self.next_request, "dp_rank": self.dp_rank}
-        if self.log is not None and self.tp_rank == 0:
+        if self.log is not None and self.member == 0:
             self.log(json.dumps(event))
 
     def _reap_sends(self) -> None:
@@ -412,9 +412,9 @@ class TeacherClient:
             self._sends = self._sends[-keep:] if keep else []
 
     def _broadcast(self, objects: list) -> None:
-        if self.tp_size > 1:
-            src = dist.get_global_rank(self.tp_group, 0)
-            dist.broadcast_object_list(objects, src=src, group=self.tp_group)
+        if self.members > 1:
+            src = dist.get_global_rank(self.member_group, 0)
+            dist.broadcast_object_list(objects, src=src, group=self.member_group)
 
     # -- bookkeeping ----------------------------------------------------------------------------
     @property

@@ -78,7 +78,7 @@ _MAX_WAITING = 64
 
 
 @dataclass
-class _Conn:
+class _Connection:
     """A connection as the replica knows it."""
 
     conn: int
@@ -119,8 +119,9 @@ class _Sender(threading.Thread):
         self.queue.put(None)
 
 
-class _Front:
-    """Rank 0: the rendezvous store, connections, requests, the next batch."""
+class _Intake:
+    """Rank 0's intake: the rendezvous store, the connections announced there (admitted or
+    refused), their requests, and the next batch made of them."""
 
     def __init__(self, store, *, limits: ConnectionLimits, timeout_s: float) -> None:
         self.store, self.limits, self.timeout_s = store, limits, timeout_s
@@ -279,7 +280,7 @@ class TeacherService:
         self.log = log if self.rank == 0 else None
         self.stats_interval_s = stats_interval_s
         self.replica = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-        self.conns: dict[int, _Conn] = {}
+        self.conns: dict[int, _Connection] = {}
         self.stats = ReplicaStats()
         addr = [None]
         if self.rank == 0:
@@ -290,7 +291,7 @@ class TeacherService:
             limits = ConnectionLimits(identity=json.loads(json.dumps(identity)),
                                       max_seq_length=max_seq_length,
                                       max_batch=max_batch, max_samples=max_samples)
-            self.front = _Front(self.store, limits=limits, timeout_s=timeout_s)
+            self.intake = _Intake(self.store, limits=limits, timeout_s=timeout_s)
             addr = [(host, self.store.port)]
         dist.broadcast_object_list(addr, src=self._src, group=group)
         self.host, self.port = addr[0]
@@ -312,7 +313,7 @@ class TeacherService:
                        "host": self.host, "port": self.port})
         try:
             while True:
-                ctrl = [{**self.front.control(self.conns, stop()), "log": self._log_due()}
+                ctrl = [{**self.intake.control(self.conns, stop()), "log": self._log_due()}
                         if self.rank == 0 else None]
                 dist.broadcast_object_list(ctrl, src=self._src, group=self.group)
                 ctrl = ctrl[0]
@@ -355,35 +356,35 @@ class TeacherService:
     def _open(self, conn: int, meta: ConnectionMeta) -> None:
         """Make this rank's links of a new connection (the student makes its ends now too)."""
         device = link_device(meta.device, self.device.type)
-        state = _Conn(conn=conn, meta=meta)
+        connection = _Connection(conn=conn, meta=meta)
         peer = f"student run {meta.run} dp {meta.dp_rank}"
         try:
             if self.rank == 0:
-                state.request_link = Link(self.store, request_prefix(conn), 0, device=device,
+                connection.request_link = Link(self.store, request_prefix(conn), 0, device=device,
                                           timeout_s=self.timeout_s, peer=peer)
-                self.front.read_requests(conn, state.request_link, meta,
+                self.intake.read_requests(conn, connection.request_link, meta,
                                          functools.partial(self.stats.received, meta.run))
             for chunk in range(meta.members):
                 if self.last_stage_ranks[chunk % len(self.last_stage_ranks)] == self.rank:
                     link = Link(self.store, response_prefix(conn, chunk), 0, device=device,
                                 timeout_s=self.timeout_s,
                                 peer=f"{peer} {route_name(chunk, meta.tp, meta.cp)}")
-                    state.senders[chunk] = _Sender(link, self.timeout_s,
+                    connection.senders[chunk] = _Sender(link, self.timeout_s,
                                                    functools.partial(self.stats.sent, meta.run))
         except LinkDown as e:
             self._say({"event": "connect_failed", "conn": conn, "reason": str(e)})
-        self.conns[conn] = state
+        self.conns[conn] = connection
         self.stats.connected(meta)
         self._say({"event": "connected", "conn": conn, "run": meta.run, "dp_rank": meta.dp_rank,
                    "tp": meta.tp, "cp": meta.cp, "wire_dtype": meta.wire_dtype})
 
     def _close(self, conn: int) -> None:
-        state = self.conns.pop(conn, None)
-        if state is None:
+        connection = self.conns.pop(conn, None)
+        if connection is None:
             return
-        if state.request_link is not None:
-            state.request_link.abort()
-        for sender in state.senders.values():
+        if connection.request_link is not None:
+            connection.request_link.abort()
+        for sender in connection.senders.values():
             sender.link.abort()
             sender.close()
 
@@ -393,19 +394,19 @@ class TeacherService:
         hidden = self.forward(tokens)  # [s, B, h] on the last stage, else None
         offset = 0
         for conn, req, _ in batch:
-            state = self.conns.get(conn)
-            if hidden is not None and state is not None:
-                self._respond(state, req, hidden[:, offset:offset + req.batch])
+            connection = self.conns.get(conn)
+            if hidden is not None and connection is not None:
+                self._respond(connection, req, hidden[:, offset:offset + req.batch])
             offset += req.batch
             self.stats.served(req)
         self.stats.forward_s += time.perf_counter() - t0
 
-    def _respond(self, state: _Conn, req: Request, hidden: torch.Tensor) -> None:
+    def _respond(self, connection: _Connection, req: Request, hidden: torch.Tensor) -> None:
         """Each student rank's rows of ``hidden [s, b, h]``: a contiguous slice of the
         sequence per TP rank, and with context parallelism the TP slice of its CP rank's
         load-balanced positions (:func:`~megatron_kd.parallel.sequence.member_rows`)."""
-        meta = state.meta
-        for chunk, sender in state.senders.items():
+        meta = connection.meta
+        for chunk, sender in connection.senders.items():
             if sender.dead:
                 continue
             rows = member_rows(hidden.shape[0], chunk, meta.tp, meta.cp)

@@ -54,7 +54,6 @@ from megatron_kd.integration.checkpoint import latest_iteration, load_model_chec
 from megatron_kd.integration.context_parallel import cp_positions
 from megatron_kd.integration.cpu_shim import device_context
 from megatron_kd.integration.groups import collective_device
-from megatron_kd.placement import compute_device
 from megatron_kd.integration.loss_func import make_kd_loss_func
 from megatron_kd.integration.output_layer import output_layer_weight, unwrap_model
 from megatron_kd.integration.teacher_sources import (
@@ -62,6 +61,7 @@ from megatron_kd.integration.teacher_sources import (
     build_teacher_source,
     replica_rates,
 )
+from megatron_kd.placement import compute_device
 from megatron_kd.training.checkpointing import (
     load_training_checkpoint,
     save_training_checkpoint,
@@ -93,7 +93,7 @@ class Trainer:
     REPORT_KEYS = ("loss", "kd_loss", "lm_loss", "teacher_lm_loss")
 
     def __init__(self, config: RunConfig, run: CheckedRun, *, loss_fn=None) -> None:
-        self.cfg, self.run = config, run
+        self.run_config, self.run = config, run
         self.loss_fn = loss_fn  # None: the fused loss; tests pass a dense reference
         self.rank = dist.get_rank()
         self.is_first = ps.is_pipeline_first_stage()
@@ -136,8 +136,8 @@ class Trainer:
 
     # -- models -----------------------------------------------------------------------------
     def _build_student(self) -> None:
-        student = build_student(self.cfg, self.run, self.pp_rank)
-        self.chunks, self.config = student.chunks, student.config
+        student = build_student(self.run_config, self.run, self.pp_rank)
+        self.chunks, self.model_config = student.chunks, student.config
         self.optimizer, self.scheduler = student.optimizer, student.scheduler
         self.num_params = student.num_params
 
@@ -147,10 +147,11 @@ class Trainer:
             self.train_ds, self.valid_ds = self.run.datasets
         else:
             self.train_ds, self.valid_ds = build_datasets(
-                self.cfg.data, self.run.student_arch.vocab_size, self.run.tokenizer,
+                self.run_config.data, self.run.student_arch.vocab_size, self.run.tokenizer,
                 self.run.global_batch_size)
-        self.batches = BatchPlan(self.run.global_batch_size, self.cfg.optimizer.micro_batch_size,
-                                 self.dp_rank, self.run.dp)
+        self.batches = BatchPlan(self.run.global_batch_size,
+                                 self.run_config.optimizer.micro_batch_size, self.dp_rank,
+                                 self.run.dp)
 
     def _schedule(self, start: int, stop: int):
         """This rank's training microbatches of steps ``[start, stop)`` (0-based), in the
@@ -221,8 +222,9 @@ class Trainer:
                 forward_step_func=self._forward_step,
                 data_iterator=data if self.run.vp else data[0],
                 model=self.chunks, num_microbatches=len(microbatches),
-                seq_length=self.cfg.data.seq_length,
-                micro_batch_size=self.cfg.optimizer.micro_batch_size, forward_only=forward_only)
+                seq_length=self.run_config.data.seq_length,
+                micro_batch_size=self.run_config.optimizer.micro_batch_size,
+                forward_only=forward_only)
 
     def _reduce_reports(self, reports: list) -> dict[str, torch.Tensor | None]:
         return reduce_reports(reports, self.REPORT_KEYS, self.is_last and self.tp_rank == 0)
@@ -258,14 +260,14 @@ class Trainer:
         return record
 
     def evaluate(self) -> dict:
-        if self.valid_ds is None or self.cfg.data.eval_iters == 0:
+        if self.valid_ds is None or self.run_config.data.eval_iters == 0:
             return {}
         for chunk in self.chunks:
             chunk.eval()
         self._evaluating = True
         reports = []
         with torch.no_grad():
-            for i in range(self.cfg.data.eval_iters):
+            for i in range(self.run_config.data.eval_iters):
                 mbs = list(self.batches.microbatches(self.valid_ds,
                                                      i * self.run.global_batch_size))
                 reports.extend(self._run_schedule(mbs, forward_only=True))
@@ -287,9 +289,9 @@ class Trainer:
     def _resume(self) -> tuple[int, int]:
         """``(iteration, consumed samples)`` to start from (``--load``), the teacher source
         started from there."""
-        load = self.cfg.logging.load
+        load = self.run_config.logging.load
         start_iter, consumed = 0, 0
-        if load and latest_iteration(load) is not None and not self.cfg.logging.finetune:
+        if load and latest_iteration(load) is not None and not self.run_config.logging.finetune:
             start_iter, consumed = load_training_checkpoint(
                 load, model=self.chunks, optimizer=self.optimizer, scheduler=self.scheduler,
                 arch=self.run.student_arch)
@@ -301,27 +303,27 @@ class Trainer:
         return start_iter, consumed
 
     def _stop_at(self, start_iter: int) -> int:
-        return stop_iteration(self.cfg.data.train_iters, self.cfg.logging.exit_after_iters,
-                              start_iter)
+        return stop_iteration(self.run_config.data.train_iters,
+                              self.run_config.logging.exit_after_iters, start_iter)
 
     def _announce(self, progress: Progress, start_iter: int) -> None:
-        load = self.cfg.logging.load
+        load = self.run_config.logging.load
         line = self.teacher.announcement()
         if line and self.log_rank:
             progress.message(line)
-        if load and self.log_rank and not self.cfg.logging.finetune:
+        if load and self.log_rank and not self.run_config.logging.finetune:
             progress.message(f"megatron-kd: resumed from iteration {start_iter}" if start_iter
                              else f"megatron-kd: no checkpoint in --load {load!r}; "
                                   f"starting from iteration 0")
         if self.run.pretrained and not start_iter and self.log_rank:
             progress.message(f"megatron-kd: student weights from {self.run.pretrained}"
                              + (" (--finetune: iteration 0, a new optimizer)"
-                                if self.cfg.logging.finetune else ""))
+                                if self.run_config.logging.finetune else ""))
         for note in self.run.notes if self.log_rank else ():
             progress.message(f"megatron-kd: {note}")
 
     def _save(self, iteration: int, consumed: int) -> None:
-        run, save = self.run, self.cfg.logging.save
+        run, save = self.run, self.run_config.logging.save
         if not save:
             return
         extra = {"kind": "student", "teacher": run.kd.teacher_load,
@@ -354,15 +356,15 @@ class Trainer:
         arrived in: a checkpoint is saved (with ``--save``) and the summary says
         ``exit_signal: True``.
         """
-        cfg, gbs = self.cfg.logging, self.run.global_batch_size
-        train_iters = self.cfg.data.train_iters
+        logging, gbs = self.run_config.logging, self.run.global_batch_size
+        train_iters = self.run_config.data.train_iters
         start_iter, consumed = self._resume()
         stop_at = self._stop_at(start_iter)
-        progress = Progress(train_iters, self.log_rank and not cfg.no_progress)
-        log = self._json_log = JsonLog(cfg.log_json, self.log_rank)
-        self.writers = MetricWriters(self.cfg.metrics, self.log_rank, save=cfg.save,
-                                     config=self.cfg.flat())
-        exit_signal = ExitSignal() if cfg.exit_signal_handler else None
+        progress = Progress(train_iters, self.log_rank and not logging.no_progress)
+        log = self._json_log = JsonLog(logging.log_json, self.log_rank)
+        self.writers = MetricWriters(self.run_config.metrics, self.log_rank, save=logging.save,
+                                     config=self.run_config.flat())
+        exit_signal = ExitSignal() if logging.exit_signal_handler else None
         self._announce(progress, start_iter)
         record = RunRecord(start_iter)
         iteration, saved_at = start_iter, None
@@ -371,18 +373,18 @@ class Trainer:
                 self._one_step(consumed, record, log, progress, stop_at)
                 iteration += 1
                 consumed += gbs
-                if iteration % cfg.eval_interval == 0 or iteration == train_iters:
+                if iteration % logging.eval_interval == 0 or iteration == train_iters:
                     self._evaluate_and_log(iteration, log, progress, record.evals)
-                if cfg.save_interval and iteration % cfg.save_interval == 0:
+                if logging.save_interval and iteration % logging.save_interval == 0:
                     self._save(iteration, consumed)
                     saved_at = iteration
                 if exit_signal is not None and exit_signal.received(collective_device()):
                     record.exit_signal = True
                     progress.message(f"megatron-kd: SIGTERM received: stopping after iteration "
-                                     f"{iteration}" + (", saving a checkpoint" if cfg.save
+                                     f"{iteration}" + (", saving a checkpoint" if logging.save
                                                        else ""))
                     break
-            if cfg.save and saved_at != iteration and iteration > start_iter:
+            if logging.save and saved_at != iteration and iteration > start_iter:
                 self._save(iteration, consumed)
         finally:
             progress.close()
@@ -392,34 +394,34 @@ class Trainer:
                 exit_signal.close()
         return self._summary(record, iteration)
 
-    def _one_step(self, consumed: int, run: RunRecord, log: JsonLog, progress: Progress,
+    def _one_step(self, consumed: int, history: RunRecord, log: JsonLog, progress: Progress,
                   stop_at: int) -> None:
         """One training step, logged."""
-        gbs, train_iters = self.run.global_batch_size, self.cfg.data.train_iters
-        tokens_per_step = gbs * self.cfg.data.seq_length
+        gbs, train_iters = self.run.global_batch_size, self.run_config.data.train_iters
+        tokens_per_step = gbs * self.run_config.data.seq_length
         t0 = time.perf_counter()
         record = self.train_step(consumed)
         dt = time.perf_counter() - t0
         iteration = self._step
-        run.step_times.append(dt)
+        history.step_times.append(dt)
         peak, kind = peak_memory()
         record = {"step": iteration, **record, "tokens_per_s": tokens_per_step / dt,
                   "step_time_s": dt, "peak_mem_bytes": peak, "peak_mem_kind": kind}
         if "kd_replica_tokens" in record:  # disaggregated: each replica's rate for this run
             record["kd_replica_tokens_per_s"] = replica_rates(record["kd_replica_tokens"], dt)
-        run.steps.append(record)
+        history.steps.append(record)
         log.write(record)
         self.writers.step(iteration, iteration * gbs,
-                          step_scalars(record, self.cfg.metrics, gbs))
-        recent = run.step_times[-10:]
+                          step_scalars(record, self.run_config.metrics, gbs))
+        recent = history.step_times[-10:]
         eta = (train_iters - iteration) * sum(recent) / len(recent)
-        if iteration % self.cfg.logging.log_interval == 0 or iteration == stop_at:
+        if iteration % self.run_config.logging.log_interval == 0 or iteration == stop_at:
             progress.update(iteration, record["loss"], record["tokens_per_s"], eta)
 
     def _summary(self, record: RunRecord, iteration: int) -> dict:
         """What :meth:`fit` returns."""
         run = self.run
-        tokens_per_step = run.global_batch_size * self.cfg.data.seq_length
+        tokens_per_step = run.global_batch_size * self.run_config.data.seq_length
         steps, evals, step_times = record.steps, record.evals, record.step_times
         return {
             "start_iteration": record.start_iteration,

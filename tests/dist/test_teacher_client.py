@@ -147,8 +147,8 @@ class _Replica:
 def _client(endpoint, schedule, log=None, rebalance_every=0, micro_batch_size=MBS,
             timeout_s=TIMEOUT_S):
     return TeacherClient(
-        endpoint=endpoint, expected=IDENTITY, run=7, dp_rank=0, tp_group=None, tp_rank=0,
-        tp_size=1, micro_batch_size=micro_batch_size, seq_length=SEQ, hidden_size=HIDDEN,
+        endpoint=endpoint, expected=IDENTITY, run=7, dp_rank=0, member_group=None, member=0,
+        members=1, micro_batch_size=micro_batch_size, seq_length=SEQ, hidden_size=HIDDEN,
         dtype=torch.float32, wire_dtype="fp32", depth=DEPTH, timeout_s=timeout_s,
         device=torch.device("cpu"), schedule=schedule, max_samples=micro_batch_size, log=log,
         rebalance_every=rebalance_every)

@@ -72,7 +72,7 @@ def test_decoded_topk_entry_is_what_the_cache_hands_the_trainer(tmp_path):
 def test_token_id_bytes_are_what_a_student_sends():
     # the client's request for one micro-batch, taken where it would go on the wire
     client = TeacherClient.__new__(TeacherClient)  # nothing connected: only the request is built
-    client.tp_rank, client.next_request = 0, 0
+    client.member, client.next_request = 0, 0
     client.outstanding = collections.deque()
     tokens = torch.arange(6, dtype=torch.int64).reshape(2, 3)
     client.schedule = iter([(0, 0, (0, 1), tokens)])
