@@ -81,26 +81,22 @@ def _smoke_argv(teacher: str, steps: int, log: str) -> list[str]:
             "--kd-teacher-dtype", "fp32", "--log-json", log]
 
 
-def run_one(demo_dir: str, wire: str, steps: int, work: str, teacher_dtype: str, *,
-            smoke_teacher: str | None = None) -> list[dict]:
+def run_one(demo_dir: str, wire: str, steps: int, work: str, teacher_dtype: str,
+            endpoint: str, *, smoke_teacher: str | None = None) -> list[dict]:
+    """One student run against the replica at ``endpoint`` with ``--kd-wire-dtype wire`` (the
+    wire dtype is the connection's: one replica serves the three runs)."""
     d = os.path.join(work, wire)
     os.makedirs(d)
     teacher = smoke_teacher or os.path.join(demo_dir, "teacher")
-    replica = Replica(os.path.join(d, "endpoint"), teacher, log=os.path.join(d, "replica.jsonl"),
-                      extra=("--kd-teacher-timeout", "300", "--kd-teacher-dtype", teacher_dtype),
-                      start_timeout_s=300)
     log = os.path.join(d, "student.jsonl")
     argv = (_smoke_argv(teacher, steps, log) if smoke_teacher else
             _demo_argv(demo_dir, steps, log, os.path.join(d, "cache")))
     argv[argv.index("--kd-teacher-dtype") + 1] = teacher_dtype
-    argv += ["--kd-mode", "disaggregated", "--kd-teacher-endpoint",
-             os.path.join(d, "endpoint"), "--kd-wire-dtype", wire, "--no-progress"]
+    argv += ["--kd-mode", "disaggregated", "--kd-teacher-endpoint", endpoint,
+             "--kd-wire-dtype", wire, "--no-progress"]
     env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
-    try:
-        subprocess.run([sys.executable, "-m", "megatron_kd", "train", *argv], check=True,
-                       env=env, stdout=subprocess.DEVNULL)
-    finally:
-        replica.stop()
+    subprocess.run([sys.executable, "-m", "megatron_kd", "train", *argv], check=True,
+                   env=env, stdout=subprocess.DEVNULL)
     with open(log, encoding="utf-8") as f:
         return [r for r in (json.loads(line) for line in f if line.strip())
                 if "kd_loss" in r and "step" in r]
@@ -141,10 +137,18 @@ def main(argv=None) -> int:
         if a.smoke:
             smoke_teacher = os.path.join(work, "teacher")
             _smoke_teacher(smoke_teacher)
-        for wire in wires:
-            runs[wire] = run_one(a.demo_dir, wire, a.steps, work, a.teacher_dtype,
-                                 smoke_teacher=smoke_teacher)
-            print(f"{wire}: {len(runs[wire])} steps", flush=True)
+        endpoint = os.path.join(work, "endpoint")
+        replica = Replica(endpoint, smoke_teacher or teacher,
+                          log=os.path.join(work, "replica.jsonl"),
+                          extra=("--kd-teacher-timeout", "300", "--kd-teacher-dtype",
+                                 a.teacher_dtype), start_timeout_s=300)
+        try:
+            for wire in wires:
+                runs[wire] = run_one(a.demo_dir, wire, a.steps, work, a.teacher_dtype, endpoint,
+                                     smoke_teacher=smoke_teacher)
+                print(f"{wire}: {len(runs[wire])} steps", flush=True)
+        finally:
+            replica.stop()
     dev = {"fp8_vs_bf16": _deviation(runs["bf16"], runs["fp8"])}
     if "fp32" in runs:
         dev["bf16_vs_fp32"] = _deviation(runs["fp32"], runs["bf16"])
