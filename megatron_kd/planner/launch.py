@@ -140,8 +140,8 @@ def _layout_flags(opts: PlanOptions, layout: ParallelLayout, experts: tuple[int,
     flags = ["--tensor-model-parallel-size", str(layout.tp),
              "--pipeline-model-parallel-size", str(layout.pp)]
     if layout.vp > 1:
-        per_stage = opts.student.num_layers // (layout.pp * layout.vp)
-        flags += ["--num-layers-per-virtual-pipeline-stage", str(per_stage)]
+        flags += ["--num-layers-per-virtual-pipeline-stage",
+                  str(_layers_per_virtual_stage(opts, layout))]
     if layout.sequence_parallel and layout.tp > 1:
         flags.append("--sequence-parallel")
     if layout.cp > 1:
@@ -160,6 +160,10 @@ def _layout_flags(opts: PlanOptions, layout: ParallelLayout, experts: tuple[int,
     if layout.use_distributed_optimizer:
         flags.append("--use-distributed-optimizer")
     return flags
+
+
+def _layers_per_virtual_stage(opts: PlanOptions, layout: ParallelLayout) -> int:
+    return opts.student.num_layers // (layout.pp * layout.vp)
 
 
 def _expert_parallel(opts: PlanOptions, plan: ModePlan) -> tuple[int, int]:
@@ -230,7 +234,7 @@ def _megatron_lm_line(opts: PlanOptions, plan: ModePlan, endpoint: str) -> str:
     layout = plan.layout
     env = [f"TP={layout.tp}", f"PP={layout.pp}", f"CP={layout.cp}"]
     if layout.vp > 1:
-        env.append(f"VP_LAYERS={opts.student.num_layers // (layout.pp * layout.vp)}")
+        env.append(f"VP_LAYERS={_layers_per_virtual_stage(opts, layout)}")
     env += [f"SEQ_LENGTH={opts.seq_length}", f"MICRO_BATCH={opts.micro_batch_size}",
             f"GLOBAL_BATCH={opts.global_batch_size}"]
     extra = _without(_layout_flags(opts, layout, _expert_parallel(opts, plan)),

@@ -69,17 +69,17 @@ def choose(opts: PlanOptions, plan: ModePlan) -> ModePlan:
 #: Improvements taken in a row at most (each strictly better on both axes: it ends anyway).
 _MAX_MOVES = 4
 
-#: Which :class:`PlanOptions` field fixes each layout field an alternative changes.
-_GIVEN_BY = {"tp": "tp", "pp": "pp", "vp": "vp", "cp": "cp", "sequence_parallel":
-             "sequence_parallel", "recompute": "recompute", "recompute_method":
-             "recompute_method", "recompute_num_layers": "recompute_num_layers"}
+#: Layout fields an alternative may change that a :class:`PlanOptions` field of the same name
+#: gives (None there: searched).
+_GIVEN_BY_OPTIONS = frozenset({"tp", "pp", "vp", "cp", "sequence_parallel", "recompute",
+                               "recompute_method", "recompute_num_layers"})
 
 
 def _given(opts: PlanOptions, changes: dict) -> bool:
     """Whether ``changes`` touches a setting the options give (not searched)."""
     if "vp" in changes and opts.layers_per_virtual_stage is not None:
         return True
-    return any(getattr(opts, _GIVEN_BY[key]) is not None for key in changes if key in _GIVEN_BY)
+    return any(getattr(opts, key) is not None for key in changes if key in _GIVEN_BY_OPTIONS)
 
 
 #: The levers :func:`levers` explains, each with the layout fields its alternatives change.
