@@ -312,6 +312,20 @@ class TeacherService:
             self._say({"event": "ready", "replica": self.replica, "endpoint": str(self.endpoint),
                        "host": self.host, "port": self.port})
         try:
+            self._loop(stop)
+            self._gather_link_bytes()  # every rank left the loop at the same control
+        except Exception as e:  # what this rank served is still known: its record says so
+            self._say({"event": "stopped", "replica": self.replica,
+                       "error": f"{type(e).__name__}: {e}", **self.stats.summary()})
+            raise
+        totals = self.stats.summary()
+        self._say({"event": "stopped", "replica": self.replica, **totals})
+        return totals
+
+    def _loop(self, stop: Callable[[], bool]) -> None:
+        """Rank 0 decides each turn (new and closed connections, a batch, a stats record,
+        stop) and broadcasts it; every rank acts on it. Leaving, every connection is closed."""
+        try:
             while True:
                 ctrl = [{**self.intake.control(self.conns, stop()), "log": self._log_due()}
                         if self.rank == 0 else None]
@@ -328,16 +342,12 @@ class TeacherService:
                 if ctrl["log"]:
                     self._log_stats()
                 if ctrl["stop"]:
-                    break
+                    return
         finally:
             if self.rank == 0:
                 self.endpoint.withdraw(self.replica)
             for conn in list(self.conns):
                 self._close(conn)
-        self._gather_link_bytes()  # every rank left the loop at the same control
-        totals = self.stats.summary()
-        self._say({"event": "stopped", "replica": self.replica, **totals})
-        return totals
 
     def withdraw(self) -> None:
         """Rank 0: remove this replica's endpoint record (idempotent; callable from any thread,

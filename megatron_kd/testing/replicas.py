@@ -164,18 +164,17 @@ class Replica:
                     todo.append(child)
         return sorted(found)
 
-    def kill(self, sig: int = signal.SIGKILL) -> None:
-        """Send ``sig`` to every process of the replica (torchrun's workers too)."""
-        pids = self.pids  # before the launcher goes: its workers are found through it
-        try:
-            os.killpg(self.proc.pid, sig)
-        except ProcessLookupError:
-            pass
-        for pid in pids:
+    def kill(self, sig: int = signal.SIGKILL, pids: Sequence[int] | None = None) -> list[int]:
+        """Send ``sig`` once to every process of the replica (torchrun's workers too, or to
+        ``pids``); returns the processes signalled. Once each: torchrun takes a second SIGTERM
+        during its shutdown as a reason to leave at once, without waiting for its workers."""
+        pids = list(self.pids if pids is None else pids)  # before the launcher goes: its
+        for pid in pids:                                   # workers are found through it
             try:
                 os.kill(pid, sig)
             except ProcessLookupError:
                 pass
+        return pids
 
     def events(self, event: str | None = None) -> list[dict]:
         """The records of its log (those of ``event`` only, if given)."""
@@ -196,18 +195,25 @@ class Replica:
         return stopped[-1] if stopped else {}
 
     def stop(self, timeout_s: float = 60.0) -> int | None:
-        """SIGTERM to the replica's processes, then wait (SIGKILL after ``timeout_s``: no
-        final records or peaks then); returns its exit status."""
+        """SIGTERM to the replica's processes, then wait until every one of them has exited
+        (its workers too, whose last records come after the launcher's wait); SIGKILL to those
+        left after ``timeout_s`` (no final records or peaks then). Returns its exit status."""
+        pids = self.kill(signal.SIGTERM) if self.proc.poll() is None else self.pids
+        deadline = time.monotonic() + timeout_s
+        try:
+            self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            pass
+        while time.monotonic() < deadline and any(map(process_alive, pids)):
+            time.sleep(0.1)
+        left = [pid for pid in pids if process_alive(pid)]
+        if left:
+            print(f"teacher replica {self.proc.pid}: processes {left} still running "
+                  f"{timeout_s:.0f} s after SIGTERM, killed; its stderr ends:\n"
+                  f"{self.stderr_tail()}", file=sys.stderr)
+            self.kill(signal.SIGKILL, left)
         if self.proc.poll() is None:
-            self.kill(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                print(f"teacher replica {self.proc.pid}: no exit {timeout_s:.0f} s after SIGTERM, "
-                      f"killed; its stderr ends:\n{self.stderr_tail()}", file=sys.stderr)
-                self.kill(signal.SIGKILL)
-                self.proc.wait(timeout=30)
-        self.kill(signal.SIGKILL)  # any worker left behind
+            self.proc.wait(timeout=30)
         return self.proc.returncode
 
 

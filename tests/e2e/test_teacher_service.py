@@ -95,8 +95,8 @@ def test_disaggregated_equals_colocated(pool, teacher, replicas, tmp_path, stude
     for record in dis[0]["steps"]:  # exactly the planner's bytes (see test_planner_counts)
         assert record["kd_wire_bytes"] == GBS * SEQ * h_t * 4  # fp32 back
         assert record["kd_wire_bytes_to_teacher"] == GBS * SEQ * 4  # int32 token ids out
-    replica.stop()  # its last record counts every request it served
-    assert replica.requests_served() > 0
+    status = replica.stop()  # its last record counts every request it served
+    assert replica.requests_served() > 0, (status, replica.events(), replica.stderr_tail())
 
 
 def test_two_replicas_serve_four_student_dp_ranks(dist_pool_factory, teacher, replicas, tmp_path):
