@@ -11,10 +11,12 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
 import os
 import random
+import shutil
 import tempfile
 
 import torch
@@ -42,6 +44,7 @@ def init_distributed_from_env(timeout_s: float = 600.0) -> bool:
         dist.init_process_group(backend, timeout=timeout)
     else:
         store_dir = tempfile.mkdtemp(prefix="megatron_kd_store_")
+        atexit.register(shutil.rmtree, store_dir, ignore_errors=True)  # left behind, it piles up
         dist.init_process_group(backend, init_method=f"file://{store_dir}/store", rank=0,
                                 world_size=1, timeout=timeout)
     return True

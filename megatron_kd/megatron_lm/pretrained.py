@@ -17,7 +17,9 @@ first, naming both values.
 from __future__ import annotations
 
 import argparse
+import atexit
 import os
+import shutil
 import tempfile
 
 from megatron_kd.arch import GPTArchConfig
@@ -84,6 +86,7 @@ def use_pretrained_checkpoint(args: argparse.Namespace) -> str | None:
     model_dir = os.path.abspath(resolve_model_dir(path))
     _check_arch(args, read_checkpoint_arch(model_dir), path)
     view = tempfile.mkdtemp(prefix="kd_pretrained_")
+    atexit.register(shutil.rmtree, view, ignore_errors=True)  # a link and a file; the model stays
     os.symlink(model_dir, os.path.join(view, "release"))
     with open(os.path.join(view, LATEST_FILE), "w", encoding="utf-8") as f:
         f.write("release")
