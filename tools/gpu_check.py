@@ -4,7 +4,9 @@
 written up as a JSON and a Markdown report. One piece: the one script a lent GPU runs, its
 steps and its report together. On the CPU every step runs at a tiny size (CI runs them all).
 
-Steps (each in processes of its own, so one that fails or crashes does not stop the others):
+Steps (each in processes of its own, so one that fails or crashes does not stop the others;
+``make_teacher`` first, then the others in the order below ``--jobs`` at a time: one at a time on
+CUDA, two on the CPU, whose figures only show that a step runs):
 
 * ``make_teacher``: the tiny teacher's checkpoint (``tests/support/train_cases.TEACHER_ARCH``),
   single rank; needed by the tiny train steps and ``cache_build``. Reports where the model was
@@ -56,8 +58,10 @@ import shlex
 import signal
 import subprocess
 import sys
+import threading
 import time
 import traceback
+from concurrent.futures import ThreadPoolExecutor
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TESTS = os.path.join(ROOT, "tests")
@@ -158,6 +162,13 @@ def _env(device: str) -> dict:
     return env
 
 
+# the sessions run_cmd has started and not yet reaped (steps may run in threads: --jobs), and
+# whether the check is stopping (SIGTERM: no new command starts, the running ones are killed)
+_SESSIONS: set[int] = set()
+_SESSIONS_LOCK = threading.Lock()
+_STOPPING = threading.Event()
+
+
 def run_cmd(cmd: list[str], ctx: Ctx, log: str, timeout: float) -> dict:
     """Run ``cmd`` in a session of its own (its output appended to ``log``); on timeout, and
     after it ends (a stray grandchild would hold the GPU), every process left in that session
@@ -166,8 +177,13 @@ def run_cmd(cmd: list[str], ctx: Ctx, log: str, timeout: float) -> dict:
     with open(log, "a", encoding="utf-8") as f:
         f.write(f"$ {shlex.join(cmd)}\n")
         f.flush()
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=ctx.env, stdout=f, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
+        with _SESSIONS_LOCK:
+            if _STOPPING.is_set():
+                raise RuntimeError("the check is stopping (SIGTERM): no new command")
+            proc = subprocess.Popen(cmd, cwd=ROOT, env=ctx.env, stdout=f,
+                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    start_new_session=True)
+            _SESSIONS.add(proc.pid)
         try:
             rc = proc.wait(timeout=max(1.0, timeout))
             timed_out = False
@@ -180,6 +196,8 @@ def run_cmd(cmd: list[str], ctx: Ctx, log: str, timeout: float) -> dict:
             _kill_session(proc.pid)
             raise
         _kill_session(proc.pid)  # what it left behind (e.g. after an inner timeout)
+        with _SESSIONS_LOCK:
+            _SESSIONS.discard(proc.pid)
     return {"rc": rc, "timed_out": timed_out, "seconds": round(time.monotonic() - t0, 2),
             "tail": _tail(log, 30)}
 
@@ -191,6 +209,15 @@ def _kill_session(pid: int) -> None:
         os.killpg(pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+def _stop(*_) -> None:
+    """SIGTERM: kill every running step's session, start no other command, exit 143."""
+    with _SESSIONS_LOCK:
+        _STOPPING.set()
+        for pid in _SESSIONS:
+            _kill_session(pid)
+    sys.exit(143)
 
 
 def _tail(path: str, lines: int) -> str:
@@ -1135,6 +1162,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="seconds for bench_loss (default: 300 on CUDA, 150 on the CPU)")
     p.add_argument("--point-timeout", type=float, default=None,
                    help="seconds for one bench_loss point (default: 60 on CUDA, 120 on the CPU)")
+    p.add_argument("--jobs", type=int, default=None,
+                   help="steps run at a time after make_teacher (default: 1 on CUDA, where "
+                        "steps would share the GPU and skew each other's figures; 2 on the CPU, "
+                        "where the figures only show that each step runs)")
     p.add_argument("--peak-tflops", type=float, default=None,
                    help="the device's dense bf16 peak for the 1B step's MFU (default: known "
                         "for H100, H200, A100)")
@@ -1164,7 +1195,10 @@ def main(argv: list[str] | None = None) -> int:
         sys.path.insert(0, TESTS)  # tests/support: the reference, the tiny models' flags
     if a.worker:
         return worker_main(a)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # its processes are killed too
+    signal.signal(signal.SIGTERM, _stop)  # its processes are killed too
+    if a.jobs is not None and a.jobs < 1:
+        print(f"[gpu_check] --jobs {a.jobs}: must be at least 1", file=sys.stderr)
+        return 2
     import torch
     cuda = torch.cuda.is_available() and a.device != "cpu"
     device = a.device if a.device != "auto" else ("cuda" if cuda else "cpu")
@@ -1184,14 +1218,25 @@ def main(argv: list[str] | None = None) -> int:
     head.update(run_order=" -> ".join(run_order), time_budget_s=limits["total"],
                 peers_not_measured=(", ".join(missing) + " (not installed)") if missing
                 else "none")
+    jobs = a.jobs or (1 if device == "cuda" else 2)
+    head["jobs"] = jobs
     t0 = time.monotonic()
-    steps = {}
-    for name in run_order:
+
+    def one(name: str) -> dict:
         if device == "cuda" and not cuda:
-            steps[name] = {"step": name, "status": NO_GPU + " (--device cuda but CUDA is not "
-                           "available)", "seconds": 0.0, "figures": {}, "commands": [], "log": ""}
-            continue
-        steps[name] = run_step(ctx, name)
+            return {"step": name, "status": NO_GPU + " (--device cuda but CUDA is not "
+                    "available)", "seconds": 0.0, "figures": {}, "commands": [], "log": ""}
+        return run_step(ctx, name)
+
+    # the teacher first (the others need it), then the rest ``jobs`` at a time, in run order
+    steps = {name: one(name) for name in run_order if name == "make_teacher"}
+    rest = [name for name in run_order if name != "make_teacher"]
+    if jobs == 1:
+        steps.update((name, one(name)) for name in rest)
+    else:
+        with ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="step") as pool:
+            futures = [(name, pool.submit(one, name)) for name in rest]
+            steps.update((name, future.result()) for name, future in futures)
     head["total_seconds"] = round(time.monotonic() - t0, 1)
     ordered = [steps[n] for n in STEPS if n in steps]
     json_path, md_path = write_reports(out, head, ordered)

@@ -504,8 +504,10 @@ def validate_layout(model: PlannedModel, layout: ParallelLayout, role: str) -> N
 # --- parameters per rank ---------------------------------------------------------------------
 
 
+@lru_cache(maxsize=65536)
 def rank_params(model: PlannedModel, layout: ParallelLayout, stage: int) -> tuple[int, int]:
-    """Parameters one rank of ``stage`` holds: ``(dense, expert)``."""
+    """Parameters one rank of ``stage`` holds: ``(dense, expert)`` (cached: a search asks for
+    the same layout and stage many times, and a layer's counts walk its architecture)."""
     t = layout.tp
     h = model.hidden_size
     dense = 0
@@ -773,6 +775,7 @@ def _chunk_activation_bytes(
     return saved, max(sum(full(i) for i in group) for group in groups)
 
 
+@lru_cache(maxsize=65536)
 def stage_activation_bytes(
     model: PlannedModel,
     layout: ParallelLayout,

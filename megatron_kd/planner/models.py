@@ -72,14 +72,18 @@ class PlannedModel:
     """The architecture as canonical JSON: the hash of a model (the memory terms are cached
     per model; ``arch`` is not changed once planned)."""
 
+    _hash: int = field(init=False, repr=False, compare=False)
+    """``hash((name, _key))``, computed once: the caches hash a model millions of times."""
+
     def __post_init__(self) -> None:
         if not isinstance(self.arch, GPTArchConfig):
             raise ValueError(f"PlannedModel {self.name!r}: arch must be a GPTArchConfig, "
                              f"got {type(self.arch).__name__}")
         object.__setattr__(self, "_key", json.dumps(self.arch.to_dict(), sort_keys=True))
+        object.__setattr__(self, "_hash", hash((self.name, self._key)))
 
     def __hash__(self) -> int:
-        return hash((self.name, self._key))
+        return self._hash
 
     # --- the architecture, in the formulas' names ------------------------------------------------
 

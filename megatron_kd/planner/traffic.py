@@ -163,6 +163,7 @@ def layer_forward_flops_per_token(model: PlannedModel, seq_length: int, layer: i
     )
 
 
+@lru_cache(maxsize=65536)
 def forward_flops_per_token(
     model: PlannedModel, seq_length: int, include_output_layer: bool = True
 ) -> float:

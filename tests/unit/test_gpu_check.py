@@ -1,12 +1,14 @@
 """``tools/gpu_check.py``: ``--device cuda`` on a machine without CUDA, a step that raises not
-stopping the others, and the 1B step's FLOP count. Every step run on the CPU end to end:
-``tests/e2e/test_tools_smoke.py``."""
+stopping the others, steps run ``--jobs`` at a time, SIGTERM, and the 1B step's FLOP count.
+Every step run on the CPU end to end: ``tests/e2e/test_tools_smoke.py``."""
 
 import importlib.util
 import json
 import os
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 import torch
@@ -70,6 +72,75 @@ def test_a_step_that_raises_is_failed_and_reported(tmp_path, monkeypatch):
         assert json.load(f)["failed"] == ["parity"]
     with open(md_path, encoding="utf-8") as f:
         assert "| parity | failed |" in f.read()
+
+
+def _fake_steps(gc, monkeypatch, together=()):
+    """Every step replaced by one that records its name; the steps in ``together`` each wait
+    for the others at a barrier (they fail unless they all run at once)."""
+    order = []
+    barrier = threading.Barrier(len(together), timeout=60) if together else None
+
+    def fake(name):
+        def run(ctx, step):
+            order.append(name)
+            if name == "make_teacher":
+                ctx.teacher_ok = True
+            if name in together:
+                barrier.wait()
+        return run
+
+    for name in gc.STEPS:
+        monkeypatch.setitem(gc.STEP_FUNCS, name, fake(name))
+    monkeypatch.setattr(gc.signal, "signal", lambda *_: None)  # pytest keeps its handler
+    return order
+
+
+def test_steps_after_the_teacher_run_jobs_at_a_time(tmp_path, monkeypatch):
+    gc = _module()
+    # the first two steps after make_teacher meet at a barrier: they ran at the same time
+    first_two = tuple(gc.RUN_ORDER[1:3])
+    order = _fake_steps(gc, monkeypatch, together=first_two)
+    assert gc.main(["--device", "cpu", "--out", str(tmp_path), "--jobs", "2"]) == 0
+    report = _report(tmp_path)
+    assert report["header"]["jobs"] == 2
+    assert [s["status"] for s in report["steps"]] == ["ok"] * len(gc.STEPS), report["steps"]
+    assert order[0] == "make_teacher" and sorted(order) == sorted(gc.STEPS)
+    assert set(order[1:3]) == set(first_two)
+
+
+def test_one_job_runs_the_steps_in_order(tmp_path, monkeypatch):
+    gc = _module()
+    order = _fake_steps(gc, monkeypatch)
+    assert gc.main(["--device", "cpu", "--out", str(tmp_path), "--jobs", "1"]) == 0
+    assert order == list(gc.RUN_ORDER) and _report(tmp_path)["header"]["jobs"] == 1
+    r = _check(tmp_path, "--device", "cpu", "--jobs", "0")
+    assert r.returncode == 2 and "--jobs 0: must be at least 1" in r.stderr
+
+
+def test_sigterm_kills_the_running_commands_and_starts_no_more(tmp_path, monkeypatch):
+    gc = _module()
+    monkeypatch.setattr(gc, "_STOPPING", threading.Event())
+    monkeypatch.setattr(gc, "_SESSIONS", set())
+    a = gc.parse_args(["--device", "cpu"])
+    ctx = gc.Ctx(args=a, device="cpu", out=str(tmp_path), env=gc._env("cpu"),
+                 deadline=gc.time.monotonic() + 600, limits=gc._limits(a, "cpu"))
+    log = str(tmp_path / "sleep.log")
+    sleeper = [sys.executable, "-c", "import time; time.sleep(300)"]
+    result = {}
+    thread = threading.Thread(target=lambda: result.update(gc.run_cmd(sleeper, ctx, log, 600)))
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not gc._SESSIONS and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert gc._SESSIONS, "the command never started"
+    with pytest.raises(SystemExit) as stopped:
+        gc._stop()
+    assert stopped.value.code == 143
+    thread.join(60)
+    assert not thread.is_alive() and result["rc"] == -9 and not result["timed_out"]
+    assert gc._SESSIONS == set()
+    with pytest.raises(RuntimeError, match="stopping"):
+        gc.run_cmd(sleeper, ctx, log, 600)
 
 
 def test_one_b_step_flops():
