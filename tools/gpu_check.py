@@ -192,12 +192,12 @@ def run_cmd(cmd: list[str], ctx: Ctx, log: str, timeout: float) -> dict:
             proc.wait()
             rc, timed_out = 124, True
             f.write(f"\n[killed after {timeout:.0f} s]\n")
-        except BaseException:  # Ctrl-C or SIGTERM of this script: its session does not see it
+        finally:
+            # what it left behind (e.g. after an inner timeout), and the whole session on
+            # Ctrl-C or SIGTERM of this script (its session does not see them)
             _kill_session(proc.pid)
-            raise
-        _kill_session(proc.pid)  # what it left behind (e.g. after an inner timeout)
-        with _SESSIONS_LOCK:
-            _SESSIONS.discard(proc.pid)
+            with _SESSIONS_LOCK:
+                _SESSIONS.discard(proc.pid)
     return {"rc": rc, "timed_out": timed_out, "seconds": round(time.monotonic() - t0, 2),
             "tail": _tail(log, 30)}
 
@@ -1177,7 +1177,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--params-dtype", choices=("fp32", "bf16"), default="fp32",
                    help=argparse.SUPPRESS)
     p.add_argument("--train-argv", help=argparse.SUPPRESS)
-    return p.parse_args(argv)
+    a = p.parse_args(argv)
+    if a.jobs is not None and a.jobs < 1:
+        p.error(f"--jobs {a.jobs}: must be at least 1")
+    return a
 
 
 def _limits(a: argparse.Namespace, device: str) -> dict:
@@ -1196,9 +1199,6 @@ def main(argv: list[str] | None = None) -> int:
     if a.worker:
         return worker_main(a)
     signal.signal(signal.SIGTERM, _stop)  # its processes are killed too
-    if a.jobs is not None and a.jobs < 1:
-        print(f"[gpu_check] --jobs {a.jobs}: must be at least 1", file=sys.stderr)
-        return 2
     import torch
     cuda = torch.cuda.is_available() and a.device != "cpu"
     device = a.device if a.device != "auto" else ("cuda" if cuda else "cpu")
@@ -1230,13 +1230,10 @@ def main(argv: list[str] | None = None) -> int:
 
     # the teacher first (the others need it), then the rest ``jobs`` at a time, in run order
     steps = {name: one(name) for name in run_order if name == "make_teacher"}
-    rest = [name for name in run_order if name != "make_teacher"]
-    if jobs == 1:
-        steps.update((name, one(name)) for name in rest)
-    else:
-        with ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="step") as pool:
-            futures = [(name, pool.submit(one, name)) for name in rest]
-            steps.update((name, future.result()) for name, future in futures)
+    with ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="step") as pool:
+        futures = [(name, pool.submit(one, name)) for name in run_order
+                   if name != "make_teacher"]
+        steps.update((name, future.result()) for name, future in futures)
     head["total_seconds"] = round(time.monotonic() - t0, 1)
     ordered = [steps[n] for n in STEPS if n in steps]
     json_path, md_path = write_reports(out, head, ordered)
