@@ -197,12 +197,12 @@ def contention_probe(iters: int) -> dict:
 
     out = {}
     for n in (1, 2):
-        tmp = tempfile.mkdtemp(prefix="bench_disagg_probe_")
-        mp.spawn(_gemm_probe, args=(tmp, iters), nprocs=n, join=True)
-        times = []
-        for r in range(n):
-            with open(os.path.join(tmp, f"probe.{r}")) as f:
-                times.append(float(f.read()))
+        with tempfile.TemporaryDirectory(prefix="bench_disagg_probe_") as tmp:
+            mp.spawn(_gemm_probe, args=(tmp, iters), nprocs=n, join=True)
+            times = []
+            for r in range(n):
+                with open(os.path.join(tmp, f"probe.{r}")) as f:
+                    times.append(float(f.read()))
         out[f"gemm_loop_{n}_process_s"] = max(times)
     out["slowdown_2_processes"] = out["gemm_loop_2_process_s"] / out["gemm_loop_1_process_s"]
     return out
@@ -215,12 +215,12 @@ def _spawn(kind: str, world: int, payload: dict) -> list[dict]:
     """Run ``kind`` on ``world`` fresh processes; returns their results."""
     import torch.multiprocessing as mp
 
-    tmp = tempfile.mkdtemp(prefix="bench_disagg_")
-    mp.spawn(_worker, args=(kind, world, tmp, payload), nprocs=world, join=True)
-    results = []
-    for r in range(world):
-        with open(os.path.join(tmp, f"result.{r}")) as f:
-            results.append(json.load(f))
+    with tempfile.TemporaryDirectory(prefix="bench_disagg_") as tmp:
+        mp.spawn(_worker, args=(kind, world, tmp, payload), nprocs=world, join=True)
+        results = []
+        for r in range(world):
+            with open(os.path.join(tmp, f"result.{r}")) as f:
+                results.append(json.load(f))
     return results
 
 

@@ -983,6 +983,10 @@ def main(argv=None) -> int:
     signal.signal(signal.SIGTERM, _interrupted)
     workdir = os.path.abspath(a.workdir or tempfile.mkdtemp(prefix="soak_service_"))
     os.makedirs(workdir, exist_ok=True)
+    # Every process the soak starts keeps its temporary files in the workdir: a SIGKILLed one
+    # cannot remove its own (a one-process world's file store, wandb's folders)
+    os.environ["TMPDIR"] = os.path.join(workdir, "tmp")
+    os.makedirs(os.environ["TMPDIR"], exist_ok=True)
     marker = f"{os.getpid()}-{time.time_ns()}"
     os.environ[MARKER] = marker  # inherited by every process the soak starts
     procs = Processes(marker)

@@ -1,16 +1,18 @@
-"""Every benchmark under ``tools/`` runs end to end at a tiny size through its own command line
-and writes the JSON fields ``docs/benchmarks.md`` reads, so a renamed function or a removed
-method fails here rather than in a user's hands. Figures are not checked (tiny models on a
-shared CPU): only that each tool finishes and reports what its table needs.
+"""Every benchmark under ``tools/`` runs end to end at a tiny size through its own command line,
+writes the JSON fields ``docs/benchmarks.md`` reads and leaves no temporary files, so a renamed
+function or a removed method fails here rather than in a user's hands. Figures are not checked
+(tiny models on a shared CPU): only that each tool finishes and reports what its table needs.
 
 ``tools/gpu_check.py --device cpu`` runs every one of its steps (tiny sizes on the CPU).
 """
 
+import getpass
 import importlib.util
 import json
 import os
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -21,15 +23,30 @@ GPU_CHECK_STEPS = ("make_teacher", "parity", "bench_loss", "profile_loss", "trai
                    "train_step_tp2_sp", "train_step_cp2_te", "train_step_1b", "cache_build")
 
 
+#: What may stay in a tool's temporary directory: torch's, not the tool's: torchrun's per-run
+#: folders (its launcher leaves them) and Inductor's precompiled headers (kept under the default
+#: temporary directory whatever ``TORCHINDUCTOR_CACHE_DIR`` says).
+_TEMP_KEPT = ("torchelastic_", "torchinductor_")
+
+
 def _tool(tmp_path, name, *args, timeout=240):
-    """``python tools/<name> ARGS`` in ``tmp_path`` (its default outputs land there)."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+    """``python tools/<name> ARGS`` in ``tmp_path`` (its default outputs land there), with a
+    temporary directory of its own that it must leave empty (but for caches)."""
+    temp = tmp_path / "tmpdir"
+    temp.mkdir()
+    # Inductor's kernel cache where it would be without TMPDIR: compiled once per machine
+    inductor = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or os.path.join(
+        tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}")
+    env = dict(os.environ, TMPDIR=str(temp), TORCHINDUCTOR_CACHE_DIR=inductor,
+               PYTHONPATH=os.pathsep.join(
         [ROOT] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
     r = subprocess.run([sys.executable, os.path.join(ROOT, "tools", name), *args],
                        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout,
                        check=False)
     assert r.returncode == 0, f"{name} exited {r.returncode}\n{r.stdout[-3000:]}\n" \
                               f"{r.stderr[-5000:]}"
+    left = sorted(f for f in os.listdir(temp) if not f.startswith(_TEMP_KEPT))
+    assert not left, f"{name} left temporary files behind: {left}"
     return r
 
 
