@@ -12,6 +12,7 @@ import subprocess
 import sys
 import xml.etree.ElementTree as ET
 
+import pytest
 from support.skips import TEST_COMMAND_MODULES, must_run
 from support.workers import machine_worker_count, worker_count
 
@@ -98,9 +99,12 @@ def test_gpu():
 '''
 
 
-def test_the_hooks_fail_those_skips_and_keep_the_others(tmp_path):
+@pytest.mark.parametrize("workers", [[], ["-n", "2", "--dist", "loadfile"]],
+                         ids=["one_process", "xdist"])
+def test_the_hooks_fail_those_skips_and_keep_the_others(tmp_path, workers):
     """tests/conftest.py's hooks in a pytest run of their own, under CI with the Megatron-LM
-    tier required: the promised things' skips fail (a whole module's at collection too)."""
+    tier required: the promised things' skips fail (a whole module's at collection too), in
+    one process and on the test command's pytest-xdist workers."""
     (tmp_path / "test_cases.py").write_text(_CASES, encoding="utf-8")
     (tmp_path / "test_module.py").write_text(
         "import sys\nimport pytest\nsys.modules['transformers'] = None\n"
@@ -111,7 +115,7 @@ def test_the_hooks_fail_those_skips_and_keep_the_others(tmp_path):
     xml = tmp_path / "report.xml"
     # -p conftest: tests/conftest.py (first on the path) as a plugin; no ini of the repository
     proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "conftest", "-q", "-rs",
-                           "-p", "no:cacheprovider", "--continue-on-collection-errors",
+                           *workers, "-p", "no:cacheprovider", "--continue-on-collection-errors",
                            f"--junit-xml={xml}", str(tmp_path)],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
                           check=False)
