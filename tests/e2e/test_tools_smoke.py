@@ -31,15 +31,16 @@ _TEMP_KEPT = ("torchelastic_", "torchinductor_")
 
 def _tool(tmp_path, name, *args, timeout=240):
     """``python tools/<name> ARGS`` in ``tmp_path`` (its default outputs land there), with a
-    temporary directory of its own that it must leave empty (but for caches)."""
+    temporary directory of its own that it must leave empty (but for :data:`_TEMP_KEPT`)."""
     temp = tmp_path / "tmpdir"
     temp.mkdir()
     # Inductor's kernel cache where it would be without TMPDIR: compiled once per machine
     inductor = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or os.path.join(
         tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}")
+    pythonpath = os.pathsep.join(
+        [ROOT] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
     env = dict(os.environ, TMPDIR=str(temp), TORCHINDUCTOR_CACHE_DIR=inductor,
-               PYTHONPATH=os.pathsep.join(
-        [ROOT] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+               PYTHONPATH=pythonpath)
     r = subprocess.run([sys.executable, os.path.join(ROOT, "tools", name), *args],
                        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout,
                        check=False)
