@@ -13,7 +13,8 @@ each loss kind (``fkl`` forward KL, ``rkl`` reverse KL, ``jsd`` Jensen-Shannon a
   gradient added from an input-dtype product (``weight_grad="fp32_add"``), ``fusedlm_fkl`` its
   low-memory setting (256 MiB windows, the weight gradient accumulated in the input dtype),
   ``fusedbf_<kind>`` the default windows with the weight gradient accumulated in the input
-  dtype (rounded once a window, as Liger's chunks are; no fp32 accumulator).
+  dtype (rounded once a window, as Liger's chunks are; no fp32 accumulator), ``fusedlean_<kind>``
+  the memory setting (``--kd-loss-weight-grad input_dtype --kd-loss-window-mib 512``).
   ``fusedold_fkl``: the CPU path on any device (the design the GPU path replaces);
   ``fusedc_fkl``: the CPU path with ``elementwise="compiled"`` (compiled in the warm-up run).
 * ``liger_<kind>``: Liger-Kernel's ``LigerFusedLinearJSDLoss`` (its chunked fused-linear loss,
@@ -71,14 +72,16 @@ LIGER_BETA = {"fkl": 0.0, "rkl": 1.0}  # Liger's generalised JSD: 0 forward KL, 
 VARIANTS = (["floor"] + [f"fused_{k}" for k in KINDS] + [f"liger_{k}" for k in KINDS]
             + ["fusedc_fkl", "fusedrc_fkl", "dense_fkl", "modelopt_fkl", "ligertriton_jsd",
                "ligertriton_fkl", "fusedtc_fkl", "fusedtc_jsd", "fusedadd_fkl", "fusedlm_fkl",
-               "fusedold_fkl", "fusedrc_jsd", "fusedbf_fkl", "fusedbf_jsd"])
+               "fusedold_fkl", "fusedrc_jsd", "fusedbf_fkl", "fusedbf_jsd", "fusedlean_fkl",
+               "fusedlean_jsd"])
 DEFAULT_VARIANTS = [v for v in VARIANTS
                     if v not in ("modelopt_fkl", "ligertriton_jsd", "ligertriton_fkl",
                                  "fusedc_fkl", "fusedtc_fkl", "fusedtc_jsd", "fusedadd_fkl",
                                  "fusedlm_fkl", "fusedold_fkl", "fusedrc_jsd",
-                                 "fusedbf_fkl", "fusedbf_jsd")]
+                                 "fusedbf_fkl", "fusedbf_jsd", "fusedlean_fkl",
+                                 "fusedlean_jsd")]
 TP1_ONLY = ("liger_", "ligertriton_", "dense_")
-GPU_PATH_ONLY = ("fusedtc_", "fusedadd_", "fusedlm_", "fusedbf_")
+GPU_PATH_ONLY = ("fusedtc_", "fusedadd_", "fusedlm_", "fusedbf_", "fusedlean_")
 FLOOR_BLOCKS = (128, 512, 1024, 2048)
 # Named shapes: (tokens, vocabulary, student hidden, teacher hidden)
 SHAPES = {
@@ -258,13 +261,13 @@ def _profile(run, x_s, w_s, top: int = 25) -> dict:
             "total_us": total, "top": rows(kernels), "ops": rows(ops) if cuda else []}
 
 
-def _loss_window_rows(a, local_vocab: int, itemsize: int) -> int:
-    """The fused loss's rows per window for this run (the GPU path's byte budget on CUDA, the
-    CPU path's element rule on CPU)."""
+def _loss_window_rows(a, local_vocab: int, itemsize: int, n_rows: int) -> int:
+    """The fused loss's rows per window for this run (the GPU path's byte budget on CUDA,
+    balanced over ``n_rows`` tokens; the CPU path's element rule on CPU)."""
     from megatron_kd.loss import KDLossConfig
 
     if a.device == "cuda" if a.loss_path == "auto" else a.loss_path == "gpu":
-        return _gpu_tuning(a).rows_per_window(local_vocab, 2, itemsize, a.window_size)
+        return _gpu_tuning(a).rows_per_window(local_vocab, 2, itemsize, a.window_size, n_rows)
     return KDLossConfig(window_size=a.window_size).rows_per_window(local_vocab)
 
 
@@ -291,7 +294,7 @@ def _floor(a, x_s, w_s, x_t, w_t, group) -> dict:
     gx, gw = torch.empty_like(xs2), torch.zeros_like(ws)
     # The fused loss's own window (its memory bound): the same GEMMs at that size are the
     # fastest any loss holding one window of full-vocabulary logit rows can be.
-    window = min(n, _loss_window_rows(a, ws.shape[0], ws.element_size()))
+    window = min(n, _loss_window_rows(a, ws.shape[0], ws.element_size(), n))
     blocks = sorted({b for b in FLOOR_BLOCKS if b < n} | {n, window})  # n: one full GEMM
     by_block: dict[int, list[float]] = {}
     for rows in blocks:
@@ -341,6 +344,7 @@ def _make_variant(a, x_s, w_s, x_t, w_t, group):
                   "fusedadd": _gpu_tuning(a, weight_grad="fp32_add"),
                   "fusedlm": _gpu_tuning(a, weight_grad="input_dtype", window_bytes=256 << 20),
                   "fusedbf": _gpu_tuning(a, weight_grad="input_dtype"),
+                  "fusedlean": _gpu_tuning(a, weight_grad="input_dtype", window_bytes=512 << 20),
                   }.get(impl, _gpu_tuning(a))
         cfg = KDLossConfig(kind=KINDS[kind], beta=a.beta, window_size=a.window_size,
                            backward="recompute" if impl == "fusedrc" else "precompute",

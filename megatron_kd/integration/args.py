@@ -5,10 +5,10 @@ Each flag is a field: of :class:`KDArgs`, or, for the loss flags (``--kd-loss``,
 ``--kd-temperature``, ``--kd-beta``, ``--kd-weight``, ``--kd-ce-weight``, ``--kd-window-size``,
 ``--kd-topk-tail``, ``--kd-loss-elementwise``, ``--kd-loss-path``), of
 :class:`~megatron_kd.loss.KDLossConfig` (:data:`LOSS_FLAGS`) and its
-:class:`~megatron_kd.loss.GpuTuning` (``--kd-loss-gpu-kernels``, ``--kd-loss-window-mib``:
-:data:`GPU_LOSS_FLAGS`), validated there once; :class:`KDArgs` checks only what the loss cannot
-know (modes, teacher placement, caches). Each default is the field's (:mod:`megatron_kd.flags`).
-A new flag: a new field.
+:class:`~megatron_kd.loss.GpuTuning` (``--kd-loss-gpu-kernels``, ``--kd-loss-window-mib``,
+``--kd-loss-weight-grad``: :data:`GPU_LOSS_FLAGS`), validated there once; :class:`KDArgs`
+checks only what the loss cannot know (modes, teacher placement, caches). Each default is the
+field's (:mod:`megatron_kd.flags`). A new flag: a new field.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from megatron_kd.flags import (
     shared_flag,
 )
 from megatron_kd.loss import GpuTuning, KDLossConfig
-from megatron_kd.loss.config import ELEMENTWISE, GPU_KERNELS, PATHS, TOPK_TAILS
+from megatron_kd.loss.config import ELEMENTWISE, GPU_KERNELS, PATHS, TOPK_TAILS, WEIGHT_GRADS
 from megatron_kd.loss.config import KINDS as KD_LOSSES
 
 __all__ = ["KD_MODES", "LOSS_FLAGS", "TEACHER_DTYPES", "WIRE_DTYPES", "KDArgs", "add_kd_args",
@@ -90,6 +90,12 @@ GPU_LOSS_FLAGS = {
     "window_bytes": Flag(name="--kd-loss-window-mib", type=_mib, group=_KD, metavar="MIB",
                          help="the GPU path's bound on one window's logits, in MiB (default "
                               "1024: 4 windows of 8K tokens at V = 128K in bf16)"),
+    "weight_grad": Flag(name="--kd-loss-weight-grad", choices=WEIGHT_GRADS, group=_KD,
+                        help="the GPU path's output-layer weight-gradient accumulator: "
+                             "'fp32_gemm' (fp32, rounded once), 'fp32_add' (for a torch whose "
+                             "addmm refuses an fp32 output), 'input_dtype' (the weight's "
+                             "dtype: half the memory, rounded once a window, as Liger-Kernel's "
+                             "chunks are)"),
 }
 
 #: The flags of a command that loads a teacher checkpoint (``cache build``, ``teacher serve``).

@@ -15,6 +15,9 @@ ELEMENTWISE = ("eager", "compiled")
 PATHS = ("auto", "cpu", "gpu")
 GPU_KERNELS = ("triton", "compiled", "eager")
 WEIGHT_GRADS = ("fp32_gemm", "fp32_add", "input_dtype")
+#: The GPU path's windows are whole multiples of this many rows where the byte budget allows
+#: (the row tiles of cuBLAS's large-GEMM kernels: a partial tile costs a whole one).
+ROW_TILE = 128
 
 #: Default bound on the elements of one ``[rows, local_vocab]`` fp32 window buffer (64 MiB).
 DEFAULT_WINDOW_ELEMENTS = 1 << 24
@@ -101,10 +104,11 @@ class GpuTuning:
 
     window_bytes: int = 1 << 30
     """Bound on the bytes of one window's logits: the student's and (dense teacher) the
-    teacher's ``[rows, V_local]`` buffers together, in the input dtype. Rows per window are
-    ``window_bytes // (models * V_local * itemsize)`` (at most ``KDLossConfig.window_size``).
-    1 GiB at V = 128,256 in bf16 with a dense teacher: 2,093 rows, 4 windows for 8,192 tokens,
-    so the fp32 weight gradient is read and written 4 times, not 63."""
+    teacher's ``[rows, V_local]`` buffers together, in the input dtype. Rows per window are at
+    most ``window_bytes // (models * V_local * itemsize)`` (and ``KDLossConfig.window_size``),
+    balanced over the call's tokens (:meth:`rows_per_window`). 1 GiB at V = 128,256 in bf16
+    with a dense teacher: 4 windows of 2,048 rows for 8,192 tokens, so the fp32 weight
+    gradient is read and written 4 times, not 63."""
 
     kernels: str = "triton"
     """How a window's elementwise work runs: ``triton`` (three hand-written kernels, one pass
@@ -149,11 +153,26 @@ class GpuTuning:
                              f"{self.weight_grad!r}")
 
     def rows_per_window(self, local_valid: int, models: int, itemsize: int,
-                        window_size: int | None) -> int:
-        """Rows of one window: the byte budget over ``models`` logit rows of ``local_valid``
-        columns, at most ``window_size``."""
-        rows = max(1, self.window_bytes // max(1, models * local_valid * itemsize))
-        return rows if window_size is None else min(rows, window_size)
+                        window_size: int | None, n_rows: int | None = None) -> int:
+        """Rows of one window: at most the byte budget over ``models`` logit rows of
+        ``local_valid`` columns, and at most ``window_size``.
+
+        Given the call's ``n_rows``, the windows are balanced: as few as the cap allows, of
+        equal size, rounded up to whole GEMM tiles (:data:`ROW_TILE` rows) where that stays
+        under the cap. At V = 128,256 in bf16 with a dense teacher the 1 GiB cap is 2,093 rows,
+        and 8,192 tokens take 4 windows of 2,048 (not 3 of 2,093 and one of 1,913); at
+        V = 151,936 the cap is 1,766 and 8,192 tokens take 5 windows of 1,664 (13 full
+        tiles each)."""
+        cap = max(1, self.window_bytes // max(1, models * local_valid * itemsize))
+        if window_size is not None:
+            cap = min(cap, window_size)
+        if n_rows is None or n_rows <= cap:
+            return cap if n_rows is None else max(1, n_rows)
+        windows = -(-n_rows // cap)
+        rows = -(-n_rows // windows)
+        if rows > ROW_TILE:
+            rows = min(cap, -(-rows // ROW_TILE) * ROW_TILE)
+        return rows
 
 
 @dataclass(kw_only=True)

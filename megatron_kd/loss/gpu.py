@@ -72,8 +72,7 @@ class _Walk:
         self.kind = _KIND_CODE[config.kind] if dense else gk.KIND_NONE
         models = 2 if dense else 1
         self.rows = tuning.rows_per_window(shard.local_valid, models, self.x_s.element_size(),
-                                           config.window_size)
-        self.rows = min(self.rows, max(1, active.numel()))
+                                           config.window_size, active.numel())
         self.impl, self.block_v = tuning.kernels, tuning.block_v
         # the window buffers, in the input dtype, reused by every window
         self.z_s = self.x_s.new_empty(self.rows, shard.local_valid)
@@ -231,16 +230,27 @@ class _Walk:
         return z_s
 
     # --- the hidden and weight gradients -------------------------------------------------------
+    def hidden_grad_buffer(self) -> torch.Tensor:
+        """The ``[tokens, h_s]`` hidden gradient, zeros (masked rows keep them). One vocab shard
+        (TP 1): in the input dtype, each window's GEMM writing its rows directly (its sum over
+        the vocabulary is in fp32 inside the GEMM, rounded once). Several: fp32, so the sum over
+        the shards is rounded once, after the all-reduce."""
+        dtype = self.x_s.dtype if self.shard.tp_world_size == 1 else self.cdt
+        return self.x_s.new_zeros(self.mask.numel(), self.w_s.shape[1], dtype=dtype)
+
     def accumulate(self, g, xs, rows, grad_x, grad_w) -> None:
         """Hidden and weight gradients of one window from its logit gradient ``g`` (input
-        dtype); the weight's accumulated into the fp32 ``grad_w``."""
+        dtype); the weight's accumulated into ``grad_w`` (fp32 by default)."""
         if grad_x is not None:
-            gx = torch.mm(g, self.w_s, out=self.scratch.take("gx", g, (g.shape[0],
-                                                                        self.w_s.shape[1])))
-            if isinstance(rows, slice):
-                grad_x[rows] = gx
+            if isinstance(rows, slice) and grad_x.dtype == g.dtype:
+                torch.mm(g, self.w_s, out=grad_x[rows])
             else:
-                grad_x.index_copy_(0, rows, gx.to(grad_x.dtype))
+                gx = torch.mm(g, self.w_s, out=self.scratch.take("gx", g, (g.shape[0],
+                                                                            self.w_s.shape[1])))
+                if isinstance(rows, slice):
+                    grad_x[rows] = gx
+                else:
+                    grad_x.index_copy_(0, rows, gx.to(grad_x.dtype))
         if grad_w is not None:
             _add_weight_grad(grad_w[: self.w_s.shape[0]], g, xs, self.tuning.weight_grad)
 
@@ -312,8 +322,7 @@ class GpuKDLoss(torch.autograd.Function):
         needs_grad = student_hidden.requires_grad or student_weight.requires_grad
         precompute = config.backward == "precompute" and needs_grad
         fuse_wgrad = config.gradient_accumulation_fusion and student_weight.requires_grad
-        grad_x = (walk.x_s.new_zeros(loss_mask.numel(), h_s, dtype=cdt)
-                  if precompute and student_hidden.requires_grad else None)
+        grad_x = walk.hidden_grad_buffer() if precompute and student_hidden.requires_grad else None
         grad_w = (student_weight.new_zeros(student_weight.shape, dtype=_accumulator_dtype(
             tuning, cdt, student_weight)) if precompute and student_weight.requires_grad else None)
         saved_all = (torch.zeros(4, active.numel(), dtype=cdt, device=walk.x_s.device)
@@ -419,8 +428,7 @@ def _recompute_backward(ctx, grad_loss):
                  topk_logprobs, labels, loss_mask, active, ctx.config, shard, cdt, ctx.tuning,
                  sp)
     scale = grad_loss.to(cdt)
-    grad_x = (walk.x_s.new_zeros(loss_mask.numel(), h_s, dtype=cdt)
-              if ctx.needs_input_grad[0] else None)
+    grad_x = walk.hidden_grad_buffer() if ctx.needs_input_grad[0] else None
     if ctx.fuse_wgrad:
         grad_w = student_weight.main_grad
     else:

@@ -183,8 +183,8 @@ def jsd_sums(z_s: torch.Tensor, z_t: torch.Tensor, lse_s: torch.Tensor, lse_t: t
     if impl == "triton":
         out = torch.empty(2, rows, dtype=cdt, device=z_s.device)
         _kernels()[1][(rows,)](z_s, z_t, lse_s.contiguous(), lse_t.contiguous(), out,
-                               z_s.stride(0), z_t.stride(0), rows, inv_t, math.log(beta),
-                               math.log1p(-beta), N_COLS=n_cols, BLOCK=block_v,
+                               z_s.stride(0), z_t.stride(0), rows, inv_t, beta, 1.0 - beta,
+                               N_COLS=n_cols, BLOCK=block_v,
                                CDT=_tl_dtype(cdt), num_warps=num_warps)
         return out
     fn = _jsd_compiled if impl == "compiled" else _jsd_torch
@@ -202,14 +202,12 @@ def logit_grad_(z_s: torch.Tensor, z_t: torch.Tensor | None, lse_s: torch.Tensor
     if n_cols == 0 or rows == 0:
         return z_s
     if impl == "triton":
-        one_m_beta = 1.0 - beta
-        logs = (math.log(beta), math.log1p(-beta)) if kind == KIND_JSD else (0.0, 0.0)
         _kernels()[2][(rows,)](z_s, z_s if z_t is None else z_t, z_s.stride(0),
                                z_s.stride(0) if z_t is None else z_t.stride(0),
                                lse_s.contiguous(), lse_t.contiguous(), lse_c.contiguous(),
                                coef_a.contiguous(), coef_b.contiguous(), coef_f.contiguous(),
-                               w_ce.contiguous(), label.contiguous(), inv_t, one_m_beta,
-                               *logs, N_COLS=n_cols, KIND=kind, HAS_C=has_c, BLOCK=block_v,
+                               w_ce.contiguous(), label.contiguous(), inv_t, beta, 1.0 - beta,
+                               N_COLS=n_cols, KIND=kind, HAS_C=has_c, BLOCK=block_v,
                                CDT=_tl_dtype(cdt), num_warps=num_warps)
         return z_s
     fn = _grad_compiled if impl == "compiled" else _grad_torch

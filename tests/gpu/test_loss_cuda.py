@@ -57,3 +57,43 @@ def test_gpu_path_matches_cpu_path_at_32k(kind):
     cpu = run_ours(dict(sp, path="cpu"), inp, [32000], 0, None, device="cuda")
     for key in ("loss", "grad_x", "grad_w"):
         assert rel_err(gpu[key], cpu[key]) < 1e-5, key
+
+
+@pytest.mark.parametrize("weight_grad", ["fp32_gemm", "input_dtype"])
+def test_gpu_path_peak_memory_is_the_accounts(weight_grad):
+    """The extra peak of forward + backward is docs/loss.md's account, within 10% (and 8 MiB
+    of small per-row buffers): the window's two bf16 logit buffers, the weight-gradient
+    accumulator (fp32, or the returned bf16 gradient itself), the bf16 hidden gradient
+    (written by each window's GEMM at TP 1), and backward's rounded weight gradient."""
+    from megatron_kd.loss import GpuTuning, KDLossConfig, vocab_parallel_kd_loss
+
+    n, v, h_s, h_t, rows = 4096, 32_000, 512, 768, 512
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x_s = torch.randn(n, 1, h_s, device="cuda", dtype=torch.bfloat16, generator=g)
+    x_t = torch.randn(n, 1, h_t, device="cuda", dtype=torch.bfloat16, generator=g)
+    w_s = (torch.randn(v, h_s, device="cuda", generator=g) * 0.05).bfloat16()
+    w_t = (torch.randn(v, h_t, device="cuda", generator=g) * 0.05).bfloat16()
+    x_s.requires_grad_(True)
+    w_s.requires_grad_(True)
+    config = KDLossConfig(gpu_tuning=GpuTuning(window_bytes=rows * v * 2 * 2,
+                                               weight_grad=weight_grad, kernels=KERNELS[0]))
+
+    def step():
+        loss, _ = vocab_parallel_kd_loss(x_s, w_s, teacher_hidden=x_t, teacher_weight=w_t,
+                                         config=config)
+        return torch.autograd.grad(loss, (x_s, w_s))
+
+    step()  # compiles the kernels, makes cuBLAS's workspace
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    grads = step()
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base
+    window = 2 * rows * v * 2
+    grad_w, grad_x = v * h_s * 2, n * h_s * 2
+    acc = v * h_s * 4 if weight_grad == "fp32_gemm" else 0  # input_dtype: the returned one
+    # forward: window + accumulator + hidden gradient; backward: + the rounded gradient
+    want = max(window + max(acc, grad_w) + grad_x, acc + grad_w + grad_x)
+    assert 0.9 * want <= extra <= 1.1 * want + (8 << 20), (extra, want)
+    del grads

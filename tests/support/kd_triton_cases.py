@@ -15,6 +15,7 @@ Used by tests/unit/test_loss_triton.py.
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 
@@ -90,7 +91,42 @@ def _kernel_checks() -> dict[str, str | None]:
                                  torch.float32, "triton", 64)
             full = want + (c_w * p_c if has_c else 0.0) - c_w * onehot
             check(f"kernel:logit_grad:{code}:ce_own_shift={has_c}", got, full)
+    _extreme_checks(gk, check)
     return out
+
+
+def _extreme_checks(gk, check) -> None:
+    """Rows a random block never makes: leading blocks of ``-inf`` (the ghost tail's masked
+    ids) for ``row_stats``, and logits 1,000 apart for JSD, where probabilities underflow
+    to 0 in fp32 and the mixture's logarithm is ``-inf`` unless guarded."""
+    g = torch.Generator().manual_seed(5)
+    z = torch.randn(4, 300, generator=g) * 4
+    z[0, :150] = -math.inf  # the first two 64-column blocks and part of the third
+    z[1, 1:] = -math.inf  # one finite column
+    st = gk.row_stats(z, None, 0.5, gk.KIND_NONE, True, torch.float32, "triton", 64).double()
+    zd = z.double()
+    check("kernel:row_stats:-inf_blocks:lse_s", st[0] + st[1].log(), torch.logsumexp(zd * 0.5, 1))
+    check("kernel:row_stats:-inf_blocks:lse_c", st[5] + st[6].log(), torch.logsumexp(zd, 1))
+    beta, t = 0.3, 1.0
+    z_s = torch.randn(4, 300, generator=g) * 300  # most of a row is exp(-1000) and below
+    z_t = torch.randn(4, 300, generator=g) * 300
+    # the kernels take the lse in fp32 (an ulp of 6e-5 at 1,000): the formula uses the same
+    lse_s, lse_t = (torch.logsumexp(v.double(), 1).float() for v in (z_s, z_t))
+    lp_s = z_s.double() - lse_s.double()[:, None]
+    lp_t = z_t.double() - lse_t.double()[:, None]
+    log_m = torch.logaddexp(lp_t + math.log(beta), lp_s + math.log1p(-beta))  # finite
+    p_s, p_t = lp_s.exp(), lp_t.exp()
+    js = gk.jsd_sums(z_s, z_t, lse_s, lse_t, 1 / t, beta, torch.float32, "triton",
+                     64)
+    check("kernel:jsd_sums:extreme", js.double(), torch.stack([(p_t * (lp_t - log_m)).sum(1),
+                                                               (p_s * (lp_s - log_m)).sum(1)]))
+    ones, zeros = torch.ones(4), torch.zeros(4)
+    none = torch.full((4,), -1)
+    got = gk.logit_grad_(z_s.clone(), z_t, lse_s, lse_t, lse_s, zeros,
+                         ones, zeros, zeros, none, 1 / t, beta, gk.KIND_JSD, False,
+                         torch.float32, "triton", 64)
+    want = p_s * (1 - beta) * (lp_s - log_m)
+    check("kernel:logit_grad:jsd:extreme", got, want)
 
 
 def _loss_checks() -> dict[str, str | None]:

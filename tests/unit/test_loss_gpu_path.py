@@ -160,6 +160,34 @@ def test_gpu_tuning_validation(bad):
         GpuTuning(**bad)
 
 
+GIB = 1 << 30
+
+
+@pytest.mark.parametrize("vocab, n_rows, window_size, want", [
+    (128_256, 8_192, None, 2_048),  # cap 2,093: 4 windows of 2,048 (16 tiles each)
+    (151_936, 8_192, None, 1_664),  # cap 1,766: 5 windows, 1,639 rounded up to 13 tiles
+    (128_256, 4_096, None, 2_048),
+    (128_256, 2_000, None, 2_000),  # one window: the call's rows, whatever they are
+    (128_256, 8_192, 1_000, 1_000),  # 9 windows of 911: 1,024 is over the cap, so the cap
+    (128_256, 8_192, 100, 100),  # below a tile: balanced only (82 windows of 100)
+    (128_256, 4_100, 1_000, 896),  # 5 windows of 820, rounded to 896 (4,100 = 4 x 896 + 516)
+])
+def test_gpu_windows_are_balanced_and_whole_tiles(vocab, n_rows, window_size, want):
+    got = GpuTuning(window_bytes=GIB).rows_per_window(vocab, 2, 2, window_size, n_rows)
+    assert got == want
+
+
+def test_gpu_windows_never_exceed_the_budget_nor_add_a_window():
+    tuning = GpuTuning(window_bytes=3 << 20)
+    for vocab in (1_009, 32_000, 50_257):
+        cap = tuning.rows_per_window(vocab, 2, 2, None)
+        assert cap == (3 << 20) // (4 * vocab)
+        for n_rows in range(1, 6 * cap, 7):
+            rows = tuning.rows_per_window(vocab, 2, 2, None, n_rows)
+            assert 1 <= rows <= cap, (vocab, n_rows, rows)
+            assert -(-n_rows // rows) == -(-n_rows // cap), (vocab, n_rows, rows)
+
+
 def test_path_validation():
     with pytest.raises(ValueError, match=r"path must be one of .* got 'tpu'"):
         KDLossConfig(path="tpu")

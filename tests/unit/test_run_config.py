@@ -85,13 +85,15 @@ def test_each_loss_flag_lands_in_its_own_field():
     flags = {"--kd-loss": "forward_kl", "--kd-temperature": "3.5", "--kd-beta": "0.3",
              "--kd-weight": "0.7", "--kd-ce-weight": "0.2", "--kd-window-size": "17",
              "--kd-loss-elementwise": "compiled", "--kd-loss-path": "cpu",
-             "--kd-loss-gpu-kernels": "eager", "--kd-loss-window-mib": "3"}
+             "--kd-loss-gpu-kernels": "eager", "--kd-loss-window-mib": "3",
+             "--kd-loss-weight-grad": "input_dtype"}
     argv = MINIMAL[:-4] + ["--kd-teacher-load", "t"] + [x for kv in flags.items() for x in kv]
     loss = RunConfig.from_args(parse_args(argv)).kd.loss
     assert (loss.kind, loss.temperature, loss.beta, loss.kd_weight, loss.ce_weight,
             loss.window_size, loss.elementwise, loss.path) == (
         "forward_kl", 3.5, 0.3, 0.7, 0.2, 17, "compiled", "cpu")
-    assert loss.gpu_tuning == GpuTuning(kernels="eager", window_bytes=3 << 20)
+    assert loss.gpu_tuning == GpuTuning(kernels="eager", window_bytes=3 << 20,
+                                        weight_grad="input_dtype")
     names = {spec.option(n) for n, spec in (*LOSS_FLAGS.items(), *GPU_LOSS_FLAGS.items())}
     assert names - {"--kd-topk-tail"} == set(flags)  # every loss flag is in this test
 
