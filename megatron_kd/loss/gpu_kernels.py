@@ -166,7 +166,7 @@ def row_stats(z_s: torch.Tensor, z_t: torch.Tensor | None, inv_t: float, kind: i
                               z_s.stride(0) if z_t is None else z_t.stride(0), rows, inv_t,
                               N_COLS=n_cols, KIND=kind, HAS_T=z_t is not None, HAS_C=has_c,
                               BLOCK=block_v, CDT=_tl_dtype(cdt),
-                              num_warps=num_warps)
+                              GROUPS=min(num_warps, block_v), num_warps=num_warps)
         return out
     fn = _stats_compiled if impl == "compiled" else _stats_torch
     return fn(z_s, z_t, inv_t, kind, has_c, cdt)
