@@ -368,7 +368,8 @@ class GpuKDLoss(torch.autograd.Function):
         if ctx.precompute:
             # the fp32 weight gradient scaled and rounded once, in one pass
             grad_x, grad_w = scale_precomputed(
-                ctx, grad_loss, lambda g, scale: _scaled_to(g, scale, ctx.weight_dtype))
+                ctx, grad_loss,
+                lambda g, scale: _scaled_to(g, scale, ctx.weight_dtype, ctx.tuning.kernels))
         else:
             grad_x, grad_w = _recompute_backward(ctx, grad_loss)
         return (
@@ -389,12 +390,14 @@ class GpuKDLoss(torch.autograd.Function):
         )
 
 
-def _scaled_to(acc: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def _scaled_to(acc: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
+               impl: str) -> torch.Tensor:
     """``acc * scale`` in ``dtype``: in place when it is ``acc``'s, else one pass that reads
-    the accumulator once and writes the rounded result (no scaled fp32 copy)."""
+    the accumulator once and writes the rounded result (no scaled fp32 copy;
+    :func:`~megatron_kd.loss.gpu_kernels.scale_round`)."""
     if acc.dtype == dtype:
         return acc.mul_(scale.to(dtype))
-    return torch.mul(acc, scale.to(acc.dtype), out=torch.empty_like(acc, dtype=dtype))
+    return gk.scale_round(acc, scale, dtype, impl)
 
 
 def _accumulator_dtype(tuning: GpuTuning, cdt: torch.dtype,

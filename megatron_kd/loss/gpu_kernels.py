@@ -33,7 +33,7 @@ import torch
 
 from megatron_kd.loss.compiled import _compiled
 
-__all__ = ["KIND_FKL", "KIND_JSD", "KIND_NONE", "KIND_RKL", "STAT_ROWS", "jsd_sums",
+__all__ = ["KIND_FKL", "KIND_JSD", "KIND_NONE", "KIND_RKL", "STAT_ROWS", "jsd_sums", "scale_round",
            "logit_grad_", "row_stats", "triton_available"]
 
 # The kind codes of the kernels (a constant of each compiled kernel).
@@ -133,11 +133,12 @@ _grad_compiled = _compiled(_grad_torch)
 # The Triton form
 # ---------------------------------------------------------------------------------------------
 def _kernels():
-    """The three Triton kernels (the module that defines them imports Triton)."""
+    """The Triton kernels (the module that defines them imports Triton): the three steps and
+    the accumulator's scale-and-round."""
     # deferred: the module imports Triton (optional), and Triton reads TRITON_INTERPRET then
     from megatron_kd.loss import triton_kernels as tk
 
-    return tk.stats_kernel, tk.jsd_kernel, tk.grad_kernel
+    return tk.stats_kernel, tk.jsd_kernel, tk.grad_kernel, tk.scale_round_kernel
 
 
 def _tl_dtype(cdt: torch.dtype):
@@ -213,3 +214,28 @@ def logit_grad_(z_s: torch.Tensor, z_t: torch.Tensor | None, lse_s: torch.Tensor
     fn = _grad_compiled if impl == "compiled" else _grad_torch
     return fn(z_s, z_t, lse_s, lse_t, lse_c, coef_a, coef_b, coef_f, w_ce, label, inv_t, beta,
               kind, has_c, cdt)
+
+
+#: Elements per program of the Triton scale-and-round (16 a thread at 8 warps).
+SCALE_BLOCK = 4096
+
+
+def scale_round(acc: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
+                impl: str) -> torch.Tensor:
+    """``acc * scale`` (``scale`` a 0-d device tensor) in ``dtype``, ``acc`` left as it is: the
+    weight gradient's one rounding. In the accumulator's precision, then rounded to nearest
+    even, whichever the form: the Triton form is one vectorised pass (PyTorch's mixed-dtype
+    multiply took 1.6 ms for 1.47 GiB on an H200, 2.6x a pass at the HBM rate)."""
+    out = torch.empty_like(acc, dtype=dtype)
+    if impl == "triton" and acc.numel():
+        src = acc.contiguous()
+        n = src.numel()
+        _kernels()[3][(_cdiv(n, SCALE_BLOCK),)](src, out, scale.to(acc.dtype).reshape(1),
+                                                      n, BLOCK=SCALE_BLOCK, num_warps=8)
+        return out
+    return torch.mul(acc, scale.to(acc.dtype), out=out)
+
+
+def _cdiv(n: int, block: int) -> int:
+    """Programs of ``block`` elements covering ``n``."""
+    return -(-n // block)

@@ -16,7 +16,7 @@ Imported only when the Triton form is used: importing it imports Triton, and Tri
 import triton
 import triton.language as tl
 
-__all__ = ["grad_kernel", "jsd_kernel", "stats_kernel"]
+__all__ = ["grad_kernel", "jsd_kernel", "scale_round_kernel", "stats_kernel"]
 
 
 @triton.jit
@@ -160,3 +160,13 @@ def grad_kernel(zs, zt, stride_s, stride_t, lse_s_p, lse_t_p, lse_c_p, coef_a_p,
             g += w_ce * tl.exp(z - lse_c)
         g = tl.where(cols == label, g - w_ce, g)
         tl.store(zs + row * stride_s + cols, g.to(zs.dtype.element_ty), mask=mask)
+
+@triton.jit
+def scale_round_kernel(src, dst, scale_p, n, BLOCK: tl.constexpr):
+    """``dst = src * scale`` in ``dst``'s dtype: the fp32 weight-gradient accumulator scaled by
+    backward's incoming gradient (a device scalar) and rounded once, one read and one write."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    scale = tl.load(scale_p)
+    x = tl.load(src + offs, mask=mask, other=0.0)
+    tl.store(dst + offs, (x * scale).to(dst.dtype.element_ty), mask=mask)

@@ -92,6 +92,19 @@ def _kernel_checks() -> dict[str, str | None]:
             full = want + (c_w * p_c if has_c else 0.0) - c_w * onehot
             check(f"kernel:logit_grad:{code}:ce_own_shift={has_c}", got, full)
     _extreme_checks(gk, check)
+    # the accumulator's scale-and-round, over more elements than one program (its masked
+    # tail included): the fp32 product, then bf16. The interpreter's cast truncates where a
+    # GPU's rounds to nearest (tests/unit/test_loss_triton_compile.py checks its cvt.rn), so
+    # each value is the product rounded one way or the other
+    acc = torch.randn(3, 2_000, generator=g) * 1e-3
+    scale = torch.tensor(1 / 3)
+    got = gk.scale_round(acc, scale, torch.bfloat16, "triton")
+    exact = acc * scale
+    nearest = exact.to(torch.bfloat16)
+    truncated = (exact.view(torch.int32) & ~0xFFFF).view(torch.float32).to(torch.bfloat16)
+    bad = int(((got != nearest) & (got != truncated)).sum())
+    out["kernel:scale_round"] = (None if got.dtype == torch.bfloat16 and bad == 0 else
+                                 f"{bad} of {got.numel()} are neither rounding of the product")
     return out
 
 

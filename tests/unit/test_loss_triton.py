@@ -36,8 +36,8 @@ def results() -> dict:
 def test_each_kernel_against_its_formula(results):
     kernels = {k: v for k, v in results.items() if k.startswith("kernel:")}
     # 2 x 4 row_stats values, 1 jsd_sums, 4 kinds x 2 logit_grad_ variants; extreme rows:
-    # 2 row_stats values, 1 jsd_sums, 1 logit_grad_
-    assert len(kernels) == 21, sorted(kernels)
+    # 2 row_stats values, 1 jsd_sums, 1 logit_grad_; the scale-and-round
+    assert len(kernels) == 22, sorted(kernels)
     assert not {k: v for k, v in kernels.items() if v}, kernels
 
 

@@ -36,16 +36,18 @@ PER_THREAD = TUNING.block_v // (32 * TUNING.num_warps)
 _F32 = {"inv_t": "fp32", "beta": "fp32", "one_m_beta": "fp32"}
 
 
-def _compile(kernel, signature: dict, constants: dict) -> str:
-    """The kernel's PTX for sm_90, its pointers and strides divisible by 16."""
+def _compile(kernel, signature: dict, constants: dict, defaults: bool = True) -> str:
+    """The kernel's PTX for sm_90, its pointers and strides divisible by 16; ``defaults``: with
+    the loss kernels' vocabulary, block and fp32 arithmetic."""
     import triton.language as tl
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    consts = {"N_COLS": V, "BLOCK": TUNING.block_v, "CDT": tl.float32, **constants}
+    base = {"N_COLS": V, "BLOCK": TUNING.block_v, "CDT": tl.float32} if defaults else {}
+    consts = {**base, **constants}
     sig = {**signature, **{name: "constexpr" for name in consts}}
     aligned = [i for i, (name, kind) in enumerate(signature.items())
-               if kind.startswith("*") or name.startswith("stride")]
+               if kind.startswith("*") or name.startswith("stride") or name == "n"]
     src = ASTSource(fn=kernel, signature=sig, constexprs=consts,
                     attrs={(i,): [["tt.divisibility", 16]] for i in aligned})
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
@@ -113,3 +115,18 @@ def test_logit_grad_compiles_and_reads_vectors(kind):
     # reads its logits, not its probabilities)
     exps = 2 + (kind in (gk.KIND_FKL, gk.KIND_JSD))
     assert _count(lines, r"ex2\.approx") == exps * PER_THREAD
+
+
+def test_scale_round_is_one_vectorised_pass():
+    from megatron_kd.loss import triton_kernels as tk
+
+    consts = {"BLOCK": gk.SCALE_BLOCK}
+    sig = {"src": "*fp32", "dst": "*bf16", "scale_p": "*fp32", "n": "i64"}
+    ptx = _compile(tk.scale_round_kernel, sig, consts, defaults=False)
+    lines = ptx.splitlines()
+    per_thread = gk.SCALE_BLOCK // (32 * 8)
+    assert _count(lines, r"ld\.global\.v4\.b32") == per_thread // 4  # fp32, 16 bytes a load
+    assert _count(lines, r"st\.global\.v4\.b32") == per_thread // 8  # bf16, 16 bytes a store
+    # rounded to nearest even (the interpreter's cast truncates: only the GPU's code shows it)
+    assert _count(lines, r"cvt\.rn\.bf16x2\.f32") == per_thread // 2
+    assert _count(lines, r"cvt\.r[zmp]\.") == 0
