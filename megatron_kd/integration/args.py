@@ -59,7 +59,8 @@ LOSS_FLAGS = {
                       help="weight of the student's cross-entropy on the labels"),
     "window_size": Flag(name="--kd-window-size", type=int, group=_KD,
                         help="hard upper bound on tokens projected onto the vocabulary at once "
-                             "(default: a 64 MiB fp32 window)"),
+                             "(default: on the GPU path as many as --kd-loss-window-mib "
+                             "holds, on the CPU path a 64 MiB fp32 window)"),
     "elementwise": Flag(name="--kd-loss-elementwise", choices=ELEMENTWISE, group=_KD,
                         help="the fused loss's per-block elementwise work: 'eager' PyTorch ops, "
                              "or 'compiled' torch.compile kernels (forward KL with a dense "

@@ -284,8 +284,8 @@ def _add_weight_grad(acc: torch.Tensor, g: torch.Tensor, x: torch.Tensor, mode: 
             raise RuntimeError(f"this torch's addmm refuses an {acc.dtype} accumulator with "
                                f"{g.dtype} operands ({e}); set GpuTuning(weight_grad="
                                f"'fp32_add') (or 'input_dtype')") from e
-    else:  # fp32_add (and fp32_gemm on CPU, which has no such GEMM)
-        acc += (g.t() @ x).to(acc.dtype)
+    else:  # fp32_add (and fp32_gemm on CPU, which has no such GEMM): the input-dtype product
+        acc.add_(g.t() @ x)  # added in acc's dtype, with no fp32 copy of the product
 
 
 class GpuKDLoss(torch.autograd.Function):

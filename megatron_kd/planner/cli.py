@@ -57,6 +57,7 @@ from megatron_kd.planner.memory import (
     PHASES,
     RECOMPUTE_CHOICES,
     RECOMPUTE_METHODS,
+    WEIGHT_GRADS,
     ActivationOptions,
     ParallelLayout,
     Precision,
@@ -75,6 +76,7 @@ DEFAULT_LINK = "ib-400g"
 #: left to their defaults.
 _AS_GIVEN = ("gpus_per_node", "nodes", "seq_length", "micro_batch_size", "global_batch_size",
              "cp_comm_type", "sequence_parallel", "use_distributed_optimizer", "window_size",
+             "loss_weight_grad",
              "prefetch_depth", "topk", "cache_entry_bytes", "wire_dtype", "teacher_replicas", "mfu",
              "teacher_mfu", "link_efficiency", "headroom")
 
@@ -82,6 +84,17 @@ _AS_GIVEN = ("gpus_per_node", "nodes", "seq_length", "micro_batch_size", "global
 def _default(name: str):
     """:class:`PlanOptions`' default of ``name``: where every default of a plan is written."""
     return PlanOptions.__dataclass_fields__[name].default
+
+
+def _positive_mib(text: str) -> float:
+    """A size in MiB, > 0 (``--kd-loss-window-mib``)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a size in MiB, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"a size in MiB must be > 0, got {text!r}")
+    return value
 
 
 def _size(text: str) -> int | str:
@@ -179,8 +192,16 @@ def _add_distillation_arguments(parser: argparse.ArgumentParser) -> None:
         "--kd-window-size",
         dest="window_size",
         type=int,
-        help="fused-loss rows per window (default: the loss's 64 MiB fp32 window)",
+        help="fused-loss rows per window, at most (default: as many as the GPU path's "
+             "--kd-loss-window-mib holds)",
     )
+    g.add_argument("--kd-loss-window-mib", dest="loss_window_mib", type=_positive_mib,
+                   help=f"the fused loss's bound on one window's logits on a GPU, in MiB "
+                        f"(default {_default('loss_window_bytes') >> 20})")
+    g.add_argument("--kd-loss-weight-grad", dest="loss_weight_grad", choices=WEIGHT_GRADS,
+                   help=f"the fused loss's output-layer weight-gradient accumulator on a GPU "
+                        f"(default {_default('loss_weight_grad')}; input_dtype: half its "
+                        f"memory)")
     for name in ("prefetch_depth", "topk"):
         _add_shared(g, name)
     g.add_argument("--kd-cache-entry-bytes", dest="cache_entry_bytes", type=int,
@@ -244,6 +265,8 @@ def build_options(args: argparse.Namespace) -> tuple[PlanOptions, list[str]]:
         return None if value in (None, "search") else value
 
     given = {key: values[key] for key in _AS_GIVEN if values.get(key) is not None}
+    if "loss_window_mib" in values:
+        given["loss_window_bytes"] = int(values["loss_window_mib"] * (1 << 20))
     if "reserve_gib" in values:
         given["reserve_bytes"] = int(values["reserve_gib"] * GIB)
     if student.is_moe and "etp" in values:
@@ -404,7 +427,7 @@ def format_report(
     ignored: list[str],
     options: tuple[Mode, list[LayoutOption]] | None = None,
 ) -> str:
-    window = opts.window_size or "default (64 MiB fp32)"
+    window = _window_text(opts)
     head = (
         f"plan: teacher {opts.teacher.name} ({opts.teacher.total_params() / 1e9:.1f}B) -> student "
         f"{opts.student.name} ({opts.student.total_params() / 1e9:.1f}B) on {opts.nodes} x "
@@ -420,6 +443,16 @@ def format_report(
     if options is not None:
         parts.append(format_options(*options))
     return "\n\n".join(parts)
+
+
+def _window_text(opts: PlanOptions) -> str:
+    """The fused loss's windows as planned, for the report's first line."""
+    rows = f"<= {opts.window_size} rows" if opts.window_size is not None else None
+    if opts.gpu_loss is None:
+        return rows or "default (64 MiB fp32)"
+    gpu = (f"<= {opts.loss_window_bytes / (1 << 20):g} MiB of logits (GPU path), weight grad "
+           f"{opts.loss_weight_grad}")
+    return f"{rows}, {gpu}" if rows else gpu
 
 
 def to_json(
@@ -441,7 +474,8 @@ def to_json(
                 "cp_comm_type", "ep", "etp",
                 "recompute", "recompute_method", "recompute_num_layers", "sequence_parallel",
                 "use_distributed_optimizer", "teacher_tp", "teacher_pp", "teacher_ep",
-                "window_size", "prefetch_depth", "topk", "cache_entry_bytes",
+                "window_size", "loss_path", "loss_window_bytes", "loss_weight_grad",
+                "prefetch_depth", "topk", "cache_entry_bytes",
             )
         },
         "assumptions": {
@@ -503,6 +537,8 @@ _RENAMED = {
     "kd_prefetch_depth": "prefetch_depth",
     "kd_topk": "topk",
     "kd_wire_dtype": "wire_dtype",
+    "kd_loss_window_mib": "loss_window_mib",
+    "kd_loss_weight_grad": "loss_weight_grad",
 }
 
 
@@ -541,6 +577,8 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument(f"--{name}", type=float, default=None)
     p.add_argument("--kd-wire-dtype", choices=flag_spec(KDSharedFlags, "wire_dtype").choices,
                    default=None)
+    p.add_argument("--kd-loss-window-mib", type=_positive_mib, default=None)
+    p.add_argument("--kd-loss-weight-grad", choices=WEIGHT_GRADS, default=None)
     # Megatron-LM: one type, or one per layer
     p.add_argument("--cp-comm-type", nargs="+", default=None)
     for name in ("recompute-granularity", "recompute-method", "kd-teacher-load"):

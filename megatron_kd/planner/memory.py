@@ -154,14 +154,20 @@ The loss (one micro-batch at a time, on the last stage)
   student logits bf16 2 + their fp32 copy 4 + the fp32 softmax kept for backward 4, and the same
   for the teacher: ``n * (10*V_s + 10*V_t)/t`` bytes. (The fp32 gradient of the logits in backward
   reuses the freed upcast; the count is the forward peak.)
-* fused KD loss (``megatron_kd.loss``, gradients precomputed in forward; source: its code): per
-  window of ``w`` rows (default: ``2^24 / (V/t)`` rows, a 64 MiB fp32 buffer) the matmul output in
-  bf16 ``2wV/t`` and fp32 buffers: four with a dense teacher (student logits, teacher logits,
-  teacher exponentials, the logit gradient's scratch) ``16wV/t``, two with top-K targets
-  ``8wV/t`` (on CPU without TP the last two, or the last one, are a cache-sized block's, see
-  :func:`fused_loss_bytes`); the fp32
-  gradient accumulators ``4nh`` (hidden) and ``4hV/t`` (output layer); with sequence parallelism the
-  gathered hidden states ``2n(h + h_t)``; eight fp32 statistics per row ``32n``.
+* fused KD loss (``megatron_kd.loss``, gradients precomputed in forward; source: its code). Its
+  GPU path (what CUDA runs, ``PlanOptions.loss_path="gpu"``): windows of at most
+  ``--kd-loss-window-mib`` (1 GiB) of logits in the input dtype, ``2wV/t`` a model, the rows
+  balanced over the call's tokens in whole 128-row tiles; the hidden gradient ``2nh`` at TP 1
+  (the returned one), ``4nh`` (fp32) with TP; the output-layer accumulator ``4hV/t`` (fp32,
+  ``--kd-loss-weight-grad fp32_gemm``), plus a ``2hV/t`` product with ``fp32_add``, or ``2hV/t``
+  (``input_dtype``). Its CPU path (``loss_path="cpu"``, the CPU runs the planner is validated
+  on): per window of ``w`` rows (default: ``2^24 / (V/t)`` rows, a 64 MiB fp32 buffer) the
+  matmul output in bf16 ``2wV/t`` and fp32 buffers: four with a dense teacher (student logits,
+  teacher logits, teacher exponentials, the logit gradient's scratch) ``16wV/t``, two with top-K
+  targets ``8wV/t`` (on CPU without TP the last two, or the last one, are a cache-sized block's,
+  see :func:`fused_loss_bytes`); the fp32 gradient accumulators ``4nh`` (hidden) and ``4hV/t``
+  (output layer). Both paths: with sequence parallelism the gathered hidden states
+  ``2n(h + h_t)``; eight fp32 statistics per row ``32n``.
 * offline top-K cache: the fused loss with top-K targets, plus the decoded targets of the
   micro-batch in use: ``n * K * 12`` bytes, an int64 id and an fp32 log-prob per entry (what
   ``megatron_kd.cache`` decodes and ``megatron-kd train`` moves to the device; no leftover-mass
@@ -217,7 +223,7 @@ class Term(Enum):
     TEACHER_FORWARD = "teacher forward (no grad)"
     DENSE_LOGITS = "loss: dense logits"
     LOSS_WINDOW = "loss: window buffers"
-    LOSS_GRADIENTS = "loss: fp32 grad accumulators"
+    LOSS_GRADIENTS = "loss: grad accumulators"
     LOSS_GATHERED = "loss: gathered hidden (SP)"
     LOSS_ROW_STATISTICS = "loss: row statistics"
     TEACHER_FINAL_HIDDEN = "teacher final hidden"
@@ -894,13 +900,48 @@ def teacher_forward_working_bytes(
 DEFAULT_WINDOW_ELEMENTS = 1 << 24
 
 
+#: The GPU path's defaults and choices: copies of ``megatron_kd.loss.config``'s
+#: ``GpuTuning.window_bytes``, ``ROW_TILE`` and ``WEIGHT_GRADS``, compared with them by
+#: ``tests/unit/test_planner_copies.py``.
+DEFAULT_GPU_WINDOW_BYTES = 1 << 30
+GPU_ROW_TILE = 128
+WEIGHT_GRADS = ("fp32_gemm", "fp32_add", "input_dtype")
+
+
+def gpu_window_rows(local_vocab_size: int, models: int, itemsize: int, window_size: int | None,
+                    n_rows: int, window_bytes: int = DEFAULT_GPU_WINDOW_BYTES) -> int:
+    """The GPU path's rows per window for a call of ``n_rows`` tokens (a copy of
+    ``megatron_kd.loss.config.GpuTuning.rows_per_window``): at most ``window_bytes`` of
+    ``models`` logit rows, at most ``window_size``, balanced, in whole tiles where that fits."""
+    cap = max(1, window_bytes // max(1, models * local_vocab_size * itemsize))
+    if window_size is not None:
+        cap = min(cap, window_size)
+    if n_rows <= cap:
+        return max(1, n_rows)
+    windows = -(-n_rows // cap)
+    rows = -(-n_rows // windows)
+    if rows > GPU_ROW_TILE:
+        rows = min(cap, -(-rows // GPU_ROW_TILE) * GPU_ROW_TILE)
+    return rows
+
+
 def default_window_rows(local_vocab_size: int) -> int:
     """The fused loss's rows per window when ``--kd-window-size`` is not given."""
     return max(1, DEFAULT_WINDOW_ELEMENTS // max(1, local_vocab_size))
 
 
-def window_rows(student: PlannedModel, layout: ParallelLayout, window_size: int | None) -> int:
-    """Rows per window: ``window_size`` or the loss's default for this vocabulary shard."""
+def window_rows(student: PlannedModel, layout: ParallelLayout, window_size: int | None,
+                gpu: GpuLoss | None = None, n_rows: int | None = None, models: int = 2,
+                activation_bytes: int = 2) -> int:
+    """Rows per window: on the GPU path (``gpu`` given) its byte rule over ``n_rows`` tokens of
+    ``models`` logit buffers; else ``window_size`` or the CPU path's default for this
+    vocabulary shard."""
+    if gpu is not None:
+        if n_rows is None:
+            raise ValueError("the GPU path's windows need the call's rows (n_rows)")
+        v = layout.padded_vocab(student.vocab_size) // layout.tp
+        return gpu_window_rows(v, models, activation_bytes, window_size, n_rows,
+                               gpu.window_bytes)
     if window_size is None:
         return default_window_rows(layout.padded_vocab(student.vocab_size) // layout.tp)
     if window_size <= 0:
@@ -941,6 +982,23 @@ def dense_loss_bytes(
 
 
 @dataclass(kw_only=True, frozen=True)
+class GpuLoss:
+    """The fused loss's GPU path as a run sets it (``--kd-loss-window-mib``,
+    ``--kd-loss-weight-grad``)."""
+
+    window_bytes: int = DEFAULT_GPU_WINDOW_BYTES
+    weight_grad: str = "fp32_gemm"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.window_bytes, int) or isinstance(self.window_bytes, bool) \
+                or self.window_bytes <= 0:
+            raise ValueError(f"window_bytes must be a positive int, got {self.window_bytes!r}")
+        if self.weight_grad not in WEIGHT_GRADS:
+            raise ValueError(f"weight_grad must be one of {WEIGHT_GRADS}, got "
+                             f"{self.weight_grad!r}")
+
+
+@dataclass(kw_only=True, frozen=True)
 class FusedLossBytes:
     """The fused loss's buffers on the last stage, by part (see :func:`fused_loss_bytes`)."""
 
@@ -948,7 +1006,7 @@ class FusedLossBytes:
     """A window's logits and a block's elementwise temporaries."""
 
     gradients: float
-    """The fp32 gradient accumulators (hidden and output layer)."""
+    """The gradient accumulators (hidden and output layer)."""
 
     gathered: float
     """With sequence parallelism, the all-gathered hidden states (else 0)."""
@@ -967,8 +1025,10 @@ def fused_loss_bytes(
     teacher_hidden_size: int = 0,
     activation_bytes: int = 2,
     block_elements: int | None = None,
+    gpu: GpuLoss | None = None,
 ) -> FusedLossBytes:
-    """The fused loss (``megatron_kd.loss``, ``backward="precompute"``), by part.
+    """The fused loss (``megatron_kd.loss``, ``backward="precompute"``), by part: its GPU path
+    when ``gpu`` is given (:func:`_gpu_fused_loss_bytes`), else its CPU path:
 
     * ``window``: per window of ``w`` rows and ``v = V/t`` local columns, the matmul output in the
       input dtype (``2wv``; none in fp32, where the cast is a no-op) and fp32 buffers: the logits
@@ -987,6 +1047,9 @@ def fused_loss_bytes(
     ``n`` is the rank's rows, ``s*b/cp`` with context parallelism.
     """
     n = seq_length * micro_batch_size // layout.cp
+    if gpu is not None:
+        return _gpu_fused_loss_bytes(student, layout, n, window_size, dense_teacher,
+                                     teacher_hidden_size, activation_bytes, gpu)
     w = min(window_rows(student, layout, window_size), n)
     v = layout.padded_vocab(student.vocab_size) // layout.tp
     h = student.hidden_size
@@ -996,13 +1059,52 @@ def fused_loss_bytes(
     # the matmul output is a separate bf16 buffer before its fp32 cast; in fp32 it is the buffer
     matmul_out = 0 if activation_bytes == 4 else activation_bytes
     per_row = 8 if dense_teacher else 4  # fp32 logits, or fp32 temporaries, per local column
-    gathered = 0.0
-    if layout.sequence_parallel and layout.tp > 1:
-        gathered = n * (h + (teacher_hidden_size if dense_teacher else 0)) * activation_bytes
     return FusedLossBytes(
         window=w * v * (matmul_out + per_row) + r * v * per_row,
         gradients=4 * n * h + 4 * v * h,
-        gathered=gathered,
+        gathered=_gathered_bytes(layout, n, h, dense_teacher, teacher_hidden_size,
+                                 activation_bytes),
+        row_statistics=32 * n,
+    )
+
+
+def _gathered_bytes(layout: ParallelLayout, n: int, h: int, dense_teacher: bool,
+                    teacher_hidden_size: int, activation_bytes: int) -> float:
+    """With sequence parallelism, the all-gathered student (and dense teacher) hidden states."""
+    if layout.sequence_parallel and layout.tp > 1:
+        return n * (h + (teacher_hidden_size if dense_teacher else 0)) * activation_bytes
+    return 0.0
+
+
+def _gpu_fused_loss_bytes(student: PlannedModel, layout: ParallelLayout, n: int,
+                          window_size: int | None, dense_teacher: bool,
+                          teacher_hidden_size: int, activation_bytes: int,
+                          gpu: GpuLoss) -> FusedLossBytes:
+    """The GPU path (``megatron_kd.loss.gpu``, docs/loss.md's account), by part:
+
+    * ``window``: the student's (and a dense teacher's) ``[w, V/t]`` logits in the input dtype,
+      ``w`` from the byte budget over the rank's ``n`` rows;
+    * ``gradients``: the hidden gradient ``n*h`` in the input dtype at TP 1 (each window's GEMM
+      writes its rows), fp32 with TP (summed over the shards first); the output layer's
+      accumulator ``V/t * h``: fp32 (``fp32_gemm``), fp32 plus a window's product in the input
+      dtype (``fp32_add``), or the input dtype (``input_dtype``);
+    * ``gathered`` as the CPU path's; ``row_statistics``: four fp32 values per row kept for the
+      backward and the window's seven, ``32n`` as a bound.
+    """
+    models = 2 if dense_teacher else 1
+    v = layout.padded_vocab(student.vocab_size) // layout.tp
+    h = student.hidden_size
+    w = window_rows(student, layout, window_size, gpu, n, models, activation_bytes)
+    hidden = n * h * (activation_bytes if layout.tp == 1 else 4)
+    accumulator = {"fp32_gemm": 4, "fp32_add": 4 + activation_bytes,
+                   "input_dtype": activation_bytes}[gpu.weight_grad]
+    if activation_bytes >= 4:  # fp32 (fp64) inputs: the accumulator is the input dtype
+        accumulator = activation_bytes
+    return FusedLossBytes(
+        window=w * v * models * activation_bytes,
+        gradients=hidden + accumulator * v * h,
+        gathered=_gathered_bytes(layout, n, h, dense_teacher, teacher_hidden_size,
+                                 activation_bytes),
         row_statistics=32 * n,
     )
 

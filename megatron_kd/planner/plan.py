@@ -23,10 +23,12 @@ from types import MappingProxyType
 from megatron_kd.flags import WIRE_DTYPES, KDSharedFlags, default_of
 from megatron_kd.planner.memory import (
     CP_COMM_TYPES,
+    DEFAULT_GPU_WINDOW_BYTES,
     GIB,
     RECOMPUTE_CHOICES,
     RECOMPUTE_METHODS,
     ActivationOptions,
+    GpuLoss,
     ParallelLayout,
     Precision,
     Term,
@@ -152,8 +154,22 @@ class PlanOptions:
     """Teacher expert-parallel size (both colocated and disaggregated); None = search."""
 
     window_size: int | None = None
-    """Fused-loss rows per window ``w`` (an upper bound on rows in flight); None = the loss's
-    default, a 64 MiB fp32 ``[w, V/t]`` buffer."""
+    """Fused-loss rows per window ``w`` (an upper bound on rows in flight, ``--kd-window-size``);
+    None = the loss's default: on its GPU path the byte budget :attr:`loss_window_bytes`, on
+    its CPU path a 64 MiB fp32 ``[w, V/t]`` buffer."""
+
+    loss_path: str = "gpu"
+    """The fused loss's path the run takes: ``gpu`` (what CUDA inputs take: windows of
+    :attr:`loss_window_bytes` of input-dtype logits, the :attr:`loss_weight_grad`
+    accumulator) or ``cpu`` (cache-sized fp32 windows: the CPU runs
+    ``megatron_kd.training.plan_adapter`` plans, which validate the planner)."""
+
+    loss_window_bytes: int = DEFAULT_GPU_WINDOW_BYTES
+    """The GPU path's bound on one window's logits (``--kd-loss-window-mib``, 1 GiB)."""
+
+    loss_weight_grad: str = "fp32_gemm"
+    """The GPU path's output-layer accumulator (``--kd-loss-weight-grad``): ``fp32_gemm``,
+    ``fp32_add`` or ``input_dtype``."""
 
     prefetch_depth: int = default_of(KDSharedFlags, "prefetch_depth")
     """Receive slots ``D`` of the disaggregated ring, and micro-batches the cache reader decodes
@@ -243,6 +259,10 @@ class PlanOptions:
         if self.wire_dtype not in WIRE_DTYPES:
             raise ValueError(f"PlanOptions.wire_dtype must be one of {WIRE_DTYPES}, got "
                              f"{self.wire_dtype!r}")
+        if self.loss_path not in ("gpu", "cpu"):
+            raise ValueError(f"PlanOptions.loss_path must be 'gpu' or 'cpu', got "
+                             f"{self.loss_path!r}")
+        self.gpu_loss  # noqa: B018 - validates the GPU path's settings
         for name in ("window_size", "loss_block_elements"):
             value = getattr(self, name)
             if value is not None and (
@@ -282,6 +302,13 @@ class PlanOptions:
             raise ValueError(f"reserve_bytes must be >= 0, got {self.reserve_bytes}")
         if not 0 <= self.headroom < 1:
             raise ValueError(f"PlanOptions.headroom must be in [0, 1), got {self.headroom}")
+
+    @property
+    def gpu_loss(self) -> GpuLoss | None:
+        """The fused loss's GPU path as planned (None: its CPU path)."""
+        if self.loss_path != "gpu":
+            return None
+        return GpuLoss(window_bytes=self.loss_window_bytes, weight_grad=self.loss_weight_grad)
 
     def _check_recompute_and_vp(self) -> None:
         if self.recompute_method is not None and self.recompute_method not in RECOMPUTE_METHODS:

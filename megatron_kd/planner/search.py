@@ -447,6 +447,7 @@ def _loss_terms(opts: PlanOptions, mode: Mode, layout: ParallelLayout) -> dict[T
         teacher_hidden_size=teacher.hidden_size,
         activation_bytes=opts.activation.activation_bytes,
         block_elements=opts.loss_block_elements,
+        gpu=opts.gpu_loss,
     )
     terms = {Term.LOSS_WINDOW: fused.window, Term.LOSS_GRADIENTS: fused.gradients}
     if fused.gathered:
@@ -728,10 +729,11 @@ def _loss_allreduce(
     # the dense loss (ModelOpt) all-reduces each model's max and sum of exponentials: 4 per row
     stats = opts.loss_stats if mode is not Mode.COLOCATED_DENSE else 4
     ar = tr.loss_allreduce_bytes_per_step_per_rank(m, s, b, t, stats, layout.cp)
+    rows = mem.window_rows(opts.student, layout, opts.window_size, opts.gpu_loss,
+                           s * b // layout.cp, 1 if mode is Mode.OFFLINE_CACHE else 2,
+                           opts.activation.activation_bytes)
     calls = (
-        tr.loss_allreduce_count_per_step(
-            m, s, b, mem.window_rows(opts.student, layout, opts.window_size), cp=layout.cp
-        )
+        tr.loss_allreduce_count_per_step(m, s, b, rows, cp=layout.cp)
         if mode is not Mode.COLOCATED_DENSE
         else 2 * m
     )

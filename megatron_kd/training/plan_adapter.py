@@ -14,7 +14,9 @@ teacher's element size once decoded; one teacher replica; ``--kd-prefetch-depth`
 slots; the run's context-parallel size (``CheckedRun.cp``) is the student's and a colocated
 teacher's; on CPU the local layer spec runs unfused attention, softmax, norms and SwiGLU
 (``flash_attention``, ``fused_softmax``, ``fused_norm``, ``fused_swiglu`` off; with context
-parallelism ``ContextParallelAttention``, which all-gathers keys and values), the loss works
+parallelism ``ContextParallelAttention``, which all-gathers keys and values), the loss takes the
+path ``--kd-loss-path`` gives it (``auto``: the GPU path on a GPU, with the run's
+``--kd-loss-window-mib`` and ``--kd-loss-weight-grad``, the CPU path on CPU) and on CPU works
 through a window in cache-sized blocks (where the loss does: without TP, unless its CPU tuning
 says so with TP too), and the top-K prefetcher's host queue is device memory
 (``cache_resident_microbatches = D + 2``). No reserve: the measured peaks do not see it.
@@ -33,9 +35,15 @@ from dataclasses import dataclass
 import torch
 
 from megatron_kd.arch import GPTArchConfig
-from megatron_kd.loss.config import CpuTuning
+from megatron_kd.loss.config import CpuTuning, GpuTuning
 from megatron_kd.planner import traffic
-from megatron_kd.planner.memory import ActivationOptions, ParallelLayout, Precision, Term
+from megatron_kd.planner.memory import (
+    DEFAULT_GPU_WINDOW_BYTES,
+    ActivationOptions,
+    ParallelLayout,
+    Precision,
+    Term,
+)
 from megatron_kd.planner.models import PlannedModel
 from megatron_kd.planner.plan import Mode, PlanOptions
 from megatron_kd.planner.presets import GpuSpec, LinkSpec
@@ -100,6 +108,12 @@ class RunShape:
     """The hidden states' type on the wire."""
     window_size: int | None
     """The loss's rows per window; None: its default."""
+    loss_path: str = "auto"
+    """The fused loss's path (``--kd-loss-path``): ``auto`` is the GPU path on a GPU."""
+    loss_window_bytes: int = DEFAULT_GPU_WINDOW_BYTES
+    """The GPU path's bound on a window's logits (``--kd-loss-window-mib``)."""
+    loss_weight_grad: str = "fp32_gemm"
+    """The GPU path's weight-gradient accumulator (``--kd-loss-weight-grad``)."""
     sequence_parallel: bool = False
     cp: int = 1
     """Context-parallel size (``CheckedRun.cp``)."""
@@ -122,6 +136,7 @@ class RunShape:
 def run_shape(config: RunConfig, run: CheckedRun) -> RunShape:
     """The one place that reads the trainer's resolved run: ``config`` and ``run`` of
     :func:`resolve_run`."""
+    gpu_tuning = run.kd.loss.gpu_tuning or GpuTuning()
     return RunShape(
         kd_mode=run.kd.mode,
         student=arch_to_model(run.student_arch, "student"),
@@ -140,6 +155,9 @@ def run_shape(config: RunConfig, run: CheckedRun) -> RunShape:
         prefetch_depth=run.kd.prefetch_depth,
         wire_dtype=run.kd.wire,
         window_size=run.kd.loss.window_size,
+        loss_path=run.kd.loss.path,
+        loss_window_bytes=gpu_tuning.window_bytes,
+        loss_weight_grad=gpu_tuning.weight_grad,
         sequence_parallel=run.sequence_parallel,
         cp=run.cp,
         vp=run.vp or 1,
@@ -228,6 +246,9 @@ def _options(run: RunShape, on_cpu: bool, teacher_tp: int | None,
         teacher_replicas=1 if run.kd_mode == "disaggregated" else None,
         wire_dtype=run.wire_dtype,
         window_size=run.window_size,
+        loss_path=("cpu" if on_cpu else "gpu") if run.loss_path == "auto" else run.loss_path,
+        loss_window_bytes=run.loss_window_bytes,
+        loss_weight_grad=run.loss_weight_grad,
         prefetch_depth=run.prefetch_depth,
         hidden_elem_bytes=teacher_bytes,
         precision=precision,

@@ -25,6 +25,7 @@ from megatron_kd.planner.memory import Term, total_bytes
 from megatron_kd.planner.plan import Mode
 from megatron_kd.training.plan_adapter import (
     parse_train_args,
+    plan_options,
     predict,
     predict_teacher,
     resolve_run,
@@ -214,6 +215,23 @@ def test_builtin_cases_resolve_and_predict(vp, cases, tmp_path):
             b = config.optimizer.micro_batch_size
             assert teacher[Term.SEND_SLOTS] == 2 * seq * b * 768 * 4
             assert Term.RESERVE not in teacher
+
+
+def test_the_loss_path_is_the_runs(cases):
+    """The planner models the fused loss's path the run takes: ``--kd-loss-path auto`` is the GPU
+    path on a GPU (with the run's window budget and accumulator), the CPU path on CPU."""
+    case = next(c for c in cases if c.teacher_args is None and "--kd-topk-cache" not in
+                c.train_args)
+    gpu_flags = " --kd-loss-window-mib 1.5 --kd-loss-weight-grad input_dtype"
+    config, run = resolve_run(case.train_args + gpu_flags, case.nproc)
+    on_gpu = plan_options(config, run, on_cpu=False)
+    assert (on_gpu.loss_path, on_gpu.loss_window_bytes, on_gpu.loss_weight_grad) == (
+        "gpu", 3 << 19, "input_dtype")
+    assert plan_options(config, run, on_cpu=True).gpu_loss is None
+    config, run = resolve_run(case.train_args + " --kd-loss-path gpu", case.nproc)
+    forced = plan_options(config, run, on_cpu=True)
+    assert (forced.loss_path, forced.loss_window_bytes, forced.loss_weight_grad) == (
+        "gpu", 1 << 30, "fp32_gemm")
 
 
 def test_rows_and_table(vp, cases):

@@ -16,6 +16,7 @@ from megatron_kd.planner import traffic as tr
 from megatron_kd.planner.memory import (
     ActivationOptions,
     FusedLossBytes,
+    GpuLoss,
     ModelState,
     ParallelLayout,
     Precision,
@@ -527,6 +528,51 @@ def test_loss_terms():
     assert mem.teacher_output_layer_bytes(tea, layout) == 4096
     with pytest.raises(ValueError, match="prefetch_depth"):
         mem.ring_bytes(tea, layout, 4, 1, 0)
+
+
+def test_gpu_path_loss_terms():
+    """The fused loss's GPU path (``gpu=GpuLoss(...)``): windows of input-dtype logits from a
+    byte budget, balanced in whole 128-row tiles, and its gradient accumulators."""
+    stu = _model(name="s", num_layers=1, hidden_size=8, num_attention_heads=2, num_query_groups=2,
+                 kv_channels=4, ffn_hidden_size=8, vocab_size=200, tie_embeddings=True)
+    tp1, tp2 = ParallelLayout(tp=1), ParallelLayout(tp=2)  # vocabularies padded to 256
+    default = GpuLoss()
+    # TP 1, 4 tokens, a dense teacher: one window of all 4 rows, two models' bf16 logits
+    # 4*256*2*2; the hidden gradient in bf16 2*4*8 = 64 and the fp32 accumulator 4*256*8
+    fused = mem.fused_loss_bytes(stu, tp1, 4, 1, None, dense_teacher=True, gpu=default)
+    assert fused == FusedLossBytes(window=4096, gradients=64 + 8192, gathered=0.0,
+                                   row_statistics=128)
+    # the other accumulators: fp32 plus a bf16 product (6 bytes), or bf16 alone
+    for weight_grad, accumulator in (("fp32_add", 6 * 256 * 8), ("input_dtype", 2 * 256 * 8)):
+        got = mem.fused_loss_bytes(stu, tp1, 4, 1, None, dense_teacher=True,
+                                   gpu=GpuLoss(weight_grad=weight_grad))
+        assert got.gradients == 64 + accumulator
+    # top-K targets: the student's logits only, 4*256*2
+    assert mem.fused_loss_bytes(stu, tp1, 4, 1, None, dense_teacher=False,
+                                gpu=default).window == 2048
+    # fp32 inputs: 4-byte logits, an fp32 hidden gradient and accumulator whatever the setting
+    fp32 = mem.fused_loss_bytes(stu, tp1, 4, 1, None, dense_teacher=True, activation_bytes=4,
+                                gpu=GpuLoss(weight_grad="input_dtype"))
+    assert (fp32.window, fp32.gradients) == (4 * 256 * 2 * 4, 4 * 4 * 8 + 4 * 256 * 8)
+    # TP 2: 128 local columns, a 1 KiB budget holds 1024 // (2*128*2) = 2 rows: 2 windows of 2;
+    # the hidden gradient in fp32 (summed over the shards) 4*4*8
+    fused = mem.fused_loss_bytes(stu, tp2, 4, 1, None, dense_teacher=True,
+                                 gpu=GpuLoss(window_bytes=1024))
+    assert fused == FusedLossBytes(window=2 * 128 * 2 * 2, gradients=128 + 4 * 128 * 8,
+                                   gathered=0.0, row_statistics=128)
+    # balanced whole tiles: a 1 MiB budget caps 2048 rows, 5000 tokens take 3 windows of
+    # 1667 -> 1792 (14 tiles); under a 1000-row --kd-window-size, 5 windows of 1000 (a whole
+    # tile's 1024 would pass the bound)
+    budget = GpuLoss(window_bytes=1 << 20)
+    assert mem.window_rows(stu, tp2, None, budget, 5000) == 1792
+    assert mem.window_rows(stu, tp2, 1000, budget, 5000) == 1000
+    assert mem.window_rows(stu, tp2, None, budget, 100) == 100  # fewer tokens than the cap
+    with pytest.raises(ValueError, match="n_rows"):
+        mem.window_rows(stu, tp2, None, budget)
+    with pytest.raises(ValueError, match="window_bytes"):
+        GpuLoss(window_bytes=0)
+    with pytest.raises(ValueError, match="weight_grad"):
+        GpuLoss(weight_grad="fp16")
 
 
 def test_teacher_inference_terms():

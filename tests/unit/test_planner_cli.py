@@ -211,11 +211,16 @@ def test_mode_terms_differ_only_where_they_should():
     assert Term.RING_SLOTS in disagg and Term.CACHE_READER in offline
     # the dense loss: 8192 tokens * 10 bytes * (128256 = 501 * 256 needs no padding, / 2) * 2 models
     assert dense[Term.DENSE_LOGITS] == 8192 * 10 * 64128 * 2
-    # default windows (2^24 / 64128 = 261 rows) of 8192 rows: the fused loss is far below the dense
-    # one
+    # the GPU path (the default): 1 GiB of bf16 logits for 2 models is 2^30 // (2 * 64128 * 2)
+    # = 4185 rows, so 8192 rows take 2 windows of 4096 (32 whole tiles)
     fused_loss = sum(v for k, v in fused.items() if k in LOSS_TERMS)
-    assert fused[Term.LOSS_WINDOW] == 261 * 64128 * 18
-    assert fused_loss < dense[Term.DENSE_LOGITS] / 10
+    assert fused[Term.LOSS_WINDOW] == 4096 * 64128 * 2 * 2
+    assert fused_loss < dense[Term.DENSE_LOGITS] / 5
+    # the CPU path: default windows (2^24 / 64128 = 261 rows): bf16 matmul out + 4 fp32 buffers
+    cpu = dataclasses.replace(opts, loss_path="cpu")
+    cpu_fused = student_stage_terms(cpu, Mode.COLOCATED_FUSED, layout, teacher_layout, 0)
+    assert cpu_fused[Term.LOSS_WINDOW] == 261 * 64128 * 18
+    assert sum(v for k, v in cpu_fused.items() if k in LOSS_TERMS) < dense[Term.DENSE_LOGITS] / 10
 
 
 def test_search_prefers_no_recompute_and_reports_oom():
@@ -382,6 +387,10 @@ def test_plan_options_validation():
         _opts("llama-3.2-1b", "llama-3.1-8b", tp=16)
     with pytest.raises(ValueError, match="mfu must be in"):
         _opts("llama-3.2-1b", "llama-3.1-8b", mfu=1.5)
+    with pytest.raises(ValueError, match="loss_path must be 'gpu' or 'cpu', got 'tpu'"):
+        _opts("llama-3.2-1b", "llama-3.1-8b", loss_path="tpu")
+    with pytest.raises(ValueError, match="weight_grad must be one of"):
+        _opts("llama-3.2-1b", "llama-3.1-8b", loss_weight_grad="bf16")
 
 
 # --- the command ---------------------------------------------------------------------------------
@@ -449,18 +458,53 @@ def test_cli_total_counts_the_larger_of_two_exclusive_phases(capsys):
         # one no-grad layer: n x (4h + max(mixer 20,480, MLP 6f 86,016)) bytes, + its own p2p
         # exchange 4 x n x 2gd x 2 = 33,554,432
         "teacher forward (no grad)": 2048 * (4 * 4096 + 6 * 14336) + 4 * 2048 * 2 * 8 * 128 * 2,
-        # w = 2^24 // V = 130 rows: bf16 matmul out + 4 fp32 buffers, + a block of 130 rows x 2
-        "loss: window buffers": 130 * 128256 * (2 + 8) + 130 * 128256 * 8,
-        "loss: fp32 grad accumulators": 4 * 2048 * 2048 + 4 * 128256 * 2048,
+        # the GPU path: 1 GiB holds 2^30 // (2 models * V * 2 bytes) = 2093 rows >= n, so one
+        # window of n rows, each model's bf16 logits
+        "loss: window buffers": 2048 * 128256 * 2 * 2,
+        # the hidden gradient in bf16 (TP 1), the output layer's accumulator in fp32
+        "loss: grad accumulators": 2 * 2048 * 2048 + 4 * 128256 * 2048,
         "loss: row statistics": 32 * 2048,
         "teacher final hidden": 2048 * 4096 * 2,
         "reserve (context, NCCL, frag.)": 4 << 30,
     }
     assert plan["terms"] == want
-    steady = 46_480_172_032  # every term but the two phases
+    steady = 47_222_337_536  # every term but the two phases
     assert sum(want.values()) == steady + 243_269_632 + 16_777_216
     # the larger phase only: the teacher's forward (243,269,632 > 16,777,216)
-    assert plan["total_bytes"] == steady + 243_269_632 == 46_723_441_664
+    assert plan["total_bytes"] == steady + 243_269_632 == 47_465_607_168
+
+
+@pytest.mark.parametrize("flag", [None, "--launch-args"])
+def test_cli_gpu_loss_settings(capsys, flag):
+    """--kd-loss-window-mib and --kd-loss-weight-grad, given to the planner or read from a run's
+    flags, change the GPU path's terms and come back in the launch flags."""
+    settings = ["--kd-loss-window-mib", "256", "--kd-loss-weight-grad", "input_dtype"]
+    given = [flag, " ".join(settings)] if flag else settings
+    out = _run_json(capsys, "--teacher", "llama-3.1-8b", "--student", "llama-3.2-1b", "--gpu",
+                    "h100-80g", "--seq-length", "4096", "--micro-batch-size", "1",
+                    "--global-batch-size", "8", "--tensor-model-parallel-size", "1",
+                    "--pipeline-model-parallel-size", "1", "--context-parallel-size", "2",
+                    "--recompute-granularity", "none", "--modes", "colocated-fused",
+                    "--no-use-distributed-optimizer", *given)
+    plan = out["plans"]["colocated-fused"]
+    # 256 MiB // (2 models * 128256 * 2 bytes) = 523 rows: n = 2048 tokens in 4 windows of 512
+    assert plan["terms"]["loss: window buffers"] == 512 * 128256 * 2 * 2
+    # the hidden gradient and the output layer's accumulator both in bf16
+    assert plan["terms"]["loss: grad accumulators"] == 2 * 2048 * 2048 + 2 * 128256 * 2048
+    assert (out["inputs"]["loss_window_bytes"], out["inputs"]["loss_weight_grad"]) == (
+        256 << 20, "input_dtype")
+    flags = plan["launch"]["student_flags"]
+    at = flags.index("--kd-loss-window-mib")
+    assert flags[at:at + 4] == settings
+    # the defaults are not spelled out in the launch
+    out = _run_json(capsys, "--teacher", "llama-3.1-8b", "--student", "llama-3.2-1b",
+                    "--modes", "colocated-fused")
+    assert not {"--kd-loss-window-mib", "--kd-loss-weight-grad"} & set(
+        out["plans"]["colocated-fused"]["launch"]["student_flags"])
+    with pytest.raises(SystemExit):
+        main(["plan", "--teacher", "llama-3.1-8b", "--student", "llama-3.2-1b",
+              "--kd-loss-window-mib", "0"])
+    assert "a size in MiB must be > 0, got '0'" in capsys.readouterr().err
 
 
 def test_cli_table_and_errors(capsys):

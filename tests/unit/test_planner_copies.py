@@ -2,7 +2,8 @@
 
 The planner is standard-library only (``megatron-kd plan`` runs without torch), so it cannot
 import what the loss, the cache, the teacher's wire and the trainer define; it keeps copies (the
-loss's default window, a decoded top-K entry's bytes, a token id's bytes, the vocabulary padding,
+loss's default window, its GPU path's window budget, row tile and
+weight-gradient choices, a decoded top-K entry's bytes, a token id's bytes, the vocabulary padding,
 the ring's default depth, Megatron-Core's pipeline schedule table and warm-up counts), and these
 tests fail when a copy and its source part. (The wire's bytes
 per hidden-state token, ``traffic.WIRE_ELEMENT_BYTES``, are compared with what the wire encodes
@@ -50,6 +51,27 @@ def test_default_window_is_the_loss_default():
     loss = loss_config.KDLossConfig()
     for local_vocab in (1, 1009, 32000, 64128, 1 << 24, (1 << 24) + 1):
         assert memory.default_window_rows(local_vocab) == loss.rows_per_window(local_vocab)
+
+
+def test_gpu_path_windows_are_the_loss_gpu_path():
+    # the GPU path's defaults and choices, then its rows per window on a grid of shapes
+    gpu = loss_config.GpuTuning()
+    assert memory.DEFAULT_GPU_WINDOW_BYTES == gpu.window_bytes
+    assert memory.GPU_ROW_TILE == loss_config.ROW_TILE
+    assert memory.WEIGHT_GRADS == loss_config.WEIGHT_GRADS
+    assert memory.GpuLoss() == memory.GpuLoss(window_bytes=gpu.window_bytes,
+                                              weight_grad=gpu.weight_grad)
+    for window_bytes in (1 << 20, 1 << 30, 3 << 28):
+        tuning = loss_config.GpuTuning(window_bytes=window_bytes)
+        for local_vocab in (1009, 64128, 128256, 151936):
+            for models, itemsize in ((1, 2), (2, 2), (2, 4)):
+                for window_size in (None, 100, 2048):
+                    for n_rows in (1, 127, 4096, 8192, 32768):
+                        assert memory.gpu_window_rows(
+                            local_vocab, models, itemsize, window_size, n_rows, window_bytes
+                        ) == tuning.rows_per_window(local_vocab, models, itemsize, window_size,
+                                                    n_rows), (window_bytes, local_vocab, models,
+                                                              itemsize, window_size, n_rows)
 
 
 def test_decoded_topk_entry_is_what_the_cache_hands_the_trainer(tmp_path):
