@@ -22,7 +22,7 @@ import shlex
 from dataclasses import dataclass
 
 from megatron_kd.arch.megatron_lm_args import megatron_lm_flags
-from megatron_kd.planner.memory import DEFAULT_GPU_WINDOW_BYTES, ParallelLayout
+from megatron_kd.planner.memory import GpuLoss, ParallelLayout
 from megatron_kd.planner.plan import Mode, ModePlan, PlanOptions
 from megatron_kd.planner.search import search_teacher
 
@@ -132,11 +132,12 @@ def student_flags(opts: PlanOptions, plan: ModePlan, teacher: str = "$TEACHER_CK
                   "--kd-prefetch-depth", str(opts.prefetch_depth)]
     if opts.window_size is not None:
         flags += ["--kd-window-size", str(opts.window_size)]
-    if opts.gpu_loss is not None:  # the GPU path's settings where they are not the defaults
-        if opts.loss_window_bytes != DEFAULT_GPU_WINDOW_BYTES:
-            flags += ["--kd-loss-window-mib", f"{opts.loss_window_bytes / (1 << 20):g}"]
-        if opts.loss_weight_grad != "fp32_gemm":
-            flags += ["--kd-loss-weight-grad", opts.loss_weight_grad]
+    gpu, default = opts.gpu_loss, GpuLoss()
+    if gpu is not None:  # the GPU path's settings where they are not the defaults
+        if gpu.window_bytes != default.window_bytes:
+            flags += ["--kd-loss-window-mib", f"{gpu.window_bytes / (1 << 20):g}"]
+        if gpu.weight_grad != default.weight_grad:
+            flags += ["--kd-loss-weight-grad", gpu.weight_grad]
     return tuple(flags)
 
 
