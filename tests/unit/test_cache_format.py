@@ -5,6 +5,8 @@ No process group anywhere in this file (numpy and a little torch for the fidelit
 
 import json
 import math
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -234,6 +236,21 @@ def test_write_read_roundtrip(tmp_path):
         np.testing.assert_array_equal(ids[row], want_ids)
         np.testing.assert_array_equal(logprobs[row], want_lp)
     assert ids.max() == spec.vocab_size - 1
+
+
+def test_verify_and_info_import_neither_torch_nor_megatron(tmp_path):
+    """``megatron-kd cache verify`` and ``info`` read files: they answer in a fraction of a
+    second, without the seconds of importing torch and Megatron-Core (``build`` needs both)."""
+    _write_all(tmp_path, _spec())
+    code = ("import sys; from megatron_kd.cli import main; d = sys.argv[1]; "
+            "assert main(['cache', 'verify', d]) == 0; "
+            "assert main(['cache', 'info', d, '--json']) == 0; "
+            "heavy = sorted({'torch', 'megatron.core'} & set(sys.modules)); "
+            "assert not heavy, f'imported {heavy}'")
+    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True,
+                          text=True, timeout=60, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"{tmp_path}: OK" in proc.stdout and '"complete": true' in proc.stdout
 
 
 def test_incomplete_cache_refused(tmp_path):
