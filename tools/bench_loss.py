@@ -170,6 +170,9 @@ def _worker(rank: int, a: argparse.Namespace, init_file: str, out_file: str) -> 
         if a.profile and a.variant == a.profile_variant and rank == 0:
             result["profile"] = _profile(run, x_s, w_s)
     result["setup_s"] = setup_s
+    # the tunings the fused variants ran with, recorded by the driver beside the timings (it
+    # imports no torch itself: a point's process start is seconds less)
+    result["tuning"] = {"cpu_tuning": _cpu_tuning(), "gpu_tuning": _gpu_tuning_record(a)}
     with open(f"{out_file}.{rank}", "w") as f:
         json.dump(result, f)
     dist.destroy_process_group()
@@ -495,6 +498,8 @@ def _run_point(a, variant: str, tokens: int, tp: int) -> dict:
                     "warmup_s"):
             if key in results[0]:
                 point[key] = results[0][key]
+        if a._tuning is None:
+            a._tuning = results[0].get("tuning")
         return point
 
 
@@ -688,8 +693,8 @@ def _write_outputs(a, points: list[dict], complete: bool) -> list[dict]:
     finished). Returns the profiles."""
     os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
     meta = {k: v for k, v in vars(a).items() if not k.startswith("_")}
-    meta["cpu_tuning"] = _cpu_tuning()
-    meta["gpu_tuning"] = _gpu_tuning_record(a)
+    # as the points' workers ran (None until one has run)
+    meta.update(a._tuning or {"cpu_tuning": None, "gpu_tuning": None})
     profiles = [dict(p["profile"], variant=p["variant"], tokens=p["tokens"],
                      vocab=p.get("vocab"), shape=p.get("shape")) for p in points
                 if "profile" in p]
@@ -765,6 +770,7 @@ def main(argv=None) -> int:
     if a.dtype is None:
         a.dtype = "bf16" if a.device == "cuda" else "fp32"
     a.shape_name = None
+    a._tuning = None  # the workers' tunings, from the first point measured
     if a._worker:
         _spawn_workers(a)
         return 0

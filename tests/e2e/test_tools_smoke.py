@@ -133,6 +133,9 @@ def test_bench_loss(tmp_path):
         assert p["status"] == "ok" and _number(p["time_s"]) and p["tokens"] == 64
     assert _number(by["fused_fkl"]["extra_peak_bytes"])
     assert "fused_fkl" in report["table_markdown"]
+    # the tunings the workers ran with, beside the timings
+    assert report["config"]["cpu_tuning"]["block_elements"] > 0
+    assert report["config"]["gpu_tuning"]["kernels"] == "triton"
 
 
 def test_bench_wire_precision(tmp_path):
