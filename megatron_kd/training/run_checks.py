@@ -2,7 +2,7 @@
 before any model is built or any step runs; :class:`CheckedRun` holds what they resolved.
 
 :func:`check_run` (``megatron-kd train``) and the top-K cache build
-(:mod:`megatron_kd.training.cache_command`) share the checks of the teacher checkpoint
+(:mod:`megatron_kd.training.cache_build`) share the checks of the teacher checkpoint
 (:func:`megatron_kd.integration.teacher.check_teacher`, which Megatron-LM's entry points use
 too), of the data and its tokenizer (:func:`resolve_tokenizer`) and the
 datasets they build from the run's :class:`~megatron_kd.training.run_config.DataSection`
