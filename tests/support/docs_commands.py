@@ -137,6 +137,8 @@ def parser_options(parser: argparse.ArgumentParser) -> set[str]:
 def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                sub.format_help()  # a sub-command may add its flags when first used (cache build)
             return dict(action.choices)
     return {}
 

@@ -127,7 +127,9 @@ def _cache_build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser()
     importlib.import_module(SUBCOMMANDS["cache"][0]).add_arguments(parser)
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    return sub.choices["build"]
+    build = sub.choices["build"]
+    build.format_help()  # its flags are added when first used (parsing or --help)
+    return build
 
 
 def test_kd_flags_are_the_training_commands():
