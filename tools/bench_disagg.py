@@ -3,7 +3,7 @@
 colocated distillation, its wire and its failover (not a test). One piece: its three
 measurements share the runs' launch, their logs and one table.
 
-Every run is ``megatron-kd train`` itself (``megatron_kd.training.train.train``) on mock data
+Every run is ``megatron-kd train`` itself (``megatron_kd.commands.train.train``) on mock data
 in fresh processes, one CPU thread each, the student's world on gloo; each teacher replica is a
 ``megatron-kd teacher serve`` process of its own, registered at a directory endpoint.
 
@@ -126,7 +126,7 @@ def _instrument() -> dict:
     disaggregated teacher (around the public ``TeacherSource.start`` of the ``Remote``
     source). The teacher's forward, the wire wait and the step time come from the step log
     (``--timing-log-level 1`` adds the step's timers to it)."""
-    from megatron_kd.integration.teacher_sources import Remote
+    from megatron_kd.modes.disaggregated import Remote
     from megatron_kd.training.trainer import Trainer
 
     stats: dict[str, list] = {"connect_s": [], "on_cpu_s": [], "run_queue_s": []}
@@ -165,7 +165,7 @@ def _worker(rank: int, kind: str, world: int, tmp: str, payload: dict) -> None:
                                       payload["directory"])
             result: dict = {}
         else:
-            from megatron_kd.training.train import parse_args, train
+            from megatron_kd.commands.train import parse_args, train
 
             stats = _instrument()
             train(parse_args(payload["argv"]))
@@ -506,7 +506,7 @@ def run_wait(bench: Bench, teacher: str) -> dict:
     """A fast and a slow teacher, the student's wait and ring in ``megatron-kd report``."""
     import shutil
 
-    from megatron_kd.training.report import RunLog, write_report
+    from megatron_kd.commands.report import RunLog, write_report
 
     a = bench.a
     fast = bench.disaggregated("wait_fast", teacher, depth=2, wire="fp32")

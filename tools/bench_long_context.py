@@ -60,8 +60,8 @@ import time
 
 from validate_planner import MEASURE_ENV, make_random_teacher
 
+from megatron_kd.commands.plan_adapter import predict, resolve_run
 from megatron_kd.testing.replicas import Replica, command, read_rank_peak
-from megatron_kd.training.plan_adapter import predict, resolve_run
 
 MODES = ("colocated", "disaggregated")
 CP_SIZES = (1, 2)

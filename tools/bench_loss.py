@@ -333,7 +333,7 @@ def _make_variant(a, x_s, w_s, x_t, w_t, group):
     import torch
     import torch.nn.functional as F
 
-    from megatron_kd.loss import KDLossConfig, vocab_parallel_kd_loss
+    from megatron_kd.loss import DenseTeacher, KDLossConfig, vocab_parallel_kd_loss
 
     impl, kind = a.variant.split("_")
     if a.tp != 1 and a.variant.startswith(TP1_ONLY):
@@ -355,8 +355,10 @@ def _make_variant(a, x_s, w_s, x_t, w_t, group):
                            path="cpu" if impl in ("fusedc", "fusedold") else a.loss_path,
                            gpu_tuning=tuning)
 
+        teacher = DenseTeacher(hidden=x_t, weight=w_t)
+
         def run():
-            loss, _ = vocab_parallel_kd_loss(x_s, w_s, x_t, w_t, config=cfg, tp_group=group)
+            loss, _ = vocab_parallel_kd_loss(x_s, w_s, teacher, config=cfg, tp_group=group)
             loss.backward()
         return run
     if impl == "liger":

@@ -293,7 +293,7 @@ def _parity_cases(size: str) -> list[tuple[str, dict]]:
 def _parity_one(name: str, over: dict, device: str) -> dict:
     """One case: our loss on ``device`` against the fp64 reference on the same values."""
     import torch
-    from support.kd_cases import config_of, make_inputs, reference, rel_err, spec
+    from support.kd_cases import config_of, make_inputs, reference, rel_err, spec, teacher_of
 
     from megatron_kd.loss import vocab_parallel_kd_loss
 
@@ -312,9 +312,7 @@ def _parity_one(name: str, over: dict, device: str) -> dict:
     _sync(device)
     t0 = time.perf_counter()
     loss, n_tokens = vocab_parallel_kd_loss(
-        hidden, weight, teacher_hidden=inp.get("teacher_hidden"),
-        teacher_weight=inp.get("teacher_weight"), teacher_topk_ids=inp.get("teacher_topk_ids"),
-        teacher_topk_logprobs=inp.get("teacher_topk_logprobs"), labels=inp.get("labels"),
+        hidden, weight, teacher_of(inp), labels=inp.get("labels"),
         loss_mask=inp.get("loss_mask"), config=cfg)
     (loss * 0.75).backward()  # a non-unit upstream gradient must scale every gradient
     _sync(device)
@@ -477,13 +475,13 @@ def _run_facts(trainer) -> dict:
 
 
 def worker_train(a: argparse.Namespace) -> dict | None:
-    """``megatron-kd train`` (``megatron_kd.training.train.train``) with ``--train-argv``, one
+    """``megatron-kd train`` (``megatron_kd.commands.train.train``) with ``--train-argv``, one
     rank of it (torchrun starts several); rank 0 returns the summary and where its models ran.
     The models are read once built, around the public ``Trainer.fit``: written at once, so a
     run that then fails still says where its models were."""
     import torch.distributed as dist
 
-    from megatron_kd.training.train import parse_args, train
+    from megatron_kd.commands.train import parse_args, train
     from megatron_kd.training.trainer import Trainer
 
     facts: dict = {}

@@ -96,7 +96,6 @@ SCENARIOS = [
     Scenario("qwen3-235b-a22b", "qwen3-32b", "h100-80g", 1, claim=2),
     Scenario("qwen3-235b-a22b", "qwen3-32b", "h200-141g", 1, claim=2),
     Scenario("qwen3-235b-a22b", "qwen3-32b", "h100-80g", 2, claim=2),
-    Scenario("gpt-oss-120b", "gpt-oss-20b", "h100-80g", 1, claim=2),
 ]
 
 LONG_CONTEXT = [
@@ -104,7 +103,7 @@ LONG_CONTEXT = [
              global_batch_size=1, gpus_per_node=1, topk=100),
     Scenario("llama-3.1-8b", "llama-3.2-3b", "h200-141g", 1, claim=0, seq_length=32768,
              global_batch_size=1, gpus_per_node=1, topk=100),
-    Scenario("gpt-oss-120b", "gpt-oss-20b", "h200-141g", 1, claim=0, seq_length=32768,
+    Scenario("qwen3-235b-a22b", "qwen3-30b-a3b", "h200-141g", 1, claim=0, seq_length=32768,
              global_batch_size=4),
     Scenario("qwen3.5-35b-a3b", "qwen3.5-9b", "h200-141g", 1, claim=0, seq_length=32768,
              global_batch_size=64),

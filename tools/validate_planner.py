@@ -43,7 +43,7 @@ the replica's in a directory of its own: it writes no training log). The replica
 environment (``MALLOC_...``, and ``OMP_NUM_THREADS`` as the student has it).
 
 How the planner is configured for a run, and what it predicts, is the package's
-(:mod:`megatron_kd.training.plan_adapter`: the run resolved as ``megatron-kd train`` resolves it,
+(:mod:`megatron_kd.commands.plan_adapter`: the run resolved as ``megatron-kd train`` resolves it,
 the planner's inputs, its terms); this tool runs the runs and compares. A replica whose
 ``--kd-teacher-dtype`` is not the student's is refused. Known gaps: MLP biases
 (``--add-bias-linear``) and learned position embeddings are not counted; ``ru_maxrss`` is a
@@ -97,17 +97,17 @@ import tempfile
 import time
 from dataclasses import dataclass
 
-from megatron_kd.planner.memory import total_bytes
-from megatron_kd.planner.plan import Mode
-from megatron_kd.teacher.endpoint import DirectoryEndpoint, parse_endpoint
-from megatron_kd.testing.replicas import Replica, command, read_rank_peak
-from megatron_kd.training.plan_adapter import (
+from megatron_kd.commands.plan_adapter import (
     parse_train_args,
     predict,
     predict_teacher,
     resolve_run,
 )
-from megatron_kd.training.teacher_serve import add_arguments as add_serve_arguments
+from megatron_kd.commands.teacher_serve import add_arguments as add_serve_arguments
+from megatron_kd.planner.memory import total_bytes
+from megatron_kd.planner.plan import Mode
+from megatron_kd.teacher.endpoint import DirectoryEndpoint, parse_endpoint
+from megatron_kd.testing.replicas import Replica, command, read_rank_peak
 
 TOLERANCE = 0.15  # the target: predicted peak memory within 15% of the measured one
 #: Seconds a --run waits for a teacher replica's registration (Python, torch, Megatron and the
@@ -125,7 +125,7 @@ MEASURE_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}
 _BASELINE_CODE = (
     "import resource\n"
     "import torch, megatron.core\n"
-    "import megatron_kd.training.train\n"
+    "import megatron_kd.commands.train\n"
     "from megatron_kd.integration.cpu_shim import install_cpu_shim\n"
     "install_cpu_shim()\n"
     "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)\n"

@@ -3,7 +3,8 @@
 :class:`GPTArchConfig` is what a checkpoint's ``model_config.json`` stores and what
 :func:`megatron_kd.integration.gpt.build_gpt_model` builds: Llama family by default (RMSNorm,
 SwiGLU, RoPE, GQA, optional tied embeddings). Pure Python: the planner and the checks read it
-without Megatron.
+without Megatron. Which layouts it can be split over is
+:func:`megatron_kd.arch.layout.check_layout`'s to say.
 """
 
 from __future__ import annotations
@@ -321,70 +322,3 @@ class GPTArchConfig:
         if unknown:
             raise ValueError(f"unknown GPTArchConfig fields {unknown}")
         return cls(**d)
-
-    def check_tensor_parallel(self, tp_size: int) -> None:
-        """Raise ``ValueError`` when this architecture cannot be split ``tp_size`` ways."""
-        problems = []
-        if self.num_attention_heads % tp_size:
-            problems.append(f"num_attention_heads={self.num_attention_heads}")
-        if self.query_groups % tp_size:
-            problems.append(f"num_query_groups={self.query_groups}")
-        if self.ffn_hidden_size % tp_size:
-            problems.append(f"ffn_hidden_size={self.ffn_hidden_size}")
-        if self.num_experts is not None and self.expert_ffn_hidden_size % tp_size:
-            problems.append(f"moe_ffn_hidden_size={self.expert_ffn_hidden_size}")
-        if self.padded_vocab_size % tp_size:
-            problems.append(f"padded_vocab_size={self.padded_vocab_size}")
-        if self.linear_attention_layers and self.linear_num_key_heads % tp_size:
-            problems.append(f"linear_num_key_heads={self.linear_num_key_heads}")
-        if self.moe_shared_expert_size is not None and self.moe_shared_expert_size % tp_size:
-            problems.append(f"moe_shared_expert_size={self.moe_shared_expert_size}")
-        if problems:
-            raise ValueError(f"tensor-parallel size {tp_size} does not divide "
-                             f"{', '.join(problems)}")
-
-    def check_expert_parallel(self, ep_size: int) -> None:
-        """Raise ``ValueError`` when the experts cannot be split evenly over ``ep_size`` ranks."""
-        if ep_size == 1:
-            return
-        if self.num_experts is None:
-            raise ValueError(f"expert-parallel size {ep_size} needs a mixture-of-experts model "
-                             f"(num_experts is None)")
-        if self.num_experts % ep_size:
-            raise ValueError(f"expert-parallel size {ep_size} does not divide "
-                             f"num_experts={self.num_experts}")
-
-    def check_pipeline_parallel(self, pp_size: int, vp_size: int | None = None) -> None:
-        """Raise ``ValueError`` when the layers cannot be split evenly over ``pp_size`` stages
-        (of ``vp_size`` virtual stages each). A layer pattern (a DeltaNet hybrid's) is split
-        with the layers: each stage builds its own slice of it."""
-        chunks = pp_size * (vp_size or 1)
-        if self.num_layers % chunks:
-            raise ValueError(f"pipeline-parallel size {pp_size}"
-                             + (f" x {vp_size} virtual stages" if vp_size else "")
-                             + f" does not divide num_layers={self.num_layers}")
-
-    @property
-    def context_parallel_limit(self) -> str | None:
-        """Why this architecture cannot run with context parallelism, in one sentence (the
-        recurrence's rule, written once); None when it can."""
-        if not self.linear_attention_layers:
-            return None
-        return ("a Gated DeltaNet recurrence runs over the whole sequence and does not split "
-                "over context-parallel ranks (Megatron-Core's GatedDeltaNet has no context "
-                "parallelism: megatron-core 0.16.1 and 0.19.2 local layers)")
-
-    def check_context_parallel(self, cp_size: int, *, role: str = "student",
-                               colocated: bool = False, advice: str = "") -> None:
-        """Raise ``ValueError`` when this architecture cannot run with ``cp_size``
-        context-parallel ranks (:attr:`context_parallel_limit`). ``role``: whose architecture
-        (``"student"``, ``"teacher"``); ``colocated``: a teacher run with the student's context
-        parallelism; ``advice``: what the caller's command offers instead."""
-        limit = self.context_parallel_limit
-        if cp_size <= 1 or limit is None:
-            return
-        whose = f"a colocated Gated DeltaNet {role}" if colocated else f"a Gated DeltaNet {role}"
-        why = "it runs with the student's context parallelism, and " if colocated else ""
-        raise ValueError(f"--context-parallel-size {cp_size} with {whose} (layers "
-                         f"{self.linear_attention_layers}): {why}{limit}"
-                         + (f"; {advice}" if advice else ""))

@@ -13,8 +13,8 @@
   (a run that knows no sample indices: Megatron-LM's ``pretrain_gpt.py``).
 
 The ``megatron-kd cache`` command lives with the trainer
-(:mod:`megatron_kd.training.cache_command`; its build in
-:mod:`megatron_kd.training.cache_build`): building runs the teacher through Megatron-Core.
+(:mod:`megatron_kd.commands.cache`; its build in
+:mod:`megatron_kd.commands.cache_build`): building runs the teacher through Megatron-Core.
 This package's ``__init__`` imports only the numpy side.
 """
 

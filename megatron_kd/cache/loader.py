@@ -1,7 +1,7 @@
 """Top-K teacher values for a training loop, as torch tensors in Megatron's ``[s, b, K]`` layout.
 
-* :func:`topk_batch` -- one micro-batch, ready for
-  ``vocab_parallel_kd_loss(teacher_topk_ids=..., teacher_topk_logprobs=...)``.
+* :func:`topk_batch` -- one micro-batch's ``(ids, logprobs)``, ready for the loss's teacher
+  record: ``vocab_parallel_kd_loss(..., TopKTeacher(ids=ids, logprobs=logprobs))``.
 * :class:`TopKPrefetcher` -- a whole run's micro-batches, decoded ahead on a background thread
   (what ``megatron-kd train --kd-mode offline`` uses on its last pipeline stage).
 """

@@ -12,12 +12,12 @@ import shutil
 
 import torch
 
+from megatron_kd.commands.train import parse_args
 from megatron_kd.data.datasets import BatchPlan
 from megatron_kd.data.tokenizer import HFTokenizer
 from megatron_kd.hf.exporter import export_hf
 from megatron_kd.training.run_checks import build_datasets
 from megatron_kd.training.run_config import RunConfig
-from megatron_kd.training.train import parse_args
 
 __all__ = ["ExportedStudent", "export_and_score", "held_out_microbatches", "lm_loss"]
 

@@ -22,7 +22,7 @@ second run skips straight to training):
    ``hf/kd``), loads each with transformers, scores the held-out samples the trainer evaluated
    (the same loss as the trainer's, shown side by side) and continues a held-out opening.
 
-The training itself is :func:`megatron_kd.training.train.train`, called in-process with
+The training itself is :func:`megatron_kd.commands.train.train`, called in-process with
 ``megatron-kd train`` flags (printed, so the runs can be repeated by hand).
 """
 
@@ -38,7 +38,7 @@ import tempfile
 import time
 
 from megatron_kd import known_warnings
-from megatron_kd.training.report import RunLog, write_report
+from megatron_kd.commands.report import RunLog, write_report
 
 __all__ = [
     "add_arguments",
@@ -182,7 +182,7 @@ def _worker(rank: int, world_size: int, init_file: str, jobs: list, results_dir:
     import torch.distributed as dist
 
     known_warnings.install()  # a spawned process: the CLI's filters are not inherited
-    from megatron_kd.training.train import parse_args, train  # after the filters (above)
+    from megatron_kd.commands.train import parse_args, train  # after the filters (above)
 
     torch.set_num_threads(threads)
     torch.set_flush_denormal(True)  # denormal softmax tails make CPU matmuls ~50x slower

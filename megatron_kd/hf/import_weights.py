@@ -19,7 +19,8 @@ from collections.abc import Mapping
 import torch
 
 from megatron_kd.arch.hf_config import SUPPORTED_MODEL_TYPES, arch_from_hf_config
-from megatron_kd.parallel import pad_vocab_size
+from megatron_kd.arch.layout import Role, check_layout
+from megatron_kd.parallel import ParallelLayout, pad_vocab_size
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "arch_from_hf_config", "convert_hf_state_dict",
            "load_converted_into_model", "pad_for_tensor_parallel", "shard_megatron_state_dict",
@@ -271,7 +272,6 @@ def _local_experts(full: Mapping[str, torch.Tensor], arch, ep_rank: int,
                    ep_size: int) -> dict[str, torch.Tensor]:
     """The experts of expert-parallel rank ``ep_rank`` (a contiguous block, renumbered from 0,
     as Megatron's ``SequentialMLP`` numbers its local experts); other tensors unchanged."""
-    arch.check_expert_parallel(ep_size)
     if not 0 <= ep_rank < ep_size:
         raise ValueError(f"ep_rank {ep_rank} out of range for ep_size {ep_size}")
     if ep_size == 1:
@@ -318,7 +318,8 @@ def shard_megatron_state_dict(full: Mapping[str, torch.Tensor], arch, tp_rank: i
     separately (a rank holds ``[gate_r; up_r]``). Row-parallel (dim 1): ``linear_proj``,
     ``linear_fc2``. Norms are replicated.
     """
-    arch.check_tensor_parallel(tp_size)
+    check_layout(arch, ParallelLayout.of_model(tp=tp_size, ep=ep_size, etp=etp_size),
+                 role=Role.FROZEN)
     if not 0 <= tp_rank < tp_size:
         raise ValueError(f"tp_rank {tp_rank} out of range for tp_size {tp_size}")
 
@@ -334,10 +335,6 @@ def shard_megatron_state_dict(full: Mapping[str, torch.Tensor], arch, tp_rank: i
             out[name] = _shard_deltanet(name, t, arch, tp_rank, tp_size)
             continue
         expert = ".experts." in name
-        if expert and name.endswith(".bias") and etp_size > 1:
-            raise ValueError(f"experts with biases ({name}) need expert tensor-parallel size "
-                             f"1, got {etp_size} (Megatron-Core supports MoE biases only at "
-                             f"expert TP 1)")
         if name.endswith(("linear_qkv.weight", "linear_qkv.bias", "word_embeddings.weight",
                           "output_layer.weight", "softmax_offset")):
             out[name] = chunk(t, 0)
@@ -403,7 +400,7 @@ def pad_for_tensor_parallel(full: Mapping[str, torch.Tensor], arch, tp_size: int
     new_arch = dataclasses.replace(
         arch, num_attention_heads=new_nh, num_query_groups=new_ng, ffn_hidden_size=new_f,
         padded_vocab_size=new_vocab, kv_channels=d if new_nh != nh else arch.kv_channels)
-    new_arch.check_tensor_parallel(tp_size)
+    check_layout(new_arch, ParallelLayout.of_model(tp=tp_size), role=Role.FROZEN)
     return out, new_arch
 
 

@@ -42,12 +42,30 @@ from megatron_kd.integration.context_parallel import (
 from megatron_kd.integration.cpu_shim import SequenceParallelNorm, install_cpu_shim, on_cpu
 from megatron_kd.integration.sdpa_attention import (
     SdpaAttention,
+    check_attention_choice,
     check_sdpa_config,
-    requested_attention,
 )
+from megatron_kd.parallel import ParallelLayout
 from megatron_kd.placement import compute_device, move_to_compute_device
 
-__all__ = ["build_gpt_model", "model_arch"]
+__all__ = ["build_gpt_model", "layout_config", "model_arch", "transformer_engine_available"]
+
+
+def layout_config(layout: ParallelLayout) -> dict[str, Any]:
+    """The ``TransformerConfig`` settings of a trained model's layout beyond the group sizes
+    (which Megatron-Core reads from the groups): sequence parallelism, virtual pipeline stages,
+    activation recompute and the context-parallel exchange."""
+    out: dict[str, Any] = {"sequence_parallel": layout.sequence_parallel}
+    if layout.virtual_stages is not None:
+        out["virtual_pipeline_model_parallel_size"] = layout.virtual_stages
+    if layout.recompute == "selective":
+        out["recompute_granularity"] = "selective"
+    elif layout.recompute == "full":
+        out.update(recompute_granularity="full", recompute_method=layout.recompute_method,
+                   recompute_num_layers=layout.recompute_num_layers)
+    if layout.cp > 1:
+        out["cp_comm_type"] = layout.cp_comm_type
+    return out
 
 
 def _transformer_config(arch: GPTArchConfig, *, tp_size: int, pp_size: int, cp_size: int,
@@ -207,7 +225,8 @@ def _swapped(spec: Any, swaps: dict) -> Any:
     return spec
 
 
-def _te_available() -> bool:
+def transformer_engine_available() -> bool:
+    """Whether models are built with Transformer Engine's layers: a GPU, and the package."""
     if on_cpu():
         return False
     try:
@@ -218,17 +237,17 @@ def _te_available() -> bool:
     return True
 
 
-def _uses_sdpa(config) -> bool:
+def _uses_sdpa(config, attention: str) -> bool:
     """Whether the local spec's softmax attention layers run on ``scaled_dot_product_attention``
     (:class:`~megatron_kd.integration.sdpa_attention.SdpaAttention`) rather than Megatron-Core's
-    ``DotProductAttention``, which forms ``[b, heads, s, s]`` scores: on a GPU, unless the
-    ``MEGATRON_KD_ATTENTION`` environment variable says otherwise (``sdpa`` or ``unfused``
-    anywhere, ``auto`` the default). Attention sinks (a non-vanilla ``softmax_type``) have no SDPA
-    form: ``auto`` keeps them on ``DotProductAttention``, ``sdpa`` refuses them."""
-    requested = requested_attention()
-    if requested == "unfused":
+    ``DotProductAttention``, which forms ``[b, heads, s, s]`` scores, for the ``attention``
+    asked for (``--attention-backend``): ``auto`` on a GPU only, ``sdpa`` or ``unfused``
+    anywhere. Attention sinks (a non-vanilla ``softmax_type``) have no SDPA form: ``auto`` keeps
+    them on ``DotProductAttention``, ``sdpa`` refuses them."""
+    check_attention_choice(attention)  # ValueError naming a choice that is none of them
+    if attention == "unfused":
         return False
-    if requested == "sdpa":
+    if attention == "sdpa":
         check_sdpa_config(config)  # ValueError naming what SDPA cannot compute
         return True
     if on_cpu():
@@ -240,7 +259,8 @@ def _uses_sdpa(config) -> bool:
     return True
 
 
-def _block_spec(arch: GPTArchConfig, config, *, vp_stage: int | None, pp_rank: int):
+def _block_spec(arch: GPTArchConfig, config, *, vp_stage: int | None, pp_rank: int,
+                attention: str):
     """This pipeline stage's (and virtual stage's) layers: Transformer Engine's spec for a
     dense or MoE transformer where it is installed (a GPU); elsewhere the local spec, sliced
     to the stage's layers as Megatron-Core's own ``get_gpt_decoder_block_spec`` slices (so a
@@ -251,14 +271,15 @@ def _block_spec(arch: GPTArchConfig, config, *, vp_stage: int | None, pp_rank: i
     parallelism. The local spec's attention is
     :class:`~megatron_kd.integration.sdpa_attention.SdpaAttention` (its context-parallel form
     :class:`~megatron_kd.integration.context_parallel.ContextParallelSdpaAttention`) where
-    :func:`_uses_sdpa` says so: on a GPU without Transformer Engine, for hybrids always."""
-    if arch.linear_attention_layers is None and _te_available():
+    :func:`_uses_sdpa` says so for ``attention`` (``--attention-backend``; ``auto``: on a GPU
+    without Transformer Engine, for hybrids always)."""
+    if arch.linear_attention_layers is None and transformer_engine_available():
         return get_gpt_layer_with_transformer_engine_spec(
             num_experts=arch.num_experts, moe_grouped_gemm=False, qk_layernorm=arch.qk_layernorm)
     offset = get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=pp_rank)
     count = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
     swaps = {WrappedTorchNorm: SequenceParallelNorm}
-    sdpa = _uses_sdpa(config)
+    sdpa = _uses_sdpa(config, attention)
     if config.context_parallel_size > 1:
         swaps[DotProductAttention] = (ContextParallelSdpaAttention if sdpa
                                       else ContextParallelAttention)
@@ -306,6 +327,7 @@ def build_gpt_model(
     seed: int | None = 1234,
     vp_stage: int | None = None,
     device: torch.device | None = None,
+    attention: str = "auto",
     **config_overrides: Any,
 ):
     """Build this rank's Megatron-Core ``GPTModel`` for ``arch``.
@@ -320,15 +342,15 @@ def build_gpt_model(
     The model carries its architecture as ``model.kd_arch``. It is built on, or moved to,
     ``device`` (default: :func:`megatron_kd.placement.compute_device`, the GPU on a GPU
     machine) and checked there: every parameter and buffer, the norms torch builds on the host
-    included.
+    included. ``attention``: the local spec's core attention, one of
+    :data:`~megatron_kd.integration.sdpa_attention.ATTENTION_CHOICES` (a command's
+    ``--attention-backend``: ``auto`` SDPA on a GPU and Megatron-Core's ``DotProductAttention``
+    on the CPU, ``sdpa`` or ``unfused`` everywhere; Transformer Engine's spec, where a dense or
+    MoE model is built with it, has its own).
     """
     install_cpu_shim()
     (tp_size, pp_size, tp_rank, pp_rank, cp_size, ep_size, ep_rank, etp_rank,
      etp_size) = _parallel_sizes(pg_collection)
-    arch.check_tensor_parallel(tp_size)
-    arch.check_pipeline_parallel(pp_size)
-    if arch.num_experts is not None:  # a dense model ignores the expert groups
-        arch.check_expert_parallel(ep_size)
     if seed is not None:
         model_parallel_cuda_manual_seed(seed, tp_rank=tp_rank, ep_rank=ep_rank,
                                         etp_rank=etp_rank)
@@ -343,7 +365,8 @@ def build_gpt_model(
         kwargs["vp_stage"] = vp_stage
     model = GPTModel(
         config=config,
-        transformer_layer_spec=_block_spec(arch, config, vp_stage=vp_stage, pp_rank=pp_rank),
+        transformer_layer_spec=_block_spec(arch, config, vp_stage=vp_stage, pp_rank=pp_rank,
+                                           attention=attention),
         vocab_size=arch.padded_vocab_size,
         max_sequence_length=arch.max_position_embeddings,
         pre_process=pre_process,

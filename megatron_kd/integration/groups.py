@@ -2,8 +2,8 @@
 
 * :func:`init_distributed_from_env` -- the default group from torchrun's environment (or a
   world of one); gloo on CPU, NCCL on GPU.
-* :func:`model_parallel` -- Megatron-Core's TP x PP groups over the default group, undone on
-  exit.
+* :func:`model_parallel` -- Megatron-Core's groups of a
+  :class:`~megatron_kd.parallel.ParallelLayout` over the default group, undone on exit.
 * :func:`unsharded_model_parallel` -- tensor and pipeline size 1 for a step that builds the
   whole model (``import-hf``), with a 1-rank group when there is none.
 * :func:`collective_device` -- where a collective's tensors must live (NCCL: CUDA).
@@ -24,7 +24,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from megatron_kd.integration.cpu_shim import install_cpu_shim, on_cpu
-from megatron_kd.parallel import check_parallel_sizes
+from megatron_kd.parallel import ParallelLayout
 
 
 def init_distributed_from_env(timeout_s: float = 600.0) -> bool:
@@ -51,25 +51,31 @@ def init_distributed_from_env(timeout_s: float = 600.0) -> bool:
 
 
 @contextlib.contextmanager
-def model_parallel(tp: int = 1, pp: int = 1, ep: int = 1, etp: int | None = None,
-                   vp: int | None = None, cp: int = 1):
-    """``parallel_state.initialize_model_parallel(tp, pp)`` (experts over ``ep`` x ``etp``
-    ranks, ``etp`` defaulting to ``tp``; ``vp`` virtual stages per pipeline rank; ``cp``
-    context-parallel ranks) over the default group, undone on exit.
+def model_parallel(layout: ParallelLayout | None = None, **sizes):
+    """``parallel_state.initialize_model_parallel`` for ``layout`` over the default group, undone
+    on exit. Without a layout, ``sizes`` (:class:`~megatron_kd.parallel.ParallelLayout`'s fields
+    but ``dp``) make one over the world: ``model_parallel(tp=2)``.
 
-    ``torch.distributed`` must already be initialised. Installs the CPU shim when no GPU is
-    present.
+    ``torch.distributed`` must already be initialised, and the layout's ranks be the world's.
+    Installs the CPU shim when no GPU is present.
     """
     install_cpu_shim()
-    check_parallel_sizes(dist.get_world_size(), tp, pp, ep, etp, cp)
+    world = dist.get_world_size()
+    if layout is None:
+        layout = ParallelLayout.from_world(world, **sizes)
+    elif sizes:
+        raise ValueError(f"give a layout or its sizes, not both (got {sorted(sizes)})")
+    if layout.world_size != world:
+        raise ValueError(f"the layout's {layout.world_size} ranks (tensor {layout.tp} x pipeline "
+                         f"{layout.pp} x context {layout.cp} x data {layout.dp}) are not the "
+                         f"world's {world}")
     if parallel_state.model_parallel_is_initialized():
         raise RuntimeError("megatron.core.parallel_state is already initialised")
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp,
-                                             pipeline_model_parallel_size=pp,
-                                             virtual_pipeline_model_parallel_size=vp,
-                                             context_parallel_size=cp,
-                                             expert_model_parallel_size=ep,
-                                             expert_tensor_parallel_size=etp)
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
+        virtual_pipeline_model_parallel_size=layout.virtual_stages,
+        context_parallel_size=layout.cp, expert_model_parallel_size=layout.ep,
+        expert_tensor_parallel_size=layout.expert_tp)
     try:
         yield
     finally:
@@ -128,42 +134,3 @@ def shared_random_id(group=None) -> int:
     dist.broadcast_object_list(value, src=dist.get_global_rank(group, 0) if group else 0,
                                group=group)
     return value[0]
-
-
-def add_expert_parallel_args(parser) -> None:
-    """``--expert-model-parallel-size`` and ``--expert-tensor-parallel-size`` (Megatron-LM's
-    names) on an argparse parser or group."""
-    parser.add_argument("--expert-model-parallel-size", type=int, default=1,
-                        help="ranks the experts of a mixture-of-experts model are split over")
-    parser.add_argument("--expert-tensor-parallel-size", type=int, default=None,
-                        help="ranks each expert is split over (default: the tensor-parallel "
-                             "size)")
-
-
-def check_expert_biases(arch, tp: int, etp: int | None) -> None:
-    """Experts with biases (gpt-oss) need expert tensor-parallel size 1 (a Megatron-Core
-    assertion, 0.16.1 and 0.19.2): refused before any model is built, naming the flag."""
-    etp = tp if etp is None else etp
-    if arch.num_experts and arch.add_bias_linear and etp != 1:
-        raise ValueError(f"experts with biases (gpt-oss) need --expert-tensor-parallel-size 1 "
-                         f"(Megatron-Core supports MoE biases only then), got {etp}"
-                         f"{' (the default: the tensor-parallel size)' if etp == tp else ''}")
-
-
-def check_experts_within_tensor_parallel(arch, tp: int, ep: int, etp: int | None) -> None:
-    """A teacher whose ranks each work alone on their own samples (a replica, a cache build's
-    data-parallel ranks) keeps its experts inside one tensor-parallel group: ``ep x etp`` must
-    divide ``tp``, so no all-to-all spans ranks that run different numbers of forwards."""
-    check_expert_biases(arch, tp, etp)
-    etp = tp if etp is None else etp
-    if ep > 1 or etp != tp:
-        if not arch.num_experts:
-            raise ValueError(f"--expert-model-parallel-size {ep} / --expert-tensor-parallel-size "
-                             f"{etp} given for a teacher without experts")
-        arch.check_expert_parallel(ep)
-        if tp % (ep * etp):
-            raise ValueError(f"--expert-model-parallel-size {ep} x --expert-tensor-parallel-size "
-                             f"{etp} must divide --tensor-model-parallel-size {tp}: a teacher's "
-                             f"experts are split within its tensor-parallel group (e.g. "
-                             f"--tensor-model-parallel-size 2 --expert-model-parallel-size 2 "
-                             f"--expert-tensor-parallel-size 1)")

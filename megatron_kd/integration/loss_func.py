@@ -8,7 +8,7 @@ from collections.abc import Callable
 import torch
 
 from megatron_kd.integration.output_layer import to_sbh
-from megatron_kd.loss import vocab_parallel_kd_loss
+from megatron_kd.loss import DenseTeacher, Teacher, vocab_parallel_kd_loss
 
 __all__ = ["make_kd_loss_func"]
 
@@ -16,13 +16,10 @@ __all__ = ["make_kd_loss_func"]
 def make_kd_loss_func(
     *,
     student_weight: torch.Tensor,
-    teacher_hidden: torch.Tensor | None,
-    teacher_weight: torch.Tensor | None,
+    teacher: Teacher | None,
     labels: torch.Tensor,
     loss_mask: torch.Tensor,
     config,
-    teacher_topk_ids: torch.Tensor | None = None,
-    teacher_topk_logprobs: torch.Tensor | None = None,
     tp_group=None,
     report_lm_loss: bool = True,
     report_kd_loss: bool = True,
@@ -33,10 +30,11 @@ def make_kd_loss_func(
 
     Args:
         student_weight: ``[local_vocab_size, h_s]`` the student's output-layer shard.
-        teacher_hidden: ``[s, b, h_t]`` teacher final hidden states (None without a teacher).
-        teacher_weight: ``[local_vocab_size, h_t]`` teacher output-layer shard.
-        teacher_topk_ids / teacher_topk_logprobs: ``[s, b, K]`` a sparse (top-K) teacher
-            instead of the dense one (``--kd-mode offline``: read from a top-K cache).
+        teacher: the loss's teacher record, as the run's teacher source gave it: a
+            :class:`~megatron_kd.loss.DenseTeacher` (``[s, b, h_t]`` final hidden states and the
+            ``[local_vocab_size, h_t]`` output-layer shard), a
+            :class:`~megatron_kd.loss.TopKTeacher` (``[s, b, K]`` ids and log-probs,
+            ``--kd-mode offline``: read from a top-K cache), or None without a teacher.
         labels: ``[b, s]`` next-token ids (Megatron dataset layout).
         loss_mask: ``[b, s]`` per-token weights.
         config: the :class:`~megatron_kd.loss.KDLossConfig` that is trained on.
@@ -56,8 +54,6 @@ def make_kd_loss_func(
     loss_fn = loss_fn or vocab_parallel_kd_loss
     labels_sb = labels.transpose(0, 1)
     mask_sb = loss_mask.transpose(0, 1).float()
-    teacher_kw = _teacher_inputs(teacher_hidden, teacher_weight, teacher_topk_ids,
-                                 teacher_topk_logprobs)
 
     def loss_func(output_tensor: torch.Tensor):
         student_hidden = to_sbh(output_tensor)
@@ -67,10 +63,10 @@ def make_kd_loss_func(
         # Labels always go in: the loss reports the unweighted CE at no extra projection. The
         # teacher goes in when it is trained on or its divergence is reported.
         kw = {"labels": labels_sb, "loss_mask": mask_sb, "config": config, "tp_group": tp_group}
-        with_teacher = teacher_kw is not None and (config.kd_weight > 0 or report_kd_loss)
-        if with_teacher:
-            kw.update(teacher_kw)
-        loss_sum, num_tokens = loss_fn(student_hidden, student_weight, terms_out=terms, **kw)
+        with_teacher = teacher is not None and (config.kd_weight > 0 or report_kd_loss)
+        loss_sum, num_tokens = loss_fn(student_hidden, student_weight,
+                                       teacher=teacher if with_teacher else None,
+                                       terms_out=terms, **kw)
         n = num_tokens.detach().float()
         report = {"loss": torch.stack([loss_sum.detach().float(), n])}
         if with_teacher:
@@ -78,9 +74,9 @@ def make_kd_loss_func(
         if config.ce_weight > 0 or report_lm_loss:
             report["lm_loss"] = torch.stack([terms["ce_sum"].float(), n])
         with torch.no_grad():
-            if report_teacher_lm_loss and teacher_hidden is not None:
+            if report_teacher_lm_loss and isinstance(teacher, DenseTeacher):
                 ce_cfg = dataclasses.replace(config, kd_weight=0.0, ce_weight=1.0)
-                t_sum, _ = loss_fn(teacher_hidden.detach(), teacher_weight.detach(),
+                t_sum, _ = loss_fn(teacher.hidden.detach(), teacher.weight.detach(),
                                    labels=labels_sb, loss_mask=mask_sb, config=ce_cfg,
                                    tp_group=tp_group)
                 report["teacher_lm_loss"] = torch.stack([t_sum.float(), n])
@@ -88,14 +84,3 @@ def make_kd_loss_func(
 
     return loss_func
 
-
-def _teacher_inputs(teacher_hidden, teacher_weight, topk_ids, topk_logprobs) -> dict | None:
-    """The loss's teacher arguments: a dense or a top-K teacher (None: no teacher)."""
-    if topk_ids is not None or topk_logprobs is not None:
-        if teacher_hidden is not None:
-            raise ValueError("give a dense teacher (teacher_hidden) or a top-K one "
-                             "(teacher_topk_ids), not both")
-        return {"teacher_topk_ids": topk_ids, "teacher_topk_logprobs": topk_logprobs}
-    if teacher_hidden is None:
-        return None
-    return {"teacher_hidden": teacher_hidden, "teacher_weight": teacher_weight}

@@ -12,10 +12,8 @@ import contextlib
 
 import torch
 
-from megatron_kd.collectives import all_gather_into
-
-__all__ = ["bypass_output_layer", "gather_sequence", "output_layer_bypassed",
-           "output_layer_weight", "to_sbh", "unwrap_model"]
+__all__ = ["bypass_output_layer", "output_layer_bypassed", "output_layer_weight", "to_sbh",
+           "unwrap_model"]
 
 
 def unwrap_model(model):
@@ -81,14 +79,3 @@ def to_sbh(hidden: torch.Tensor) -> torch.Tensor:
     """``[b, s, h]`` (what a bypassed GPTModel returns) -> ``[s, b, h]`` (a view)."""
     return hidden.transpose(0, 1)
 
-
-def gather_sequence(hidden: torch.Tensor, tp_group) -> torch.Tensor:
-    """``[s/tp, b, h]`` (a sequence-parallel rank's slice) -> ``[s, b, h]``, the slices of the
-    TP group in rank order (one all-gather over ``tp_group``; no gradient: a frozen teacher's
-    output, for a consumer that needs the whole sequence)."""
-    if tp_group is None or tp_group.size() == 1:
-        return hidden
-    full = hidden.new_empty((hidden.shape[0] * tp_group.size(), *hidden.shape[1:]))
-    # each rank holds its contiguous slice of the sequence (Megatron's sequence split)
-    all_gather_into(full, hidden.contiguous(), group=tp_group)
-    return full

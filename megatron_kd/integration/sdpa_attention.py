@@ -9,10 +9,11 @@ core that :class:`~megatron_kd.integration.context_parallel.ContextParallelAtten
 on its chunks.
 
 Which attention a local layer spec gets is decided once, in
-:mod:`megatron_kd.integration.gpt` (``_block_spec``): on a GPU without Transformer Engine this
-module, on the CPU Megatron-Core's ``DotProductAttention``; the environment variable
-:data:`ATTENTION_ENV` (read by :func:`requested_attention` only) overrides that choice, e.g. to run
-whole models on SDPA on the CPU.
+:mod:`megatron_kd.integration.gpt` (``_block_spec``), from the choice
+:func:`~megatron_kd.integration.gpt.build_gpt_model` is given (one of :data:`ATTENTION_CHOICES`,
+the commands' ``--attention-backend``): ``auto`` is this module on a GPU without Transformer
+Engine and Megatron-Core's ``DotProductAttention`` on the CPU; ``sdpa`` or ``unfused`` choose one
+everywhere (e.g. whole models on SDPA on the CPU).
 
 Semantics, against ``DotProductAttention`` (megatron-core 0.16.1 and 0.19.2):
 
@@ -42,7 +43,6 @@ so a block's boolean mask is ``[block, block + window]``.
 from __future__ import annotations
 
 import contextlib
-import os
 
 import torch
 import torch.nn.functional as F
@@ -56,22 +56,20 @@ from torch.nn.attention.bias import causal_lower_right
 
 __all__ = [
     "ATTENTION_CHOICES",
-    "ATTENTION_ENV",
     "MIN_WINDOW_BLOCK",
     "SdpaAttention",
     "causal_attention",
+    "check_attention_choice",
     "check_forward_args",
     "check_sdpa_config",
     "check_sdpa_layer",
     "dropout_rng",
     "layer_window_left",
-    "requested_attention",
     "sdpa_scale",
 ]
 
-#: Environment variable choosing the local spec's core attention: ``auto`` (default: SDPA on a
+#: The local spec's core attention (``--attention-backend``): ``auto`` (the default: SDPA on a
 #: GPU, Megatron-Core's ``DotProductAttention`` on the CPU), ``sdpa`` or ``unfused`` everywhere.
-ATTENTION_ENV = "MEGATRON_KD_ATTENTION"
 ATTENTION_CHOICES = ("auto", "sdpa", "unfused")
 
 #: Smallest query block of a sliding-window layer (fewer, larger kernel calls for short windows).
@@ -82,12 +80,11 @@ _FUSED_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
                    SDPBackend.CUDNN_ATTENTION]
 
 
-def requested_attention() -> str:
-    """The core attention :data:`ATTENTION_ENV` asks for: ``auto``, ``sdpa`` or ``unfused``."""
-    value = os.environ.get(ATTENTION_ENV, "auto").strip().lower() or "auto"
-    if value not in ATTENTION_CHOICES:
-        raise ValueError(f"{ATTENTION_ENV}={value!r}; choose from {ATTENTION_CHOICES}")
-    return value
+def check_attention_choice(attention: str) -> None:
+    """``ValueError`` naming ``attention`` unless it is one of :data:`ATTENTION_CHOICES`."""
+    if attention not in ATTENTION_CHOICES:
+        raise ValueError(f"--attention-backend {attention!r}: choose from "
+                         f"{', '.join(ATTENTION_CHOICES)}")
 
 
 def sdpa_scale(module: DotProductAttention) -> float:

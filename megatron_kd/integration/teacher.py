@@ -9,7 +9,8 @@ returns final hidden states): colocated training, Megatron-LM's ``pretrain_gpt.p
 disaggregated teacher and the top-K cache build all call it. :func:`unpipelined_groups` gives
 the process groups of a teacher that holds every layer on a rank of a pipelined student;
 :func:`load_output_layer_shard` reads only the teacher's output layer (a student that receives
-the teacher's hidden states projects them itself).
+the teacher's hidden states projects them itself); :func:`full_sequence_forward` runs a built
+teacher over whole sequences in its layout (``teacher serve`` and ``cache build``).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import os
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state
+from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.tensor_parallel import get_cuda_rng_tracker
 from megatron.core.utils import make_tp_sharded_tensor_for_checkpoint
@@ -35,18 +37,20 @@ from megatron_kd.integration.checkpoint import (
     read_checkpoint_arch,
     resolve_model_dir,
 )
+from megatron_kd.integration.context_parallel import cp_positions, gather_positions
+from megatron_kd.integration.cpu_shim import device_context
 from megatron_kd.integration.gpt import build_gpt_model
 from megatron_kd.integration.megatron_lm_checkpoint import (
     megatron_lm_teacher_arch,
     megatron_lm_teacher_dir,
 )
-from megatron_kd.integration.output_layer import bypass_output_layer
+from megatron_kd.integration.output_layer import bypass_output_layer, to_sbh
+from megatron_kd.loss.combine import gather_sequence
+from megatron_kd.parallel.sequence import sequence_parts
 from megatron_kd.placement import compute_device
-from megatron_kd.teacher.client import TeacherClient
-from megatron_kd.teacher.endpoint import parse_endpoint
 
-__all__ = ["build_frozen_teacher", "check_teacher", "connect_teacher", "load_output_layer_shard",
-           "teacher_identity", "unpipelined_groups"]
+__all__ = ["build_frozen_teacher", "check_teacher", "full_sequence_forward",
+           "load_output_layer_shard", "teacher_identity", "unpipelined_groups"]
 
 
 def _teacher_dir_and_arch(teacher_load: str,
@@ -65,24 +69,19 @@ def _teacher_dir_and_arch(teacher_load: str,
     return directory, read_checkpoint_arch(directory)
 
 
-def check_teacher(teacher_load: str, *, seq_length: int, tp_sizes: tuple[int, ...] = (1,),
-                  pp_size: int = 1, teacher_args: str | None = None) -> tuple[str, GPTArchConfig]:
+def check_teacher(teacher_load: str, *, seq_length: int,
+                  teacher_args: str | None = None) -> tuple[str, GPTArchConfig]:
     """``(directory, arch)`` of a teacher checkpoint, checked: its tensors fit its
-    architecture, every TP size of ``tp_sizes`` and ``pp_size`` split it, and it is built for
-    ``seq_length``. ``teacher_load`` may be a training checkpoint root (its newest iteration is
-    taken), or a Megatron-LM ``torch_dist`` checkpoint whose architecture is ``teacher_args``
-    (Megatron-LM flags, or a file of them) or, without them, its saved arguments
-    (:mod:`megatron_kd.integration.megatron_lm_checkpoint`)."""
+    architecture and it is built for ``seq_length``. ``teacher_load`` may be a training
+    checkpoint root (its newest iteration is taken), or a Megatron-LM ``torch_dist`` checkpoint
+    whose architecture is ``teacher_args`` (Megatron-LM flags, or a file of them) or, without
+    them, its saved arguments (:mod:`megatron_kd.integration.megatron_lm_checkpoint`). The
+    layout the teacher runs with is the caller's to check
+    (:func:`megatron_kd.arch.check_layout`, in the caller's role)."""
     if not os.path.isdir(teacher_load):
         raise ValueError(f"--kd-teacher-load {teacher_load!r} is not a directory")
     directory, arch = _teacher_dir_and_arch(teacher_load, teacher_args)
     check_checkpoint_tensors(directory, arch)
-    try:
-        for tp in tp_sizes:
-            arch.check_tensor_parallel(tp)
-        arch.check_pipeline_parallel(pp_size)
-    except ValueError as e:
-        raise ValueError(f"teacher {directory!r}: {e}") from None
     if arch.max_position_embeddings < seq_length:
         raise ValueError(f"teacher max_position_embeddings {arch.max_position_embeddings} < "
                          f"--seq-length {seq_length}")
@@ -105,7 +104,7 @@ def build_frozen_teacher(arch: GPTArchConfig, load_dir: str, *, dtype: torch.dty
                          pg_collection: ProcessGroupCollection | None = None,
                          pre_process: bool = True, post_process: bool = True,
                          seed: int | None = None, replicated: bool = False, keep: bool = True,
-                         sequence_parallel: bool = False):
+                         sequence_parallel: bool = False, attention: str = "auto"):
     """Build, load and freeze a teacher ``GPTModel`` (collective: its ranks load together).
 
     Args:
@@ -122,6 +121,8 @@ def build_frozen_teacher(arch: GPTArchConfig, load_dir: str, *, dtype: torch.dty
         keep: False loads (so the collective load completes) and returns None.
         sequence_parallel: built for sequence parallelism over its TP group (it then takes the
             whole sequence and returns this TP rank's ``[s/tp, b, h]`` slice of it).
+        attention: the core attention of its layers (``--attention-backend``: ``auto``,
+            ``sdpa`` or ``unfused``; :func:`~megatron_kd.integration.gpt.build_gpt_model`).
 
     Returns the model (output layer bypassed on the last stage, eval mode, frozen) or None.
     """
@@ -129,7 +130,7 @@ def build_frozen_teacher(arch: GPTArchConfig, load_dir: str, *, dtype: torch.dty
         teacher = build_gpt_model(arch, pg_collection=pg_collection, pre_process=pre_process,
                                   post_process=post_process, params_dtype=dtype, seed=seed,
                                   perform_initialization=False,
-                                  sequence_parallel=sequence_parallel)
+                                  sequence_parallel=sequence_parallel, attention=attention)
     load_model_checkpoint(teacher, load_dir, arch=arch,
                           validate_access_integrity=not replicated)
     if not keep:
@@ -157,6 +158,52 @@ def _random_state_kept():
         yield
     if states is not None:
         tracker.set_states(states)
+
+
+def full_sequence_forward(model, *, is_last: bool, sp_group=None, cp_group=None):
+    """``forward(tokens [b, s]) -> [s, b, h]`` final hidden states of the whole sequences on the
+    last pipeline stage (None elsewhere), for a frozen teacher built in its own layout (a
+    ``teacher serve`` replica, a ``cache build``): Megatron-Core's forward-only pipeline schedule
+    over one microbatch of the whole batch. ``sp_group``: the model is sequence-parallel over
+    this TP group; ``cp_group``: context-parallel over this group (each rank runs its
+    load-balanced positions). The slices are gathered into the whole sequence, in order, on
+    every rank of the stage, and a sequence the split does not divide is padded at its end for
+    the forward (causal: the padding changes no earlier position) and cut back after."""
+    forward_backward = get_forward_backward_func()
+    cp = cp_group.size() if cp_group is not None else 1
+    split = sequence_parts(tp=sp_group.size() if sp_group is not None else 1, cp=cp,
+                           sequence_parallel=sp_group is not None)
+
+    def forward(tokens: torch.Tensor):
+        batch, given = tokens.shape
+        if given % split:
+            tokens = torch.nn.functional.pad(tokens, (0, split - given % split))
+        seq = tokens.shape[1]
+        position_ids = torch.arange(seq, device=tokens.device).unsqueeze(0).expand(batch, -1)
+        if cp > 1:  # this rank's load-balanced positions of every sequence
+            rows = cp_positions(seq, cp_group.rank(), cp, tokens.device)
+            tokens, position_ids = tokens[:, rows], position_ids[:, rows]
+        out = []
+
+        def forward_step(data_iterator, model):
+            item = next(data_iterator)
+            output = model(item["tokens"], item["position_ids"], None)
+
+            def keep(output_tensor):
+                hidden = gather_sequence(to_sbh(output_tensor).detach(), sp_group)
+                out.append(gather_positions(hidden, cp_group) if cp > 1 else hidden)
+                return torch.zeros((), device=output_tensor.device), {}
+
+            return output, keep
+
+        with device_context(), torch.no_grad():
+            forward_backward(forward_step_func=forward_step,
+                             data_iterator=iter([{"tokens": tokens, "position_ids": position_ids}]),
+                             model=[model], num_microbatches=1, seq_length=seq,
+                             micro_batch_size=batch, forward_only=True)
+        return out[0][:given] if is_last else None
+
+    return forward
 
 
 def load_output_layer_shard(teacher_dir: str, arch: GPTArchConfig, dtype: torch.dtype,
@@ -198,33 +245,3 @@ def teacher_identity(teacher_dir: str, arch: GPTArchConfig, dtype: str) -> dict:
     return {"checkpoint": digest.hexdigest()[:16], "vocab_size": arch.vocab_size,
             "padded_vocab_size": arch.padded_vocab_size, "hidden_size": arch.hidden_size,
             "dtype": dtype, "tokenizer_sha256": tokenizer_sha}
-
-
-def connect_teacher(kd, arch: GPTArchConfig, *, run: int, dp_rank: int, tp_group,
-                    micro_batch_size: int, seq_length: int, schedule, device: torch.device,
-                    max_samples: int, log, sequence_parallel: bool = False,
-                    cp_group=None, tp_cp_group=None) -> TeacherClient:
-    """The started teacher client of one last-stage student rank, for the replicas at
-    ``kd.teacher_endpoint`` (``kd`` a :class:`~megatron_kd.integration.args.KDArgs`). The first
-    rank of a data-parallel rank's TP (x CP) group sends the requests of ``schedule`` (``(step,
-    microbatch, sample_ids, tokens)``, the whole sequence); every rank receives its part of the
-    hidden states (its TP slice of its CP rank's positions) and, unless ``sequence_parallel``,
-    all-gathers its CP rank's positions over ``tp_group``. ``cp_group`` / ``tp_cp_group``:
-    context parallelism's group and the TP x CP group (None: no context parallelism)."""
-    tp = tp_group.size() if tp_group is not None else 1
-    tp_rank = tp_group.rank() if tp_group is not None else 0
-    cp = cp_group.size() if cp_group is not None else 1
-    member = (cp_group.rank() if cp_group is not None else 0) * tp + tp_rank
-    group = tp_cp_group if cp > 1 else tp_group
-    client = TeacherClient(
-        endpoint=parse_endpoint(kd.teacher_endpoint),
-        expected=teacher_identity(kd.teacher_load, arch, kd.teacher_dtype), run=run,
-        dp_rank=dp_rank, member_group=group if tp * cp > 1 else None, member=member,
-        members=tp * cp, micro_batch_size=micro_batch_size, seq_length=seq_length,
-        hidden_size=arch.hidden_size, dtype=kd.teacher_torch_dtype, wire_dtype=kd.wire,
-        depth=kd.prefetch_depth, timeout_s=kd.teacher_timeout, device=device,
-        schedule=schedule if member == 0 else None, max_samples=max_samples,
-        log=log if member == 0 else None, sequence_parallel=sequence_parallel, cp_size=cp,
-        gather_group=tp_group if tp > 1 else None)
-    client.start()
-    return client

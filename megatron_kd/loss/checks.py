@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from megatron_kd.collectives import all_gather_into
 from megatron_kd.loss.config import KDLossConfig
+from megatron_kd.loss.teacher import DenseTeacher, Teacher, TopKTeacher
 from megatron_kd.loss.window import Shard, Window
 from megatron_kd.parallel.vocab import vocab_shard
 
@@ -41,21 +42,19 @@ def full_lead(student_hidden: torch.Tensor, tp_world_size: int, sp: bool) -> tup
     return lead
 
 
-def check_local(student_hidden, student_weight, teacher_hidden, teacher_weight, topk_ids,
-                topk_logprobs, labels, loss_mask, config: KDLossConfig, tp_world_size: int,
-                sp: bool) -> str | None:
+def check_local(student_hidden, student_weight, teacher: Teacher | None, labels, loss_mask,
+                config: KDLossConfig, tp_world_size: int, sp: bool) -> str | None:
     """Shape and dtype checks that may differ between ranks; returns the message or None."""
     try:
-        _check_local_raise(student_hidden, student_weight, teacher_hidden, teacher_weight,
-                           topk_ids, topk_logprobs, labels, loss_mask, config, tp_world_size, sp)
+        _check_local_raise(student_hidden, student_weight, teacher, labels, loss_mask, config,
+                           tp_world_size, sp)
     except ValueError as e:
         return str(e)
     return None
 
 
-def _check_local_raise(student_hidden, student_weight, teacher_hidden, teacher_weight, topk_ids,
-                       topk_logprobs, labels, loss_mask, config: KDLossConfig,
-                       tp_world_size: int, sp: bool) -> None:
+def _check_local_raise(student_hidden, student_weight, teacher: Teacher | None, labels,
+                       loss_mask, config: KDLossConfig, tp_world_size: int, sp: bool) -> None:
     if student_hidden.dim() < 2:
         raise ValueError(f"student_hidden must be [..., h_s], got shape "
                          f"{tuple(student_hidden.shape)}")
@@ -73,52 +72,56 @@ def _check_local_raise(student_hidden, student_weight, teacher_hidden, teacher_w
     if sp and student_hidden.dim() < 2:
         raise ValueError("sequence_parallel needs hidden states of shape [s/tp, b, h]")
     lead = full_lead(student_hidden, tp_world_size, sp)
-    dense = teacher_hidden is not None or teacher_weight is not None
-    sparse = topk_ids is not None or topk_logprobs is not None
-    if dense and sparse:
-        raise ValueError("give either a dense teacher (teacher_hidden, teacher_weight) or a sparse "
-                         "one (teacher_topk_ids, teacher_topk_logprobs), not both")
-    if config.kd_weight > 0 and not dense and not sparse:
+    if teacher is not None and not isinstance(teacher, (DenseTeacher, TopKTeacher)):
+        raise ValueError(f"teacher must be a DenseTeacher, a TopKTeacher or None, got "
+                         f"{type(teacher).__name__}")
+    if config.kd_weight > 0 and teacher is None:
         raise ValueError(f"kd_weight={config.kd_weight} > 0 but no teacher was given")
-    if config.elementwise == "compiled" and not dense:
-        raise ValueError("elementwise='compiled' needs a dense teacher (teacher_hidden, "
-                         "teacher_weight); got " + ("a top-K teacher" if sparse else "none"))
-    if dense:
-        if teacher_hidden is None or teacher_weight is None:
-            raise ValueError("a dense teacher needs both teacher_hidden and teacher_weight")
-        if teacher_weight.dim() != 2 or teacher_hidden.shape[-1] != teacher_weight.shape[1]:
-            raise ValueError(f"teacher hidden size {teacher_hidden.shape[-1]} != teacher_weight "
-                             f"columns (shape {tuple(teacher_weight.shape)})")
-        t_lead = full_lead(teacher_hidden, tp_world_size, sp)
-        if t_lead != lead:
-            raise ValueError(f"teacher_hidden leading shape {tuple(teacher_hidden.shape[:-1])} != "
-                             f"student_hidden leading shape {tuple(student_hidden.shape[:-1])}")
-        if teacher_weight.shape[0] != student_weight.shape[0]:
-            raise ValueError(f"teacher shard has {teacher_weight.shape[0]} vocab rows but the "
-                             f"student shard has {student_weight.shape[0]} (same partition needed)")
-        if teacher_hidden.dtype != teacher_weight.dtype:
-            raise ValueError(f"teacher_hidden dtype {teacher_hidden.dtype} != teacher_weight dtype "
-                             f"{teacher_weight.dtype}")
-    if sparse:
-        if topk_ids is None or topk_logprobs is None:
-            raise ValueError("a sparse teacher needs both teacher_topk_ids and "
-                             "teacher_topk_logprobs")
-        if config.kind != "forward_kl":
-            raise ValueError(f"a sparse (top-K) teacher supports kind='forward_kl' only, got "
-                             f"{config.kind!r}")
-        if config.topk_tail == "ghost" and config.temperature != 1.0:
-            raise ValueError(f"topk_tail='ghost' needs temperature 1, got {config.temperature}")
-        if topk_ids.shape != topk_logprobs.shape or tuple(topk_ids.shape[:-1]) != lead:
-            raise ValueError(f"teacher_topk_ids {tuple(topk_ids.shape)} and teacher_topk_logprobs "
-                             f"{tuple(topk_logprobs.shape)} must both be {lead} + [K]")
-        if topk_ids.dtype.is_floating_point or topk_ids.dtype == torch.bool:
-            raise ValueError(f"teacher_topk_ids must be integer, got {topk_ids.dtype}")
+    if config.elementwise == "compiled" and not isinstance(teacher, DenseTeacher):
+        raise ValueError("elementwise='compiled' needs a dense teacher (DenseTeacher); got "
+                         + ("a top-K teacher" if teacher is not None else "none"))
+    if isinstance(teacher, DenseTeacher):
+        _check_dense(teacher, student_hidden, student_weight, lead, tp_world_size, sp)
+    elif isinstance(teacher, TopKTeacher):
+        _check_topk(teacher, lead, config)
     if config.ce_weight > 0 and labels is None:
         raise ValueError(f"ce_weight={config.ce_weight} > 0 needs labels")
     if labels is not None and tuple(labels.shape) != lead:
         raise ValueError(f"labels shape {tuple(labels.shape)} != token shape {lead}")
     if loss_mask is not None and tuple(loss_mask.shape) != lead:
         raise ValueError(f"loss_mask shape {tuple(loss_mask.shape)} != token shape {lead}")
+
+
+def _check_dense(teacher: DenseTeacher, student_hidden, student_weight, lead: tuple[int, ...],
+                 tp_world_size: int, sp: bool) -> None:
+    hidden, weight = teacher.hidden, teacher.weight
+    if weight.dim() != 2 or hidden.shape[-1] != weight.shape[1]:
+        raise ValueError(f"teacher hidden size {hidden.shape[-1]} != teacher.weight columns "
+                         f"(shape {tuple(weight.shape)})")
+    t_lead = full_lead(hidden, tp_world_size, sp)
+    if t_lead != lead:
+        raise ValueError(f"teacher.hidden leading shape {tuple(hidden.shape[:-1])} != "
+                         f"student_hidden leading shape {tuple(student_hidden.shape[:-1])}")
+    if weight.shape[0] != student_weight.shape[0]:
+        raise ValueError(f"teacher shard has {weight.shape[0]} vocab rows but the "
+                         f"student shard has {student_weight.shape[0]} (same partition needed)")
+    if hidden.dtype != weight.dtype:
+        raise ValueError(f"teacher.hidden dtype {hidden.dtype} != teacher.weight dtype "
+                         f"{weight.dtype}")
+
+
+def _check_topk(teacher: TopKTeacher, lead: tuple[int, ...], config: KDLossConfig) -> None:
+    ids, logprobs = teacher.ids, teacher.logprobs
+    if config.kind != "forward_kl":
+        raise ValueError(f"a sparse (top-K) teacher supports kind='forward_kl' only, got "
+                         f"{config.kind!r}")
+    if config.topk_tail == "ghost" and config.temperature != 1.0:
+        raise ValueError(f"topk_tail='ghost' needs temperature 1, got {config.temperature}")
+    if ids.shape != logprobs.shape or tuple(ids.shape[:-1]) != lead:
+        raise ValueError(f"teacher.ids {tuple(ids.shape)} and teacher.logprobs "
+                         f"{tuple(logprobs.shape)} must both be {lead} + [K]")
+    if ids.dtype.is_floating_point or ids.dtype == torch.bool:
+        raise ValueError(f"teacher.ids must be integer, got {ids.dtype}")
 
 
 def exchange_sizes(student_weight: torch.Tensor, student_hidden: torch.Tensor,
@@ -155,7 +158,7 @@ def shard_of(sizes: list[int], tp_group: dist.ProcessGroup | None, tp_rank: int,
                  vocab=vocab_shard(sizes, tp_rank, config.vocab_size))
 
 
-def check_global(topk_ids, topk_logprobs, labels, config: KDLossConfig, shard: Shard) -> None:
+def check_global(teacher: Teacher | None, labels, config: KDLossConfig, shard: Shard) -> None:
     """Value checks on replicated inputs (identical on every rank, so all raise alike)."""
     v = shard.vocab_size
     if labels is not None:
@@ -164,22 +167,23 @@ def check_global(topk_ids, topk_logprobs, labels, config: KDLossConfig, shard: S
             value = int(labels[bad][0])
             raise ValueError(f"label {value} out of range [0, {v}) (ignore_index is "
                              f"{config.ignore_index})")
-    if topk_ids is not None:
+    if isinstance(teacher, TopKTeacher):
+        topk_ids, topk_logprobs = teacher.ids, teacher.logprobs
         bad = (topk_ids < 0) | (topk_ids >= v)
         if bool(bad.any()):
-            raise ValueError(f"teacher_topk_ids value {int(topk_ids[bad][0])} out of range "
+            raise ValueError(f"teacher.ids value {int(topk_ids[bad][0])} out of range "
                              f"[0, {v})")
         flat = topk_ids.reshape(-1, topk_ids.shape[-1])
         srt = flat.sort(dim=1).values
         dup = srt[:, 1:] == srt[:, :-1]
         if bool(dup.any()):
             row, col = (int(i) for i in torch.nonzero(dup)[0])
-            raise ValueError(f"teacher_topk_ids has id {int(srt[row, col])} twice in token row "
+            raise ValueError(f"teacher.ids has id {int(srt[row, col])} twice in token row "
                              f"{row}")
         if bool(torch.isnan(topk_logprobs).any()):
-            raise ValueError("teacher_topk_logprobs contains NaN")
+            raise ValueError("teacher.logprobs contains NaN")
         if bool((topk_logprobs > 1e-4).any()):
-            raise ValueError(f"teacher_topk_logprobs must be log-probabilities (<= 0), max is "
+            raise ValueError(f"teacher.logprobs must be log-probabilities (<= 0), max is "
                              f"{float(topk_logprobs.max())}")
         if config.topk_tail == "ghost":
             mass = topk_logprobs.double().exp().sum(-1)

@@ -12,6 +12,8 @@ The heavy local work (projections, exponentials) stays on each rank; what crosse
 
 The last two are called from inside :class:`~megatron_kd.loss.fused._FusedKDLoss`, whose
 backward is hand-written, so they are plain functions, not autograd Functions.
+:func:`gather_sequence` is also the one all-gather of a sequence-parallel sequence outside the
+loss (``teacher serve``, ``cache build``: a frozen teacher's outputs).
 """
 
 from __future__ import annotations
@@ -91,10 +93,25 @@ class ShardSum(torch.autograd.Function):
 
 
 def gather_sequence(hidden: torch.Tensor, tp_group: dist.ProcessGroup | None,
-                    tp_world_size: int) -> torch.Tensor:
-    """All-gather sequence-parallel hidden states ``[s/tp, ...]`` into ``[s, ...]``."""
+                    tp_world_size: int | None = None) -> torch.Tensor:
+    """All-gather sequence-parallel hidden states ``[s/tp, ...]`` (this rank's contiguous slice
+    of the sequence, Megatron's split) into ``[s, ...]``, the slices in rank order.
+
+    ``tp_world_size``: the size of ``tp_group`` where the caller knows it (None: read off the
+    group; a ``None`` group is one rank). With one rank ``hidden`` itself is returned.
+
+    Collectives: one all-gather over ``tp_group`` (none with one rank). No gradient: a plain
+    collective into a new tensor. The loss calls it inside its autograd Functions, whose
+    backward is hand-written (:func:`reduce_hidden_grad`); ``teacher serve`` and ``cache
+    build`` on a frozen teacher's detached outputs, for a consumer of the whole sequence.
+    """
+    if tp_world_size is None:
+        tp_world_size = 1 if tp_group is None else tp_group.size()
+    if tp_world_size == 1:
+        return hidden
     out = hidden.new_empty((hidden.shape[0] * tp_world_size, *hidden.shape[1:]))
-    # Forward of sequence parallelism: every rank needs every token for its vocab shard.
+    # Forward of sequence parallelism: every rank needs every token (the loss: for its vocab
+    # shard; a teacher's top-K or a student's request: the whole sequence).
     all_gather_into(out, hidden.contiguous(), group=tp_group)
     return out
 

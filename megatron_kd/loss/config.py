@@ -8,19 +8,22 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron_kd.parallel.windows import (
+    DEFAULT_GPU_WINDOW_BYTES,
+    DEFAULT_WEIGHT_GRAD,
+    WEIGHT_GRADS,
+    cpu_window_rows,
+    gpu_window_rows,
+)
+
 KINDS = ("forward_kl", "reverse_kl", "jsd")
 TOPK_TAILS = ("renormalize", "ghost")
 BACKWARDS = ("precompute", "recompute")
 ELEMENTWISE = ("eager", "compiled")
 PATHS = ("auto", "cpu", "gpu")
 GPU_KERNELS = ("triton", "compiled", "eager")
-WEIGHT_GRADS = ("fp32_gemm", "fp32_add", "input_dtype")
-#: The GPU path's windows are whole multiples of this many rows where the byte budget allows
-#: (the row tiles of cuBLAS's large-GEMM kernels: a partial tile costs a whole one).
-ROW_TILE = 128
-
-#: Default bound on the elements of one ``[rows, local_vocab]`` fp32 window buffer (64 MiB).
-DEFAULT_WINDOW_ELEMENTS = 1 << 24
+# The window rule and its constants are megatron_kd.parallel.windows': the planner counts the
+# windows the loss runs from the same module (WEIGHT_GRADS is the --kd-loss-weight-grad choices).
 
 
 @functools.cache
@@ -102,7 +105,7 @@ class GpuTuning:
     its cost account are in docs/loss.md (the GPU path).
     """
 
-    window_bytes: int = 1 << 30
+    window_bytes: int = DEFAULT_GPU_WINDOW_BYTES
     """Bound on the bytes of one window's logits: the student's and (dense teacher) the
     teacher's ``[rows, V_local]`` buffers together, in the input dtype. Rows per window are at
     most ``window_bytes // (models * V_local * itemsize)`` (and ``KDLossConfig.window_size``),
@@ -123,7 +126,7 @@ class GpuTuning:
     num_warps: int = 8
     """Warps per program of a Triton kernel (one program per row)."""
 
-    weight_grad: str = "fp32_gemm"
+    weight_grad: str = DEFAULT_WEIGHT_GRAD
     """How each window's weight gradient ``g^T x_s`` is accumulated. ``fp32_gemm``: one GEMM
     takes the input-dtype operands and reads and writes an fp32 accumulator
     (``torch.addmm(..., out_dtype=torch.float32)``; on CPU, where that op does not exist, the
@@ -154,25 +157,12 @@ class GpuTuning:
 
     def rows_per_window(self, local_valid: int, models: int, itemsize: int,
                         window_size: int | None, n_rows: int | None = None) -> int:
-        """Rows of one window: at most the byte budget over ``models`` logit rows of
-        ``local_valid`` columns, and at most ``window_size``.
-
-        Given the call's ``n_rows``, the windows are balanced: as few as the cap allows, of
-        equal size, rounded up to whole GEMM tiles (:data:`ROW_TILE` rows) where that stays
-        under the cap. At V = 128,256 in bf16 with a dense teacher the 1 GiB cap is 2,093 rows,
-        and 8,192 tokens take 4 windows of 2,048 (not 3 of 2,093 and one of 1,913); at
-        V = 151,936 the cap is 1,766 and 8,192 tokens take 5 windows of 1,664 (13 full
-        tiles each)."""
-        cap = max(1, self.window_bytes // max(1, models * local_valid * itemsize))
-        if window_size is not None:
-            cap = min(cap, window_size)
-        if n_rows is None or n_rows <= cap:
-            return cap if n_rows is None else max(1, n_rows)
-        windows = -(-n_rows // cap)
-        rows = -(-n_rows // windows)
-        if rows > ROW_TILE:
-            rows = min(cap, -(-rows // ROW_TILE) * ROW_TILE)
-        return rows
+        """Rows of one window under :attr:`window_bytes`
+        (:func:`megatron_kd.parallel.windows.gpu_window_rows`: the byte budget over ``models``
+        logit rows of ``local_valid`` columns, at most ``window_size``, balanced over the
+        call's ``n_rows`` in whole tiles)."""
+        return gpu_window_rows(local_valid, models, itemsize, window_size, n_rows,
+                               self.window_bytes)
 
 
 @dataclass(kw_only=True)
@@ -315,6 +305,4 @@ class KDLossConfig:
 
     def rows_per_window(self, local_vocab_size: int) -> int:
         """Rows projected at once for a shard of ``local_vocab_size`` columns."""
-        if self.window_size is not None:
-            return self.window_size
-        return max(1, DEFAULT_WINDOW_ELEMENTS // max(1, local_vocab_size))
+        return cpu_window_rows(local_vocab_size, self.window_size)

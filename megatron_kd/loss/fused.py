@@ -33,8 +33,9 @@ from megatron_kd.loss.checks import (
 from megatron_kd.loss.combine import gather_sequence, reduce_hidden_grad
 from megatron_kd.loss.config import CpuTuning, GpuTuning, KDLossConfig
 from megatron_kd.loss.gpu import GpuKDLoss
-from megatron_kd.loss.grads import main_grad_placeholder, scale_precomputed
+from megatron_kd.loss.grads import input_grads, main_grad_placeholder, scale_precomputed
 from megatron_kd.loss.kinds import KindMath, Stats, kind_for
+from megatron_kd.loss.teacher import Teacher, teacher_tensors
 from megatron_kd.loss.window import Shard, WindowWalker, active_rows
 
 __all__ = ["vocab_parallel_kd_loss"]
@@ -68,7 +69,11 @@ class _FusedKDLoss(torch.autograd.Function):
     :class:`~megatron_kd.loss.checks.FiniteTracker`). The combine Functions run with autograd
     off inside this forward: the loss's gradients are the hand-written ones of
     :meth:`KindMath.grad` and :meth:`KindMath.recomputed_grad`. The teacher's inputs are
-    constants: no gradient flows to them.
+    constants: no gradient flows to them. They are the tensors of the caller's
+    :data:`~megatron_kd.loss.teacher.Teacher` record, unpacked by
+    :func:`~megatron_kd.loss.teacher.teacher_tensors` so autograd sees each (a dense teacher's
+    ``teacher_hidden`` and ``teacher_weight``, or a top-K teacher's ``topk_ids`` and
+    ``topk_logprobs``; the other kind's two are None).
     """
 
     @staticmethod
@@ -138,22 +143,7 @@ class _FusedKDLoss(torch.autograd.Function):
                 ctx, grad_loss, lambda g, scale: g.mul_(scale.to(g.dtype)))
         else:
             grad_x, grad_w = _recompute_backward(ctx, grad_loss)
-        return (
-            grad_x if ctx.needs_input_grad[0] else None,  # student_hidden
-            grad_w if ctx.needs_input_grad[1] else None,  # student_weight
-            None,  # teacher_hidden (frozen teacher)
-            None,  # teacher_weight (frozen teacher)
-            None,  # topk_ids
-            None,  # topk_logprobs
-            None,  # labels
-            None,  # loss_mask
-            None,  # config
-            None,  # shard
-            None,  # tuning
-            None,  # active
-            None,  # tracker
-            None,  # terms_out
-        )
+        return input_grads(ctx, grad_x, grad_w)
 
 
 def compute_dtype(student_hidden: torch.Tensor) -> torch.dtype:
@@ -263,10 +253,8 @@ def _check_gpu_path(config: KDLossConfig, tuning: GpuTuning) -> None:
 def vocab_parallel_kd_loss(
     student_hidden: torch.Tensor,
     student_weight: torch.Tensor,
-    teacher_hidden: torch.Tensor | None = None,
-    teacher_weight: torch.Tensor | None = None,
-    teacher_topk_ids: torch.Tensor | None = None,
-    teacher_topk_logprobs: torch.Tensor | None = None,
+    teacher: Teacher | None = None,
+    *,
     labels: torch.Tensor | None = None,
     loss_mask: torch.Tensor | None = None,
     config: KDLossConfig | None = None,
@@ -281,10 +269,12 @@ def vocab_parallel_kd_loss(
             ``config.sequence_parallel``).
         student_weight: ``[local_vocab_size, h_s]`` this rank's contiguous shard of the student
             output layer; shards are in rank order and may be uneven.
-        teacher_hidden: ``[s, b, h_t]`` teacher hidden states after its final norm (dense teacher).
-        teacher_weight: ``[local_vocab_size, h_t]`` teacher output layer, same vocab partition.
-        teacher_topk_ids: ``[s, b, K]`` global token ids of a sparse teacher (instead of dense).
-        teacher_topk_logprobs: ``[s, b, K]`` teacher log-probs at T = 1 (full-vocab log-softmax).
+        teacher: a :class:`~megatron_kd.loss.DenseTeacher` (``hidden [s, b, h_t]`` after its
+            final norm, ``[s/tp, b, h_t]`` with ``config.sequence_parallel``; ``weight
+            [local_vocab_size, h_t]``, the same vocab partition), a
+            :class:`~megatron_kd.loss.TopKTeacher` (``ids [s, b, K]`` global token ids,
+            ``logprobs [s, b, K]`` at T = 1, the full-vocab log-softmax), or None (the CE
+            term alone, ``kd_weight`` 0).
         labels: ``[s, b]`` token ids for the CE term; ``ignore_index`` rows give no CE.
         loss_mask: ``[s, b]`` per-token weights (default ones), multiplying both terms.
         config: what to compute (:class:`KDLossConfig`).
@@ -314,8 +304,7 @@ def vocab_parallel_kd_loss(
         tuning = CpuTuning.for_this_machine() if config.cpu_tuning is None else config.cpu_tuning
     tp_rank, tp_world_size = world(tp_group)
     sp = config.sequence_parallel and tp_world_size > 1
-    local_error = check_local(student_hidden, student_weight, teacher_hidden, teacher_weight,
-                              teacher_topk_ids, teacher_topk_logprobs, labels, loss_mask, config,
+    local_error = check_local(student_hidden, student_weight, teacher, labels, loss_mask, config,
                               tp_world_size, sp)
     if (local_error is None and config.gradient_accumulation_fusion
             and student_weight.requires_grad and not hasattr(student_weight, "main_grad")):
@@ -324,16 +313,17 @@ def vocab_parallel_kd_loss(
     # The all-gather of shard sizes; raises on every rank if any rank's input is bad.
     sizes = exchange_sizes(student_weight, student_hidden, local_error, tp_group, tp_world_size)
     shard = shard_of(sizes, tp_group, tp_rank, tp_world_size, config)
-    check_global(teacher_topk_ids, teacher_topk_logprobs, labels, config, shard)
+    check_global(teacher, labels, config, shard)
     if loss_mask is None:
         loss_mask = torch.ones(full_lead(student_hidden, tp_world_size, sp), dtype=torch.float32,
                                device=student_hidden.device)
     tracker = (FiniteTracker(student_hidden.device, compute_dtype(student_hidden))
                if config.check_finite else None)
     function = GpuKDLoss if gpu_path else _FusedKDLoss
-    loss = function.apply(student_hidden, student_weight, teacher_hidden, teacher_weight,
-                           teacher_topk_ids, teacher_topk_logprobs, labels, loss_mask, config,
-                           shard, tuning, active_rows(loss_mask), tracker, terms_out)
+    # the teacher's tensors as the Function's own inputs (hidden, weight, topk_ids, logprobs)
+    loss = function.apply(student_hidden, student_weight, *teacher_tensors(teacher), labels,
+                          loss_mask, config, shard, tuning, active_rows(loss_mask), tracker,
+                          terms_out)
     if tracker is not None:
         tracker.raise_if_bad(config)  # the one host read of the call, after the Function
     num_tokens = loss_mask.sum().to(loss.dtype)

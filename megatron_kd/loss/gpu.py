@@ -35,7 +35,7 @@ from megatron_kd.loss import gpu_kernels as gk
 from megatron_kd.loss.checks import FiniteTracker
 from megatron_kd.loss.combine import ShardMax, ShardSum, gather_sequence, reduce_hidden_grad
 from megatron_kd.loss.config import GpuTuning, KDLossConfig
-from megatron_kd.loss.grads import main_grad_placeholder, scale_precomputed
+from megatron_kd.loss.grads import input_grads, main_grad_placeholder, scale_precomputed
 from megatron_kd.loss.kinds import CETerm
 from megatron_kd.loss.window import Scratch, Shard, Window, make_window
 
@@ -372,22 +372,7 @@ class GpuKDLoss(torch.autograd.Function):
                 lambda g, scale: _scaled_to(g, scale, ctx.weight_dtype, ctx.tuning.kernels))
         else:
             grad_x, grad_w = _recompute_backward(ctx, grad_loss)
-        return (
-            grad_x if ctx.needs_input_grad[0] else None,  # student_hidden
-            grad_w if ctx.needs_input_grad[1] else None,  # student_weight
-            None,  # teacher_hidden (frozen teacher)
-            None,  # teacher_weight (frozen teacher)
-            None,  # topk_ids
-            None,  # topk_logprobs
-            None,  # labels
-            None,  # loss_mask
-            None,  # config
-            None,  # shard
-            None,  # tuning
-            None,  # active
-            None,  # tracker
-            None,  # terms_out
-        )
+        return input_grads(ctx, grad_x, grad_w)
 
 
 def _scaled_to(acc: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,

@@ -1,5 +1,6 @@
 """What the fused loss's two paths share about their gradients: the scaling of gradients
-precomputed in forward, and Megatron's ``main_grad`` convention."""
+precomputed in forward, Megatron's ``main_grad`` convention, and what backward returns for the
+inputs both autograd Functions take."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from typing import Callable
 
 import torch
 
-__all__ = ["main_grad_placeholder", "scale_precomputed"]
+__all__ = ["input_grads", "main_grad_placeholder", "scale_precomputed"]
 
 
 def main_grad_placeholder(weight: torch.Tensor) -> torch.Tensor | None:
@@ -40,3 +41,25 @@ def scale_precomputed(ctx, grad_loss: torch.Tensor,
     elif grad_w is not None:
         grad_w = finish_weight_grad(grad_w, grad_loss)
     return grad_x, grad_w
+
+
+def input_grads(ctx, grad_x: torch.Tensor | None,
+                grad_w: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+    """What the backward of either path's loss Function returns: one entry per forward input
+    (both take the same ones, in this order), a gradient for the student's two only."""
+    return (
+        grad_x if ctx.needs_input_grad[0] else None,  # student_hidden
+        grad_w if ctx.needs_input_grad[1] else None,  # student_weight
+        None,  # teacher_hidden (frozen teacher)
+        None,  # teacher_weight (frozen teacher)
+        None,  # topk_ids
+        None,  # topk_logprobs
+        None,  # labels
+        None,  # loss_mask
+        None,  # config
+        None,  # shard
+        None,  # tuning
+        None,  # active
+        None,  # tracker
+        None,  # terms_out
+    )

@@ -23,15 +23,18 @@ from functools import partial
 import torch
 from megatron.core.rerun_state_machine import get_rerun_state_machine
 
-from megatron_kd.arch import check_sequence_split
+from megatron_kd.arch import Role, check_layout
 from megatron_kd.cache.format import CacheFormatError
 from megatron_kd.cache.reader import TopKCacheReader
-from megatron_kd.integration.args import KDArgs
 from megatron_kd.integration.teacher import check_teacher
 from megatron_kd.megatron_lm.pretrained import use_pretrained_checkpoint
+from megatron_kd.modes.args import KDArgs
+from megatron_kd.parallel import ParallelLayout
+from megatron_kd.parallel.sequence import check_sequence_split
 
 __all__ = ["CONFLICTING_FLAGS", "SPIKY_LOSS_FACTOR", "ConflictingFlag", "LossChecks",
-           "check_megatron_args", "open_topk_cache", "validate_loss"]
+           "check_megatron_args", "megatron_lm_layout", "open_topk_cache", "teacher_attention",
+           "validate_loss"]
 
 SPIKY_LOSS_FACTOR = 10
 """A loss more than this many times the largest seen is spiky (Megatron-LM's
@@ -81,7 +84,7 @@ def check_megatron_args(args: argparse.Namespace):
     """Validate the ``--kd-*`` flags against Megatron-LM's other flags and the teacher
     checkpoint; ``ValueError`` with the offending values. Reads only small files.
 
-    Returns ``(kd, teacher_arch)``: the :class:`~megatron_kd.integration.KDArgs` (with the
+    Returns ``(kd, teacher_arch)``: the :class:`~megatron_kd.modes.args.KDArgs` (with the
     teacher directory resolved) and the teacher's architecture (None without a teacher).
     """
     kd = KDArgs.from_args(args)
@@ -91,9 +94,8 @@ def check_megatron_args(args: argparse.Namespace):
         if value:
             given = conflict.flag if value is True else f"{conflict.flag} {value!r}"
             raise ValueError(f"{given} cannot be combined with --kd-*: {conflict.why}")
-    tp = args.tensor_model_parallel_size or 1
-    cp = args.context_parallel_size or 1
-    _check_sequence_split(args, tp, cp)
+    layout = megatron_lm_layout(args)
+    _check_sequence_split(args, layout)
     if kd.loss.kd_weight > 0:
         _check_whole_sequences(args)
     if args.init_model_with_meta_device:
@@ -106,11 +108,19 @@ def check_megatron_args(args: argparse.Namespace):
     if not kd.teacher_load:
         return kd, None
 
-    # the teacher runs over the student's TP group
-    teacher_dir, arch = check_teacher(
-        kd.teacher_load, seq_length=args.seq_length or 1, tp_sizes=(tp,),
-        teacher_args=kd.teacher_args)
+    teacher_dir, arch = check_teacher(kd.teacher_load, seq_length=args.seq_length or 1,
+                                      teacher_args=kd.teacher_args)
     kd = dataclasses.replace(kd, teacher_load=teacher_dir)
+    # colocated: the whole teacher in the student's groups; served: its output layer over the
+    # student's tensor-parallel ranks
+    role = Role.COLOCATED_TEACHER if kd.mode == "colocated" else Role.TEACHER_OUTPUT_LAYER
+    teacher_layout = layout.colocated() if kd.mode == "colocated" else layout
+    try:
+        check_layout(arch, teacher_layout, role=role,
+                     transformer_engine=getattr(args, "transformer_impl", None)
+                     == "transformer_engine")
+    except ValueError as e:
+        raise ValueError(f"teacher {teacher_dir!r}: {e}") from None
     padded = args.padded_vocab_size
     if padded is not None and padded != arch.padded_vocab_size:
         raise ValueError(
@@ -119,9 +129,6 @@ def check_megatron_args(args: argparse.Namespace):
             f"(true vocabulary {arch.vocab_size}): both output layers must have the same rows; "
             f"use the teacher's tokenizer and a --make-vocab-size-divisible-by that gives "
             f"{arch.padded_vocab_size}")
-    if kd.mode == "colocated":
-        arch.check_context_parallel(cp, role="teacher", colocated=True,
-                                    advice="serve it (--kd-mode disaggregated)")
     return kd, arch
 
 
@@ -150,16 +157,41 @@ def open_topk_cache(kd: KDArgs, args: argparse.Namespace) -> TopKCacheReader | N
     return reader
 
 
-def _check_sequence_split(args: argparse.Namespace, tp: int, cp: int) -> None:
+def megatron_lm_layout(args: argparse.Namespace) -> ParallelLayout:
+    """The student's :class:`~megatron_kd.parallel.ParallelLayout` as Megatron-LM's parsed
+    arguments give it (Megatron-LM has validated them; absent ones, in a tree without the flag,
+    take Megatron-LM's defaults)."""
+    sizes = dict(
+        tp=args.tensor_model_parallel_size or 1,
+        pp=getattr(args, "pipeline_model_parallel_size", None) or 1,
+        vp=getattr(args, "virtual_pipeline_model_parallel_size", None) or 1,
+        cp=args.context_parallel_size or 1,
+        ep=getattr(args, "expert_model_parallel_size", None) or 1,
+        etp=getattr(args, "expert_tensor_parallel_size", None),
+        # Megatron-LM's validate_args turns --sequence-parallel off at TP 1 itself
+        sequence_parallel=bool(getattr(args, "sequence_parallel", False)),
+        cp_comm_type=_one_comm_type(getattr(args, "cp_comm_type", None)))
+    dp = getattr(args, "data_parallel_size", None)  # set by validate_args
+    return ParallelLayout(**sizes, dp=dp) if dp else ParallelLayout.of_model(**sizes)
+
+
+def _one_comm_type(value) -> str:
+    """Megatron-LM's ``--cp-comm-type`` (one value, or one per layer: the first stands for the
+    layout's rules, which a per-layer mix would apply layer by layer)."""
+    if isinstance(value, (list, tuple)):
+        value = value[0] if value else None
+    return value if value in ("p2p", "all_gather", "a2a") else "p2p"
+
+
+def _check_sequence_split(args: argparse.Namespace, layout: ParallelLayout) -> None:
     """Each sequence split over ``2 x cp`` context-parallel chunks and, with sequence
     parallelism, ``tp`` slices of those: refused where the split is not even (the same rule and
     words as ``megatron-kd train``), and the context-parallel splits the teacher is not given
     (Megatron-LM's own ``validate_args`` has asserted ``--seq-length`` divisible by
     ``2 x cp`` already; this names both flags, and sequence parallelism)."""
-    # Megatron-LM's validate_args turns --sequence-parallel off at TP 1 itself
-    sequence_parallel = bool(args.sequence_parallel) and tp > 1
-    check_sequence_split(args.seq_length or 0, tp=tp, cp=cp,
-                         sequence_parallel=sequence_parallel)
+    cp = layout.cp
+    check_sequence_split(args.seq_length or 0, tp=layout.tp, cp=cp,
+                         sequence_parallel=layout.sequence_parallel)
     if cp == 1:
         return
     # both flags exist in both patched trees; getattr: absent elsewhere is not given
@@ -244,3 +276,26 @@ def validate_loss(loss: torch.Tensor, checks: LossChecks) -> None:
             message="Spiky loss",
             tolerance=0.0,  # forward pass calculations are deterministic
             fatal=False)
+
+
+#: Megatron-LM's ``--attention-backend`` (the name of its ``AttnBackend``) -> the core attention
+#: a colocated teacher is built with (:func:`~megatron_kd.integration.gpt.build_gpt_model`'s
+#: ``attention``): the backends that form the ``[s, s]`` scores (``local``: Megatron-Core's
+#: ``DotProductAttention``; ``unfused``: Transformer Engine's) keep the teacher on
+#: ``DotProductAttention`` too; the fused ones and ``auto`` (Megatron-LM's default) give it
+#: ``auto`` (SDPA on a GPU; a dense or MoE teacher takes Transformer Engine's spec where it is
+#: installed, whatever this says).
+_TEACHER_ATTENTION = {"local": "unfused", "unfused": "unfused", "flash": "auto", "fused": "auto",
+                      "auto": "auto"}
+
+
+def teacher_attention(args: argparse.Namespace) -> str:
+    """The colocated teacher's core attention, from Megatron-LM's own ``--attention-backend``
+    (an ``AttnBackend``, or its name; a tree without the flag: ``auto``), as the student's
+    attention is chosen; ``ValueError`` naming a backend this project does not know."""
+    value = getattr(args, "attention_backend", None)  # absent from trees before the flag
+    name = "auto" if value is None else str(getattr(value, "name", value))
+    if name not in _TEACHER_ATTENTION:
+        raise ValueError(f"--attention-backend {name!r}: the teacher's attention is known for "
+                         f"{', '.join(_TEACHER_ATTENTION)}")
+    return _TEACHER_ATTENTION[name]

@@ -7,7 +7,7 @@ model builder takes no provider, :func:`add_kd_hooks` appends :func:`pre_wrap_ho
 config instead of wrapping the provider):
 
 * ``extra_args_provider=with_kd_args(<its own provider>)`` -- the ``--kd-*`` flags
-  (:func:`megatron_kd.integration.args.add_kd_args`, the same flags ``megatron-kd train`` accepts).
+  (:func:`megatron_kd.modes.args.add_kd_args`, the same flags ``megatron-kd train`` accepts).
 * ``partial(model_provider, <its own model provider>)`` -- :func:`model_provider` builds the
   student exactly as Megatron-LM would (by calling Megatron-LM's provider), makes it return its
   final hidden states instead of logits
@@ -86,18 +86,17 @@ import torch
 from megatron.core import parallel_state as ps
 
 from megatron_kd import known_warnings
-from megatron_kd.integration.args import KDArgs, add_kd_args
 from megatron_kd.integration.loss_func import make_kd_loss_func
 from megatron_kd.integration.output_layer import (
     bypass_output_layer,
     output_layer_weight,
     unwrap_model,
 )
-from megatron_kd.integration.teacher_sources import NoTeacher, TeacherSource, build_teacher_source
 from megatron_kd.megatron_lm.checks import (
     LossChecks,
     check_megatron_args,
     open_topk_cache,
+    teacher_attention,
     validate_loss,
 )
 from megatron_kd.megatron_lm.teacher_side import (
@@ -109,6 +108,9 @@ from megatron_kd.megatron_lm.teacher_side import (
     teacher_inputs,
     write_teacher_scalars,
 )
+from megatron_kd.modes.args import KDArgs, add_kd_args
+from megatron_kd.modes.build import build_teacher_source
+from megatron_kd.modes.source import NoTeacher, SourceConfig, StudentPlace, Teacher, TeacherSource
 
 # Megatron-LM imports this module before it builds a model: from here on the known third-party
 # warnings are hidden (megatron_kd/known_warnings.py; PYTHONWARNINGS=default shows them)
@@ -193,7 +195,7 @@ class KDState:
     load-balanced chunks of each sequence."""
 
     source: TeacherSource = field(default_factory=NoTeacher)
-    """The run's teacher (:mod:`megatron_kd.integration.teacher_sources`)."""
+    """The run's teacher (:mod:`megatron_kd.modes`)."""
 
     teacher_arch: Any = None
     """The teacher's architecture (None without a teacher)."""
@@ -331,14 +333,15 @@ def _prepare_teacher(args, kd: KDArgs, teacher_arch, pg_collection) -> None:
     cp_group, tp_cp_group = _cp_groups(pg_collection)
     # Offline: the data iterator gives no sample indices; rows are found by tokens.
     topk_cache = open_topk_cache(kd, args)
-    source = build_teacher_source(
-        kd, teacher_arch, active=last, tp_group=_tp_group(pg_collection), topk_cache=topk_cache,
-        rows_by_tokens=True,
-        dp_rank=ps.get_data_parallel_rank(), dp_size=ps.get_data_parallel_world_size(),
-        micro_batch_size=args.micro_batch_size, seq_length=args.seq_length,
-        pg_collection=pg_collection, own_groups=False, max_samples=1, log=print,
-        sequence_parallel=bool(args.sequence_parallel), cp_group=cp_group,
-        tp_cp_group=tp_cp_group)
+    place = StudentPlace(active=last, dp_rank=ps.get_data_parallel_rank(),
+                         dp_size=ps.get_data_parallel_world_size(),
+                         tp_group=_tp_group(pg_collection), cp_group=cp_group,
+                         tp_cp_group=tp_cp_group, pg_collection=pg_collection)
+    config = SourceConfig(micro_batch_size=args.micro_batch_size, seq_length=args.seq_length,
+                          sequence_parallel=bool(args.sequence_parallel),
+                          attention=teacher_attention(args), max_samples=1, rows_by_tokens=True,
+                          close_groups=False)
+    source = build_teacher_source(kd, teacher_arch, place, config, topk_cache=topk_cache, log=print)
     if last:
         _pending_teacher["source"] = source
 
@@ -436,27 +439,22 @@ def forward_step(base_forward_step: Callable, data_iterator, model, *args: Any, 
     if not recorder.called:
         raise RuntimeError("the wrapped forward step returned without calling the model")
     again = training and run_again(state)
-    teacher = teacher_inputs(state, recorder, training, look, again)
+    inputs = teacher_inputs(state, recorder, training, look, again)
     if training:
         state.microbatches += 1
         if state.microbatches % microbatches_per_step() == 0 and not again:
             write_teacher_scalars(state)
     return output, partial(
         loss_func, recorder.loss_mask, labels=recorder.labels,
-        student_weight=output_layer_weight(model), teacher_hidden=teacher.hidden,
-        teacher_weight=teacher.weight, teacher_topk_ids=teacher.topk_ids,
-        teacher_topk_logprobs=teacher.topk_logprobs,
-        config=state.config if teacher.present or training else
+        student_weight=output_layer_weight(model), teacher=inputs.teacher,
+        config=state.config if inputs.present or training else
         dataclasses.replace(state.config, kd_weight=0.0, ce_weight=1.0),
         tp_group=state.tp_group, report_teacher_lm_loss=not training, checks=state.checks)
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor, *, labels: torch.Tensor,
-              student_weight: torch.Tensor, teacher_hidden: torch.Tensor | None,
-              teacher_weight: torch.Tensor | None, config, tp_group=None,
+              student_weight: torch.Tensor, teacher: Teacher | None, config, tp_group=None,
               report_teacher_lm_loss: bool = False, loss_fn: Callable | None = None,
-              teacher_topk_ids: torch.Tensor | None = None,
-              teacher_topk_logprobs: torch.Tensor | None = None,
               checks: LossChecks | None = None):
     """Megatron-LM's ``loss_func(loss_mask, output_tensor)`` on the fused KD loss.
 
@@ -468,10 +466,11 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor, *, labels: t
             (``[b, s/tp, h_s]``, this TP rank's slice, with ``config.sequence_parallel``).
         labels: ``[b, s]`` next-token ids.
         student_weight: ``[local_vocab_size, h_s]`` the student's output-layer shard.
-        teacher_hidden: ``[s, b, h_t]`` the teacher's final hidden states (None: no teacher;
-            ``[s/tp, b, h_t]`` with ``config.sequence_parallel``).
-        teacher_weight: ``[local_vocab_size, h_t]`` the teacher's output-layer shard.
-        teacher_topk_ids / teacher_topk_logprobs: ``[s, b, K]`` a sparse teacher instead.
+        teacher: the run's source's record for this microbatch (None: no teacher): a
+            :class:`~megatron_kd.loss.DenseTeacher` (``[s, b, h_t]`` final hidden states,
+            ``[s/tp, b, h_t]`` with ``config.sequence_parallel``, and the
+            ``[local_vocab_size, h_t]`` output-layer shard) or a
+            :class:`~megatron_kd.loss.TopKTeacher` (``[s, b, K]`` ids and log-probs).
         config: the :class:`~megatron_kd.loss.KDLossConfig`.
         tp_group: the tensor-parallel group of the vocabulary shards.
         report_teacher_lm_loss: also report the teacher's cross-entropy (evaluation).
@@ -488,11 +487,8 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor, *, labels: t
         ``[sum, num_tokens]`` pairs.
     """
     kw = {} if loss_fn is None else {"loss_fn": loss_fn}
-    inner = make_kd_loss_func(student_weight=student_weight, teacher_hidden=teacher_hidden,
-                              teacher_weight=teacher_weight, teacher_topk_ids=teacher_topk_ids,
-                              teacher_topk_logprobs=teacher_topk_logprobs, labels=labels,
-                              loss_mask=loss_mask,
-                              config=config, tp_group=tp_group,
+    inner = make_kd_loss_func(student_weight=student_weight, teacher=teacher, labels=labels,
+                              loss_mask=loss_mask, config=config, tp_group=tp_group,
                               report_teacher_lm_loss=report_teacher_lm_loss, **kw)
     loss_sum, num_tokens, report = inner(output_tensor)
     if checks is not None:

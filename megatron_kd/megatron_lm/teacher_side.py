@@ -1,6 +1,6 @@
 """The teacher's side of the Megatron-LM entry points (:mod:`megatron_kd.megatron_lm`):
 Megatron-LM's data iterator read ahead, each microbatch as the run's
-:class:`~megatron_kd.integration.teacher_sources.TeacherSource` takes it (the tokens of a last
+:class:`~megatron_kd.modes.source.TeacherSource` takes it (the tokens of a last
 pipeline stage that Megatron-LM calls without them included, cut to this context-parallel
 rank's chunks as ``get_batch`` cuts the rest), and the source's statistics in Megatron-LM's own
 writers.
@@ -17,7 +17,7 @@ from megatron.core import rerun_state_machine as rsm
 from megatron.core.num_microbatches_calculator import get_num_microbatches
 
 from megatron_kd.integration.context_parallel import cp_positions
-from megatron_kd.integration.teacher_sources import Microbatch, TeacherInputs, kd_scalars
+from megatron_kd.modes.source import Microbatch, TeacherInputs
 from megatron_kd.teacher.lookahead import Lookahead
 
 __all__ = ["lookahead", "megatron_lm_args", "microbatches_per_step", "run_again",
@@ -176,8 +176,8 @@ def write_teacher_scalars(state) -> None:
     rank, with that rank's values) into Megatron-LM's own TensorBoard and W&B writers, where
     this rank has them; the same ``kd/`` scalars as ``megatron-kd train``'s."""
     now = time.perf_counter()
-    stats = state.source.step_stats(None)
-    scalars = kd_scalars(stats.scalars, now - state.stats_time)
+    # the source's record, named as it is written (rates over the time since the last write)
+    scalars = state.source.step_stats(None).scalars(now - state.stats_time)
     state.stats_time = now
     if not scalars:
         return

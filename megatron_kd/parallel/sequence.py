@@ -10,12 +10,34 @@ positions of CP rank ``c``, cut in ``tp`` equal slices, slice ``t`` (what a sequ
 loss takes; without sequence parallelism the TP ranks gather their slices).
 
 Pure Python: the trainer, the teacher sources, the attention and a replica take their positions
-from here.
+from here, and every command's check of a sequence's split (:func:`check_sequence_split`, the
+one copy of the rule: ``2 cp`` equal chunks, each cut in ``tp`` slices with sequence
+parallelism).
 """
 
 from __future__ import annotations
 
-__all__ = ["cp_chunk_ranges", "cp_rows", "member_rows", "route_name"]
+__all__ = ["check_sequence_split", "cp_chunk_ranges", "cp_rows", "member_rows", "route_name",
+           "sequence_parts"]
+
+
+def sequence_parts(*, tp: int = 1, cp: int = 1, sequence_parallel: bool = False) -> int:
+    """Equal parts each sequence is cut into: ``2 cp`` context-parallel chunks (with ``cp >
+    1``), each cut in ``tp`` slices with sequence parallelism."""
+    return (2 * cp if cp > 1 else 1) * (tp if sequence_parallel else 1)
+
+
+def check_sequence_split(seq_length: int, *, tp: int = 1, cp: int = 1,
+                         sequence_parallel: bool = False) -> None:
+    """Raise ``ValueError`` (naming the flags and values) when a sequence of ``seq_length``
+    tokens does not cut into :func:`sequence_parts` equal parts, as Megatron cuts it."""
+    split = sequence_parts(tp=tp, cp=cp, sequence_parallel=sequence_parallel)
+    if split > 1 and seq_length % split:
+        parts = (([f"2 x --context-parallel-size {cp}"] if cp > 1 else [])
+                 + ([f"--tensor-model-parallel-size {tp} (--sequence-parallel)"]
+                    if sequence_parallel and tp > 1 else []))
+        raise ValueError(f"--seq-length {seq_length} is not divisible by {' x '.join(parts)} = "
+                         f"{split}: each sequence is split over those ranks")
 
 
 def cp_chunk_ranges(seq_length: int, cp_rank: int, cp_size: int) -> tuple[range, range]:
@@ -23,9 +45,9 @@ def cp_chunk_ranges(seq_length: int, cp_rank: int, cp_size: int) -> tuple[range,
     in the order it holds them."""
     if cp_size < 1 or not 0 <= cp_rank < cp_size:
         raise ValueError(f"context-parallel rank {cp_rank} of {cp_size} does not exist")
-    if seq_length % (2 * cp_size):
-        raise ValueError(f"a sequence of {seq_length} tokens does not split into 2 x "
-                         f"context-parallel size {cp_size} = {2 * cp_size} equal chunks")
+    if cp_size == 1:  # no context parallelism: the one rank holds the whole sequence
+        return range(seq_length), range(seq_length, seq_length)
+    check_sequence_split(seq_length, cp=cp_size)
     chunk = seq_length // (2 * cp_size)
     last = 2 * cp_size - 1 - cp_rank
     return (range(cp_rank * chunk, (cp_rank + 1) * chunk),

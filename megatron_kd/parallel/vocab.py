@@ -12,10 +12,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["VocabShard", "pad_vocab_size", "vocab_shard"]
+__all__ = ["MAKE_VOCAB_SIZE_DIVISIBLE_BY", "VocabShard", "pad_vocab_size", "vocab_shard"]
+
+#: Megatron's ``--make-vocab-size-divisible-by`` default: the vocabulary is padded to a multiple
+#: of this times the tensor-parallel size (``megatron-kd train``'s flag and the planner take it
+#: from here).
+MAKE_VOCAB_SIZE_DIVISIBLE_BY = 128
 
 
-def pad_vocab_size(vocab_size: int, tp_size: int = 1, multiple: int = 128) -> int:
+def pad_vocab_size(vocab_size: int, tp_size: int = 1,
+                   multiple: int = MAKE_VOCAB_SIZE_DIVISIBLE_BY) -> int:
     """Smallest multiple of ``multiple * tp_size`` that is ``>= vocab_size`` (Megatron's rule)."""
     if vocab_size < 1 or tp_size < 1 or multiple < 1:
         raise ValueError(f"pad_vocab_size needs positive sizes, got vocab_size={vocab_size}, "

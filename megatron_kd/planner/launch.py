@@ -21,6 +21,7 @@ import os
 import shlex
 from dataclasses import dataclass
 
+from megatron_kd.arch import Role
 from megatron_kd.arch.megatron_lm_args import megatron_lm_flags
 from megatron_kd.planner.memory import GpuLoss, ParallelLayout
 from megatron_kd.planner.plan import Mode, ModePlan, PlanOptions
@@ -95,7 +96,11 @@ def launch(opts: PlanOptions, plan: ModePlan) -> Launch | None:
             f"examples/slurm/teacher.sbatch",
         ]
     elif plan.mode is Mode.OFFLINE_CACHE:
-        teacher_command = _cache_command(opts, teacher)
+        teacher_command, fits = _cache_command(opts, teacher)
+        if not fits:
+            sbatch.append(f"# cache build: no copy of {opts.teacher.name} without a pipeline "
+                          f"fits a node's GPUs (the build runs none); the command below is the "
+                          f"layout of least memory")
         sbatch += [
             f"printf '%s\\n' {shell_join(teacher_command[3:])} > cache.args  # + the run's "
             f"data flags",
@@ -117,7 +122,8 @@ def student_flags(opts: PlanOptions, plan: ModePlan, teacher: str = "$TEACHER_CK
                   ) -> tuple[str, ...]:
     """The student run's flags of ``plan`` (see the module docstring)."""
     layout = plan.layout
-    flags = [*_layout_flags(opts, layout, _expert_parallel(opts, plan)),
+    flags = [*_layout_flags(layout, experts=_has_experts(opts, plan),
+                            num_layers=opts.student.num_layers),
              "--micro-batch-size", str(opts.micro_batch_size),
              "--global-batch-size", str(opts.global_batch_size),
              "--seq-length", str(opts.seq_length), "--bf16"]
@@ -141,22 +147,24 @@ def student_flags(opts: PlanOptions, plan: ModePlan, teacher: str = "$TEACHER_CK
     return tuple(flags)
 
 
-def _layout_flags(opts: PlanOptions, layout: ParallelLayout, experts: tuple[int, int]
-                  ) -> list[str]:
+def _layout_flags(layout: ParallelLayout, *, experts: bool, num_layers: int) -> list[str]:
+    """The layout's flags (Megatron-LM's spelling) for a model of ``num_layers`` layers;
+    ``experts``: a model of the groups has experts (their sizes are given, the expert-tensor
+    size always: Megatron's default is the tensor-parallel size, the plan's is its own)."""
     flags = ["--tensor-model-parallel-size", str(layout.tp),
              "--pipeline-model-parallel-size", str(layout.pp)]
     if layout.vp > 1:
         flags += ["--num-layers-per-virtual-pipeline-stage",
-                  str(_layers_per_virtual_stage(opts, layout))]
-    if layout.sequence_parallel and layout.tp > 1:
+                  str(num_layers // (layout.pp * layout.vp))]
+    if layout.sequence_parallel:
         flags.append("--sequence-parallel")
     if layout.cp > 1:
         flags += ["--context-parallel-size", str(layout.cp)]
-    ep, etp = experts
-    if ep > 1:
-        # always with its expert-tensor size: Megatron's default is the TP size, the plan's 1
-        flags += ["--expert-model-parallel-size", str(ep), "--expert-tensor-parallel-size",
-                  str(etp)]
+        if layout.cp_comm_type != "p2p":
+            flags += ["--cp-comm-type", layout.cp_comm_type]
+    if experts:
+        flags += ["--expert-model-parallel-size", str(layout.ep), "--expert-tensor-parallel-size",
+                  str(layout.expert_tp)]
     if layout.recompute == "selective":
         flags += ["--recompute-granularity", "selective"]
     elif layout.recompute == "full":
@@ -168,17 +176,10 @@ def _layout_flags(opts: PlanOptions, layout: ParallelLayout, experts: tuple[int,
     return flags
 
 
-def _layers_per_virtual_stage(opts: PlanOptions, layout: ParallelLayout) -> int:
-    return opts.student.num_layers // (layout.pp * layout.vp)
-
-
-def _expert_parallel(opts: PlanOptions, plan: ModePlan) -> tuple[int, int]:
-    """``(--expert-model-parallel-size, --expert-tensor-parallel-size)``: the student's; for a
-    dense student beside a colocated mixture-of-experts teacher, the teacher's (it runs in the
-    student's expert groups)."""
-    if opts.student.is_moe or not plan.mode.colocated or plan.teacher_layout is None:
-        return plan.layout.ep, plan.layout.etp
-    return plan.teacher_layout.ep, plan.teacher_layout.etp
+def _has_experts(opts: PlanOptions, plan: ModePlan) -> bool:
+    """Whether a model of the student's groups has experts: the student, or a colocated
+    teacher (it runs in the student's expert groups)."""
+    return opts.student.is_moe or (plan.mode.colocated and opts.teacher.is_moe)
 
 
 def _ranks(layout: ParallelLayout) -> int:
@@ -203,30 +204,25 @@ def teacher_job_shape(replicas: int, ranks: int, gpus_per_node: int) -> tuple[in
 
 def _serve_command(opts: PlanOptions, layout: ParallelLayout, teacher: str) -> tuple[str, ...]:
     flags = ["megatron-kd", "teacher", "serve", "--kd-teacher-load", teacher,
-             "--tensor-model-parallel-size", str(layout.tp),
-             "--pipeline-model-parallel-size", str(layout.pp)]
-    if layout.ep > 1:
-        flags += ["--expert-model-parallel-size", str(layout.ep),
-                  "--expert-tensor-parallel-size", str(layout.etp)]
-    flags += ["--max-seq-length", str(opts.seq_length), "--kd-teacher-dtype", "bf16"]
+             *_layout_flags(layout, experts=opts.teacher.is_moe,
+                            num_layers=opts.teacher.num_layers),
+             "--max-seq-length", str(opts.seq_length), "--kd-teacher-dtype", "bf16"]
     return tuple(flags)
 
 
-def _cache_command(opts: PlanOptions, teacher: str) -> tuple[str, ...]:
-    """``cache build`` on replicas of the layout a served replica would have (the build runs
-    no pipeline: a replica needing one is spread over a node's tensor-parallel ranks)."""
-    layout, _, _ = search_teacher(opts)
-    tp = layout.tp if layout.pp == 1 else opts.gpus_per_node
+def _cache_command(opts: PlanOptions, teacher: str) -> tuple[tuple[str, ...], bool]:
+    """``cache build`` with the smallest copy of the teacher without a pipeline (the build runs
+    none) that fits, and whether one fits."""
+    layout, _, fits = search_teacher(opts, Role.CACHE_TEACHER)
     flags = ["megatron-kd", "cache", "build", "--kd-teacher-load", teacher,
-             "--tensor-model-parallel-size", str(tp)]
-    if layout.ep > 1 and layout.pp == 1:
-        flags += ["--expert-model-parallel-size", str(layout.ep),
-                  "--expert-tensor-parallel-size", str(layout.etp)]
-    flags += ["--kd-topk", str(opts.topk), "--seq-length", str(opts.seq_length),
-              "--micro-batch-size", str(opts.micro_batch_size),
-              "--global-batch-size", str(opts.global_batch_size),
-              "--kd-teacher-dtype", "bf16", "--out", "$KD_CACHE_DIR"]
-    return tuple(flags)
+             *_without(_layout_flags(layout, experts=opts.teacher.is_moe,
+                                     num_layers=opts.teacher.num_layers),
+                       {"--pipeline-model-parallel-size"}),  # the build runs no pipeline
+             "--kd-topk", str(opts.topk), "--seq-length", str(opts.seq_length),
+             "--micro-batch-size", str(opts.micro_batch_size),
+             "--global-batch-size", str(opts.global_batch_size),
+             "--kd-teacher-dtype", "bf16", "--out", "$KD_CACHE_DIR"]
+    return tuple(flags), fits
 
 
 def _megatron_lm_line(opts: PlanOptions, plan: ModePlan, endpoint: str) -> str:
@@ -240,10 +236,11 @@ def _megatron_lm_line(opts: PlanOptions, plan: ModePlan, endpoint: str) -> str:
     layout = plan.layout
     env = [f"TP={layout.tp}", f"PP={layout.pp}", f"CP={layout.cp}"]
     if layout.vp > 1:
-        env.append(f"VP_LAYERS={_layers_per_virtual_stage(opts, layout)}")
+        env.append(f"VP_LAYERS={opts.student.num_layers // (layout.pp * layout.vp)}")
     env += [f"SEQ_LENGTH={opts.seq_length}", f"MICRO_BATCH={opts.micro_batch_size}",
             f"GLOBAL_BATCH={opts.global_batch_size}"]
-    extra = _without(_layout_flags(opts, layout, _expert_parallel(opts, plan)),
+    extra = _without(_layout_flags(layout, experts=_has_experts(opts, plan),
+                                   num_layers=opts.student.num_layers),
                      {"--tensor-model-parallel-size", "--pipeline-model-parallel-size",
                       "--context-parallel-size", "--num-layers-per-virtual-pipeline-stage",
                       "--sequence-parallel"})

@@ -137,9 +137,8 @@ sharded over the data-parallel x context-parallel group ``dp_cp``).
 * refused: Gated DeltaNet layers (Megatron-Core 0.16.1's ``ssm/gated_delta_net.py`` has no context
   parallelism: its import of ``GatedDeltaNetContextParallel`` is commented out), a sequence that
   does not split in ``2 cp`` chunks (``s/cp`` a multiple of ``t`` with sequence parallelism), and
-  the comm types Transformer Engine does not run for the model. The first two are the rules every
-  command checks, written once in :mod:`megatron_kd.arch`
-  (``GPTArchConfig.check_context_parallel``, ``check_sequence_split``).
+  the comm types Transformer Engine does not run for the model: rules of
+  :func:`megatron_kd.arch.check_layout`, which every command and the search check.
 
 Pipeline (same paper, section 4.2.3): which layers a rank holds and how many micro-batches of
 them it keeps, for 1F1B and for the interleaved schedule with ``v`` virtual stages per rank, are
@@ -201,9 +200,25 @@ from dataclasses import dataclass, field
 from enum import Enum
 from functools import lru_cache
 
-from megatron_kd.arch import check_sequence_split
+from megatron_kd.parallel.layout import (
+    CP_COMM_TYPES,
+    RECOMPUTE_CHOICES,
+    RECOMPUTE_METHODS,
+    ParallelLayout,
+)
+from megatron_kd.parallel.windows import (
+    DEFAULT_GPU_WINDOW_BYTES,
+    DEFAULT_WEIGHT_GRAD,
+    WEIGHT_GRADS,
+    cpu_window_rows,
+    gpu_window_rows,
+)
 from megatron_kd.planner import schedule
 from megatron_kd.planner.models import PlannedModel
+
+__all__ = ["CP_COMM_TYPES", "DEFAULT_GPU_WINDOW_BYTES", "GIB", "RECOMPUTE_CHOICES",
+           "RECOMPUTE_METHODS", "WEIGHT_GRADS", "ActivationOptions", "GpuLoss", "ParallelLayout",
+           "Precision", "Term"]
 
 #: Bytes in a GiB: the unit of the reports.
 GIB = 1 << 30
@@ -264,135 +279,6 @@ def total_bytes(terms: Mapping[Term, float]) -> float:
     return steady + max(sum(terms.get(t, 0.0) for t in phase) for phase in PHASES)
 
 
-RECOMPUTE_CHOICES = ("none", "selective", "full")
-#: ``--cp-comm-type`` of context parallelism (Megatron-Core's ``cp_comm_type``; ``a2a+p2p`` is not
-#: modelled).
-CP_COMM_TYPES = ("p2p", "all_gather", "a2a")
-#: ``--recompute-method`` of full recompute (Megatron-Core's ``recompute_method``).
-RECOMPUTE_METHODS = ("uniform", "block")
-
-
-@dataclass(kw_only=True, frozen=True)
-class ParallelLayout:
-    """How one model is split over GPUs."""
-
-    tp: int = 1
-    """Tensor-parallel size ``t``."""
-
-    pp: int = 1
-    """Pipeline-parallel size ``p``."""
-
-    vp: int = 1
-    """Virtual pipeline stages (model chunks) per pipeline rank ``v``: Megatron-Core's interleaved
-    1F1B schedule when > 1 (``--num-virtual-stages-per-pipeline-rank``)."""
-
-    dp: int = 1
-    """Data-parallel size (replicas of the model)."""
-
-    cp: int = 1
-    """Context-parallel size: each sequence is split over ``cp`` ranks (Megatron's load-balanced
-    ``2 cp`` chunks), each holding ``s/cp`` of its tokens."""
-
-    cp_comm_type: str = "p2p"
-    """How attention exchanges keys and values over the context-parallel ranks (``p2p``,
-    ``all_gather`` or ``a2a``; Megatron-Core's ``cp_comm_type``, ``p2p`` by default). Read only
-    when ``cp > 1``."""
-
-    ep: int = 1
-    """Expert-parallel size ``e`` (MoE only)."""
-
-    etp: int = 1
-    """Expert-tensor-parallel size ``et`` (MoE only)."""
-
-    sequence_parallel: bool = False
-    """Megatron sequence parallelism (shards the R terms over ``t``)."""
-
-    use_distributed_optimizer: bool = False
-    """Shard the fp32 optimizer state over data-parallel ranks."""
-
-    recompute: str = "none"
-    """Activation recompute: ``none``, ``selective`` (core attention) or ``full`` (whole layers, as
-    :attr:`recompute_method` and :attr:`recompute_num_layers` say)."""
-
-    recompute_method: str = "uniform"
-    """Full recompute only: ``uniform`` (every layer, in checkpointed groups of
-    :attr:`recompute_num_layers`) or ``block`` (the first :attr:`recompute_num_layers` layers of
-    each model chunk)."""
-
-    recompute_num_layers: int = 1
-    """Full recompute only: ``--recompute-num-layers``."""
-
-    make_vocab_size_divisible_by: int = 128
-    """Megatron pads the vocabulary to a multiple of this times ``t`` (``megatron-kd train``'s
-    default too: ``tests/unit/test_planner_copies.py`` compares them)."""
-
-    def __post_init__(self) -> None:
-        for name in ("tp", "pp", "vp", "dp", "cp", "ep", "etp", "recompute_num_layers",
-                     "make_vocab_size_divisible_by"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"ParallelLayout.{name} must be a positive int, got {value!r}")
-        if self.recompute not in RECOMPUTE_CHOICES:
-            raise ValueError(f"recompute={self.recompute!r}; choose from {RECOMPUTE_CHOICES}")
-        if self.cp_comm_type not in CP_COMM_TYPES:
-            raise ValueError(f"cp_comm_type={self.cp_comm_type!r}; choose from {CP_COMM_TYPES}")
-        if self.recompute_method not in RECOMPUTE_METHODS:
-            raise ValueError(
-                f"recompute_method={self.recompute_method!r}; choose from {RECOMPUTE_METHODS}"
-            )
-        if self.recompute != "full" and (self.recompute_method, self.recompute_num_layers) != (
-                "uniform", 1):
-            raise ValueError(
-                f"recompute_method={self.recompute_method!r}, recompute_num_layers="
-                f"{self.recompute_num_layers} apply to full recompute only (recompute="
-                f"{self.recompute!r})"
-            )
-        if self.vp > 1 and self.pp == 1:
-            raise ValueError(f"vp={self.vp} needs pp > 1 (interleaving splits pipeline stages)")
-        if (self.tp * self.cp * self.dp) % (self.ep * self.etp):
-            raise ValueError(
-                f"ep*etp={self.ep}*{self.etp} must divide tp*cp*dp={self.tp}*{self.cp}*{self.dp} "
-                f"(Megatron's expert grid folds expert parallelism into tensor x context x data "
-                f"parallelism)"
-            )
-
-    @property
-    def recompute_label(self) -> str:
-        """The recompute setting as reports print it: ``none``, ``selective``, ``full uniform x1``,
-        ``full block x8``."""
-        if self.recompute != "full":
-            return self.recompute
-        return f"full {self.recompute_method} x{self.recompute_num_layers}"
-
-    @property
-    def model_parallel_size(self) -> int:
-        return self.tp * self.pp
-
-    @property
-    def world_size(self) -> int:
-        return self.tp * self.pp * self.cp * self.dp
-
-    @property
-    def expert_data_parallel_size(self) -> int:
-        return self.tp * self.cp * self.dp // (self.ep * self.etp)
-
-    @property
-    def optimizer_shards(self) -> int:
-        """Ranks the distributed optimizer shards dense parameters over: Megatron-Core's data-
-        parallel group with context parallelism (``dp_cp``)."""
-        return self.dp * self.cp
-
-    def local_tokens(self, seq_length: int, micro_batch_size: int) -> float:
-        """Tokens of one micro-batch on one rank: ``s*b/cp``."""
-        return seq_length * micro_batch_size / self.cp
-
-    def padded_vocab(self, vocab_size: int) -> int:
-        """Megatron's padded vocabulary: a multiple of ``make_vocab_size_divisible_by * tp`` (as
-        ``megatron_kd.parallel.vocab.pad_vocab_size`` pads it)."""
-        multiple = self.make_vocab_size_divisible_by * self.tp
-        return -(-vocab_size // multiple) * multiple
-
-
 @dataclass(kw_only=True, frozen=True)
 class Precision:
     """Bytes per element of the model state (activations: :class:`ActivationOptions`)."""
@@ -421,92 +307,6 @@ def default_cp_comm_type(model: PlannedModel) -> str:
     return "a2a" if model.attention_sinks or model.sliding_window else "p2p"
 
 
-def _validate_context_parallel(model: PlannedModel, layout: ParallelLayout, role: str) -> None:
-    """``ValueError`` when Megatron-Core with Transformer Engine cannot split ``model``'s
-    sequence over ``layout.cp`` ranks with ``layout.cp_comm_type``."""
-    cp, comm = layout.cp, layout.cp_comm_type
-    try:
-        model.check_context_parallel(cp, role)
-    except ValueError as e:
-        raise ValueError(f"{role} {model.name}: {e}") from None
-    if comm != "a2a" and (model.attention_sinks or model.sliding_window):
-        raise ValueError(
-            f"{role} {model.name}: cp={cp} with cp_comm_type={comm!r}: Transformer Engine runs "
-            f"attention sinks and sliding windows with context parallelism only as 'a2a'"
-        )
-    if comm == "a2a":
-        heads = model.num_attention_heads // layout.tp
-        groups = max(1, model.num_query_groups // layout.tp)
-        if heads % cp or groups % cp:
-            raise ValueError(
-                f"{role} {model.name}: cp_comm_type='a2a' scatters heads over cp={cp} ranks: the "
-                f"{heads} heads and {groups} key/value groups per tensor-parallel rank must divide "
-                f"by it"
-            )
-
-
-def validate_sequence_split(layout: ParallelLayout, seq_length: int) -> None:
-    """``ValueError`` when a sequence of ``seq_length`` tokens does not split as Megatron splits
-    it (:func:`megatron_kd.arch.check_sequence_split`: ``2 cp`` equal chunks, each rank's
-    ``s/cp`` tokens divisible by ``t`` with sequence parallelism)."""
-    check_sequence_split(seq_length, tp=layout.tp, cp=layout.cp,
-                         sequence_parallel=layout.sequence_parallel)
-
-
-def validate_layout(model: PlannedModel, layout: ParallelLayout, role: str) -> None:
-    """Raise ``ValueError`` when ``layout`` cannot hold ``model`` the way Megatron would."""
-    if layout.pp > model.num_layers:
-        raise ValueError(f"{role} {model.name}: pp={layout.pp} > num_layers={model.num_layers}")
-    if layout.cp > 1:
-        _validate_context_parallel(model, layout, role)
-    if layout.vp > 1 and model.num_layers % (layout.pp * layout.vp):
-        raise ValueError(
-            f"{role} {model.name}: num_layers={model.num_layers} is not a multiple of pp*vp="
-            f"{layout.pp}*{layout.vp} (Megatron-Core gives every virtual stage the same number of "
-            f"layers)"
-        )
-    if layout.recompute == "full" and layout.recompute_method == "uniform":
-        sizes = sorted({len(c) for st in range(layout.pp)
-                        for c in schedule.chunk_layers(model.num_layers, layout.pp, layout.vp, st)})
-        if any(k % layout.recompute_num_layers for k in sizes):
-            raise ValueError(
-                f"{role} {model.name}: uniform recompute in groups of recompute_num_layers="
-                f"{layout.recompute_num_layers} needs it to divide the layers of every model chunk "
-                f"({', '.join(map(str, sizes))}); Megatron-Core's last group would index past the "
-                f"chunk"
-            )
-    if model.num_query_groups % layout.tp and layout.tp % model.num_query_groups:
-        raise ValueError(
-            f"{role} {model.name}: tp={layout.tp} and num_query_groups={model.num_query_groups} "
-            f"must divide one another"
-        )
-    if model.num_attention_heads % layout.tp:
-        raise ValueError(
-            f"{role} {model.name}: tp={layout.tp} does not divide num_attention_heads="
-            f"{model.num_attention_heads}"
-        )
-    if model.is_moe:
-        if model.num_experts % layout.ep:
-            raise ValueError(
-                f"{role} {model.name}: ep={layout.ep} does not divide num_experts="
-                f"{model.num_experts}"
-            )
-        if model.moe_ffn_hidden_size % layout.etp:
-            raise ValueError(
-                f"{role} {model.name}: etp={layout.etp} does not divide "
-                f"moe_ffn_hidden_size={model.moe_ffn_hidden_size}"
-            )
-        if layout.tp > 1 and not layout.sequence_parallel:
-            raise ValueError(
-                f"{role} {model.name}: MoE with tp={layout.tp} needs sequence_parallel "
-                f"(Megatron refuses it otherwise)"
-            )
-    elif layout.ep != 1 or layout.etp != 1:
-        raise ValueError(
-            f"{role} {model.name} is dense: ep={layout.ep}, etp={layout.etp} must be 1"
-        )
-
-
 # --- parameters per rank ---------------------------------------------------------------------
 
 
@@ -526,7 +326,7 @@ def rank_params(model: PlannedModel, layout: ParallelLayout, stage: int) -> tupl
         else:
             sharded += model.mlp_params(model.ffn_hidden_size)
         dense += sharded // t + 2 * h  # two norms, replicated
-    vocab = layout.padded_vocab(model.vocab_size)
+    vocab = model.padded_vocab(layout.tp)
     if stage == 0:
         dense += vocab * h // t
     if stage == layout.pp - 1:
@@ -535,7 +335,7 @@ def rank_params(model: PlannedModel, layout: ParallelLayout, stage: int) -> tupl
             dense += vocab * h // t
     expert = 0
     if model.is_moe:
-        per_layer = (model.num_experts // layout.ep) * model.expert_params() // layout.etp
+        per_layer = (model.num_experts // layout.ep) * model.expert_params() // layout.expert_tp
         expert = len(layers) * per_layer
     return dense, expert
 
@@ -676,7 +476,7 @@ def _mlp_terms(
     r = 2 * h + 2 * h + 8 * e + norm
     # routed copies: k per token, a rank computes et/t of the tokens (with SP) at width f/et;
     # expressed per token before the final division by t: k * et * (4h + glu*f/et)
-    s = model.moe_router_topk * layout.etp * (4 * h + glu * f / layout.etp)
+    s = model.moe_router_topk * layout.expert_tp * (4 * h + glu * f / layout.expert_tp)
     s += glu * model.moe_shared_expert_ffn_hidden_size
     return r, s
 
@@ -875,8 +675,8 @@ def teacher_forward_working_bytes(
     if model.is_moe:
         mlp = (
             model.moe_router_topk
-            * layout.etp
-            * (4 * h + 6 * model.moe_ffn_hidden_size / layout.etp)
+            * layout.expert_tp
+            * (4 * h + 6 * model.moe_ffn_hidden_size / layout.expert_tp)
         )
         mlp += 6 * model.moe_shared_expert_ffn_hidden_size
     else:
@@ -893,43 +693,6 @@ def teacher_forward_working_bytes(
     return n * (4 * h / r_div + max(mixer, mlp) / t) * activation_bytes / 2 + attention
 
 
-#: The fused loss's default window: rows such that one ``[rows, local_vocab]`` fp32 buffer holds at
-#: most 2^24 elements (64 MiB), as ``megatron_kd.loss.KDLossConfig.rows_per_window`` chooses. A
-#: copy of ``megatron_kd.loss.config.DEFAULT_WINDOW_ELEMENTS`` (the planner imports nothing of the
-#: package), compared with it by ``tests/unit/test_planner_copies.py``.
-DEFAULT_WINDOW_ELEMENTS = 1 << 24
-
-
-#: The GPU path's defaults and choices: copies of ``megatron_kd.loss.config``'s
-#: ``GpuTuning.window_bytes``, ``ROW_TILE`` and ``WEIGHT_GRADS``, compared with them by
-#: ``tests/unit/test_planner_copies.py``.
-DEFAULT_GPU_WINDOW_BYTES = 1 << 30
-GPU_ROW_TILE = 128
-WEIGHT_GRADS = ("fp32_gemm", "fp32_add", "input_dtype")
-
-
-def gpu_window_rows(local_vocab_size: int, models: int, itemsize: int, window_size: int | None,
-                    n_rows: int, window_bytes: int = DEFAULT_GPU_WINDOW_BYTES) -> int:
-    """The GPU path's rows per window for a call of ``n_rows`` tokens (a copy of
-    ``megatron_kd.loss.config.GpuTuning.rows_per_window``): at most ``window_bytes`` of
-    ``models`` logit rows, at most ``window_size``, balanced, in whole tiles where that fits."""
-    cap = max(1, window_bytes // max(1, models * local_vocab_size * itemsize))
-    if window_size is not None:
-        cap = min(cap, window_size)
-    if n_rows <= cap:
-        return max(1, n_rows)
-    windows = -(-n_rows // cap)
-    rows = -(-n_rows // windows)
-    if rows > GPU_ROW_TILE:
-        rows = min(cap, -(-rows // GPU_ROW_TILE) * GPU_ROW_TILE)
-    return rows
-
-
-def default_window_rows(local_vocab_size: int) -> int:
-    """The fused loss's rows per window when ``--kd-window-size`` is not given."""
-    return max(1, DEFAULT_WINDOW_ELEMENTS // max(1, local_vocab_size))
-
-
 def window_rows(student: PlannedModel, layout: ParallelLayout, window_size: int | None,
                 gpu: GpuLoss | None = None, n_rows: int | None = None, models: int = 2,
                 activation_bytes: int = 2) -> int:
@@ -939,14 +702,12 @@ def window_rows(student: PlannedModel, layout: ParallelLayout, window_size: int 
     if gpu is not None:
         if n_rows is None:
             raise ValueError("the GPU path's windows need the call's rows (n_rows)")
-        v = layout.padded_vocab(student.vocab_size) // layout.tp
+        v = student.padded_vocab(layout.tp) // layout.tp
         return gpu_window_rows(v, models, activation_bytes, window_size, n_rows,
                                gpu.window_bytes)
-    if window_size is None:
-        return default_window_rows(layout.padded_vocab(student.vocab_size) // layout.tp)
-    if window_size <= 0:
+    if window_size is not None and window_size <= 0:
         raise ValueError(f"window_size must be > 0 or None, got {window_size}")
-    return window_size
+    return cpu_window_rows(student.padded_vocab(layout.tp) // layout.tp, window_size)
 
 
 def output_layer_activation_bytes(
@@ -976,8 +737,8 @@ def dense_loss_bytes(
     """Dense KD loss: bf16 logits + fp32 copy + fp32 softmax, student and teacher: ``10`` bytes per
     local logit each (the rank's ``s*b/cp`` rows)."""
     n = layout.local_tokens(seq_length, micro_batch_size)
-    v_s = layout.padded_vocab(student.vocab_size) // layout.tp
-    v_t = layout.padded_vocab(teacher.vocab_size) // layout.tp
+    v_s = student.padded_vocab(layout.tp) // layout.tp
+    v_t = teacher.padded_vocab(layout.tp) // layout.tp
     return n * (10 * v_s + 10 * v_t)
 
 
@@ -987,7 +748,7 @@ class GpuLoss:
     ``--kd-loss-weight-grad``)."""
 
     window_bytes: int = DEFAULT_GPU_WINDOW_BYTES
-    weight_grad: str = "fp32_gemm"
+    weight_grad: str = DEFAULT_WEIGHT_GRAD
 
     def __post_init__(self) -> None:
         if not isinstance(self.window_bytes, int) or isinstance(self.window_bytes, bool) \
@@ -1051,7 +812,7 @@ def fused_loss_bytes(
         return _gpu_fused_loss_bytes(student, layout, n, window_size, dense_teacher,
                                      teacher_hidden_size, activation_bytes, gpu)
     w = min(window_rows(student, layout, window_size), n)
-    v = layout.padded_vocab(student.vocab_size) // layout.tp
+    v = student.padded_vocab(layout.tp) // layout.tp
     h = student.hidden_size
     if block_elements is not None and block_elements <= 0:
         raise ValueError(f"block_elements must be > 0 or None, got {block_elements}")
@@ -1092,7 +853,7 @@ def _gpu_fused_loss_bytes(student: PlannedModel, layout: ParallelLayout, n: int,
       backward and the window's seven, ``32n`` as a bound.
     """
     models = 2 if dense_teacher else 1
-    v = layout.padded_vocab(student.vocab_size) // layout.tp
+    v = student.padded_vocab(layout.tp) // layout.tp
     h = student.hidden_size
     w = window_rows(student, layout, window_size, gpu, n, models, activation_bytes)
     hidden = n * h * (activation_bytes if layout.tp == 1 else 4)
@@ -1171,4 +932,4 @@ def teacher_output_layer_bytes(
     teacher: PlannedModel, layout: ParallelLayout, param_bytes: int = 2
 ) -> int:
     """The frozen teacher output-layer shard a student TP rank holds: ``V_t/t * h_t``."""
-    return layout.padded_vocab(teacher.vocab_size) // layout.tp * teacher.hidden_size * param_bytes
+    return teacher.padded_vocab(layout.tp) // layout.tp * teacher.hidden_size * param_bytes

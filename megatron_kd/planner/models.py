@@ -39,10 +39,13 @@ LayerNorm biases and learned absolute position embeddings (Megatron-LM's default
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 from megatron_kd.arch import GPTArchConfig
+from megatron_kd.parallel.vocab import MAKE_VOCAB_SIZE_DIVISIBLE_BY, pad_vocab_size
 
 __all__ = ["PlannedModel"]
 
@@ -68,6 +71,11 @@ class PlannedModel:
     source: str = ""
     """Where the numbers come from, and every assumption made when they were incomplete."""
 
+    vocab_multiple: int = MAKE_VOCAB_SIZE_DIVISIBLE_BY
+    """A layout pads the vocabulary to a multiple of this times its tensor-parallel size, as
+    Megatron does (``--make-vocab-size-divisible-by``; 1 keeps ``arch.vocab_size``, for a model
+    whose vocabulary is already the padded one)."""
+
     _key: str = field(init=False, repr=False, compare=False)
     """The architecture as canonical JSON: the hash of a model (the memory terms are cached
     per model; ``arch`` is not changed once planned)."""
@@ -80,7 +88,7 @@ class PlannedModel:
             raise ValueError(f"PlannedModel {self.name!r}: arch must be a GPTArchConfig, "
                              f"got {type(self.arch).__name__}")
         object.__setattr__(self, "_key", json.dumps(self.arch.to_dict(), sort_keys=True))
-        object.__setattr__(self, "_hash", hash((self.name, self._key)))
+        object.__setattr__(self, "_hash", hash((self.name, self._key, self.vocab_multiple)))
 
     def __hash__(self) -> int:
         return self._hash
@@ -311,13 +319,15 @@ class PlannedModel:
             n += self.embedding_params()
         return n
 
-    def check_context_parallel(self, cp: int, role: str) -> None:
-        """The architecture's own context-parallel rule (:meth:`GPTArchConfig.
-        check_context_parallel`), for the planner's ``role`` (``"student"``, ``"teacher"``,
-        ``"colocated teacher"``)."""
-        colocated = role.startswith("colocated ")
-        self.arch.check_context_parallel(cp, role=role.removeprefix("colocated "),
-                                         colocated=colocated)
+    def padded_vocab(self, tp: int) -> int:
+        """The vocabulary as a layout of tensor-parallel size ``tp`` pads it
+        (:func:`megatron_kd.parallel.vocab.pad_vocab_size`)."""
+        return pad_vocab_size(self.vocab_size, tp, self.vocab_multiple)
+
+    def arch_at(self, tp: int) -> GPTArchConfig:
+        """The architecture as a run at tensor-parallel size ``tp`` builds it (the vocabulary
+        padded for it): what :func:`megatron_kd.arch.check_layout` checks."""
+        return _arch_at(self, tp)
 
     def to_dict(self) -> dict:
         """The name, every architecture field, the parameter counts and where they come from."""
@@ -326,3 +336,8 @@ class PlannedModel:
                 "published_total_params": self.published_total_params,
                 "published_active_params": self.published_active_params,
                 "source": self.source}
+
+
+@lru_cache(maxsize=1024)
+def _arch_at(model: PlannedModel, tp: int) -> GPTArchConfig:
+    return dataclasses.replace(model.arch, padded_vocab_size=model.padded_vocab(tp))

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from megatron_kd.arch import context_parallel_limit
 from megatron_kd.planner import memory as mem
 from megatron_kd.planner import schedule
 from megatron_kd.planner.memory import GIB, ParallelLayout
@@ -104,9 +105,9 @@ def levers(opts: PlanOptions, plan: ModePlan,
         if given:
             lines.append(f"{name}: {current}, as given")
             continue
-        if name == "context parallelism" and opts.student.arch.context_parallel_limit:
-            lines.append(f"{name}: cp=1, the student cannot split: "
-                         f"{opts.student.arch.context_parallel_limit}")
+        limit = context_parallel_limit(opts.student.arch)
+        if name == "context parallelism" and limit:
+            lines.append(f"{name}: cp=1, the student cannot split: {limit}")
             continue
         alternatives = [(label, alt) for label, alt, changes in evaluated
                         if any(f in changes for f in fields)]
@@ -188,10 +189,7 @@ def _evaluated(opts: PlanOptions, plan: ModePlan) -> list[tuple[str, ModePlan, d
             if layout in seen:
                 continue
             seen.add(layout)
-            if layout.cp != plan.layout.cp:
-                mem.validate_layout(opts.student, layout, "student")
-                mem.validate_sequence_split(layout, opts.seq_length)
-            alternative = evaluate(opts, plan.mode, layout, teacher_search)
+            alternative = evaluate(opts, plan.mode, layout, teacher_search)  # checks it
         except ValueError:
             continue  # Megatron-Core would refuse it: not an option
         out.append((label, alternative, changes))

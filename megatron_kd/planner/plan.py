@@ -21,6 +21,7 @@ from enum import Enum
 from types import MappingProxyType
 
 from megatron_kd.flags import WIRE_DTYPES, KDSharedFlags, default_of
+from megatron_kd.parallel.windows import DEFAULT_WEIGHT_GRAD
 from megatron_kd.planner.memory import (
     CP_COMM_TYPES,
     DEFAULT_GPU_WINDOW_BYTES,
@@ -162,12 +163,12 @@ class PlanOptions:
     """The fused loss's path the run takes: ``gpu`` (what CUDA inputs take: windows of
     :attr:`loss_window_bytes` of input-dtype logits, the :attr:`loss_weight_grad`
     accumulator) or ``cpu`` (cache-sized fp32 windows: the CPU runs
-    ``megatron_kd.training.plan_adapter`` plans, which validate the planner)."""
+    ``megatron_kd.commands.plan_adapter`` plans, which validate the planner)."""
 
     loss_window_bytes: int = DEFAULT_GPU_WINDOW_BYTES
     """The GPU path's bound on one window's logits (``--kd-loss-window-mib``, 1 GiB)."""
 
-    loss_weight_grad: str = "fp32_gemm"
+    loss_weight_grad: str = DEFAULT_WEIGHT_GRAD
     """The GPU path's output-layer accumulator (``--kd-loss-weight-grad``): ``fp32_gemm``,
     ``fp32_add`` or ``input_dtype``."""
 

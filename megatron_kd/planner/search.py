@@ -38,11 +38,12 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
-from megatron_kd.arch import sequence_parts
+from megatron_kd.arch import Role, check_layout
 from megatron_kd.planner import memory as mem
 from megatron_kd.planner import schedule
 from megatron_kd.planner import traffic as tr
 from megatron_kd.planner.memory import GIB, RECOMPUTE_METHODS, ParallelLayout, Term
+from megatron_kd.planner.models import PlannedModel
 from megatron_kd.planner.plan import Mode, ModePlan, PlanOptions
 from megatron_kd.planner.traffic import Traffic
 
@@ -61,7 +62,8 @@ _CACHE_NOTE = (
 
 def plan_mode(opts: PlanOptions, mode: Mode) -> ModePlan:
     """Search (or take) the student layout of ``mode``; see the module docstring for the order."""
-    candidates = sorted(student_candidates(opts), key=lambda layout: _search_key(opts, layout))
+    candidates = sorted(student_candidates(opts, mode),
+                        key=lambda layout: _search_key(opts, layout))
     teacher_search = search_teacher(opts) if mode is Mode.DISAGGREGATED else None
     best_oom: ModePlan | None = None
     for layout in candidates:
@@ -118,28 +120,22 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def student_candidates(opts: PlanOptions) -> list[ParallelLayout]:
-    """Every valid student layout on ``opts.world_size`` GPUs; ``ValueError`` (with the first
-    reasons) when there is none."""
+def student_candidates(opts: PlanOptions, mode: Mode | None = None) -> list[ParallelLayout]:
+    """Every student layout on ``opts.world_size`` GPUs that :func:`check_student` accepts (in
+    ``mode``: a colocated teacher runs in the student's groups and is checked with it);
+    ``ValueError`` (with the first reasons) when there is none."""
     model = opts.student
     world = opts.world_size
     tps = [opts.tp] if opts.tp else _divisors(opts.gpus_per_node)
     reasons: list[str] = []  # why candidates were dropped, for the error when none is left
     out = []
-    comm = opts.cp_comm_type or mem.default_cp_comm_type(model)
     for t in tps:
-        pps = (
-            [opts.pp]
-            if opts.pp
-            else [
-                p for p in _divisors(world // t if world % t == 0 else 1) if p <= model.num_layers
-            ]
-        )
+        pps = [opts.pp] if opts.pp else _divisors(world // t if world % t == 0 else 1)
         for p in pps:
             if world % (t * p):
                 reasons.append(f"tp*pp={t}*{p} does not divide {world} GPUs")
                 continue
-            for c in _context_parallel_sizes(opts, world // (t * p)):
+            for c in [opts.cp] if opts.cp is not None else _divisors(world // (t * p)):
                 if world % (t * p * c):
                     reasons.append(f"tp*pp*cp={t}*{p}*{c} does not divide {world} GPUs")
                     continue
@@ -150,7 +146,7 @@ def student_candidates(opts: PlanOptions) -> list[ParallelLayout]:
                         f"micro_batch_size*dp={opts.micro_batch_size}*{dp}"
                     )
                     continue
-                out += _split_candidates(opts, t, p, c, dp, comm, reasons)
+                out += _split_candidates(opts, mode, t, p, c, dp, reasons)
     if not out:
         distinct = list(dict.fromkeys(reasons))
         raise ValueError(
@@ -162,40 +158,41 @@ def student_candidates(opts: PlanOptions) -> list[ParallelLayout]:
     return out
 
 
-def _context_parallel_sizes(opts: PlanOptions, ranks: int) -> list[int]:
-    """Context-parallel sizes to try on ``ranks`` GPUs per tensor x pipeline group: as given,
-    else 1 and (models Megatron-Core splits over context-parallel ranks: no Gated DeltaNet
-    layers) every divisor whose ``2 cp`` chunks divide the sequence."""
-    if opts.cp is not None:
-        return [opts.cp]
-    if opts.student.linear_attention_layers:
+def _in_groups(opts: PlanOptions, mode: Mode | None) -> list[PlannedModel]:
+    """The models built in the student's groups: the student, and a colocated teacher."""
+    return [opts.student] + ([opts.teacher] if mode is not None and mode.colocated else [])
+
+
+def _expert_sizes(opts: PlanOptions, mode: Mode | None) -> list[int]:
+    """Expert-parallel sizes of the student's groups to try: as given (the student's, or for a
+    dense student beside a colocated mixture-of-experts teacher the teacher's), else every
+    divisor of the expert counts of the models built in the groups (one expert grid holds them
+    all)."""
+    counts = [m.num_experts for m in _in_groups(opts, mode) if m.is_moe]
+    if not counts:
         return [1]
-    return [c for c in _divisors(ranks) if opts.seq_length % sequence_parts(cp=c) == 0]
+    if opts.student.is_moe and opts.ep:
+        return [opts.ep]
+    if not opts.student.is_moe and opts.teacher_ep:
+        return [opts.teacher_ep]
+    return _divisors(math.gcd(*counts))
 
 
-def _split_candidates(
-    opts: PlanOptions, t: int, p: int, c: int, dp: int, comm: str, reasons: list[str]
-) -> list[ParallelLayout]:
+def _split_candidates(opts: PlanOptions, mode: Mode | None, t: int, p: int, c: int, dp: int,
+                      reasons: list[str]) -> list[ParallelLayout]:
     """Every valid layout of one tensor x pipeline x context x data split: its virtual stages,
     expert-parallel sizes and recompute settings."""
-    model = opts.student
     sp = (t > 1) if opts.sequence_parallel is None else opts.sequence_parallel
-    if model.is_moe:
-        eps = (
-            [opts.ep]
-            if opts.ep
-            else [e for e in _divisors(model.num_experts)
-                  if (t * c * dp) % (e * opts.etp) == 0]
-        )
-    else:
-        eps = [1]
+    comm = opts.cp_comm_type or mem.default_cp_comm_type(opts.student)
     m = opts.global_batch_size // (opts.micro_batch_size * dp)
     dist_opt = opts.use_distributed_optimizer
     if dist_opt is None:
         dist_opt = dp > 1
+    # the expert-tensor size where a model of the groups has experts, else Megatron's default
+    etp = opts.etp if any(m.is_moe for m in _in_groups(opts, mode)) else None
     out = []
-    for v in _virtual_stages(opts, p, m, reasons):
-        for e in eps:
+    for v in _virtual_stages(opts, p, reasons):
+        for e in _expert_sizes(opts, mode):
             for rc, method, n in _recomputes(opts, p, v):
                 try:
                     layout = ParallelLayout(
@@ -206,16 +203,14 @@ def _split_candidates(
                         cp=c,
                         cp_comm_type=comm,
                         ep=e,
-                        etp=opts.etp if model.is_moe else 1,
+                        etp=etp,
                         sequence_parallel=sp,
                         use_distributed_optimizer=dist_opt,
                         recompute=rc,
                         recompute_method=method,
                         recompute_num_layers=n,
                     )
-                    mem.validate_layout(model, layout, "student")
-                    mem.validate_sequence_split(layout, opts.seq_length)
-                    schedule.check_microbatches(p, v, m)
+                    check_student(opts, layout, mode, m)
                 except ValueError as exc:
                     reasons.append(str(exc))
                     continue
@@ -223,10 +218,40 @@ def _split_candidates(
     return out
 
 
-def _virtual_stages(opts: PlanOptions, p: int, m: int, reasons: list[str]) -> list[int]:
-    """The virtual stages per rank to try with ``p`` stages and ``m`` micro-batches: as given
-    (``vp``, or ``layers_per_virtual_stage``), else 1 and every ``v > 1`` whose virtual stages hold
-    the same whole number of layers, where Megatron-Core's interleaved schedule takes ``m``."""
+def check_student(opts: PlanOptions, layout: ParallelLayout, mode: Mode | None = None,
+                  microbatches: int | None = None) -> None:
+    """``megatron-kd train``'s check of a student layout (:func:`megatron_kd.arch.check_layout`
+    with the student's role, a colocated teacher of a colocated mode checked with it), on the
+    GPUs the planner plans for (Transformer Engine's attention); ``ValueError`` naming the
+    model."""
+    colocated = mode is Mode.COLOCATED_FUSED
+    m = microbatches or num_microbatches(opts, layout)
+    try:
+        check_layout(opts.student.arch_at(layout.tp), layout, role=Role.STUDENT,
+                     seq_length=opts.seq_length, num_microbatches=m,
+                     colocated_teacher=opts.teacher.arch_at(layout.tp) if colocated else None,
+                     transformer_engine=True)
+    except ValueError as e:
+        raise ValueError(f"student {opts.student.name}: {e}") from None
+
+
+def check_teacher_layout(opts: PlanOptions, model: PlannedModel, layout: ParallelLayout,
+                         role: Role) -> None:
+    """:func:`megatron_kd.arch.check_layout` of a teacher layout in ``role`` (a replica, a cache
+    build, or the incumbent dense loss's pipelined teacher), naming the model."""
+    seq_length = opts.seq_length if role is Role.CACHE_TEACHER else None
+    try:
+        check_layout(model.arch_at(layout.tp), layout, role=role, seq_length=seq_length,
+                     transformer_engine=True)
+    except ValueError as e:
+        raise ValueError(f"{role.value} {model.name}: {e}") from None
+
+
+def _virtual_stages(opts: PlanOptions, p: int, reasons: list[str]) -> list[int]:
+    """The virtual stages per rank to try with ``p`` stages: as given (``vp``, or
+    ``layers_per_virtual_stage``), else 1 and every ``v > 1`` whose virtual stages hold the same
+    whole number of layers (:func:`check_student` refuses what Megatron-Core's interleaved
+    schedule cannot take)."""
     layers = opts.student.num_layers
     if opts.layers_per_virtual_stage is not None:
         per = opts.layers_per_virtual_stage
@@ -242,7 +267,7 @@ def _virtual_stages(opts: PlanOptions, p: int, m: int, reasons: list[str]) -> li
         return [opts.vp]
     if p == 1 or layers % p:
         return [1]
-    return [v for v in _divisors(layers // p) if v == 1 or (m >= p and m % p == 0)]
+    return _divisors(layers // p)
 
 
 def _recomputes(opts: PlanOptions, p: int, v: int) -> list[tuple[str, str, int]]:
@@ -251,90 +276,64 @@ def _recomputes(opts: PlanOptions, p: int, v: int) -> list[tuple[str, str, int]]
     if opts.recompute in ("none", "selective"):
         return [(opts.recompute, "uniform", 1)]
     out = [] if opts.recompute == "full" else [("none", "uniform", 1), ("selective", "uniform", 1)]
-    try:
-        sizes = {len(c) for st in range(p)
-                 for c in schedule.chunk_layers(opts.student.num_layers, p, v, st)}
-    except ValueError:
-        return out or [("full", opts.recompute_method or "uniform", 1)]  # refused later, with why
+    chunk = max(1, opts.student.num_layers // (p * v))  # a model chunk's layers
     methods = [opts.recompute_method] if opts.recompute_method else list(RECOMPUTE_METHODS)
     for method in methods:
         if opts.recompute_num_layers is not None:
             counts = [opts.recompute_num_layers]
         elif method == "uniform":
-            counts = _divisors(math.gcd(*sizes))
-        else:  # block with N >= every chunk's layers is uniform x1
-            counts = list(range(1, max(sizes)))
+            counts = _divisors(chunk)
+        else:  # block with N >= a chunk's layers is uniform x1
+            counts = list(range(1, chunk))
         out += [("full", method, n) for n in counts]
     return out
 
 
-def colocated_teacher_layout(
-    opts: PlanOptions, layout: ParallelLayout, mode: Mode
-) -> ParallelLayout | None:
-    """The teacher on the student's ranks: same t, cp, dp, SP, its own expert-parallel size;
-    pipelined like the student with the dense loss (ModelOpt), whole on the last stage with the
-    fused loss (``megatron-kd train``)."""
-    teacher = opts.teacher
-    if teacher.is_moe:
-        eps = (
-            [opts.teacher_ep]
-            if opts.teacher_ep
-            else sorted(
-                (e for e in _divisors(teacher.num_experts)
-                 if (layout.tp * layout.cp * layout.dp) % e == 0),
-                reverse=True,
-            )
-        )
-    else:
-        eps = [1]
-    for e in eps:
-        try:
-            tl = ParallelLayout(
-                tp=layout.tp,
-                pp=layout.pp if mode is Mode.COLOCATED_DENSE else 1,
-                dp=layout.dp,
-                cp=layout.cp,
-                cp_comm_type=opts.cp_comm_type or mem.default_cp_comm_type(teacher),
-                ep=e,
-                etp=1,
-                sequence_parallel=layout.sequence_parallel,
-                make_vocab_size_divisible_by=layout.make_vocab_size_divisible_by,
-            )
-            mem.validate_layout(teacher, tl, "colocated teacher")
-            return tl
-        except ValueError:
-            continue
-    return None
+def colocated_teacher_layout(layout: ParallelLayout, mode: Mode) -> ParallelLayout:
+    """The teacher on the student's ranks, in the student's groups (its tensor, context, data
+    and expert split, its sequence parallelism): whole on the last stage with the fused loss
+    (``megatron-kd train``, :meth:`ParallelLayout.colocated`), pipelined like the student with
+    the incumbent dense loss (ModelOpt)."""
+    teacher = layout.colocated()
+    return replace(teacher, pp=layout.pp) if mode is Mode.COLOCATED_DENSE else teacher
 
 
-def teacher_candidates(opts: PlanOptions) -> list[ParallelLayout]:
-    """Every valid disaggregated teacher replica layout (``dp`` only as wide as its experts need);
-    ``ValueError`` when there is none."""
+def teacher_candidates(opts: PlanOptions, role: Role = Role.TEACHER_REPLICA
+                       ) -> list[ParallelLayout]:
+    """Every teacher layout ``teacher serve`` accepts for a replica (``role``
+    :attr:`~Role.TEACHER_REPLICA`: one model's ``tp x pp`` ranks, its experts inside its
+    tensor-parallel group), or ``cache build`` for one copy of its teacher
+    (:attr:`~Role.CACHE_TEACHER`: no pipeline); ``ValueError`` when there is none."""
     teacher = opts.teacher
     tps = [opts.teacher_tp] if opts.teacher_tp else _divisors(opts.gpus_per_node)
-    pps = [opts.teacher_pp] if opts.teacher_pp else list(range(1, min(teacher.num_layers, 16) + 1))
+    if role is Role.CACHE_TEACHER:
+        pps = [1]
+    else:
+        pps = [opts.teacher_pp] if opts.teacher_pp else list(
+            range(1, min(teacher.num_layers, 16) + 1))
     eps = (
         ([opts.teacher_ep] if opts.teacher_ep else _divisors(teacher.num_experts))
         if teacher.is_moe
         else [1]
     )
-    out = []
+    out, reasons = [], []
     for t in tps:
         for p in pps:
             for e in eps:
-                dp = max(1, e // t) if e % t == 0 or t % e == 0 else None
-                if dp is None or (t * dp) % e:
-                    continue
                 try:
-                    tl = ParallelLayout(tp=t, pp=p, dp=dp, ep=e, etp=1, sequence_parallel=t > 1)
-                    mem.validate_layout(teacher, tl, "teacher")
-                except ValueError:
+                    tl = ParallelLayout(tp=t, pp=p, ep=e, etp=1 if teacher.is_moe else None,
+                                        sequence_parallel=t > 1)
+                    check_teacher_layout(opts, teacher, tl, role)
+                except ValueError as exc:
+                    reasons.append(str(exc))
                     continue
                 out.append(tl)
     if not out:
+        distinct = list(dict.fromkeys(reasons))
         raise ValueError(
-            f"no valid teacher layout for {teacher.name} (teacher_tp={opts.teacher_tp}, "
-            f"teacher_pp={opts.teacher_pp}, teacher_ep={opts.teacher_ep})"
+            f"no valid {role.value} layout for {teacher.name} (teacher_tp={opts.teacher_tp}, "
+            f"teacher_pp={opts.teacher_pp}, teacher_ep={opts.teacher_ep}): "
+            + "; ".join(distinct[:3]) + (" ..." if len(distinct) > 3 else "")
         )
     return out
 
@@ -530,10 +529,13 @@ def teacher_inference_terms(
     return terms
 
 
-def search_teacher(opts: PlanOptions) -> TeacherSearch:
-    """Smallest disaggregated teacher replica that fits: (layout, worst-stage terms, fits)."""
+def search_teacher(opts: PlanOptions, role: Role = Role.TEACHER_REPLICA) -> TeacherSearch:
+    """Smallest teacher layout that fits: a disaggregated replica (``role``
+    :attr:`~Role.TEACHER_REPLICA`), or one copy of the teacher of ``cache build``
+    (:attr:`~Role.CACHE_TEACHER`, no pipeline: it holds the whole model on each of its ``tp``
+    ranks' shares); ``(layout, worst-stage terms, fits)``."""
     scored = []
-    for tl in teacher_candidates(opts):
+    for tl in teacher_candidates(opts, role):
         worst = max(
             (teacher_inference_terms(opts, tl, st) for st in range(tl.pp)),
             key=mem.total_bytes,
@@ -572,9 +574,12 @@ def evaluate(
 ) -> ModePlan:
     """The plan of ``mode`` for a given student layout (teacher layouts searched as configured;
     ``teacher_search`` is :func:`search_teacher`'s answer, when already known)."""
+    check_student(opts, layout, mode)
     teacher_layout = None
     if mode.colocated:
-        teacher_layout = _colocated_teacher_or_raise(opts, layout, mode)
+        teacher_layout = colocated_teacher_layout(layout, mode)
+        if mode is Mode.COLOCATED_DENSE:  # ModelOpt's pipelined teacher: its split alone
+            check_teacher_layout(opts, opts.teacher, teacher_layout, Role.FROZEN)
     plan = _student_plan(opts, mode, layout, teacher_layout)
     if mode is Mode.OFFLINE_CACHE:
         wire = {**_cache_traffic(opts, layout, plan.step_time_s), **_tp_traffic(opts, layout),
@@ -587,19 +592,6 @@ def evaluate(
         plan = _with_disaggregated_teacher(plan, opts, layout,
                                            teacher_search or search_teacher(opts))
     return plan
-
-
-def _colocated_teacher_or_raise(
-    opts: PlanOptions, layout: ParallelLayout, mode: Mode
-) -> ParallelLayout:
-    """The colocated teacher's layout on the student's ranks; ``ValueError`` when there is none."""
-    teacher_layout = colocated_teacher_layout(opts, layout, mode)
-    if teacher_layout is None:
-        raise ValueError(
-            f"teacher {opts.teacher.name} cannot be colocated on tp={layout.tp} "
-            f"dp={layout.dp} (teacher_ep={opts.teacher_ep})"
-        )
-    return teacher_layout
 
 
 def _student_plan(

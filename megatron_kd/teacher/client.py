@@ -33,9 +33,10 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from megatron_kd.arch import check_sequence_split
 from megatron_kd.collectives import all_gather_into
+from megatron_kd.parallel.sequence import check_sequence_split
 from megatron_kd.teacher.choice import ReplicaChooser
+from megatron_kd.teacher.config import ClientConfig, ClientPlace
 from megatron_kd.teacher.endpoint import Endpoint, ReplicaRecord
 from megatron_kd.teacher.protocol import (
     ConnectionMeta,
@@ -66,53 +67,44 @@ from megatron_kd.teacher.wire import (
 
 __all__ = ["TeacherClient"]
 
+
 class TeacherClient:
     """One student rank's view of the teacher service (see the module docstring).
 
     Args:
         endpoint: where replicas register.
         expected: the teacher identity this run needs (checked against each replica's).
-        run: this run's id (the same on every rank of the run).
-        dp_rank: the student data-parallel rank of this TP group.
-        member_group / member / members: the student ranks one connection answers, its members
-            (the TP group; with context parallelism the TP x CP group, member ``c * tp + t``),
-            this rank's place in them and their number (``member_group`` None when 1 rank).
-        micro_batch_size / seq_length / hidden_size: the shapes of a response.
-        dtype: the teacher hidden states' dtype for the loss (the output-layer shard's).
-        wire_dtype: ``fp32``, ``bf16`` or ``fp8``.
-        depth: requests in flight (``--kd-prefetch-depth``).
-        timeout_s: how long a replica may be silent (``--kd-teacher-timeout``).
+        config: what the connection is (shapes, dtypes, depth, timeout, rebalancing, the
+            student's sequence split).
+        place: this rank's run, data-parallel rank and place among the connection's ranks.
         device: this rank's compute device.
-        schedule: TP rank 0 only: the run's microbatches in training order, as
+        schedule: member 0 only: the run's microbatches in training order, as
             ``(step, microbatch, sample_ids, tokens [b, s])`` (a look-ahead reads it ahead).
         log: where failover events go (one JSON line each), or None.
-        sequence_parallel: hand each TP rank its own chunk of the sequence (what a
-            sequence-parallel loss takes) instead of all-gathering the whole sequence.
-        cp_size / gather_group: context parallelism: each CP rank receives its load-balanced
-            positions; without sequence parallelism the TP ranks of one CP rank all-gather
-            over ``gather_group`` (without context parallelism: ``member_group``).
     """
 
-    def __init__(self, *, endpoint: Endpoint, expected: dict, run: int, dp_rank: int, member_group,
-                 member: int, members: int, micro_batch_size: int, seq_length: int,
-                 hidden_size: int, dtype: torch.dtype, wire_dtype: str, depth: int,
-                 timeout_s: float, device: torch.device,
-                 schedule: Iterator | None = None, max_samples: int = 64,
-                 log: Callable[[str], None] | None = None, rebalance_every: int = 8,
-                 sequence_parallel: bool = False, cp_size: int = 1,
-                 gather_group=None) -> None:
+    def __init__(self, *, endpoint: Endpoint, expected: dict, config: ClientConfig,
+                 place: ClientPlace, device: torch.device, schedule: Iterator | None = None,
+                 log: Callable[[str], None] | None = None) -> None:
+        if place.members % config.cp_size:
+            raise ValueError(f"teacher client: {place.members} members are not a multiple of "
+                             f"cp_size {config.cp_size}")
+        seq_length, members, cp_size = config.seq_length, place.members, config.cp_size
         # the answer is cut for the connection's TP x CP members as sequence parallelism cuts
         # a sequence (each member receives its slice)
         check_sequence_split(seq_length, tp=members // cp_size, cp=cp_size,
                              sequence_parallel=True)
-        self.endpoint, self.expected, self.run, self.dp_rank = endpoint, expected, run, dp_rank
-        self.member_group, self.member, self.members = member_group, member, members
-        self.sequence_parallel, self.cp_size = sequence_parallel, cp_size
-        self.gather_group = member_group if gather_group is None and cp_size == 1 else gather_group
-        self.shape = (seq_length // members, micro_batch_size, hidden_size)
-        self.seq_length, self.dtype, self.wire_dtype = seq_length, dtype, wire_dtype
-        self.depth, self.timeout_s = depth, timeout_s
-        self.device, self.max_samples = torch.device(device), max_samples
+        self.config, self.place = config, place
+        self.endpoint, self.expected = endpoint, expected
+        self.run, self.dp_rank = place.run, place.dp_rank
+        self.member_group, self.member, self.members = place.member_group, place.member, members
+        self.sequence_parallel, self.cp_size = config.sequence_parallel, cp_size
+        self.gather_group = place.member_group if place.gather_group is None and cp_size == 1 \
+            else place.gather_group
+        self.shape = (seq_length // members, config.micro_batch_size, config.hidden_size)
+        self.seq_length, self.dtype, self.wire_dtype = seq_length, config.dtype, config.wire_dtype
+        self.depth, self.timeout_s = config.depth, config.timeout_s
+        self.device, self.max_samples = torch.device(device), config.max_samples
         self.schedule = schedule
         self.log = log
         self.outstanding: collections.deque[Outstanding] = collections.deque()
@@ -129,9 +121,9 @@ class TeacherClient:
         self.replica: ReplicaRecord | None = None
         self._links: list[Link] = []
         self._draining: list[Link] = []  # links of a connection left by a rebalance
-        self.rebalance_every = rebalance_every
-        self._chooser = ReplicaChooser(endpoint=endpoint, expected=expected, dp_rank=dp_rank,
-                                       timeout_s=timeout_s, meta=self._meta)
+        self.rebalance_every = config.rebalance_every
+        self._chooser = ReplicaChooser(endpoint=endpoint, expected=expected, dp_rank=self.dp_rank,
+                                       timeout_s=self.timeout_s, meta=self._meta)
         self._link_stores: dict[str, object] = {}  # replica id -> its store's client (links)
         self.tried = self._chooser.tried  # for messages
         self._slots: dict[int, Slot] = {}  # by request % depth
@@ -160,7 +152,7 @@ class TeacherClient:
         record_json, conn = choice[0]
         record = ReplicaRecord.from_json(record_json)
         self.replica, self.conn = record, conn
-        device = link_device(self.device.type, record.layout.get("device", "cpu"))
+        device = link_device(self.device.type, record.layout.device)
         if record.replica not in self._link_stores:  # one per replica (see .choice: DNS)
             self._link_stores[record.replica] = replica_store(record, self.timeout_s)
         store = self._link_stores[record.replica]

@@ -22,14 +22,89 @@ import datetime
 import json
 import os
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
-__all__ = ["DirectoryEndpoint", "Endpoint", "RegistryEndpoint", "ReplicaRecord",
-           "parse_endpoint"]
+__all__ = ["DirectoryEndpoint", "Endpoint", "RegistryEndpoint", "ReplicaLayout",
+           "ReplicaRecord", "parse_endpoint"]
 
 _HOST_PORT = re.compile(r"^(?P<host>[A-Za-z0-9_.\-\[\]:]+):(?P<port>\d{1,5})$")
+
+
+#: The layout fields a record may leave out (a replica started without them, as the tests' are).
+_OPTIONAL_LAYOUT = ("world_size", "tp", "pp", "cp", "ep", "pid", "started")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReplicaLayout:
+    """A replica's layout as its endpoint record carries it (the record's ``layout`` object:
+    the JSON keys are the field names, those of :data:`_OPTIONAL_LAYOUT` only when known).
+    ``megatron-kd teacher serve`` gives every field; the service fills in the device."""
+
+    last_stage_ranks: tuple[int, ...] = ()
+    """The replica's ranks on its last pipeline stage, in TP order (they send the answers)."""
+
+    device: str = "cpu"
+    """The replica's device type (``cpu``, ``cuda``): where a student's link to it lives
+    (:func:`~megatron_kd.teacher.protocol.link_device`)."""
+
+    world_size: int | None = None
+    """Ranks of the replica's own world (its TP x PP x CP)."""
+
+    tp: int | None = None
+    """Its tensor-parallel size."""
+
+    pp: int | None = None
+    """Its pipeline-parallel size."""
+
+    cp: int | None = None
+    """Its context-parallel size."""
+
+    ep: int | None = None
+    """Its expert-parallel size."""
+
+    pid: int | None = None
+    """Rank 0's process id (to find the process on its host)."""
+
+    started: float | None = None
+    """When it started (seconds since the epoch)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.device, str) or not self.device:
+            raise ValueError(f"replica layout: device must be a device type such as 'cpu' or "
+                             f"'cuda', got {self.device!r}")
+        ranks = self.last_stage_ranks
+        if not isinstance(ranks, tuple) or not all(
+                isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in ranks):
+            raise ValueError(f"replica layout: last_stage_ranks must be a tuple of ranks >= 0, "
+                             f"got {ranks!r}")
+        for name in ("world_size", "tp", "pp", "cp", "ep", "pid"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or value < 1):
+                raise ValueError(f"replica layout: {name} must be an integer >= 1, got "
+                                 f"{value!r}")
+        if self.started is not None and (isinstance(self.started, bool) or not isinstance(
+                self.started, (int, float)) or self.started < 0):
+            raise ValueError(f"replica layout: started must be seconds >= 0, got "
+                             f"{self.started!r}")
+
+    def to_dict(self) -> dict:
+        """The record's ``layout`` object (what replicas and students of every version read)."""
+        out = {name: getattr(self, name) for name in _OPTIONAL_LAYOUT
+               if getattr(self, name) is not None}
+        return {**out, "last_stage_ranks": list(self.last_stage_ranks), "device": self.device}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> ReplicaLayout:
+        """A record's ``layout`` object, of any version (keys it does not know are left out;
+        a record without a device is a CPU replica's, as before the device was recorded)."""
+        if not isinstance(d, dict):
+            raise ValueError(f"a replica layout is a JSON object, got {d!r}")
+        known = {name: d[name] for name in _OPTIONAL_LAYOUT if d.get(name) is not None}
+        return cls(last_stage_ranks=tuple(d.get("last_stage_ranks") or ()),
+                   device=d.get("device", "cpu"), **known)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -43,11 +118,13 @@ class ReplicaRecord:
     """Address of the replica's rendezvous ``TCPStore``."""
     identity: dict = field(default_factory=dict)
     """What it serves (checked by students at connect)."""
-    layout: dict = field(default_factory=dict)
-    """Its world size, TP, PP, last-stage ranks."""
+    layout: ReplicaLayout = field(default_factory=ReplicaLayout)
+    """Its layout: last-stage ranks, device, world size, TP, PP, CP, EP, pid, start time."""
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), sort_keys=True)
+        return json.dumps({"replica": self.replica, "host": self.host, "port": self.port,
+                           "identity": self.identity, "layout": self.layout.to_dict()},
+                          sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str | bytes) -> "ReplicaRecord":
@@ -55,7 +132,8 @@ class ReplicaRecord:
         if not isinstance(d, dict):
             raise ValueError("a replica record is a JSON object")
         return cls(replica=str(d["replica"]), host=str(d["host"]), port=int(d["port"]),
-                   identity=dict(d.get("identity") or {}), layout=dict(d.get("layout") or {}))
+                   identity=dict(d.get("identity") or {}),
+                   layout=ReplicaLayout.from_dict(d.get("layout") or {}))
 
     def __str__(self) -> str:
         return f"replica {self.replica} ({self.host}:{self.port})"

@@ -25,6 +25,7 @@ one on exit.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import datetime
 import functools
 import json
@@ -41,7 +42,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_kd.parallel.sequence import member_rows, route_name
-from megatron_kd.teacher.endpoint import Endpoint, ReplicaRecord
+from megatron_kd.teacher.config import ServiceConfig
+from megatron_kd.teacher.endpoint import Endpoint, ReplicaLayout, ReplicaRecord
 from megatron_kd.teacher.protocol import (
     ACCEPTED,
     CLOSED_COUNTER_KEY,
@@ -251,58 +253,59 @@ class TeacherService:
     """One replica's serving loop (collective over its world: every rank calls :meth:`serve`).
 
     Args:
-        last_stage_ranks: the replica's ranks on its last pipeline stage, in TP order.
         identity: what the replica serves (checked by students at connect).
         endpoint: where to register.
-        host: the address students reach rank 0 at; port: its store's port (0: any free one).
         forward: ``forward(tokens [B, s] int64) -> hidden [s, B, h]`` on the last stage, None
             elsewhere; called on every rank with the same batch.
         device: this rank's device (``cuda`` or ``cpu``).
-        max_batch: samples batched into one forward at most (a student's microbatch too).
-        max_seq_length: the longest sequence a connection may announce.
-        max_samples: sample ids a header can carry (at least ``max_batch``).
-        group: the replica's world (None: the default group); ``last_stage_ranks`` and "rank 0"
-            are ranks of it.
+        config: its address and limits (:class:`ServiceConfig`).
+        layout: its layout as its endpoint record carries it; ``last_stage_ranks`` (ranks of
+            ``group``, in TP order) name the ranks that send the answers (the record's device is
+            ``device``'s).
+        log: where rank 0's JSON log lines go, or None.
+        group: the replica's world (None: the default group); ``layout.last_stage_ranks`` and
+            "rank 0" are ranks of it.
     """
 
-    def __init__(self, *, last_stage_ranks: list[int], identity: dict, endpoint: Endpoint,
-                 host: str, port: int, forward: Callable, device: torch.device,
-                 timeout_s: float, max_batch: int, max_seq_length: int, max_samples: int = 64,
-                 layout: dict | None = None, log: Callable[[str], None] | None = None,
-                 stats_interval_s: float = 10.0, group=None) -> None:
-        self.group = group
+    def __init__(self, *, identity: dict, endpoint: Endpoint, forward: Callable,
+                 device: torch.device, config: ServiceConfig, layout: ReplicaLayout,
+                 log: Callable[[str], None] | None = None, group=None) -> None:
+        if not layout.last_stage_ranks:
+            raise ValueError("teacher service: the layout names no last-stage ranks (the ranks "
+                             "that send the answers)")
+        self.group, self.config = group, config
         self.rank = dist.get_rank(group)
         self._src = 0 if group is None else dist.get_global_rank(group, 0)  # rank 0's, globally
-        self.last_stage_ranks = list(last_stage_ranks)
+        self.last_stage_ranks = list(layout.last_stage_ranks)
         self.identity, self.endpoint, self.forward = identity, endpoint, forward
         self.device = torch.device(device)
-        self.timeout_s, self.max_samples = timeout_s, max_samples
+        self.timeout_s, self.max_samples = config.timeout_s, config.max_samples
         self.log = log if self.rank == 0 else None
-        self.stats_interval_s = stats_interval_s
+        self.stats_interval_s = config.stats_interval_s
         self.replica = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.conns: dict[int, _Connection] = {}
         self.stats = ReplicaStats()
         addr = [None]
         if self.rank == 0:
-            self.store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
-                                       timeout=datetime.timedelta(seconds=timeout_s))
+            self.store = dist.TCPStore(config.host, config.port, is_master=True,
+                                       wait_for_workers=False,
+                                       timeout=datetime.timedelta(seconds=config.timeout_s))
             publish_identity(self.store, identity)
             # compared in its JSON form: the form the student's expectation arrives in
             limits = ConnectionLimits(identity=json.loads(json.dumps(identity)),
-                                      max_seq_length=max_seq_length,
-                                      max_batch=max_batch, max_samples=max_samples)
-            self.intake = _Intake(self.store, limits=limits, timeout_s=timeout_s)
-            addr = [(host, self.store.port)]
+                                      max_seq_length=config.max_seq_length,
+                                      max_batch=config.max_batch, max_samples=config.max_samples)
+            self.intake = _Intake(self.store, limits=limits, timeout_s=config.timeout_s)
+            addr = [(config.host, self.store.port)]
         dist.broadcast_object_list(addr, src=self._src, group=group)
         self.host, self.port = addr[0]
         if self.rank != 0:
             self.store = dist.TCPStore(self.host, self.port, is_master=False,
                                        wait_for_workers=False,
-                                       timeout=datetime.timedelta(seconds=timeout_s))
+                                       timeout=datetime.timedelta(seconds=config.timeout_s))
         self.record = ReplicaRecord(
             replica=self.replica, host=self.host, port=self.port, identity=identity,
-            layout={**(layout or {}), "last_stage_ranks": self.last_stage_ranks,
-                    "device": self.device.type})
+            layout=dataclasses.replace(layout, device=self.device.type))
 
     # -- the loop -------------------------------------------------------------------------------
     def serve(self, stop: Callable[[], bool]) -> dict:

@@ -1,13 +1,17 @@
 """A teacher client's statistics of a step, as one record (:class:`ClientStepStats`): made by
 :meth:`~megatron_kd.teacher.client.TeacherClient.take_step_stats`, combined over the student's
-ranks by the teacher source (each field says how: summed, averaged over the ranks that have it,
-or gathered), and written to the step log by name.
+ranks (:meth:`ClientStepStats.over_ranks`; each field says how: summed, averaged over the ranks
+that have it, or gathered) into the same record, which the teacher source hands on as it is
+(:class:`~megatron_kd.modes.stats.RemoteStepStats`: named only when logged).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
+
+import torch
+import torch.distributed as dist
 
 __all__ = ["ClientStepStats"]
 
@@ -22,9 +26,9 @@ _JOIN = "join"  # a list gathered as an object: joined in rank order
 class ClientStepStats:
     """One step of a teacher client's traffic
     (:meth:`~megatron_kd.teacher.client.TeacherClient.take_step_stats`) and, combined over
-    student ranks, the same record (each field says how it combines:
-    :meth:`to_vector` and :meth:`gathered` on each rank, then :meth:`combine`). The defaults
-    are a rank with no client."""
+    student ranks, the same record (each field says how it combines: :meth:`over_ranks`, which
+    sums :meth:`to_vector` and gathers :meth:`gathered` over the ranks, then :meth:`combine`).
+    The defaults are a rank with no client."""
 
     bytes_received: int = field(default=0, metadata={"over_ranks": _SUM})
     """Hidden-state bytes received."""
@@ -101,3 +105,13 @@ class ClientStepStats:
                 values[f.name] = summed
         assert at == len(vector), (at, len(vector))
         return cls(**values)
+
+    def over_ranks(self, group, device: torch.device) -> ClientStepStats:
+        """The statistics over the ranks of ``group`` (collective on it): one all-reduce of the
+        numeric fields on ``device`` (the group's: NCCL reduces device tensors, gloo host ones)
+        and one object gather of the others."""
+        t = torch.tensor(self.to_vector(), dtype=torch.float64, device=device)
+        dist.all_reduce(t, group=group)  # the numeric fields, summed (means as sum and count)
+        gathered = [None] * dist.get_world_size(group)
+        dist.all_gather_object(gathered, self.gathered(), group=group)  # dicts and lists
+        return ClientStepStats.combine(t.tolist(), gathered)

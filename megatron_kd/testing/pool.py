@@ -68,7 +68,7 @@ _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 
 #: What the fork server imports once, before it forks the first worker: torch and what a
 #: training case imports (Megatron-Core among them). A module that fails to import is skipped.
-PRELOAD = ("torch", "torch.distributed", "megatron_kd.training.train")
+PRELOAD = ("torch", "torch.distributed", "megatron_kd.commands.train")
 
 
 def _alive(pid: int) -> bool:

@@ -14,7 +14,7 @@ import time
 import torch
 
 from megatron_kd.cli import main as cli_main
-from megatron_kd.training import teacher_serve
+from megatron_kd.commands import teacher_serve
 
 __all__ = ["main"]
 

@@ -28,8 +28,9 @@ validation``, each also ``... vs samples``); the distillation's own go under ``k
 
 Megatron-LM writes from its last rank; here the logging rank (rank 0) writes, with values
 reduced over the world first (the same numbers the JSON log has). The ``kd/`` names come from
-:func:`~megatron_kd.integration.teacher_sources.kd_scalars`, which the Megatron-LM entry points
-use too (there with the writing rank's own values). A teacher replica
+the teacher source's statistics record
+(:meth:`~megatron_kd.modes.stats.SourceStepStats.scalars`), which the Megatron-LM
+entry points use too (there with the writing rank's own values). A teacher replica
 (``megatron-kd teacher serve --tensorboard-dir``) writes its own side under ``teacher/``
 (:func:`service_scalars`).
 """
@@ -45,7 +46,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_kd.flags import flag
-from megatron_kd.integration.teacher_sources import kd_scalars
+from megatron_kd.modes.stats import SourceStepStats
 
 __all__ = [
     "TIMER_NAMES",
@@ -124,8 +125,12 @@ class StepTimers:
         return {n: round(float(v), 6) for n, v in zip(TIMER_NAMES, vec.tolist())}
 
 
-def step_scalars(record: dict, metrics: MetricsSection, batch_size: int) -> dict[str, float]:
-    """Megatron-LM's (and the distillation's) scalars of one JSON step record."""
+def step_scalars(record: dict, metrics: MetricsSection, batch_size: int,
+                 teacher: SourceStepStats) -> dict[str, float]:
+    """Megatron-LM's scalars of one JSON step record, and the ``kd/`` ones of the step's
+    teacher statistics (the record
+    :meth:`~megatron_kd.modes.stats.SourceStepStats.scalars` names, its rates over
+    the step record's time)."""
     out = {"lm loss": record.get("lm_loss"), "kd loss": record.get("kd_loss"),
            "total loss": record.get("loss"), "learning-rate": record.get("lr"),
            "grad-norm": record.get("grad_norm"), "batch-size": batch_size}
@@ -137,7 +142,7 @@ def step_scalars(record: dict, metrics: MetricsSection, batch_size: int) -> dict
         out["throughput"] = record.get("tokens_per_s")
     if metrics.log_memory_to_tensorboard:
         out["mem-allocated-bytes"] = record.get("peak_mem_bytes")
-    out.update(kd_scalars(record, record.get("step_time_s")))
+    out.update(teacher.scalars(record.get("step_time_s")))
     return {k: float(v) for k, v in out.items() if v is not None}
 
 

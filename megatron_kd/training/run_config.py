@@ -3,10 +3,11 @@
 Each section is a frozen dataclass whose fields are the flags (Megatron-LM's spelling), with the
 one default each flag has (:mod:`megatron_kd.flags` makes the parser from the fields):
 :class:`ArchitectureSection` (the student model), :class:`ParallelSection`,
-:class:`OptimizerSection`, :class:`DataSection` (the samples a run reads: shared with
+:class:`KernelSection` (the attention kernels: shared with ``teacher serve`` and ``cache
+build``), :class:`OptimizerSection`, :class:`DataSection` (the samples a run reads: shared with
 ``megatron-kd cache build``, so a cache and a run agree by construction),
 :class:`LoggingSection`, :class:`~megatron_kd.training.metrics.MetricsSection` and the ``--kd-*``
-flags' :class:`~megatron_kd.integration.args.KDArgs`. :class:`RunConfig` holds them; it is made
+flags' :class:`~megatron_kd.modes.args.KDArgs`. :class:`RunConfig` holds them; it is made
 once, from the parsed flags, and nothing past it reads argparse.
 """
 
@@ -17,12 +18,16 @@ import dataclasses
 from dataclasses import dataclass
 
 from megatron_kd.flags import add_flags, flag, from_flags
-from megatron_kd.integration.args import KDArgs, add_kd_args
+from megatron_kd.integration.sdpa_attention import ATTENTION_CHOICES
+from megatron_kd.modes.args import KDArgs, add_kd_args
+from megatron_kd.parallel import ParallelLayout
+from megatron_kd.parallel.layout import CP_COMM_TYPES
+from megatron_kd.parallel.vocab import MAKE_VOCAB_SIZE_DIVISIBLE_BY
 from megatron_kd.training.hybrid_args import LINEAR_DEFAULTS, VARIANTS, layer_pattern
 from megatron_kd.training.metrics import MetricsSection
 
-__all__ = ["ArchitectureSection", "DataSection", "LoggingSection", "OptimizerSection",
-           "ParallelSection", "RunConfig", "add_arguments", "parse_args"]
+__all__ = ["ArchitectureSection", "DataSection", "KernelSection", "LoggingSection",
+           "OptimizerSection", "ParallelSection", "RunConfig", "add_arguments", "parse_args"]
 
 _MODEL = "student model"
 _MOE = "student model: mixture of experts"
@@ -93,7 +98,7 @@ class ArchitectureSection:
     vocab_size: int | None = flag(
         None, "true vocabulary (default: the teacher's, else the tokenizer's)", type=int,
         group=_MODEL)
-    make_vocab_size_divisible_by: int = flag(128, group=_MODEL)
+    make_vocab_size_divisible_by: int = flag(MAKE_VOCAB_SIZE_DIVISIBLE_BY, group=_MODEL)
     qk_layernorm: bool = flag(False, "normalise each query and key head before RoPE (Qwen3)",
                               group=_MODEL)
 
@@ -191,6 +196,30 @@ class ParallelSection:
     recompute_num_layers: int | None = flag(
         None, "layers per recomputed group (uniform) or recomputed layers per chunk (block)",
         type=int, group=_RECOMPUTE)
+    cp_comm_type: str = flag(
+        "p2p", "with context parallelism, how Transformer Engine's attention exchanges keys "
+               "and values: p2p (a ring), all_gather or a2a (heads scattered; what it runs "
+               "attention sinks and sliding windows with); megatron_kd's own attention (no "
+               "Transformer Engine) gathers them whatever this says", choices=CP_COMM_TYPES,
+        group=_PARALLEL)
+
+    def layout(self, world_size: int, num_layers: int) -> ParallelLayout:
+        """The run's :class:`~megatron_kd.parallel.ParallelLayout` over ``world_size`` ranks,
+        built once from these flags (what the flags say together, named by flag; what the
+        model allows is :func:`megatron_kd.arch.check_layout`'s)."""
+        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                     "context_parallel_size", "expert_model_parallel_size",
+                     "expert_tensor_parallel_size", "virtual_pipeline_model_parallel_size"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+        return ParallelLayout.from_world(
+            world_size, tp=self.tensor_model_parallel_size,
+            pp=self.pipeline_model_parallel_size, vp=self.virtual_stages(num_layers) or 1,
+            cp=self.context_parallel_size, ep=self.expert_model_parallel_size,
+            etp=self.expert_tensor_parallel_size, sequence_parallel=self.sequence_parallel,
+            cp_comm_type=self.cp_comm_type,
+            use_distributed_optimizer=self.use_distributed_optimizer, **self._recompute())
 
     def virtual_stages(self, num_layers: int) -> int | None:
         """Model chunks per pipeline rank (None: no interleaving), from either flag."""
@@ -206,6 +235,29 @@ class ParallelSection:
                                  f"--num-layers {num_layers}")
             return num_layers // (per * pp)
         return self.virtual_pipeline_model_parallel_size
+
+    def _recompute(self) -> dict:
+        """The layout's recompute fields of the recompute flags, which Megatron-LM spells in
+        three (the method and count only with full recompute)."""
+        granularity, method, count = (self.recompute_granularity, self.recompute_method,
+                                      self.recompute_num_layers)
+        if granularity is None:
+            if method is not None or count is not None:
+                raise ValueError(f"--recompute-method {method} / --recompute-num-layers {count} "
+                                 f"need --recompute-granularity full")
+            return {}
+        if granularity == "selective":
+            if method is not None or count is not None:
+                raise ValueError(f"--recompute-granularity selective recomputes the core "
+                                 f"attention of every layer: --recompute-method {method} / "
+                                 f"--recompute-num-layers {count} do not apply (drop them)")
+            return {"recompute": "selective"}
+        if method is None or count is None:
+            raise ValueError("--recompute-granularity full needs --recompute-method (uniform or "
+                             "block) and --recompute-num-layers")
+        if count < 1:
+            raise ValueError(f"--recompute-num-layers must be >= 1, got {count}")
+        return {"recompute": "full", "recompute_method": method, "recompute_num_layers": count}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -287,6 +339,30 @@ class LoggingSection:
 
 
 @dataclass(frozen=True, kw_only=True)
+class KernelSection:
+    """Which kernels the models' layers run: one section for every command that builds a model
+    from its flags (``megatron-kd train``: the student and a colocated teacher; ``teacher
+    serve`` and ``cache build``: the teacher), handed to the model builder
+    (:func:`~megatron_kd.integration.gpt.build_gpt_model`); nothing reads the environment for
+    it."""
+
+    attention_backend: str = flag(
+        "auto", "the core attention of softmax attention layers built without Transformer "
+                "Engine (Megatron-LM's flag, this project's choices): 'auto' (on a GPU torch's "
+                "scaled_dot_product_attention, no [s, s] scores; on the CPU Megatron-Core's "
+                "DotProductAttention), 'sdpa' or 'unfused' (DotProductAttention, the scores "
+                "formed) everywhere", choices=ATTENTION_CHOICES, group=_PARALLEL)
+    """``auto``, ``sdpa`` or ``unfused``
+    (:data:`~megatron_kd.integration.sdpa_attention.ATTENTION_CHOICES`; docs/models.md,
+    "Attention backends")."""
+
+    def __post_init__(self) -> None:
+        if self.attention_backend not in ATTENTION_CHOICES:
+            raise ValueError(f"--attention-backend {self.attention_backend!r}: choose from "
+                             f"{', '.join(ATTENTION_CHOICES)}")
+
+
+@dataclass(frozen=True, kw_only=True)
 class RunConfig:
     """Everything ``megatron-kd train`` was asked for, as typed sections."""
 
@@ -297,6 +373,7 @@ class RunConfig:
     logging: LoggingSection
     metrics: MetricsSection
     kd: KDArgs
+    kernels: KernelSection = dataclasses.field(default_factory=KernelSection)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> RunConfig:
@@ -306,7 +383,8 @@ class RunConfig:
                    parallel=from_flags(ParallelSection, args),
                    optimizer=from_flags(OptimizerSection, args),
                    data=from_flags(DataSection, args), logging=from_flags(LoggingSection, args),
-                   metrics=from_flags(MetricsSection, args), kd=KDArgs.from_args(args))
+                   metrics=from_flags(MetricsSection, args), kd=KDArgs.from_args(args),
+                   kernels=from_flags(KernelSection, args))
 
     def flat(self) -> dict:
         """Every flag's value by its field name (W&B's run config)."""
@@ -319,8 +397,8 @@ class RunConfig:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Megatron-LM-spelled student, data, optimisation and logging flags, plus ``--kd-*``."""
     groups: dict = {}
-    for section in (ArchitectureSection, ParallelSection, OptimizerSection, DataSection,
-                    LoggingSection):
+    for section in (ArchitectureSection, ParallelSection, KernelSection, OptimizerSection,
+                    DataSection, LoggingSection):
         add_flags(parser, section, groups=groups)
     add_flags(parser, MetricsSection, title="TensorBoard, Weights & Biases, timers "
                                             "(Megatron-LM's flags)")

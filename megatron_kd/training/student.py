@@ -16,7 +16,7 @@ from megatron.core.distributed import (
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-from megatron_kd.integration.gpt import build_gpt_model
+from megatron_kd.integration.gpt import build_gpt_model, layout_config
 from megatron_kd.integration.groups import collective_device
 from megatron_kd.integration.output_layer import bypass_output_layer
 from megatron_kd.training.run_checks import CheckedRun
@@ -54,8 +54,9 @@ def build_student(cfg: RunConfig, run: CheckedRun, pp_rank: int) -> Student:
     wrapped in Megatron-Core's DDP, and one optimizer over them."""
     opt = cfg.optimizer
     chunks = []
-    for vp_stage in range(run.vp or 1):
-        stage = vp_stage if run.vp else None
+    vp = run.layout.virtual_stages
+    for vp_stage in range(vp or 1):
+        stage = vp_stage if vp else None
         model = build_gpt_model(
             run.student_arch, pre_process=ps.is_pipeline_first_stage(
                 ignore_virtual=False, vp_stage=stage),
@@ -64,14 +65,15 @@ def build_student(cfg: RunConfig, run: CheckedRun, pp_rank: int) -> Student:
             # would start identical), seeded once before its chunks are built.
             params_dtype=run.params_dtype,
             seed=cfg.data.seed + 100 * pp_rank if vp_stage == 0 else None,
-            vp_stage=stage, hidden_dropout=cfg.arch.hidden_dropout,
+            vp_stage=stage, attention=cfg.kernels.attention_backend,
+            hidden_dropout=cfg.arch.hidden_dropout,
             attention_dropout=cfg.arch.attention_dropout, calculate_per_token_loss=True,
-            **run.model_overrides, **_moe_recipe(cfg.arch.moe_aux_loss_coeff,
+            **layout_config(run.layout), **_moe_recipe(cfg.arch.moe_aux_loss_coeff,
                                                  run.student_arch))
         bypass_output_layer(model)
         chunks.append(model)
     config = chunks[0].config
-    distributed = cfg.parallel.use_distributed_optimizer
+    distributed = run.layout.use_distributed_optimizer
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, overlap_grad_reduce=False,
         use_distributed_optimizer=distributed, average_in_collective=False)
@@ -81,8 +83,8 @@ def build_student(cfg: RunConfig, run: CheckedRun, pp_rank: int) -> Student:
                for i, model in enumerate(chunks)]
     config.finalize_model_grads_func = finalize_model_grads
     no_sync = [chunk.no_sync for chunk in wrapped]
-    config.no_sync_func = no_sync if run.vp else no_sync[0]
-    if run.vp and collective_device().type == "cpu":
+    config.no_sync_func = no_sync if vp else no_sync[0]
+    if vp and collective_device().type == "cpu":
         # Interleaved schedules with batched p2p gave wrong losses for later microbatches
         # on gloo (2 stages x 2 virtual stages, megatron-core 0.16.1): one op at a time.
         config.batch_p2p_comm = False

@@ -112,10 +112,11 @@ def _from_checkpoint(flags: ArchitectureSection, pretrained: GPTArchConfig, dire
 
 
 def student_arch(flags: ArchitectureSection, *, seq_length: int, vocab: int, padded: int,
-                 tp: int, pp: int, pretrained: GPTArchConfig | None = None,
+                 pretrained: GPTArchConfig | None = None,
                  pretrained_dir: str = "") -> GPTArchConfig:
-    """The student's architecture (see the module docstring), checked to split ``tp`` x
-    ``pp`` ways and to hold ``seq_length`` positions; ``ValueError`` naming the values."""
+    """The student's architecture (see the module docstring), checked to hold ``seq_length``
+    positions; ``ValueError`` naming the values. Its layout is checked by the run's checks
+    (:func:`megatron_kd.arch.check_layout`)."""
     if pretrained is None:
         arch = _from_flags(flags, seq_length, vocab, padded)
     else:
@@ -123,6 +124,4 @@ def student_arch(flags: ArchitectureSection, *, seq_length: int, vocab: int, pad
     if arch.max_position_embeddings < seq_length:
         raise ValueError(f"--max-position-embeddings {arch.max_position_embeddings} < "
                          f"--seq-length {seq_length}")
-    arch.check_tensor_parallel(tp)
-    arch.check_pipeline_parallel(pp)
     return arch

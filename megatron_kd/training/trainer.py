@@ -32,7 +32,7 @@ cache) ahead of the step, and the loss takes them as a sparse teacher (``forward
 Evaluation reports the student's cross-entropy only (the cache does not cover the validation
 samples).
 
-The teacher is one :class:`~megatron_kd.integration.teacher_sources.TeacherSource`, built once
+The teacher is one :class:`~megatron_kd.modes.source.TeacherSource`, built once
 (the only place the KD mode is read) and asked for each microbatch's teacher arguments; the
 trainer never branches on the mode.
 """
@@ -56,11 +56,9 @@ from megatron_kd.integration.cpu_shim import device_context
 from megatron_kd.integration.groups import collective_device
 from megatron_kd.integration.loss_func import make_kd_loss_func
 from megatron_kd.integration.output_layer import output_layer_weight, unwrap_model
-from megatron_kd.integration.teacher_sources import (
-    Microbatch,
-    build_teacher_source,
-    replica_rates,
-)
+from megatron_kd.modes.build import build_teacher_source
+from megatron_kd.modes.source import Microbatch, SourceConfig, StudentPlace
+from megatron_kd.modes.stats import SourceStepStats
 from megatron_kd.placement import compute_device
 from megatron_kd.training.checkpointing import (
     load_training_checkpoint,
@@ -104,14 +102,15 @@ class Trainer:
         self.pp_rank = ps.get_pipeline_model_parallel_rank()
         self.log_rank = self.rank == 0
         # context parallelism: the positions of each sequence this rank holds
+        layout = run.layout
         self.positions = (cp_positions(config.data.seq_length,
-                                       ps.get_context_parallel_rank(), run.cp)
-                          if run.cp > 1 else None)
+                                       ps.get_context_parallel_rank(), layout.cp)
+                          if layout.cp > 1 else None)
         # The output-layer weight gradient straight into DDP's fp32 main_grad (Megatron's
         # gradient-accumulation fusion, in the loss: no [V/tp, h] gradient tensor).
         self.loss_config = run.kd.loss_config(vocab_size=run.student_arch.vocab_size,
                                               gradient_accumulation_fusion=True,
-                                              sequence_parallel=run.sequence_parallel)
+                                              sequence_parallel=layout.sequence_parallel)
         # Evaluation without teacher outputs (offline: the cache holds training samples only;
         # disaggregated: the teacher streams training microbatches only): the student's CE.
         self.ce_config = dataclasses.replace(self.loss_config, kd_weight=0.0, ce_weight=1.0)
@@ -124,14 +123,19 @@ class Trainer:
         self.writers = MetricWriters(config.metrics, False)
         self._build_student()
         # Every rank builds the source (a teacher's load is collective); the last stage uses it.
+        cp = layout.cp > 1
+        place = StudentPlace(
+            active=self.is_last, dp_rank=self.dp_rank, dp_size=layout.dp,
+            tp_group=self.tp_group if layout.tp > 1 else None,
+            cp_group=ps.get_context_parallel_group() if cp else None,
+            tp_cp_group=ps.get_tensor_and_context_parallel_group() if cp else None)
         self.teacher = build_teacher_source(
-            run.kd, run.teacher_arch, active=self.is_last,
-            tp_group=self.tp_group if run.tp > 1 else None, dp_rank=self.dp_rank,
-            dp_size=run.dp, micro_batch_size=config.optimizer.micro_batch_size,
-            seq_length=config.data.seq_length, topk_cache=run.topk_cache,
-            sequence_parallel=run.sequence_parallel,
-            cp_group=ps.get_context_parallel_group() if run.cp > 1 else None,
-            tp_cp_group=ps.get_tensor_and_context_parallel_group() if run.cp > 1 else None)
+            run.kd, run.teacher_arch, place,
+            SourceConfig(micro_batch_size=config.optimizer.micro_batch_size,
+                         seq_length=config.data.seq_length,
+                         sequence_parallel=layout.sequence_parallel,
+                         attention=config.kernels.attention_backend),
+            topk_cache=run.topk_cache)
         self._build_data()
 
     # -- models -----------------------------------------------------------------------------
@@ -151,7 +155,7 @@ class Trainer:
                 self.run.global_batch_size)
         self.batches = BatchPlan(self.run.global_batch_size,
                                  self.run_config.optimizer.micro_batch_size, self.dp_rank,
-                                 self.run.dp)
+                                 self.run.layout.dp)
 
     def _schedule(self, start: int, stop: int):
         """This rank's training microbatches of steps ``[start, stop)`` (0-based), in the
@@ -178,12 +182,12 @@ class Trainer:
             return output, _never_called
         # the loss chunk takes the microbatches in order (interleaved schedules too)
         m, self._microbatch = self._microbatch, self._microbatch + 1
-        teacher = self._teacher_inputs(tokens, position_ids, m)
+        inputs = self._teacher_inputs(tokens, position_ids, m)
         kw = {} if self.loss_fn is None else {"loss_fn": self.loss_fn}
         loss_func = make_kd_loss_func(
-            student_weight=output_layer_weight(model), **teacher.loss_kwargs(),
+            student_weight=output_layer_weight(model), teacher=inputs.teacher,
             labels=batch["labels"], loss_mask=batch["loss_mask"],
-            config=self.loss_config if teacher.present or not self._evaluating
+            config=self.loss_config if inputs.present or not self._evaluating
             else self.ce_config,
             tp_group=self.tp_group, report_teacher_lm_loss=self._evaluating, **kw)
         return output, self._named_failures(loss_func)
@@ -220,7 +224,7 @@ class Trainer:
         with device_context(), self.timers.time("forward-backward"):
             return forward_backward(
                 forward_step_func=self._forward_step,
-                data_iterator=data if self.run.vp else data[0],
+                data_iterator=data if self.run.layout.virtual_stages else data[0],
                 model=self.chunks, num_microbatches=len(microbatches),
                 seq_length=self.run_config.data.seq_length,
                 micro_batch_size=self.run_config.optimizer.micro_batch_size,
@@ -229,7 +233,10 @@ class Trainer:
     def _reduce_reports(self, reports: list) -> dict[str, torch.Tensor | None]:
         return reduce_reports(reports, self.REPORT_KEYS, self.is_last and self.tp_rank == 0)
 
-    def train_step(self, consumed_samples: int) -> dict:
+    def train_step(self, consumed_samples: int) -> tuple[dict, SourceStepStats]:
+        """One optimizer step from ``consumed_samples``: its losses, learning rate, gradient
+        norm (and timers), and the teacher's statistics over the world as their record (named
+        when the step is logged)."""
         for chunk in self.chunks:
             chunk.train()
             chunk.zero_grad_buffer()
@@ -251,13 +258,12 @@ class Trainer:
                   "grad_norm": None if grad_norm is None else float(grad_norm)}
         # the teacher's statistics over the whole world (rank 0 logs them)
         stats = self.teacher.step_stats(dist.group.WORLD)
-        record.update(stats.scalars)
         for event in stats.events:
             self._json_log.write({"step": self._step, **event})
         timers = self.timers.take(collective_device())
         if timers is not None:
             record["timers"] = timers
-        return record
+        return record, stats
 
     def evaluate(self) -> dict:
         if self.valid_ds is None or self.run_config.data.eval_iters == 0:
@@ -400,19 +406,19 @@ class Trainer:
         gbs, train_iters = self.run.global_batch_size, self.run_config.data.train_iters
         tokens_per_step = gbs * self.run_config.data.seq_length
         t0 = time.perf_counter()
-        record = self.train_step(consumed)
+        record, teacher_stats = self.train_step(consumed)
         dt = time.perf_counter() - t0
         iteration = self._step
         history.step_times.append(dt)
         peak, kind = peak_memory()
-        record = {"step": iteration, **record, "tokens_per_s": tokens_per_step / dt,
-                  "step_time_s": dt, "peak_mem_bytes": peak, "peak_mem_kind": kind}
-        if "kd_replica_tokens" in record:  # disaggregated: each replica's rate for this run
-            record["kd_replica_tokens_per_s"] = replica_rates(record["kd_replica_tokens"], dt)
+        # the teacher's statistics named here, as they are logged (rates over the step's time)
+        record = {"step": iteration, **record, **teacher_stats.log_fields(dt),
+                  "tokens_per_s": tokens_per_step / dt, "step_time_s": dt,
+                  "peak_mem_bytes": peak, "peak_mem_kind": kind}
         history.steps.append(record)
         log.write(record)
         self.writers.step(iteration, iteration * gbs,
-                          step_scalars(record, self.run_config.metrics, gbs))
+                          step_scalars(record, self.run_config.metrics, gbs, teacher_stats))
         recent = history.step_times[-10:]
         eta = (train_iters - iteration) * sum(recent) / len(recent)
         if iteration % self.run_config.logging.log_interval == 0 or iteration == stop_at:
@@ -442,8 +448,9 @@ class Trainer:
             "kd_mode": run.kd.mode,
             "topk_wait_s": None,
             **self.teacher.summary(),
-            "tp": run.tp, "pp": run.pp, "dp": run.dp, "vp": run.vp, "cp": run.cp,
-            "sequence_parallel": run.sequence_parallel,
+            "tp": run.layout.tp, "pp": run.layout.pp, "dp": run.layout.dp,
+            "vp": run.layout.virtual_stages, "cp": run.layout.cp,
+            "sequence_parallel": run.layout.sequence_parallel,
         }
 
 

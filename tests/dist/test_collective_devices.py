@@ -25,7 +25,9 @@ from megatron_kd.cache.reader import TopKCacheReader
 from megatron_kd.cache.topk import vocab_parallel_topk_logprobs
 from megatron_kd.integration.groups import collective_device
 from megatron_kd.megatron_lm.teacher_side import _microbatch_tokens
-from megatron_kd.integration.teacher_sources import Cached, Remote
+from megatron_kd.modes.disaggregated import Remote
+from megatron_kd.modes.offline import Cached
+from megatron_kd.modes.source import SourceConfig, StudentPlace
 from megatron_kd.testing.devices import on_accelerator, simulated_accelerator
 from megatron_kd.training.checkpointing import _state_bytes
 from megatron_kd.training.faults import ExitSignal
@@ -219,10 +221,11 @@ def _reports(ctx):
 
 
 def _cache_stats(ctx):
-    source = Cached(None, directory="cache", depth=2, active=True, micro_batch_size=1,
-                    device=None)
+    source = Cached(None, directory="cache", depth=2, tail="renormalize",
+                    place=StudentPlace(active=True, dp_rank=ctx.rank, dp_size=WORLD),
+                    config=SourceConfig(micro_batch_size=1, seq_length=4), device=None)
     source.prefetcher = SimpleNamespace(rates=lambda: (0.5, 100, 2.0))
-    return source.step_stats(dist.group.WORLD).scalars  # as the trainer calls it
+    return source.step_stats(dist.group.WORLD).log_fields()  # as the trainer calls it
 
 
 def _step_timers(ctx):
@@ -242,10 +245,10 @@ def _exit_signal(ctx):
 
 
 def _teacher_stats(ctx):
-    source = Remote(None, None, weight=None, run=0, tp_group=None, dp_rank=ctx.rank,
-                    dp_size=WORLD, micro_batch_size=1, seq_length=4, max_samples=1,
-                    active=False, log=None)
-    return source.step_stats(dist.group.WORLD).scalars["kd_wire_bytes"]  # as the trainer does
+    source = Remote(None, None, weight=None, run=0,
+                    place=StudentPlace(active=False, dp_rank=ctx.rank, dp_size=WORLD),
+                    config=SourceConfig(micro_batch_size=1, seq_length=4, max_samples=1))
+    return source.step_stats(dist.group.WORLD).log_fields()["kd_wire_bytes"]  # as the trainer
 
 
 def _checkpoint_bytes(ctx):
@@ -266,13 +269,12 @@ def _teacher_tokens(ctx):
 # name: (case, its result on every rank or None, the checked call it makes)
 HELPERS = {
     "logs.reduce_reports": (_reports, ([4.0, 8.0], [2.0, 8.0]), "all_reduce training/logs.py"),
-    "teacher_sources.Cached.step_stats": (_cache_stats, {"kd_cache_wait_s": 0.5,
-                                                         "kd_cache_read_tokens_per_s": 50.0},
-                                          "all_reduce integration/teacher_sources.py"),
+    "offline.Cached.step_stats": (_cache_stats, {"kd_cache_wait_s": 0.5,
+                                                 "kd_cache_read_tokens_per_s": 50.0},
+                                  "all_reduce modes/stats.py"),
     "metrics.StepTimers.take": (_step_timers, None, "all_reduce training/metrics.py"),
     "faults.ExitSignal.received": (_exit_signal, True, "all_reduce training/faults.py"),
-    "teacher_sources.Remote.step_stats": (_teacher_stats, 0,
-                                          "all_reduce integration/teacher_sources.py"),
+    "disaggregated.Remote.step_stats": (_teacher_stats, 0, "all_reduce teacher/step_stats.py"),
     "checkpointing._state_bytes": (_checkpoint_bytes, 2 * (16 + 16),
                                    "all_reduce training/checkpointing.py"),
     "teacher_side._microbatch_tokens": (_teacher_tokens, [[0, 1, 2], [3, 4, 5]],

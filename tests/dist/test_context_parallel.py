@@ -22,7 +22,8 @@ def test_positions_are_megatrons_load_balanced_chunks():
     assert cp_positions(8, 0, 1).tolist() == list(range(8))
     every = torch.cat([cp_positions(24, r, 3) for r in range(3)])
     assert sorted(every.tolist()) == list(range(24))
-    with pytest.raises(ValueError, match="does not split into 2 x context-parallel size 2"):
+    with pytest.raises(ValueError, match="--seq-length 10 is not divisible by 2 x "
+                                         "--context-parallel-size 2 = 4"):
         cp_positions(10, 0, 2)
 
 

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from support.kd_cases import compare, dist_case, make_inputs, rel_err, shard_sizes, spec
 
-from megatron_kd.loss.combine import ShardMax, ShardSum
+from megatron_kd.loss.combine import ShardMax, ShardSum, gather_sequence
 from megatron_kd.testing import RankFailure
 
 WORLD = 4
@@ -101,7 +101,7 @@ def test_shards_are_uneven_and_do_not_divide():
 
 
 def _mismatched_shards(ctx):
-    from megatron_kd.loss import KDLossConfig, vocab_parallel_kd_loss
+    from megatron_kd.loss import DenseTeacher, KDLossConfig, vocab_parallel_kd_loss
     group = ctx.group(2)
     if group is None:
         return None
@@ -110,17 +110,18 @@ def _mismatched_shards(ctx):
     w = torch.randn(50, 8)
     th = torch.randn(4, 2, 6)
     tw = torch.randn(50 if ctx.rank == 0 else 49, 6)  # rank 1's teacher shard is wrong
-    vocab_parallel_kd_loss(h, w, th, tw, config=KDLossConfig(), tp_group=group)
+    vocab_parallel_kd_loss(h, w, DenseTeacher(hidden=th, weight=tw), config=KDLossConfig(),
+                           tp_group=group)
 
 
 def _token_count_disagrees(ctx):
-    from megatron_kd.loss import KDLossConfig, vocab_parallel_kd_loss
+    from megatron_kd.loss import DenseTeacher, KDLossConfig, vocab_parallel_kd_loss
     group = ctx.group(2)
     if group is None:
         return None
     h = torch.randn(4 + ctx.rank, 2, 8)
-    vocab_parallel_kd_loss(h, torch.randn(50, 8), torch.randn(4 + ctx.rank, 2, 6),
-                           torch.randn(50, 6), config=KDLossConfig(), tp_group=group)
+    teacher = DenseTeacher(hidden=torch.randn(4 + ctx.rank, 2, 6), weight=torch.randn(50, 6))
+    vocab_parallel_kd_loss(h, torch.randn(50, 8), teacher, config=KDLossConfig(), tp_group=group)
 
 
 def test_bad_shard_on_one_rank_raises_on_every_rank_without_hanging(pool):
@@ -175,3 +176,33 @@ def test_shard_combine_backward_is_the_unsharded_gradient(pool, world):
         # fp64 on both sides: the sums differ only in their order over the vocabulary
         for name in ("lse", "mean", "grad"):
             assert rel_err(r[name], r[f"ref_{name}"]) <= 1e-12, (name, rank, world)
+
+
+def _gather_case(ctx, world: int) -> dict | None:
+    """:func:`gather_sequence` as its two kinds of callers use it: the loss's (group and size),
+    the teacher serve / cache build's (the group alone, a transposed view, detached)."""
+    group = ctx.group(world)
+    if group is None:
+        return None
+    rank = dist.get_rank(group)
+    full = torch.arange(world * 3 * 2 * 5, dtype=torch.float32).view(world * 3, 2, 5)
+    mine = full[rank * 3:(rank + 1) * 3]
+    as_loss = gather_sequence(mine, group, world)
+    as_teacher = gather_sequence(mine.transpose(0, 1).contiguous().transpose(0, 1), group)
+    return {"loss": torch.equal(as_loss, full), "teacher": torch.equal(as_teacher, full),
+            "new_tensor": as_loss.data_ptr() != mine.data_ptr(),
+            "no_grad": not as_loss.requires_grad and as_loss.grad_fn is None}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_gather_sequence_is_the_sequence_in_rank_order(pool, world):
+    results = pool.run(_gather_case, world)
+    assert results[:world] == [{"loss": True, "teacher": True, "new_tensor": True,
+                                "no_grad": True}] * world
+
+
+def test_gather_sequence_on_one_rank_is_its_input():
+    # teacher serve without sequence parallelism passes no group (or a group of one)
+    hidden = torch.randn(3, 2, 4)
+    assert gather_sequence(hidden, None) is hidden
+    assert gather_sequence(hidden, None, 1) is hidden

@@ -1,12 +1,12 @@
 """Whole models on the SDPA core attention (:mod:`megatron_kd.integration.sdpa_attention`,
-chosen on the CPU with ``MEGATRON_KD_ATTENTION=sdpa``) against the same weights on Megatron-Core's
+chosen on the CPU with ``build_gpt_model(attention="sdpa")``, a command's ``--attention-backend
+sdpa``) against the same weights on Megatron-Core's
 ``DotProductAttention``: logits, loss and every parameter's gradient, for a dense GQA model, a
 sliding-window one, a mixture of experts and a Gated DeltaNet hybrid (one gloo rank); and context
 parallelism (2 gloo ranks) on ``ContextParallelSdpaAttention`` against the unfused model at CP 1.
 """
 
 import contextlib
-import os
 
 import pytest
 import torch
@@ -27,21 +27,16 @@ ARCHS = {
 
 
 @contextlib.contextmanager
-def _attention(choice: str):
-    """Build with ``MEGATRON_KD_ATTENTION=choice`` (in this worker), windows in small blocks."""
+def _small_window_blocks():
+    """Sliding windows in small query blocks (in this worker)."""
     from megatron_kd.integration import sdpa_attention
 
-    saved = os.environ.get(sdpa_attention.ATTENTION_ENV), sdpa_attention.MIN_WINDOW_BLOCK
-    os.environ[sdpa_attention.ATTENTION_ENV] = choice
+    saved = sdpa_attention.MIN_WINDOW_BLOCK
     sdpa_attention.MIN_WINDOW_BLOCK = 1
     try:
         yield
     finally:
-        if saved[0] is None:
-            del os.environ[sdpa_attention.ATTENTION_ENV]
-        else:
-            os.environ[sdpa_attention.ATTENTION_ENV] = saved[0]
-        sdpa_attention.MIN_WINDOW_BLOCK = saved[1]
+        sdpa_attention.MIN_WINDOW_BLOCK = saved
 
 
 def _core_attention_types(model) -> set[str]:
@@ -61,8 +56,8 @@ def case_model_parity(ctx, arch_kw):
     pos = torch.arange(SEQ).unsqueeze(0).expand(BATCH, -1)
     out, state = {}, None
     for choice in ("unfused", "sdpa"):
-        with model_parallel(tp=1), _attention(choice):
-            model = build_gpt_model(arch, seed=5)
+        with model_parallel(tp=1), _small_window_blocks():
+            model = build_gpt_model(arch, seed=5, attention=choice)
             if state is None:
                 state = {k: v.clone() for k, v in model.state_dict().items()
                          if isinstance(v, torch.Tensor)}
@@ -127,16 +122,16 @@ def case_cp_parity(ctx, arch_kw):
             hidden = to_sbh(model(tokens[:, positions], pos, None))  # [s/cp, b, h]
         return hidden, (hidden * weights[positions]).sum()
 
-    with model_parallel(tp=1), _attention("unfused"):
-        model = bypass_output_layer(build_gpt_model(arch, seed=5))
+    with model_parallel(tp=1), _small_window_blocks():
+        model = bypass_output_layer(build_gpt_model(arch, seed=5, attention="unfused"))
         state = {k: v.clone() for k, v in model.state_dict().items()
                  if isinstance(v, torch.Tensor)}
         full, loss = run(model, torch.arange(SEQ))
         loss.backward()
         ref = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    with model_parallel(cp=2), _attention("sdpa"):
+    with model_parallel(cp=2), _small_window_blocks():
         # a summed loss, as the trainer's: DDP does not divide by the data x context ranks
-        model = build_gpt_model(arch, seed=9, calculate_per_token_loss=True)
+        model = build_gpt_model(arch, seed=9, calculate_per_token_loss=True, attention="sdpa")
         model.load_state_dict(state, strict=False)
         bypass_output_layer(model)
         types = _core_attention_types(model)

@@ -32,7 +32,8 @@ import torch.distributed as dist
 
 from megatron_kd.planner.traffic import token_bytes_per_step_per_dp_rank
 from megatron_kd.teacher.client import TeacherClient
-from megatron_kd.teacher.endpoint import DirectoryEndpoint
+from megatron_kd.teacher.config import ClientConfig, ClientPlace, ServiceConfig
+from megatron_kd.teacher.endpoint import DirectoryEndpoint, ReplicaLayout
 from megatron_kd.teacher.protocol import (
     CONN_COUNTER_KEY,
     TeacherRefusedError,
@@ -108,10 +109,11 @@ class _Replica:
         self.tmp, self.how = tmp, how
         self.forwards, self.failed = 0, False
         self.service = TeacherService(
-            last_stage_ranks=[0], identity=IDENTITY, endpoint=DirectoryEndpoint(f"{tmp}/ep"),
-            host="127.0.0.1", port=0, forward=self.forward, device=torch.device("cpu"),
-            timeout_s=timeout_s, max_batch=MBS, max_seq_length=SEQ, max_samples=MBS,
-            group=group)
+            identity=IDENTITY, endpoint=DirectoryEndpoint(f"{tmp}/ep"), forward=self.forward,
+            device=torch.device("cpu"),
+            config=ServiceConfig(host="127.0.0.1", port=0, timeout_s=timeout_s, max_batch=MBS,
+                                 max_seq_length=SEQ, max_samples=MBS),
+            layout=ReplicaLayout(last_stage_ranks=(0,)), group=group)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         self.forwards += 1
@@ -147,11 +149,13 @@ class _Replica:
 def _client(endpoint, schedule, log=None, rebalance_every=0, micro_batch_size=MBS,
             timeout_s=TIMEOUT_S):
     return TeacherClient(
-        endpoint=endpoint, expected=IDENTITY, run=7, dp_rank=0, member_group=None, member=0,
-        members=1, micro_batch_size=micro_batch_size, seq_length=SEQ, hidden_size=HIDDEN,
-        dtype=torch.float32, wire_dtype="fp32", depth=DEPTH, timeout_s=timeout_s,
-        device=torch.device("cpu"), schedule=schedule, max_samples=micro_batch_size, log=log,
-        rebalance_every=rebalance_every)
+        endpoint=endpoint, expected=IDENTITY,
+        config=ClientConfig(micro_batch_size=micro_batch_size, seq_length=SEQ,
+                            hidden_size=HIDDEN, dtype=torch.float32, wire_dtype="fp32",
+                            depth=DEPTH, timeout_s=timeout_s, max_samples=micro_batch_size,
+                            rebalance_every=rebalance_every),
+        place=ClientPlace(run=7, dp_rank=0), device=torch.device("cpu"), schedule=schedule,
+        log=log)
 
 
 def _bad_student(tmp: str) -> dict:

@@ -12,10 +12,10 @@ import pytest
 import torch
 from support.train_cases import cache_build_argv
 
+from megatron_kd.arch import GPTArchConfig
 from megatron_kd.cache.format import load_manifest
 from megatron_kd.cache.reader import TopKCacheReader
 from megatron_kd.cli import main
-from megatron_kd.arch import GPTArchConfig
 
 SEQ, K, SAMPLES = 16, 20, 6
 

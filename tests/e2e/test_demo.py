@@ -85,7 +85,7 @@ def test_demo_returns_2_with_a_clear_message_when_sources_are_missing(tmp_path, 
 
 def test_student_argv_is_valid_for_megatron_kd_train(tmp_path):
     pytest.importorskip("megatron.core")
-    from megatron_kd.training.train import parse_args
+    from megatron_kd.commands.train import parse_args
 
     parser = argparse.ArgumentParser()
     demo.add_arguments(parser)
@@ -167,9 +167,9 @@ def case_kd_run(ctx, argv, hf_path):
     the same validation batches (the dataset build is collective: every rank computes it)."""
     import torch
 
+    from megatron_kd.commands.train import parse_args, train
     from megatron_kd.data.datasets import BatchPlan, build_gpt_datasets
     from megatron_kd.data.tokenizer import HFTokenizer
-    from megatron_kd.training.train import parse_args, train
 
     args = parse_args(argv)
     args.no_progress = True

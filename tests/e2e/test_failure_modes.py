@@ -39,8 +39,8 @@ def _cache_argv(out, teacher_dir, encoding):
 
 def case_train_failing(ctx, argv):
     """Train; return ``(error type, message, steps started)`` (the error is expected)."""
+    from megatron_kd.commands.train import parse_args, train
     from megatron_kd.training import trainer as trainer_mod
-    from megatron_kd.training.train import parse_args, train
 
     started = []
     original = trainer_mod.Trainer.train_step
@@ -65,7 +65,7 @@ def case_train_nan_teacher(ctx, argv, bad_call):
     import torch
 
     # the colocated teacher source's builder (the one place a colocated teacher is made)
-    from megatron_kd.integration import teacher_sources as sources
+    from megatron_kd.modes import colocated as sources
 
     build = sources.build_frozen_teacher
     calls = [0]
@@ -93,8 +93,8 @@ def case_train_nan_teacher(ctx, argv, bad_call):
 
 def case_sigterm_at_step(ctx, argv, step, rank):
     """Train; rank ``rank`` sends itself SIGTERM during step ``step`` (1-based)."""
+    from megatron_kd.commands.train import parse_args, train
     from megatron_kd.training import trainer as trainer_mod
-    from megatron_kd.training.train import parse_args, train
 
     original = trainer_mod.Trainer.train_step
 
@@ -231,7 +231,7 @@ def dying_save(state, directory, **kw):
     if state["iteration"] == 3:
         os.kill(os.getpid(), signal.SIGKILL)  # ... and killed before the checkpoint is complete
 checkpointing.dist_checkpointing.save = dying_save
-from megatron_kd.training.train import parse_args, run
+from megatron_kd.commands.train import parse_args, run
 sys.exit(run(parse_args(sys.argv[1:])))
 """
 

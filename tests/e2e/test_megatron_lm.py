@@ -139,7 +139,7 @@ def _kd_actions(parser):
 
 
 def test_flags_match_megatron_kd_train():
-    from megatron_kd.training.train import add_arguments
+    from megatron_kd.commands.train import add_arguments
 
     train_parser = argparse.ArgumentParser()
     add_arguments(train_parser)
@@ -319,8 +319,8 @@ def _call_loss_func(value, checks):
     kd, _ = check_megatron_args(_lm_args(["--kd-weight", "0", "--kd-ce-weight", "1"]))
     hidden = torch.zeros(1, 3, 4, requires_grad=True)
     return kd_lm.loss_func(torch.ones(1, 3), hidden, labels=torch.zeros(1, 3, dtype=torch.long),
-                           student_weight=torch.zeros(8, 4), teacher_hidden=None,
-                           teacher_weight=None, config=kd.loss_config(vocab_size=8),
+                           student_weight=torch.zeros(8, 4), teacher=None,
+                           config=kd.loss_config(vocab_size=8),
                            loss_fn=_fixed_loss(value), checks=checks)
 
 
@@ -501,16 +501,17 @@ def _reference_teacher(teacher_dir):
     return teacher
 
 
-def case_forward_and_loss(ctx, teacher_dir, kd_argv):
-    """TP=2: the patched forward step + loss function vs the fused loss called directly."""
+def case_forward_and_loss(ctx, teacher_dir, kd_argv, literal):
+    """TP=2: the patched forward step + loss function vs the fused loss called directly, and
+    vs the dense reference on ``literal`` (the loss the test means, not the parsed flags)."""
     from megatron.core import parallel_state as ps
-    from support.train_cases import dense_kd_loss
+    from support.train_cases import literal_dense_kd_loss
 
-    from megatron_kd.integration.args import KDArgs
     from megatron_kd.integration.cpu_shim import device_context
     from megatron_kd.integration.groups import model_parallel
     from megatron_kd.integration.output_layer import output_layer_weight, to_sbh
-    from megatron_kd.loss import vocab_parallel_kd_loss
+    from megatron_kd.loss import DenseTeacher, vocab_parallel_kd_loss
+    from megatron_kd.modes.args import KDArgs
 
     args = _lm_args(["--kd-teacher-load", teacher_dir, *kd_argv], tensor_model_parallel_size=2)
     out = {}
@@ -542,15 +543,16 @@ def case_forward_and_loss(ctx, teacher_dir, kd_argv):
         config = KDArgs.from_args(args).loss_config(vocab_size=STUDENT_ARCH["vocab_size"])
         kw = {"labels": batch["labels"].t(), "loss_mask": batch["loss_mask"].t(),
               "config": config, "tp_group": ps.get_tensor_model_parallel_group()}
+        teacher_record = DenseTeacher(hidden=teacher_hidden, weight=output_layer_weight(teacher))
         ref, ref_tokens = vocab_parallel_kd_loss(student_hidden, output_layer_weight(model),
-                                                 teacher_hidden, output_layer_weight(teacher),
-                                                 **kw)
+                                                 teacher_record, **kw)
         ref.backward()
         out["ref"], out["ref_tokens"] = ref.item(), ref_tokens.item()
         out["grad_max_diff"] = max(float((grads[n] - p.grad).abs().max())
                                    for n, p in model.named_parameters())
-        dense, _ = dense_kd_loss(student_hidden.detach(), output_layer_weight(model).detach(),
-                                 teacher_hidden, output_layer_weight(teacher), **kw)
+        dense, _ = literal_dense_kd_loss(literal)(
+            student_hidden.detach(), output_layer_weight(model).detach(),
+            teacher_record, terms_out={}, **kw)
         out["dense"] = dense.item()
 
         # evaluation reports the teacher's own LM loss too
@@ -647,7 +649,7 @@ def case_pp1_direct_losses(ctx, teacher_dir, weights, seeds, loss_kw):
         output_layer_weight,
         to_sbh,
     )
-    from megatron_kd.loss import KDLossConfig, vocab_parallel_kd_loss
+    from megatron_kd.loss import DenseTeacher, KDLossConfig, vocab_parallel_kd_loss
 
     config = KDLossConfig(vocab_size=STUDENT_ARCH["vocab_size"], **loss_kw)
     with model_parallel(tp=1), device_context():
@@ -670,7 +672,8 @@ def case_pp1_direct_losses(ctx, teacher_dir, weights, seeds, loss_kw):
             terms = {}
             loss, num_tokens = vocab_parallel_kd_loss(
                 to_sbh(student(tokens, pos, None)), output_layer_weight(student),
-                teacher_hidden, output_layer_weight(teacher), labels=batch["labels"].t(),
+                DenseTeacher(hidden=teacher_hidden, weight=output_layer_weight(teacher)),
+                labels=batch["labels"].t(),
                 loss_mask=batch["loss_mask"].t(), config=config, terms_out=terms)
             n = float(num_tokens)
             losses.append({"total loss": [float(loss), n], "kd loss": [float(terms["kd_sum"]), n],
@@ -915,12 +918,25 @@ def teacher_dir(teacher):
     return teacher  # the tier's tiny teacher (tests/e2e/conftest.py)
 
 
-@pytest.mark.parametrize("kd_argv", [
-    ["--kd-loss", "forward_kl", "--kd-temperature", "2", "--kd-ce-weight", "0.5"],
-    ["--kd-loss", "jsd", "--kd-beta", "0.3", "--kd-weight", "0.7"],
+# Each case's flags and, written out apart from them, the loss they mean (defaults included:
+# beta 0.5, kd weight 1, ce weight 0, temperature 1).
+@pytest.mark.parametrize("kd_argv, meant", [
+    (["--kd-loss", "forward_kl", "--kd-temperature", "2", "--kd-ce-weight", "0.5"],
+     {"kind": "forward_kl", "temperature": 2.0, "beta": 0.5, "kd_weight": 1.0, "ce_weight": 0.5}),
+    (["--kd-loss", "jsd", "--kd-beta", "0.3", "--kd-weight", "0.7"],
+     {"kind": "jsd", "temperature": 1.0, "beta": 0.3, "kd_weight": 0.7, "ce_weight": 0.0}),
 ])
-def test_forward_step_and_loss_match_fused_loss(pool, teacher_dir, kd_argv):
-    for r in pool.run(case_forward_and_loss, teacher_dir, kd_argv):
+def test_forward_step_and_loss_match_fused_loss(pool, teacher_dir, kd_argv, meant):
+    from megatron_kd.modes.args import KDArgs
+
+    # the flags, as Megatron-LM parses them with the hook's extra_args_provider, are that loss
+    parsed = KDArgs.from_args(_lm_args(["--kd-teacher-load", teacher_dir, *kd_argv])).loss
+    assert {key: getattr(parsed, key) for key in meant} == meant
+    # the dense reference's values: these literals, never the parsed flags (the true
+    # vocabulary of STUDENT_ARCH; no label is -100 in make_batch's)
+    literal = {**meant, "vocab_size": 500, "ignore_index": -100}
+    assert STUDENT_ARCH["vocab_size"] == literal["vocab_size"]
+    for r in pool.run(case_forward_and_loss, teacher_dir, kd_argv, literal):
         assert r["teacher_frozen"] and r["teacher_outside_student"]
         assert r["output_shape"] == (MBS, SEQ, STUDENT_ARCH["hidden_size"])  # hidden, not logits
         # The same fp32 operations in the same order as the direct call: identical.
@@ -933,10 +949,9 @@ def test_forward_step_and_loss_match_fused_loss(pool, teacher_dir, kd_argv):
         rep = r["report"]
         assert set(rep) == {"total loss", "kd loss", "lm loss"}
         assert rep["total loss"] == pytest.approx([r["loss"], r["ref_tokens"]], rel=1e-6)
-        kd_w = 0.7 if "jsd" in kd_argv else 1.0
-        ce_w = 0.5 if "--kd-ce-weight" in kd_argv else 0.0
         assert rep["total loss"][0] == pytest.approx(
-            kd_w * rep["kd loss"][0] + ce_w * rep["lm loss"][0], rel=1e-5)
+            meant["kd_weight"] * rep["kd loss"][0] + meant["ce_weight"] * rep["lm loss"][0],
+            rel=1e-5)
         assert r["eval_keys"] == ["kd loss", "lm loss", "teacher lm loss", "total loss"]
 
 
@@ -1335,7 +1350,6 @@ def case_offline_reference(ctx, cache_dir, kd_argv, seeds, tp=2):
 
     from megatron_kd.cache.loader import topk_batch
     from megatron_kd.cache.reader import TopKCacheReader
-    from megatron_kd.integration.args import KDArgs
     from megatron_kd.integration.cpu_shim import device_context
     from megatron_kd.integration.groups import model_parallel
     from megatron_kd.integration.output_layer import (
@@ -1343,7 +1357,8 @@ def case_offline_reference(ctx, cache_dir, kd_argv, seeds, tp=2):
         output_layer_weight,
         to_sbh,
     )
-    from megatron_kd.loss import vocab_parallel_kd_loss
+    from megatron_kd.loss import TopKTeacher, vocab_parallel_kd_loss
+    from megatron_kd.modes.args import KDArgs
 
     args = _lm_args(["--kd-mode", "offline", "--kd-topk-cache", cache_dir, *kd_argv],
                     tensor_model_parallel_size=tp)
@@ -1359,8 +1374,8 @@ def case_offline_reference(ctx, cache_dir, kd_argv, seeds, tp=2):
             ids, logprobs = topk_batch(reader, [last - first - b for b in range(MBS)])
             hidden = to_sbh(model(batch["tokens"], batch["position_ids"], None))
             loss, tokens = vocab_parallel_kd_loss(
-                hidden, output_layer_weight(model), teacher_topk_ids=ids,
-                teacher_topk_logprobs=logprobs, labels=batch["labels"].t(),
+                hidden, output_layer_weight(model), TopKTeacher(ids=ids, logprobs=logprobs),
+                labels=batch["labels"].t(),
                 loss_mask=batch["loss_mask"].t(), config=config,
                 tp_group=ps.get_tensor_model_parallel_group())
             out.append([loss.item(), tokens.item()])

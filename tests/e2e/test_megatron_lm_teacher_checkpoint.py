@@ -43,11 +43,11 @@ def case_write_megatron_lm_layout(ctx, ours, root, flags):
     import torch.distributed
     from megatron.core import dist_checkpointing
 
+    from megatron_kd.arch.megatron_lm_args import parse_megatron_lm_flags
     from megatron_kd.integration.checkpoint import load_model_checkpoint, read_checkpoint_arch
     from megatron_kd.integration.cpu_shim import checkpoint_save_strategy
     from megatron_kd.integration.gpt import build_gpt_model
     from megatron_kd.integration.groups import model_parallel
-    from megatron_kd.arch.megatron_lm_args import parse_megatron_lm_flags
 
     with model_parallel(tp=2):
         model = build_gpt_model(read_checkpoint_arch(ours), seed=1)

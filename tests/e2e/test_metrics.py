@@ -146,7 +146,7 @@ def test_slow_and_fast_teacher_in_scalars_and_report(pool, teacher, tmp_path, re
     assert max(served["teacher/requests"].values()) >= 12  # 6 steps x 2 microbatches
     assert max(served["teacher/tokens"].values()) >= 12 * 64
     # the report: every plot, and a table with both runs
-    from megatron_kd.training.report import read_run, write_report
+    from megatron_kd.commands.report import read_run, write_report
 
     out = tmp_path / "report"
     written = write_report([read_run(f"slow teacher={slow_log}"),

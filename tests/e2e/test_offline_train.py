@@ -51,8 +51,8 @@ def _cache_argv(out, teacher_dir, k, data=("--mock-data",)):
                             global_batch=GLOBAL_BATCH, samples_per_shard=6, tp=2, data=data)
 
 
-def topk_truncated_kd_loss(student_hidden, student_weight, teacher_hidden=None,
-                           teacher_weight=None, *, k, tail, config, tp_group=None, **kw):
+def topk_truncated_kd_loss(student_hidden, student_weight, teacher=None, *, k, tail, config,
+                           tp_group=None, **kw):
     """The fused loss against the dense teacher cut down to its top ``k`` log-probs (the tail
     treated as ``tail``).
 
@@ -63,23 +63,24 @@ def topk_truncated_kd_loss(student_hidden, student_weight, teacher_hidden=None,
         gather_from_tensor_model_parallel_region,
     )
 
-    from megatron_kd.loss import vocab_parallel_kd_loss
+    from megatron_kd.loss import DenseTeacher, TopKTeacher, vocab_parallel_kd_loss
 
-    if teacher_hidden is None:
+    if teacher is None:
         return vocab_parallel_kd_loss(student_hidden, student_weight, config=config,
                                       tp_group=tp_group, **kw)
+    assert isinstance(teacher, DenseTeacher), type(teacher)  # the run's colocated teacher
     with torch.no_grad():
-        local = teacher_hidden.float() @ teacher_weight.float().t()  # [s, b, local_vocab]
+        local = teacher.hidden.float() @ teacher.weight.float().t()  # [s, b, local_vocab]
         logits = gather_from_tensor_model_parallel_region(local, group=tp_group)
         logprobs, ids = torch.log_softmax(logits[..., :config.vocab_size], dim=-1).topk(k, dim=-1)
-    return vocab_parallel_kd_loss(student_hidden, student_weight, teacher_topk_ids=ids,
-                                  teacher_topk_logprobs=logprobs,
+    return vocab_parallel_kd_loss(student_hidden, student_weight,
+                                  TopKTeacher(ids=ids, logprobs=logprobs),
                                   config=dataclasses.replace(config, topk_tail=tail),
                                   tp_group=tp_group, **kw)
 
 
 def case_train_topk_teacher(ctx, argv, k, tail="renormalize"):
-    from megatron_kd.training.train import parse_args, train
+    from megatron_kd.commands.train import parse_args, train
 
     loss_fn = functools.partial(topk_truncated_kd_loss, k=k, tail=tail)
     return train(parse_args(argv), loss_fn=loss_fn)
@@ -88,8 +89,8 @@ def case_train_topk_teacher(ctx, argv, k, tail="renormalize"):
 def case_train_watched(ctx, argv):
     """Train, recording checkpoint loads and what the trainer held."""
     # the one place a teacher checkpoint is loaded (the frozen-teacher builder)
+    from megatron_kd.commands import train as train_mod
     from megatron_kd.integration import teacher as models
-    from megatron_kd.training import train as train_mod
 
     loads, seen = [], {}
     load, fit = models.load_model_checkpoint, train_mod.Trainer.fit

@@ -1,5 +1,5 @@
 """``tools/validate_planner.py`` accepts its built-in cases (every ``megatron-kd train`` mode) and
-the package's run-to-plan adapter (``megatron_kd.training.plan_adapter``) predicts what they
+the package's run-to-plan adapter (``megatron_kd.commands.plan_adapter``) predicts what they
 measure; no model is built and nothing trains (the runs themselves are
 ``python tools/validate_planner.py --builtin --run``, minutes on CPU).
 
@@ -21,15 +21,15 @@ import sys
 import numpy as np
 import pytest
 
-from megatron_kd.planner.memory import Term, total_bytes
-from megatron_kd.planner.plan import Mode
-from megatron_kd.training.plan_adapter import (
+from megatron_kd.commands.plan_adapter import (
     parse_train_args,
     plan_options,
     predict,
     predict_teacher,
     resolve_run,
 )
+from megatron_kd.planner.memory import Term, total_bytes
+from megatron_kd.planner.plan import Mode
 
 TOOL = pathlib.Path(__file__).resolve().parents[2] / "tools" / "validate_planner.py"
 TOPK = 4  # a small K keeps the cache cheap to write; the built-in runs use BUILTIN_TOPK
@@ -73,9 +73,9 @@ def _write_cache(vp, case, cache_dir, teacher_dir, vocab_size):
     from megatron_kd.cache.format import CacheSpec, token_fingerprint
     from megatron_kd.cache.identity import dataset_identity, tokenizer_identity
     from megatron_kd.cache.writer import CacheWriter
+    from megatron_kd.commands.cache import add_arguments
     from megatron_kd.data.datasets import MockGPTDataset
     from megatron_kd.data.tokenizer import MockTokenizer
-    from megatron_kd.training.cache_command import add_arguments
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)
@@ -105,7 +105,7 @@ def _write_cache(vp, case, cache_dir, teacher_dir, vocab_size):
 
 
 def test_builtin_cases_cover_every_mode(vp, cases):
-    from megatron_kd.integration.args import KD_MODES
+    from megatron_kd.modes.args import KD_MODES
 
     modes = {parse_train_args(c.train_args).kd_mode for c in cases}
     assert modes == set(KD_MODES)

@@ -39,8 +39,8 @@ def case_train_failing(ctx, argv, kill_pids=(), at_step=None):
     ``(error type, message, seconds from the kill to the error, steps done)``."""
     import signal
 
+    from megatron_kd.commands.train import parse_args, train
     from megatron_kd.training import trainer as trainer_mod
-    from megatron_kd.training.train import parse_args, train
 
     original, killed = trainer_mod.Trainer.train_step, []
 

@@ -20,6 +20,8 @@ from support.train_cases import (
     student_argv,
 )
 
+from megatron_kd.training.run_config import RunConfig, parse_args
+
 
 @pytest.fixture(scope="module")
 def teacher_dir(teacher):
@@ -58,17 +60,33 @@ def test_trains_and_logs(pool, teacher_dir, tmp_path, layout):
     assert evals[-1]["eval_kd_loss"] < evals[0]["eval_kd_loss"]
 
 
-@pytest.mark.parametrize("kd", ["--kd-loss forward_kl --kd-temperature 2 --kd-ce-weight 0.5",
-                                "--kd-loss reverse_kl",
-                                "--kd-loss jsd --kd-beta 0.3 --kd-weight 0.7",
-                                ("--kd-temperature 2 --kd-ce-weight 0.5 "
-                                 "--kd-loss-elementwise compiled")])
-def test_fused_equals_dense(pool, teacher_dir, kd):
+# Each case's flags and, written out apart from them, the loss they mean (defaults included:
+# beta 0.5, kd weight 1, ce weight 0, temperature 1).
+@pytest.mark.parametrize("kd, meant", [
+    ("--kd-loss forward_kl --kd-temperature 2 --kd-ce-weight 0.5",
+     {"kind": "forward_kl", "temperature": 2.0, "beta": 0.5, "kd_weight": 1.0, "ce_weight": 0.5}),
+    ("--kd-loss reverse_kl",
+     {"kind": "reverse_kl", "temperature": 1.0, "beta": 0.5, "kd_weight": 1.0, "ce_weight": 0.0}),
+    ("--kd-loss jsd --kd-beta 0.3 --kd-weight 0.7",
+     {"kind": "jsd", "temperature": 1.0, "beta": 0.3, "kd_weight": 0.7, "ce_weight": 0.0}),
+    ("--kd-temperature 2 --kd-ce-weight 0.5 --kd-loss-elementwise compiled",
+     {"kind": "forward_kl", "temperature": 2.0, "beta": 0.5, "kd_weight": 1.0, "ce_weight": 0.5}),
+])
+def test_fused_equals_dense(pool, teacher_dir, kd, meant):
     argv = STUDENT + ["--train-iters", "4", "--eval-interval", "100", "--eval-iters", "0",
                       "--tensor-model-parallel-size", "2", "--kd-teacher-load",
                       teacher_dir] + kd.split()
+    # the flags parse to the loss the test means ...
+    parsed = RunConfig.from_args(parse_args(argv)).kd.loss
+    assert {key: getattr(parsed, key) for key in meant} == meant
+    # ... and the dense reference is given that loss as these literals, not the parsed
+    # configuration the fused loss trains on: a flag read into the wrong field (or none) makes
+    # the two differ. Vocabulary: the teacher's true 500 (the padded 512's last 12 columns are
+    # padding); no label is -100 in the synthetic data.
+    literal = {**meant, "vocab_size": 500, "ignore_index": -100}
+    assert TEACHER_ARCH["vocab_size"] == literal["vocab_size"]
     fused = step_losses(pool.run(case_train, argv)[0])
-    dense = step_losses(pool.run(case_train, argv, True)[0])
+    dense = step_losses(pool.run(case_train, argv, literal)[0])
     # fp32 throughout; the two differ only in summation order (windowed online softmax vs
     # one log_softmax). Measured: <= 7e-7 relative over 4 steps (jsd, loss ~0.16; the KLs
     # ~5e-8); 5e-6 leaves headroom for other BLAS builds while a wrong gradient (even one

@@ -11,7 +11,7 @@ from support.text import write_tokenizer
 
 
 def case_train_on_text(ctx, argv):
-    from megatron_kd.training.train import parse_args, train
+    from megatron_kd.commands.train import parse_args, train
 
     return train(parse_args(argv))
 

@@ -65,7 +65,7 @@ def test_gpu_path_peak_memory_is_the_accounts(weight_grad):
     of small per-row buffers): the window's two bf16 logit buffers, the weight-gradient
     accumulator (fp32, or the returned bf16 gradient itself), the bf16 hidden gradient
     (written by each window's GEMM at TP 1), and backward's rounded weight gradient."""
-    from megatron_kd.loss import GpuTuning, KDLossConfig, vocab_parallel_kd_loss
+    from megatron_kd.loss import DenseTeacher, GpuTuning, KDLossConfig, vocab_parallel_kd_loss
 
     n, v, h_s, h_t, rows = 4096, 32_000, 512, 768, 512
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -79,7 +79,7 @@ def test_gpu_path_peak_memory_is_the_accounts(weight_grad):
                                                weight_grad=weight_grad, kernels=KERNELS[0]))
 
     def step():
-        loss, _ = vocab_parallel_kd_loss(x_s, w_s, teacher_hidden=x_t, teacher_weight=w_t,
+        loss, _ = vocab_parallel_kd_loss(x_s, w_s, DenseTeacher(hidden=x_t, weight=w_t),
                                          config=config)
         return torch.autograd.grad(loss, (x_s, w_s))
 

@@ -21,7 +21,7 @@ from support.attention_cases import (
 )
 
 from megatron_kd.integration import gpt
-from megatron_kd.integration.sdpa_attention import ATTENTION_ENV, SdpaAttention, causal_attention
+from megatron_kd.integration.sdpa_attention import SdpaAttention, causal_attention
 
 # fp32: the memory-efficient kernel's tiled sums (TF32 off); bf16: outputs and gradients rounded
 # to bf16 (2^-8 ~ 4e-3 relative) after bf16 roundings inside; DotProductAttention, which also
@@ -30,8 +30,7 @@ TOL = {torch.float32: 1e-5, torch.bfloat16: 1.5e-2}
 
 
 @pytest.fixture(autouse=True)
-def one_rank(monkeypatch):
-    monkeypatch.delenv(ATTENTION_ENV, raising=False)
+def one_rank():
     made = parallel_state._GLOBAL_MEMORY_BUFFER is None
     if made:
         parallel_state._set_global_memory_buffer()
@@ -111,7 +110,7 @@ def test_no_score_sized_memory(case):
     assert peak < scores / 4, (peak, scores)
 
 def test_this_gpu_picks_sdpa_without_transformer_engine():
-    if gpt._te_available():
+    if gpt.transformer_engine_available():
         pytest.skip("Transformer Engine is installed: its spec runs dense models")
     for arch_kw in ({}, {"linear_attention_layers": [0], "linear_num_key_heads": 2,
                          "linear_num_value_heads": 4, "linear_key_head_dim": 8,
@@ -119,7 +118,7 @@ def test_this_gpu_picks_sdpa_without_transformer_engine():
         arch = tiny_arch(**arch_kw)
         config = gpt._transformer_config(arch, tp_size=1, pp_size=1, cp_size=1,
                                          expert_sizes=(1, 1), params_dtype=torch.bfloat16)
-        block = gpt._block_spec(arch, config, vp_stage=None, pp_rank=0)
+        block = gpt._block_spec(arch, config, vp_stage=None, pp_rank=0, attention="auto")
         found = [getattr(spec.submodules.self_attention.submodules, "core_attention", None)
                  for spec in block.layer_specs]
         found = {getattr(c, "module", c) for c in found if c is not None}

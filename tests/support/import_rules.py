@@ -255,6 +255,38 @@ def check_allowed_imports(modules: dict[str, Module], package: str, allowed_proj
     return problems
 
 
+def check_layers(modules: dict[str, Module], floors: dict[str, int]) -> list[str]:
+    """Each first-level package imports only packages on lower floors (``floors``: package ->
+    floor, 0 the ground); every package of the tree has a floor."""
+    problems = [f"{pkg}/ has no floor" for pkg in sorted({m.package for m in modules.values()})
+                if pkg not in floors]
+    for name, mod in sorted(modules.items()):
+        for target in sorted(project_edges({name: mod, **modules})[name]):
+            other = modules[target].package
+            if other != mod.package and floors.get(other, -1) >= floors.get(mod.package, -1):
+                problems.append(f"{mod.path}: {mod.package}/ (floor {floors.get(mod.package)}) "
+                                f"imports {target} ({other}/, floor {floors.get(other)}): not "
+                                f"a lower floor")
+    return problems
+
+
+def check_imports_external(modules: dict[str, Module], package: str, external: str,
+                           exempt: dict[str, str]) -> list[str]:
+    """Every module of ``package`` imports ``external`` (a prefix, e.g. ``megatron.core``),
+    but those of ``exempt`` (module -> why it belongs there all the same) and a package face
+    (an ``__init__``)."""
+    problems = []
+    for name, mod in sorted(modules.items()):
+        if mod.package != package or "." not in name or name in exempt or \
+                mod.path.endswith("__init__.py"):
+            continue
+        if not any(imp.target == external or imp.target.startswith(external + ".")
+                   for imp in mod.imports):
+            problems.append(f"{mod.path}: {package}/ holds a module that does not import "
+                            f"{external}")
+    return problems
+
+
 def check_not_imported(modules: dict[str, Module], package: str) -> list[str]:
     """No module outside ``package`` imports it (at any depth: deferred imports count too)."""
     return [f"{mod.path}: imports {target} (nothing outside {package}/ may)"

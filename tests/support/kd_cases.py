@@ -7,7 +7,14 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
-from megatron_kd.loss import CpuTuning, GpuTuning, KDLossConfig, vocab_parallel_kd_loss
+from megatron_kd.loss import (
+    CpuTuning,
+    DenseTeacher,
+    GpuTuning,
+    KDLossConfig,
+    TopKTeacher,
+    vocab_parallel_kd_loss,
+)
 from support.kd_reference import reference_kd_loss
 
 IGNORE = -100
@@ -121,6 +128,19 @@ def cpu_tuning_of(sp: dict, local_vocab_size: int) -> CpuTuning | None:
     return dataclasses.replace(CpuTuning.for_this_machine(), **fields)
 
 
+def teacher_of(inp: dict, hidden: torch.Tensor | None = None,
+               weight: torch.Tensor | None = None) -> DenseTeacher | TopKTeacher | None:
+    """The loss's teacher record of a case's inputs (``make_inputs``): dense, with ``hidden``
+    and ``weight`` where given (this rank's slice and shard), else the full ones; top-K; or
+    None."""
+    if "teacher_hidden" in inp:
+        return DenseTeacher(hidden=inp["teacher_hidden"] if hidden is None else hidden,
+                            weight=inp["teacher_weight"] if weight is None else weight)
+    if "teacher_topk_ids" in inp:
+        return TopKTeacher(ids=inp["teacher_topk_ids"], logprobs=inp["teacher_topk_logprobs"])
+    return None
+
+
 def run_ours(sp: dict, inp: dict, sizes: list[int], rank: int, group,
              device: str | None = None) -> dict:
     """Our loss on rank ``rank`` of ``group`` with shard ``sizes``, its inputs moved to
@@ -145,9 +165,7 @@ def run_ours(sp: dict, inp: dict, sizes: list[int], rank: int, group,
         t_weight = t_weight[start:stop]
     before = {k: v.clone() for k, v in inp.items()}
     loss, n_tokens = vocab_parallel_kd_loss(
-        hidden, weight, teacher_hidden=t_hidden, teacher_weight=t_weight,
-        teacher_topk_ids=inp.get("teacher_topk_ids"),
-        teacher_topk_logprobs=inp.get("teacher_topk_logprobs"), labels=inp.get("labels"),
+        hidden, weight, teacher_of(inp, t_hidden, t_weight), labels=inp.get("labels"),
         loss_mask=inp.get("loss_mask"),
         config=config_of(sp, cpu_tuning_of(sp, stop - start)), tp_group=group)
     (loss * 0.75).backward()  # a non-unit upstream gradient must scale every gradient

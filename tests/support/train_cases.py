@@ -5,7 +5,11 @@ Every run is a tiny model (2 layers, h 32, vocabulary 500 padded to 512, sequenc
 synthetic tokens, a few seconds each.
 """
 
+import types
+
 import torch
+
+from megatron_kd.loss import DenseTeacher
 
 # init std 0.25: a peaked random teacher, so the KD term is far from 0.
 TEACHER_ARCH = {"num_layers": 2, "hidden_size": 48, "num_attention_heads": 4,
@@ -98,9 +102,16 @@ def case_cache_build(ctx, argv):
 
 
 def case_train(ctx, argv, dense=False):
-    from megatron_kd.training.train import parse_args, train
+    """``megatron-kd train`` with ``argv``; its summary. ``dense``: on the dense reference
+    instead of the fused loss, the loss values read off the run's configuration (True) or the
+    test's own literals (a dict: :func:`literal_dense_kd_loss`)."""
+    from megatron_kd.commands.train import parse_args, train
 
-    summary = train(parse_args(argv), loss_fn=dense_kd_loss if dense else None)
+    if isinstance(dense, dict):
+        loss_fn = literal_dense_kd_loss(dense)
+    else:
+        loss_fn = dense_kd_loss if dense else None
+    summary = train(parse_args(argv), loss_fn=loss_fn)
     return summary
 
 
@@ -159,16 +170,16 @@ def case_train_slowly(ctx, argv, delay_s, holds=(), teacher_ahead=False):
 def check_flags(argv, world_size):
     """``megatron-kd train``'s checks of ``argv`` on a world of ``world_size`` ranks: the
     :class:`~megatron_kd.training.run_checks.CheckedRun`, or their ``ValueError``."""
+    from megatron_kd.commands.train import parse_args
     from megatron_kd.training.run_checks import check_run
     from megatron_kd.training.run_config import RunConfig
-    from megatron_kd.training.train import parse_args
 
     return check_run(RunConfig.from_args(parse_args(argv)), world_size)
 
 
 def case_plan_error(ctx, argv):
     """Run ``train``; return the ValueError message (and that no step ran)."""
-    from megatron_kd.training import train as train_mod
+    from megatron_kd.commands import train as train_mod
 
     steps = []
     original = train_mod.Trainer.train_step
@@ -187,10 +198,10 @@ def case_plan_error(ctx, argv):
     return None, len(steps)
 
 
-def dense_kd_loss(student_hidden, student_weight, teacher_hidden=None, teacher_weight=None,
-                  labels=None, loss_mask=None, config=None, tp_group=None, terms_out=None,
-                  **unused):
+def dense_kd_loss(student_hidden, student_weight, teacher=None, *, labels=None, loss_mask=None,
+                  config=None, tp_group=None, terms_out=None):
     """Full logits through Megatron's own TP mappings, then torch log_softmax: the textbook KD.
+    ``vocab_parallel_kd_loss``'s signature; ``teacher`` a ``DenseTeacher`` or None.
 
     ``copy_to_tensor_model_parallel_region`` sums the hidden-state gradient over the vocabulary
     shards and ``gather_from_tensor_model_parallel_region`` all-gathers the logits (and splits
@@ -201,7 +212,7 @@ def dense_kd_loss(student_hidden, student_weight, teacher_hidden=None, teacher_w
         gather_from_tensor_model_parallel_region,
     )
 
-    assert not unused or all(v is None for v in unused.values())
+    assert teacher is None or isinstance(teacher, DenseTeacher), type(teacher)  # dense only
     vocab = config.vocab_size
     t = config.temperature
 
@@ -214,9 +225,9 @@ def dense_kd_loss(student_hidden, student_weight, teacher_hidden=None, teacher_w
     z_s = full_logits(student_hidden, student_weight)
     kd_sum = torch.zeros((), dtype=torch.float32)
     ce_sum = torch.zeros((), dtype=torch.float32)
-    if teacher_hidden is not None:
+    if teacher is not None:
         with torch.no_grad():
-            z_t = full_logits(teacher_hidden, teacher_weight)
+            z_t = full_logits(teacher.hidden, teacher.weight)
         log_p_s = torch.log_softmax(z_s / t, dim=-1)
         log_p_t = torch.log_softmax(z_t / t, dim=-1)
         if config.kind == "forward_kl":
@@ -239,6 +250,30 @@ def dense_kd_loss(student_hidden, student_weight, teacher_hidden=None, teacher_w
         terms_out["kd_sum"] = kd_sum.detach()
         terms_out["ce_sum"] = ce_sum.detach()
     return config.kd_weight * kd_sum + config.ce_weight * ce_sum, mask.sum()
+
+
+#: The loss values :func:`dense_kd_loss` reads off its ``config``.
+DENSE_LOSS_FIELDS = ("kind", "temperature", "beta", "kd_weight", "ce_weight", "vocab_size",
+                     "ignore_index")
+
+
+def literal_dense_kd_loss(values: dict):
+    """:func:`dense_kd_loss` on ``values`` (every one of :data:`DENSE_LOSS_FIELDS`, literals a
+    test states) instead of the configuration the run parsed from its flags: a flag read into
+    the wrong field, or into none, then makes the fused loss (on the parsed configuration) and
+    this reference differ, where a reference on the parsed configuration would agree with it.
+    For training losses only (evaluation's teacher-LM report passes a configuration of its
+    own, which this would ignore)."""
+    if set(values) != set(DENSE_LOSS_FIELDS):
+        raise ValueError(f"the dense reference needs exactly {DENSE_LOSS_FIELDS}, got "
+                         f"{sorted(values)}")
+    stated = types.SimpleNamespace(**values)
+
+    def loss(*args, config=None, terms_out=None, **kwargs):
+        assert terms_out is not None, "a training loss (with terms_out) only"
+        return dense_kd_loss(*args, config=stated, terms_out=terms_out, **kwargs)
+
+    return loss
 
 
 def step_losses(summary):

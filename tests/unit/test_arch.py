@@ -1,12 +1,12 @@
-"""The architecture config, its checks, and the CPU shim (no process group)."""
+"""The architecture config, its checks, and the CPU shim (no process group); its layout
+rules are tests/unit/test_layout.py's."""
 
 
 import pytest
 import torch
 from support.archs import tiny_arch
 
-from megatron_kd.arch import GPTArchConfig, check_sequence_split, sequence_parts
-from megatron_kd.parallel import pad_vocab_size
+from megatron_kd.arch import GPTArchConfig
 
 
 def test_arch_roundtrip():
@@ -40,65 +40,6 @@ def test_arch_unknown_field():
     d["hidden_sise"] = 3
     with pytest.raises(ValueError, match="hidden_sise"):
         GPTArchConfig.from_dict(d)
-
-
-def test_tp_check():
-    with pytest.raises(ValueError, match="num_attention_heads=4"):
-        tiny_arch().check_tensor_parallel(3)
-    assert pad_vocab_size(500, 2) == 512
-    assert pad_vocab_size(49152, 2) == 49152
-
-
-def test_expert_parallel_check():
-    moe = tiny_arch(num_experts=4, moe_ffn_hidden_size=12)
-    moe.check_expert_parallel(2)
-    with pytest.raises(ValueError, match="does not divide num_experts=4"):
-        moe.check_expert_parallel(3)
-    with pytest.raises(ValueError, match="needs a mixture-of-experts model"):
-        tiny_arch().check_expert_parallel(2)
-    with pytest.raises(ValueError, match="moe_ffn_hidden_size=12"):
-        moe.check_tensor_parallel(8)
-    assert moe.expert_ffn_hidden_size == 12 and tiny_arch().num_experts is None
-
-
-def test_context_parallel_check():
-    hybrid = tiny_arch(linear_attention_layers=[0], linear_num_key_heads=2,
-                       linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8)
-    hybrid.check_context_parallel(1)
-    tiny_arch().check_context_parallel(4)  # softmax attention splits over any cp
-    with pytest.raises(ValueError, match=r"^--context-parallel-size 2 with a Gated DeltaNet "
-                                         r"student \(layers \[0\]\): a Gated DeltaNet "
-                                         r"recurrence runs .*"
-                                         r"no context parallelism.*; use cp 1$"):
-        hybrid.check_context_parallel(2, advice="use cp 1")
-    with pytest.raises(ValueError, match=r"^--context-parallel-size 4 with a colocated Gated "
-                                         r"DeltaNet teacher \(layers \[0\]\): it runs with "
-                                         r"the student's context parallelism"):
-        hybrid.check_context_parallel(4, role="teacher", colocated=True)
-    assert tiny_arch().context_parallel_limit is None
-    assert "does not split over context-parallel ranks" in hybrid.context_parallel_limit
-
-
-@pytest.mark.parametrize("seq, tp, cp, sp, parts, message", [
-    (12, 2, 1, False, 1, None),  # without SP the sequence is not split over TP
-    (12, 2, 1, True, 2, None),
-    (13, 2, 1, True, 2, "--seq-length 13 is not divisible by --tensor-model-parallel-size 2 "
-                        "(--sequence-parallel) = 2: each sequence is split over those ranks"),
-    (12, 1, 3, False, 6, None),
-    (12, 2, 3, True, 12, None),
-    (18, 3, 2, False, 4, "--seq-length 18 is not divisible by 2 x --context-parallel-size 2 = 4"),
-    (24, 3, 2, True, 12, None),
-    (36, 2, 2, True, 8, "--seq-length 36 is not divisible by 2 x --context-parallel-size 2 x "
-                        "--tensor-model-parallel-size 2 (--sequence-parallel) = 8"),
-])
-def test_sequence_split_check(seq, tp, cp, sp, parts, message):
-    assert sequence_parts(tp=tp, cp=cp, sequence_parallel=sp) == parts
-    if message is None:
-        check_sequence_split(seq, tp=tp, cp=cp, sequence_parallel=sp)
-    else:
-        with pytest.raises(ValueError) as e:
-            check_sequence_split(seq, tp=tp, cp=cp, sequence_parallel=sp)
-        assert str(e.value).startswith(message)
 
 
 def test_not_a_checkpoint(tmp_path):

@@ -5,6 +5,7 @@ encoding stays within 1e-3 relative, and a cache that does not match the run is 
 No process group (the TP parity of the top-K itself is in test_cache_topk.py).
 """
 
+import numpy as np
 import pytest
 import torch
 
@@ -17,10 +18,13 @@ from megatron_kd.cache.identity import (
     tokenizer_identity,
 )
 from megatron_kd.cache.loader import topk_batch
+from megatron_kd.cache.reader import TopKCacheReader
 from megatron_kd.cache.topk import vocab_parallel_topk_logprobs
+from megatron_kd.cache.writer import CacheWriter
 from megatron_kd.data.datasets import MockGPTDataset
 from megatron_kd.data.tokenizer import MockTokenizer
-from megatron_kd.loss import KDLossConfig, vocab_parallel_kd_loss
+from megatron_kd.loss import DenseTeacher, KDLossConfig, TopKTeacher, vocab_parallel_kd_loss
+from megatron_kd.planner import memory
 
 VOCAB, PADDED, SEQ, SAMPLES, H_T, H_S = 257, 264, 10, 4, 24, 16
 
@@ -50,11 +54,11 @@ def _build(tmp_path, name, k, codec, teacher_hidden, teacher_weight):
                               seq_length=SEQ, vocab_size=VOCAB, num_samples=SAMPLES, topk=k)
 
 
-def _loss(student_hidden, student_weight, tail="renormalize", **teacher):
+def _loss(student_hidden, student_weight, teacher, tail="renormalize"):
     hidden = student_hidden.clone().requires_grad_(True)
     weight = student_weight.clone().requires_grad_(True)
     config = KDLossConfig(vocab_size=VOCAB, topk_tail=tail, window_size=9)
-    loss, _ = vocab_parallel_kd_loss(hidden, weight, config=config, **teacher)
+    loss, _ = vocab_parallel_kd_loss(hidden, weight, teacher, config=config)
     loss.backward()
     return loss.detach(), hidden.grad, weight.grad
 
@@ -64,8 +68,8 @@ def test_full_vocab_cache_equals_dense_teacher(tmp_path):
     reader = _build(tmp_path, "full", VOCAB, "fp32", t_h, t_w)
     ids, logprobs = topk_batch(reader, range(SAMPLES))
     assert ids.shape == (SEQ, SAMPLES, VOCAB)
-    offline = _loss(s_h, s_w, teacher_topk_ids=ids, teacher_topk_logprobs=logprobs)
-    dense = _loss(s_h, s_w, teacher_hidden=t_h, teacher_weight=t_w)
+    offline = _loss(s_h, s_w, TopKTeacher(ids=ids, logprobs=logprobs))
+    dense = _loss(s_h, s_w, DenseTeacher(hidden=t_h, weight=t_w))
     # fp32 throughout; the same distribution summed in another order (K = V entries), and the
     # cached log-probs sum to 1 only to fp32 rounding, which the renormalisation carries into
     # the gradients (entries of order 1: 1e-5 absolute).
@@ -79,8 +83,8 @@ def test_topk_cache_equals_in_memory_topk_teacher(tmp_path, tail):
     reader = _build(tmp_path, "k20", 20, "fp32", t_h, t_w)
     ids, logprobs = topk_batch(reader, range(SAMPLES))
     mem_ids, mem_logprobs = vocab_parallel_topk_logprobs(t_h, t_w, 20, vocab_size=VOCAB)
-    offline = _loss(s_h, s_w, tail, teacher_topk_ids=ids, teacher_topk_logprobs=logprobs)
-    online = _loss(s_h, s_w, tail, teacher_topk_ids=mem_ids, teacher_topk_logprobs=mem_logprobs)
+    offline = _loss(s_h, s_w, TopKTeacher(ids=ids, logprobs=logprobs), tail)
+    online = _loss(s_h, s_w, TopKTeacher(ids=mem_ids, logprobs=mem_logprobs), tail)
     # Same K entries per token stored by id instead of by value: summation order only (the
     # gradients, of order 1, hold differences of nearly equal probabilities: 1e-5 absolute).
     for got, want in zip(offline, online):
@@ -93,8 +97,8 @@ def test_compact_encoding_loss_within_1e3(tmp_path, tail):
     exact = topk_batch(_build(tmp_path, "fp32", 100, "fp32", t_h, t_w), range(SAMPLES))
     compact = topk_batch(_build(tmp_path, "u11", 100, "log1p-u11", t_h, t_w), range(SAMPLES))
     torch.testing.assert_close(compact[0], exact[0], rtol=0, atol=0)  # ids are lossless
-    want = _loss(s_h, s_w, tail, teacher_topk_ids=exact[0], teacher_topk_logprobs=exact[1])[0]
-    got = _loss(s_h, s_w, tail, teacher_topk_ids=compact[0], teacher_topk_logprobs=compact[1])[0]
+    want = _loss(s_h, s_w, TopKTeacher(ids=exact[0], logprobs=exact[1]), tail)[0]
+    got = _loss(s_h, s_w, TopKTeacher(ids=compact[0], logprobs=compact[1]), tail)[0]
     assert abs(float(got) - float(want)) / float(want) < 1e-3, (float(got), float(want))
 
 
@@ -116,3 +120,21 @@ def test_mismatched_cache_refused_naming_both_values(tmp_path):
     for override, message in cases:
         with pytest.raises(ValueError, match=message):
             open_cache_for_run(tmp_path / "c", **{**good, **override})
+
+
+def test_planner_counts_the_decoded_entries_the_loader_hands_the_trainer(tmp_path):
+    # the planner (torch-free) counts a decoded top-K entry's bytes: what topk_batch makes
+    # a one-sample cache, read back as the trainer reads it (torch tensors, [s, b, K])
+    seq_length, topk, vocab_size = 5, 3, 50
+    spec = CacheSpec(teacher_checkpoint="t", teacher_weights_hash="w", tokenizer="tok",
+                     vocab_size=vocab_size, topk=topk, seq_length=seq_length, num_samples=1,
+                     dataset_hash="d", samples_per_shard=1,
+                     logprob_codec=LogprobCodec(name="fp32"))
+    writer = CacheWriter(tmp_path, spec)
+    ids = np.tile(np.arange(topk), (seq_length, 1))
+    logprobs = np.full((seq_length, topk), -np.log(topk), dtype=np.float32)
+    writer.write_shard(0, [writer.encode(ids, logprobs)], [0])
+    got_ids, got_logprobs = topk_batch(TopKCacheReader(tmp_path), [0])
+    entry = got_ids.element_size() + got_logprobs.element_size()
+    assert entry == memory.DECODED_TOPK_ENTRY_BYTES
+    assert got_ids.nbytes + got_logprobs.nbytes == memory.cache_reader_bytes(seq_length, 1, topk)

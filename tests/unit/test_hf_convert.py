@@ -11,7 +11,9 @@ pytest.importorskip("safetensors")
 
 from support.hf_models import bpe_tokenizer, tiny_llama
 
+from megatron_kd.arch import Role, check_layout
 from megatron_kd.hf import importer
+from megatron_kd.parallel import ParallelLayout
 
 
 def test_qkv_layout_groups_heads_like_repeat_kv():
@@ -164,7 +166,7 @@ def test_unpadded_odd_groups_refuse_tp2(tmp_path):
     arch = importer.arch_from_hf_config(importer.load_hf_checkpoint(path).config)
     assert isinstance(arch, GPTArchConfig)
     with pytest.raises(ValueError, match="num_query_groups=3"):
-        arch.check_tensor_parallel(2)
+        check_layout(arch, ParallelLayout(tp=2), role=Role.FROZEN)
 
 
 def test_cli_refuses_non_empty_save_dir(tmp_path):
@@ -239,10 +241,10 @@ def test_qwen35_deltanet_shard_splits_each_part_by_heads():
     with pytest.raises(ValueError, match="Gated DeltaNet"):
         importer.pad_for_tensor_parallel(full, arch, 2)
     # the layer pattern splits with the layers (each stage builds its own slice of it)
-    arch.check_pipeline_parallel(2)
-    arch.check_pipeline_parallel(2, 2)
+    check_layout(arch, ParallelLayout(pp=2), role=Role.FROZEN)
+    check_layout(arch, ParallelLayout(pp=2, vp=2), role=Role.FROZEN)
     with pytest.raises(ValueError, match="pipeline-parallel size 3 does not divide num_layers=4"):
-        arch.check_pipeline_parallel(3)
+        check_layout(arch, ParallelLayout(pp=3), role=Role.FROZEN)
 
 
 def test_qwen35_moe_multimodal_names_and_fused_experts(tmp_path):

@@ -42,36 +42,77 @@ def test_loss_imports_only_itself_and_parallel(modules):
 
 
 def test_planner_is_pure_python(modules):
-    # arch: the one description of a model and the layout rules (pure Python too); flags: the
-    # --kd-* flags the planner shares with the other commands (argparse and dataclasses only)
-    assert rules.check_allowed_imports(modules, "planner", {"arch", "flags"},
+    # arch: the one description of a model and the layout rules (pure Python too); parallel:
+    # the layout type, the vocabulary padding and the loss's window rule; flags: the --kd-*
+    # flags the planner shares with the other commands (argparse and dataclasses only)
+    assert rules.check_allowed_imports(modules, "planner", {"arch", "parallel", "flags"},
                                        ("torch", "megatron", "numpy")) == []
 
 
 def test_arch_is_pure_python(modules):
-    # the planner reads it; parallel: the vocabulary padding (pure rank arithmetic)
+    # the planner reads it; parallel: the layout type, the vocabulary padding, the sequence
+    # split (pure partition arithmetic)
     assert rules.check_allowed_imports(modules, "arch", {"parallel"},
                                        ("torch", "megatron", "numpy", "transformer_engine")) == []
 
 
 def test_parallel_has_no_megatron(modules):
-    assert rules.check_allowed_imports(modules, "parallel", set(), ("megatron", "torch")) == []
+    assert rules.check_allowed_imports(modules, "parallel", set(),
+                                       ("megatron", "torch", "numpy")) == []
 
 
 def test_teacher_service_needs_no_megatron(modules):
     # the model and its schedule are handed in: a replica's transport works without Megatron;
-    # arch: the sequence-split rule (pure Python)
-    assert rules.check_allowed_imports(modules, "teacher", {"arch", "parallel", "collectives"},
+    # parallel: the sequence split of a connection's members (pure Python)
+    assert rules.check_allowed_imports(modules, "teacher", {"parallel", "collectives"},
                                        ("megatron",)) == []
 
 
 def test_integration_imports_only_the_layers_below(modules):
-    # cache: the offline teacher source (the top-K prefetcher); flags: the --kd-* flags' fields;
-    # placement: the compute device. Never hf/ or megatron_lm/: the Megatron-Core layer does not
-    # know the conversions and the Megatron-LM hooks built on it.
+    # loss: the sequence gather of a teacher's whole-sequence forward; placement: the compute
+    # device. Never the KD modes, hf/ or megatron_lm/: the Megatron-Core layer does not know
+    # the teacher sources, the conversions and the Megatron-LM hooks built on it.
     assert rules.check_allowed_imports(modules, "integration",
-                                       {"arch", "loss", "parallel", "teacher", "cache",
-                                        "flags", "collectives", "placement"}) == []
+                                       {"arch", "loss", "parallel", "collectives",
+                                        "placement"}) == []
+
+
+#: Modules of integration/ that import nothing of Megatron-Core yet serve it alone, with why.
+MEGATRON_CORE_WITHOUT_IMPORT = {
+    "megatron_kd.integration.output_layer": "bypasses a GPTModel's output layer (its attributes)",
+    "megatron_kd.integration.loss_func": "the loss as Megatron-Core schedules' loss_func",
+}
+
+
+def test_integration_holds_only_what_touches_megatron_core(modules):
+    assert rules.check_imports_external(modules, "integration", "megatron.core",
+                                        MEGATRON_CORE_WITHOUT_IMPORT) == []
+
+
+def test_the_kd_modes_sit_on_the_megatron_core_layer(modules):
+    # integration: the teacher model, its output layer, the groups; cache and teacher: the
+    # offline and the disaggregated sources' readers and client; flags: the --kd-* flags' fields
+    assert rules.check_allowed_imports(modules, "modes",
+                                       {"arch", "cache", "flags", "integration", "loss",
+                                        "parallel", "placement", "teacher"}) == []
+
+
+#: The floors of the layout (docs/architecture.md): a package imports only lower ones.
+FLOORS = {
+    "megatron_kd": 0, "parallel": 0, "flags": 0, "known_warnings": 0, "collectives": 0,
+    "placement": 0,
+    "arch": 1, "loss": 1, "cache": 1, "data": 1, "teacher": 1,
+    "planner": 2, "integration": 2,
+    "modes": 3,
+    "training": 4, "hf": 4, "megatron_lm": 4,
+    "commands": 5,
+    "demo": 6, "testing": 6,
+    "cli": 1, "__main__": 2,
+}
+
+
+def test_each_package_imports_only_lower_floors(modules):
+    assert rules.check_layers(modules, FLOORS) == []
 
 
 def test_hf_builds_on_arch_and_integration(modules):
@@ -81,12 +122,13 @@ def test_hf_builds_on_arch_and_integration(modules):
 
 
 def test_megatron_lm_hooks_sit_on_the_megatron_core_layer(modules):
-    # integration: the models, the loss function, the teacher sources; cache: the offline
-    # source's reader; teacher: the look-ahead over Megatron-LM's data iterator; known_warnings:
-    # the hooks install its filters when Megatron-LM imports them
+    # integration: the models, the loss function; modes: the teacher sources and the --kd-*
+    # flags; cache: the offline source's reader; teacher: the look-ahead over Megatron-LM's data
+    # iterator; parallel: the layout of Megatron-LM's flags; known_warnings: the hooks install
+    # its filters when Megatron-LM imports them
     assert rules.check_allowed_imports(modules, "megatron_lm",
-                                       {"arch", "integration", "cache", "teacher",
-                                        "known_warnings"}) == []
+                                       {"arch", "integration", "modes", "cache", "teacher",
+                                        "parallel", "known_warnings"}) == []
 
 
 def test_nothing_imports_the_megatron_lm_hooks(modules):
@@ -115,8 +157,9 @@ def test_cache_does_not_import_the_teacher(modules):
 
 
 def test_only_the_megatron_layers_and_training_touch_parallel_state(modules):
-    # megatron_lm: the hooks read the groups Megatron-LM set up
-    assert rules.check_parallel_state(modules, ("integration", "megatron_lm", "training")) == []
+    # megatron_lm: the hooks read the groups Megatron-LM set up; commands: a command's groups
+    assert rules.check_parallel_state(modules, ("integration", "megatron_lm", "training",
+                                                "commands")) == []
 
 
 def test_imports_wait_only_with_a_reason(modules):
@@ -206,6 +249,17 @@ def test_rules_catch_broken_trees():
     assert any("project import megatron_kd.teacher" in d for d in deferred)
     assert rules.check_sizes(tree) == [
         "megatron_kd/data/big.py:1: function h has 91 lines (> 80)"]
+    # floors: loss (1) importing training (4) runs up; a package without a floor is named
+    layers = rules.check_layers(tree, {"loss": 1, "training": 4, "megatron_kd": 0})
+    assert ("megatron_kd/loss/fused.py: loss/ (floor 1) imports megatron_kd.training.train "
+            "(training/, floor 4): not a lower floor") in layers
+    assert "arch/ has no floor" in layers
+    # integration/gpt.py imports no megatron.core: a module that does not belong there
+    assert rules.check_imports_external(tree, "integration", "megatron.core", {}) == [
+        "megatron_kd/integration/gpt.py: integration/ holds a module that does not import "
+        "megatron.core"]
+    assert rules.check_imports_external(tree, "integration", "megatron.core",
+                                        {"megatron_kd.integration.gpt": "why"}) == []
 
 
 def test_alias_rules_catch_broken_aliases():

@@ -4,12 +4,20 @@ Every case is compared with the independent dense reference (tests/kd_reference.
 forward value and the gradients of student_hidden and student_weight.
 """
 
+from dataclasses import replace
+
 import pytest
 import torch
-from support.kd_cases import make_inputs, run_ours, single_case, spec
+from support.kd_cases import make_inputs, run_ours, single_case, spec, teacher_of
 from support.kd_reference import reference_kd_loss
 
-from megatron_kd.loss import KDLossConfig, vocab_parallel_kd_loss, window
+from megatron_kd.loss import (
+    DenseTeacher,
+    KDLossConfig,
+    TopKTeacher,
+    vocab_parallel_kd_loss,
+    window,
+)
 
 KINDS = ["forward_kl", "reverse_kl", "jsd"]
 
@@ -167,8 +175,7 @@ def test_recompute_saves_no_window_tensors(monkeypatch):
     inp = make_inputs(sp)
     hidden = inp["student_hidden"].clone().requires_grad_(True)
     weight = inp["student_weight"].clone().requires_grad_(True)
-    loss, _ = vocab_parallel_kd_loss(hidden, weight, inp["teacher_hidden"],
-                                     inp["teacher_weight"],
+    loss, _ = vocab_parallel_kd_loss(hidden, weight, teacher_of(inp),
                                      config=KDLossConfig(window_size=4, backward="recompute"))
     stats = loss.grad_fn.saved_stats
     assert all(t.dim() == 1 and t.numel() <= 4 for s in stats for t in s.values())
@@ -211,7 +218,7 @@ def test_all_masked_gives_zero_and_zero_grads():
     hidden = inp["student_hidden"].clone().requires_grad_(True)
     weight = inp["student_weight"].clone().requires_grad_(True)
     loss, n = vocab_parallel_kd_loss(
-        hidden, weight, inp["teacher_hidden"], inp["teacher_weight"], labels=inp["labels"],
+        hidden, weight, teacher_of(inp), labels=inp["labels"],
         loss_mask=torch.zeros(5, 3), config=KDLossConfig(ce_weight=0.5))
     loss.backward()
     assert float(loss.detach()) == 0.0 and float(n) == 0.0
@@ -230,8 +237,8 @@ def test_terms_out_reports_unweighted_kd_and_ce_sums():
     def call(kd_weight, ce_weight):
         terms = {}
         loss, _ = vocab_parallel_kd_loss(
-            inp["student_hidden"], inp["student_weight"], inp["teacher_hidden"],
-            inp["teacher_weight"], labels=inp["labels"], loss_mask=inp["loss_mask"],
+            inp["student_hidden"], inp["student_weight"], teacher_of(inp),
+            labels=inp["labels"], loss_mask=inp["loss_mask"],
             config=KDLossConfig(kd_weight=kd_weight, ce_weight=ce_weight, ignore_index=-100),
             terms_out=terms)
         return loss.detach(), terms
@@ -259,8 +266,8 @@ def _dense(**over):
     sp = spec(ce_weight=0.5)
     inp = make_inputs(sp)
     args = dict(student_hidden=inp["student_hidden"], student_weight=inp["student_weight"],
-                teacher_hidden=inp["teacher_hidden"], teacher_weight=inp["teacher_weight"],
-                labels=inp["labels"], config=KDLossConfig(ce_weight=0.5))
+                teacher=teacher_of(inp), labels=inp["labels"],
+                config=KDLossConfig(ce_weight=0.5))
     args.update(over)
     return args
 
@@ -269,8 +276,7 @@ def _sparse(**over):
     sp = spec(teacher="renormalize")
     inp = make_inputs(sp)
     args = dict(student_hidden=inp["student_hidden"], student_weight=inp["student_weight"],
-                teacher_topk_ids=inp["teacher_topk_ids"],
-                teacher_topk_logprobs=inp["teacher_topk_logprobs"], config=KDLossConfig())
+                teacher=teacher_of(inp), config=KDLossConfig())
     args.update(over)
     return args
 
@@ -284,14 +290,14 @@ def test_error_hidden_weight_mismatch():
 
 def test_error_teacher_hidden_mismatch():
     args = _dense()
-    args["teacher_weight"] = args["teacher_weight"][:, :20]
+    args["teacher"] = replace(args["teacher"], weight=args["teacher"].weight[:, :20])
     with pytest.raises(ValueError, match=r"teacher hidden size 24"):
         vocab_parallel_kd_loss(**args)
 
 
 def test_error_teacher_and_student_shards_differ():
     args = _dense()
-    args["teacher_weight"] = args["teacher_weight"][:1000]
+    args["teacher"] = replace(args["teacher"], weight=args["teacher"].weight[:1000])
     with pytest.raises(ValueError, match=r"teacher shard has 1000 vocab rows but the student "
                                          r"shard has 1009"):
         vocab_parallel_kd_loss(**args)
@@ -307,27 +313,27 @@ def test_error_dtype_mismatch():
 
 def test_error_ids_out_of_range():
     args = _sparse()
-    ids = args["teacher_topk_ids"].clone()
+    ids = args["teacher"].ids.clone()
     ids[1, 1, 3] = 1009
-    args["teacher_topk_ids"] = ids
-    with pytest.raises(ValueError, match=r"teacher_topk_ids value 1009 out of range \[0, 1009\)"):
+    args["teacher"] = replace(args["teacher"], ids=ids)
+    with pytest.raises(ValueError, match=r"teacher\.ids value 1009 out of range \[0, 1009\)"):
         vocab_parallel_kd_loss(**args)
 
 
 def test_error_ids_past_true_vocab():
     args = _sparse(config=KDLossConfig(vocab_size=1000))
-    ids = args["teacher_topk_ids"].clone()
+    ids = args["teacher"].ids.clone()
     ids[0, 0, 0] = 1004
-    args["teacher_topk_ids"] = ids
+    args["teacher"] = replace(args["teacher"], ids=ids)
     with pytest.raises(ValueError, match=r"value 1004 out of range \[0, 1000\)"):
         vocab_parallel_kd_loss(**args)
 
 
 def test_error_duplicate_ids():
     args = _sparse()
-    ids = args["teacher_topk_ids"].clone()
+    ids = args["teacher"].ids.clone()
     ids[2, 1, 4] = ids[2, 1, 2]
-    args["teacher_topk_ids"] = ids
+    args["teacher"] = replace(args["teacher"], ids=ids)
     with pytest.raises(ValueError, match=rf"id {int(ids[2, 1, 2])} twice in token row 7"):
         vocab_parallel_kd_loss(**args)
 
@@ -345,22 +351,31 @@ def test_error_ghost_needs_t1():
 
 def test_error_ghost_mass_above_one():
     args = _sparse(config=KDLossConfig(topk_tail="ghost"))
-    args["teacher_topk_logprobs"] = torch.full_like(args["teacher_topk_logprobs"], -0.1)
+    args["teacher"] = replace(args["teacher"],
+                              logprobs=torch.full_like(args["teacher"].logprobs, -0.1))
     with pytest.raises(ValueError, match=r"sum to 6\.33\d* > 1"):
         vocab_parallel_kd_loss(**args)
 
 
-def test_error_both_teachers():
-    sp = spec(teacher="renormalize")
-    inp = make_inputs(sp)
-    args = _dense(teacher_topk_ids=inp["teacher_topk_ids"],
-                  teacher_topk_logprobs=inp["teacher_topk_logprobs"])
-    with pytest.raises(ValueError, match="not both"):
+def test_error_teacher_is_not_a_record():
+    # A dense and a top-K teacher at once cannot be written (one record or the other); a
+    # record lacks no field; a tensor where the record goes is refused, naming what came.
+    args = _dense()
+    hidden = args["teacher"].hidden
+    with pytest.raises(ValueError, match=r"DenseTeacher\.weight must be a torch\.Tensor, got "
+                                         r"NoneType"):
+        DenseTeacher(hidden=hidden, weight=None)
+    with pytest.raises(ValueError, match=r"TopKTeacher\.logprobs must be a torch\.Tensor, got "
+                                         r"NoneType"):
+        TopKTeacher(ids=torch.zeros(5, 3, 2, dtype=torch.long), logprobs=None)
+    args["teacher"] = hidden
+    with pytest.raises(ValueError, match=r"teacher must be a DenseTeacher, a TopKTeacher or "
+                                         r"None, got Tensor"):
         vocab_parallel_kd_loss(**args)
 
 
 def test_error_no_teacher_with_kd_weight():
-    args = _dense(teacher_hidden=None, teacher_weight=None)
+    args = _dense(teacher=None)
     with pytest.raises(ValueError, match=r"kd_weight=1.0 > 0 but no teacher"):
         vocab_parallel_kd_loss(**args)
 
@@ -387,16 +402,15 @@ def test_error_mask_shape():
 @pytest.mark.parametrize("kind", KINDS)
 def test_nan_raises_floating_point_error_naming_the_term(kind):
     args = _dense(config=KDLossConfig(kind=kind, ce_weight=0.5))
-    hidden = args["teacher_hidden"].clone()
+    hidden = args["teacher"].hidden.clone()
     hidden[2, 1, 0] = float("nan")
-    args["teacher_hidden"] = hidden
+    args["teacher"] = replace(args["teacher"], hidden=hidden)
     with pytest.raises(FloatingPointError, match=rf"non-finite KD \({kind}\) loss"):
         vocab_parallel_kd_loss(**args)
 
 
 def test_nan_in_ce_only_names_ce():
-    args = _dense(teacher_hidden=None, teacher_weight=None,
-                  config=KDLossConfig(kd_weight=0.0, ce_weight=1.0))
+    args = _dense(teacher=None, config=KDLossConfig(kd_weight=0.0, ce_weight=1.0))
     w = args["student_weight"].clone()
     w[3, 0] = float("inf")
     args["student_weight"] = w

@@ -9,7 +9,7 @@
 
 import pytest
 import torch
-from support.kd_cases import config_of, make_inputs, reference, rel_err, spec
+from support.kd_cases import config_of, make_inputs, reference, rel_err, spec, teacher_of
 from torch.overrides import TorchFunctionMode
 
 from megatron_kd.loss import KDLossConfig, fused, vocab_parallel_kd_loss
@@ -79,9 +79,8 @@ def _run(sp, weight_setup=None, scale=0.75):
     if weight_setup is not None:
         weight_setup(weight)
     loss, _ = vocab_parallel_kd_loss(
-        hidden, weight, inp.get("teacher_hidden"), inp.get("teacher_weight"),
-        inp.get("teacher_topk_ids"), inp.get("teacher_topk_logprobs"), inp.get("labels"),
-        inp.get("loss_mask"), config=config_of(sp) if weight_setup is None else
+        hidden, weight, teacher_of(inp), labels=inp.get("labels"),
+        loss_mask=inp.get("loss_mask"), config=config_of(sp) if weight_setup is None else
         _fusion_config(sp))
     (loss * scale).backward()
     return inp, loss, hidden, weight
@@ -125,9 +124,8 @@ def test_non_finite_loss_still_raises_after_the_function():
     hidden[1, 2, 0] = float("nan")  # token 1 * b + 2 = 5 of the flattened [s, b]
     with pytest.raises(FloatingPointError, match=r"non-finite KD \(forward_kl\) loss nan at "
                                                  r"active token 5"):
-        vocab_parallel_kd_loss(hidden, inp["student_weight"], inp["teacher_hidden"],
-                               inp["teacher_weight"], labels=inp["labels"],
-                               config=config_of(sp))
+        vocab_parallel_kd_loss(hidden, inp["student_weight"], teacher_of(inp),
+                               labels=inp["labels"], config=config_of(sp))
 
 
 @pytest.mark.parametrize("path", ["auto", "gpu"])
@@ -172,6 +170,5 @@ def test_fusion_without_main_grad_is_refused():
     weight = inp["student_weight"].clone().requires_grad_(True)
     with pytest.raises(ValueError, match="gradient_accumulation_fusion=True but student_weight "
                                          "has no main_grad"):
-        vocab_parallel_kd_loss(inp["student_hidden"], weight, inp["teacher_hidden"],
-                               inp["teacher_weight"],
+        vocab_parallel_kd_loss(inp["student_hidden"], weight, teacher_of(inp),
                                config=KDLossConfig(gradient_accumulation_fusion=True))

@@ -9,7 +9,7 @@ both gradients (tests/support/kd_cases.py holds the tolerances and their reasons
 
 import pytest
 import torch
-from support.kd_cases import make_inputs, single_case, spec
+from support.kd_cases import make_inputs, single_case, spec, teacher_of
 
 from megatron_kd.loss import GpuTuning, KDLossConfig, gpu, vocab_parallel_kd_loss
 
@@ -198,8 +198,7 @@ def test_path_validation():
 def test_cpu_elementwise_option_on_the_gpu_path_is_refused():
     inp = make_inputs(spec())
     with pytest.raises(ValueError, match="elementwise='compiled' is an option of the CPU path"):
-        vocab_parallel_kd_loss(inp["student_hidden"], inp["student_weight"],
-                               inp["teacher_hidden"], inp["teacher_weight"],
+        vocab_parallel_kd_loss(inp["student_hidden"], inp["student_weight"], teacher_of(inp),
                                config=KDLossConfig(path="gpu", elementwise="compiled",
                                                    gpu_tuning=GpuTuning(kernels="eager")))
 
@@ -209,6 +208,5 @@ def test_triton_kernels_without_triton_are_refused(monkeypatch):
     monkeypatch.setattr(gpu_kernels, "triton_available", lambda: False)
     inp = make_inputs(spec())
     with pytest.raises(ValueError, match="kernels='triton' but triton cannot be imported"):
-        vocab_parallel_kd_loss(inp["student_hidden"], inp["student_weight"],
-                               inp["teacher_hidden"], inp["teacher_weight"],
+        vocab_parallel_kd_loss(inp["student_hidden"], inp["student_weight"], teacher_of(inp),
                                config=KDLossConfig(path="gpu"))

@@ -8,7 +8,6 @@ from support.kd_cases import single_case, spec
 
 from megatron_kd.loss import CpuTuning, KDLossConfig, config, window
 
-
 CPUINFO = {"AuthenticAMD": "processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\n",
            "GenuineIntel": "processor\t: 0\nvendor_id\t: GenuineIntel\nmodel\t\t: 143\n",
            "": "processor\t: 0\nCPU implementer\t: 0x41\n"}  # an Arm machine: no vendor_id

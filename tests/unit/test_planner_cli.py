@@ -275,24 +275,26 @@ def test_search_weighs_bubble_against_p2p_for_virtual_stages():
 
 
 def test_search_takes_context_parallelism_for_long_sequences():
-    # gpt-oss-20b at 32K tokens, 4 sequences a step on one H200 node: dp <= 4, so two GPUs share
-    # each sequence. Context parallelism (a2a: sinks and sliding windows) idles nothing; a
-    # two-stage pipeline would have m = 4/4 = 1 micro-batch, a bubble (p-1)/m of 100%.
-    opts = dataclasses.replace(_opts("gpt-oss-20b", "gpt-oss-120b"), seq_length=32768,
+    # Qwen3-30B-A3B at 32K tokens, 4 sequences a step on one H200 node: dp <= 4, so GPUs share
+    # each sequence. Context parallelism idles nothing; a two-stage pipeline would have m = 4/4
+    # = 1 micro-batch, a bubble (p-1)/m of 100%.
+    opts = dataclasses.replace(_opts("qwen3-30b-a3b", "qwen3-235b-a22b"), seq_length=32768,
                                global_batch_size=4)
     plan = plan_mode(opts, Mode.OFFLINE_CACHE)
     layout = plan.layout
-    assert plan.fits and (layout.tp, layout.pp, layout.cp, layout.dp) == (1, 1, 2, 4)
-    assert layout.cp_comm_type == "a2a" and plan.bubble == 0
+    assert plan.fits and (layout.tp, layout.pp) == (1, 1) and layout.cp > 1
+    assert layout.cp * layout.dp == 8 and layout.cp_comm_type == "p2p" and plan.bubble == 0
     assert plan.wire[Traffic.CP_EXCHANGE_BYTES] > 0
+    # two stages over 8 GPUs: dp 4, one micro-batch each (experts over a stage's 4 ranks)
     pipelined = evaluate(opts, Mode.OFFLINE_CACHE,
-                         dataclasses.replace(layout, cp=1, pp=2, ep=layout.ep // 2))
+                         dataclasses.replace(layout, cp=1, pp=2, dp=4, ep=4))
     assert pipelined.bubble == 1.0
     assert pipelined.student_tokens_per_s < plan.student_tokens_per_s
-    # the same layout without context parallelism holds each rank's whole sequence
+    # the same layout without context parallelism holds each rank's whole sequence (the expert
+    # grid over the fewer ranks a stage then has)
     whole = evaluate(opts, Mode.OFFLINE_CACHE,
-                     dataclasses.replace(layout, cp=1, ep=layout.ep // 2))
-    assert plan.terms[Term.ACTIVATIONS] == whole.terms[Term.ACTIVATIONS] / 2
+                     dataclasses.replace(layout, cp=1, ep=layout.ep // layout.cp))
+    assert plan.terms[Term.ACTIVATIONS] == whole.terms[Term.ACTIVATIONS] / layout.cp
     # a Gated DeltaNet student is never split over context-parallel ranks
     qwen = dataclasses.replace(_opts("qwen3.5-9b", "qwen3.5-35b-a3b"), seq_length=32768)
     assert all(c.cp == 1 for c in student_candidates(qwen))
@@ -645,15 +647,15 @@ def test_cli_launch_args_map_into_the_layout(capsys, flag):
         (["--pipeline-model-parallel-size", "3", "--num-virtual-stages-per-pipeline-rank", "2",
           "--tensor-model-parallel-size", "1", "--nodes", "3", "--gpus-per-node", "1",
           "--global-batch-size", "3"],
-         "num_layers=32 is not a multiple of pp\\*vp=3\\*2"),
+         "pipeline-parallel size 3 x 2 virtual stages does not divide num_layers=32"),
         # tp 2 x pp 4 on 8 GPUs: dp 1, G=6: m=6 micro-batches, not a multiple of pp=4
         (["--pipeline-model-parallel-size", "4", "--tensor-model-parallel-size", "2",
           "--num-virtual-stages-per-pipeline-rank", "2", "--global-batch-size", "6"],
-         "m=6 to be a multiple of pp"),
+         "6 microbatches a step \\(per data-parallel rank\\) is not a multiple of it"),
         (["--recompute-granularity", "full", "--recompute-method", "uniform",
           "--recompute-num-layers", "3", "--tensor-model-parallel-size", "1",
           "--pipeline-model-parallel-size", "1"],
-         "recompute_num_layers=3 needs it to divide the layers of every model chunk \\(32\\)"),
+         "--recompute-num-layers 3 does not divide the layers of a model chunk \\(32\\)"),
         (["--recompute-method", "block"],
          "need recompute='full' \\(Megatron's --recompute-granularity full\\)"),
         # Megatron-Core 0.16.1 splits no Gated DeltaNet layer over context-parallel ranks
@@ -661,7 +663,7 @@ def test_cli_launch_args_map_into_the_layout(capsys, flag):
         (["--num-virtual-stages-per-pipeline-rank", "2",
           "--num-layers-per-virtual-pipeline-stage", "4"], "give one of them"),
         (["--num-virtual-stages-per-pipeline-rank", "2", "--pipeline-model-parallel-size", "1"],
-         "vp=2 needs pp > 1"),
+         "2 virtual pipeline stages per rank need --pipeline-model-parallel-size > 1"),
         # 32 layers, pp=2, 16 layers per virtual stage: one chunk per rank
         (["--num-layers-per-virtual-pipeline-stage", "16", "--pipeline-model-parallel-size", "2"],
          "more than one virtual stage of whole layers per rank"),
@@ -793,20 +795,27 @@ def test_long_context_examples_are_the_cli_plans(capsys):
         rows[(sc.student, sc.seq_length)] = {"command": sc.command(),
                                              "plan": to_json(plan_all(opts), opts, [])}
     assert set(rows) == {("llama-3.2-3b", 8192), ("llama-3.2-3b", 32768),
-                         ("gpt-oss-20b", 32768), ("qwen3.5-9b", 32768)}
-    # the gpt-oss row through the CLI itself: the same peak and layout in every mode
-    row = rows[("gpt-oss-20b", 32768)]
+                         ("qwen3-30b-a3b", 32768), ("qwen3.5-9b", 32768)}
+    # the mixture-of-experts row through the CLI itself: the same peak and layout in every mode
+    row = rows[("qwen3-30b-a3b", 32768)]
     argv = row["command"].split()[2:]  # after "megatron-kd plan"
     cli = _run_json(capsys, *argv)
     for mode, plan in row["plan"]["plans"].items():
         assert cli["plans"][mode]["total_bytes"] == plan["total_bytes"], mode
         assert cli["plans"][mode]["layout"] == plan["layout"], mode
     plans = row["plan"]["plans"]
-    # 4 sequences a step on 8 GPUs: the fused, offline and disaggregated students share each
-    # sequence over context-parallel ranks with a2a (attention sinks and sliding windows)
-    for mode in ("colocated-fused", "offline-cache", "disaggregated"):
-        assert plans[mode]["fits"] and plans[mode]["layout"]["cp"] > 1, mode
-        assert plans[mode]["layout"]["cp_comm_type"] == "a2a", mode
+    # 4 sequences a step on 8 GPUs: the offline and disaggregated students share each sequence
+    # over context-parallel ranks (p2p), and hold their experts over 8 expert-parallel ranks
+    for mode in ("offline-cache", "disaggregated"):
+        layout = plans[mode]["layout"]
+        assert plans[mode]["fits"] and layout["cp"] > 1 and layout["cp_comm_type"] == "p2p", mode
+        assert layout["ep"] == 8, mode
+    # colocated, the teacher's 4 key/value groups bound the tensor-parallel size of the
+    # student's groups to 4: the fused loss fits there only with full recompute, the dense
+    # loss not at all
+    fused = plans["colocated-fused"]
+    assert fused["fits"] and fused["layout"]["tp"] <= 4 and fused["layout"]["recompute"] == "full"
+    assert not plans["colocated-dense"]["fits"]
     # one H200 at 32K: the dense loss does not fit the 3B student even with full recompute
     llama = rows[("llama-3.2-3b", 32768)]["plan"]["plans"]
     assert not llama["colocated-dense"]["fits"]

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from megatron_kd.training.report import RunLog, read_run, summary_table, write_report
+from megatron_kd.commands.report import RunLog, read_run, summary_table, write_report
 
 
 def _log(path, steps, *, wait=None, evals=(), events=()):

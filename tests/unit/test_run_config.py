@@ -2,18 +2,23 @@
 
 import argparse
 import dataclasses
+import importlib
 import re
 
 import pytest
 
+from megatron_kd.cli import SUBCOMMANDS
+from megatron_kd.commands import cache as cache_command
+from megatron_kd.commands import teacher_serve
 from megatron_kd.flags import Flag, add_flags, default_of, flag, from_flags
-from megatron_kd.integration.args import GPU_LOSS_FLAGS, LOSS_FLAGS, KDArgs, add_kd_args
 from megatron_kd.loss import GpuTuning, KDLossConfig
-from megatron_kd.training import cache_command, teacher_serve
+from megatron_kd.modes.args import GPU_LOSS_FLAGS, LOSS_FLAGS, KDArgs, add_kd_args
+from megatron_kd.planner.plan import PlanOptions
 from megatron_kd.training.metrics import MetricsSection
 from megatron_kd.training.run_config import (
     ArchitectureSection,
     DataSection,
+    KernelSection,
     LoggingSection,
     OptimizerSection,
     ParallelSection,
@@ -24,7 +29,7 @@ from megatron_kd.training.run_config import (
 MINIMAL = ["--num-layers", "2", "--hidden-size", "8", "--num-attention-heads", "2",
            "--seq-length", "16", "--micro-batch-size", "1", "--train-iters", "3",
            "--mock-data", "--vocab-size", "100", "--kd-weight", "0", "--kd-ce-weight", "1"]
-SECTIONS = (ArchitectureSection, ParallelSection, OptimizerSection, DataSection,
+SECTIONS = (ArchitectureSection, ParallelSection, KernelSection, OptimizerSection, DataSection,
             LoggingSection, MetricsSection)
 
 
@@ -96,6 +101,62 @@ def test_each_loss_flag_lands_in_its_own_field():
                                         weight_grad="input_dtype")
     names = {spec.option(n) for n, spec in (*LOSS_FLAGS.items(), *GPU_LOSS_FLAGS.items())}
     assert names - {"--kd-topk-tail"} == set(flags)  # every loss flag is in this test
+
+
+# Every KDArgs flag and --kd-topk-tail given a value no other flag has and no default is. The
+# modes constrain which flags go together (disaggregated needs an endpoint and a teacher;
+# offline needs a cache, refuses a teacher and takes --kd-topk-tail), so two parses: together
+# they give every such flag a non-default value, each parse its own.
+_KD_DISAGGREGATED = {"--kd-mode": "disaggregated", "--kd-teacher-load": "/pin/teacher-load",
+                     "--kd-teacher-args": "/pin/teacher-args.txt", "--kd-teacher-dtype": "bf16",
+                     "--kd-teacher-endpoint": "/pin/endpoint", "--kd-teacher-timeout": "37.5",
+                     "--kd-wire-dtype": "fp8", "--kd-prefetch-depth": "3"}
+_KD_OFFLINE = {"--kd-mode": "offline", "--kd-topk-cache": "/pin/topk-cache",
+               "--kd-topk-tail": "ghost", "--kd-prefetch-depth": "5"}
+
+
+def _kd_parse_train(flags: dict) -> KDArgs:
+    """``megatron-kd train``'s parser."""
+    argv = MINIMAL[:-4] + [x for kv in flags.items() for x in kv]
+    return RunConfig.from_args(parse_args(argv)).kd
+
+
+def _kd_parse_megatron_lm(flags: dict) -> KDArgs:
+    """A bare parser given the flags as Megatron-LM's ``extra_args_provider`` adds them."""
+    parser = argparse.ArgumentParser(allow_abbrev=False)
+    add_kd_args(parser)
+    return KDArgs.from_args(parser.parse_args([x for kv in flags.items() for x in kv]))
+
+
+@pytest.mark.parametrize("parse", [_kd_parse_train, _kd_parse_megatron_lm])
+def test_each_kd_flag_lands_in_its_own_field(parse):
+    """A swapped pair (``--kd-teacher-load`` read into ``teacher_endpoint``, say) or a flag
+    read into nothing fails here; the end-to-end runs of a mode would mostly not notice."""
+    dis = parse(_KD_DISAGGREGATED)
+    assert (dis.mode, dis.teacher_load, dis.teacher_args, dis.teacher_dtype,
+            dis.teacher_endpoint, dis.teacher_timeout, dis.wire_dtype, dis.prefetch_depth,
+            dis.topk_cache, dis.loss.topk_tail) == (
+        "disaggregated", "/pin/teacher-load", "/pin/teacher-args.txt", "bf16", "/pin/endpoint",
+        37.5, "fp8", 3, None, "renormalize")
+    off = parse(_KD_OFFLINE)
+    assert (off.mode, off.teacher_load, off.teacher_args, off.teacher_dtype,
+            off.teacher_endpoint, off.teacher_timeout, off.wire_dtype, off.prefetch_depth,
+            off.topk_cache, off.loss.topk_tail) == (
+        "offline", None, None, "fp32", None, 600.0, None, 5, "/pin/topk-cache", "ghost")
+    # the values given differ from every default (else a flag read into nothing would pass)
+    default = KDArgs(teacher_load="t")
+    assert (default.mode, default.teacher_args, default.teacher_dtype, default.teacher_endpoint,
+            default.teacher_timeout, default.wire_dtype, default.prefetch_depth,
+            default.topk_cache, default.loss.topk_tail) == (
+        "colocated", None, "fp32", None, 600.0, None, 2, None, "renormalize")
+    # --kd-topk-tail moved the loss's topk_tail and nothing else of it (the other loss flags
+    # have their own pin above)
+    assert dataclasses.replace(off.loss, topk_tail="renormalize") == dis.loss
+    # every KDArgs flag, and --kd-topk-tail, is in this test
+    kd_flags = {f.metadata["megatron_kd.flag"].option(f.name) for f in dataclasses.fields(KDArgs)
+                if "megatron_kd.flag" in f.metadata}
+    assert kd_flags | {LOSS_FLAGS["topk_tail"].option("topk_tail")} == \
+        set(_KD_DISAGGREGATED) | set(_KD_OFFLINE)
 
 
 def test_run_config_defaults_are_the_sections_defaults():
@@ -176,3 +237,47 @@ def test_teacher_serve_config_refuses_bad_values(flags, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         teacher_serve.ServeConfig.from_args(args)
 
+
+def _options(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
+    return {option: action for action in parser._actions for option in action.option_strings}
+
+
+def _cache_build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser()
+    importlib.import_module(SUBCOMMANDS["cache"][0]).add_arguments(parser)
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    build = sub.choices["build"]
+    build.format_help()  # its flags are added when first used (parsing or --help)
+    return build
+
+
+def _default(cls, name: str):
+    return next(f.default for f in dataclasses.fields(cls) if f.name == name)
+
+
+def test_the_planners_kd_flags_are_the_training_commands():
+    # the --kd-* flags `megatron-kd plan` shares with `train` (and the Megatron-LM hooks) and
+    # `cache build`: the same flag, choices and help, and the plan's default is theirs
+    planner = argparse.ArgumentParser()
+    importlib.import_module(SUBCOMMANDS["plan"][0]).add_arguments(planner)
+    train = argparse.ArgumentParser()
+    importlib.import_module(SUBCOMMANDS["train"][0]).add_arguments(train)
+    plan, trained, cache = _options(planner), _options(train), _options(_cache_build_parser())
+    for option, other, field in (("--kd-prefetch-depth", trained, "prefetch_depth"),
+                                 ("--kd-window-size", trained, "window_size"),
+                                 ("--kd-wire-dtype", trained, "wire_dtype"),
+                                 ("--kd-topk", cache, "topk")):
+        assert plan[option].choices == other[option].choices, option
+        assert plan[option].type == other[option].type, option
+        # None on the planner's command line: given, or else --from-args's, else the plan's
+        assert plan[option].default is None and plan[option].dest == field
+        if field != "wire_dtype":
+            assert _default(PlanOptions, field) == other[option].default, option
+        if field != "window_size":
+            assert plan[option].help.startswith(other[option].help), option
+    # one pinned K: cache build's, and the plan's when none is given
+    assert _default(PlanOptions, "topk") == cache["--kd-topk"].default == 100
+    # the wire's default is the teacher's dtype, which the plan takes as bf16 (its weights')
+    assert trained["--kd-wire-dtype"].default is None
+    assert _default(PlanOptions, "wire_dtype") == "bf16"
+    assert _default(PlanOptions, "hidden_elem_bytes") == 2

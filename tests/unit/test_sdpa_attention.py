@@ -1,10 +1,12 @@
 """The SDPA core attention (:mod:`megatron_kd.integration.sdpa_attention`) against an independent
 dense reference and against Megatron-Core's ``DotProductAttention``: forward value and the
 gradients of q, k and v, fp32 and bf16, grouped-query attention, odd sizes, sliding windows, the
-chunk geometry context parallelism uses; what it refuses; which attention the local spec picks
-(no process group: a one-rank tensor-parallel stand-in).
+chunk geometry context parallelism uses; what it refuses; which attention the local spec picks,
+and the ``--attention-backend`` flag that chooses it in each command (no process group: a
+one-rank tensor-parallel stand-in).
 """
 
+import argparse
 import json
 import math
 from types import SimpleNamespace
@@ -14,7 +16,7 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.transformer.dot_product_attention import DotProductAttention
-from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.enums import AttnBackend, AttnMaskType
 from support.archs import tiny_arch
 from support.attention_cases import (
     PARTS,
@@ -28,6 +30,9 @@ from support.attention_cases import (
 )
 
 from megatron_kd.cli import main
+from megatron_kd.commands import cache as cache_command
+from megatron_kd.commands import teacher_serve
+from megatron_kd.flags import from_flags
 from megatron_kd.integration import gpt, sdpa_attention
 from megatron_kd.integration.context_parallel import (
     ContextParallelAttention,
@@ -35,11 +40,13 @@ from megatron_kd.integration.context_parallel import (
 )
 from megatron_kd.integration.cpu_shim import device_context, install_cpu_shim
 from megatron_kd.integration.sdpa_attention import (
-    ATTENTION_ENV,
+    ATTENTION_CHOICES,
     SdpaAttention,
     causal_attention,
 )
+from megatron_kd.megatron_lm.checks import teacher_attention
 from megatron_kd.planner.memory import ATTENTION_ASSUMPTIONS, ActivationOptions
+from megatron_kd.training.run_config import KernelSection, RunConfig, parse_args
 
 # (seq, batch, heads, groups, head_dim): odd sizes, MHA and two GQA ratios, a head dim that is
 # no multiple of 8
@@ -70,7 +77,6 @@ def one_rank(monkeypatch):
     """The CPU shim, Megatron's global buffer (the unfused attention's scores) and its seeded
     model-parallel RNG (dropout forks it), without a process group."""
     install_cpu_shim()
-    monkeypatch.delenv(ATTENTION_ENV, raising=False)
     made = parallel_state._GLOBAL_MEMORY_BUFFER is None
     if made:
         parallel_state._set_global_memory_buffer()
@@ -195,10 +201,13 @@ def test_refuses_what_it_does_not_compute():
         module(q, k[:4], v[:4], None)
 
 
-def test_environment_variable_is_checked(monkeypatch):
-    monkeypatch.setenv(ATTENTION_ENV, "flash")
-    with pytest.raises(ValueError, match=r"MEGATRON_KD_ATTENTION='flash'; choose from"):
-        sdpa_attention.requested_attention()
+def test_attention_choice_is_checked():
+    assert ATTENTION_CHOICES == ("auto", "sdpa", "unfused")
+    with pytest.raises(ValueError, match=r"--attention-backend 'flash': choose from auto, "
+                                         r"sdpa, unfused"):
+        sdpa_attention.check_attention_choice("flash")
+    with pytest.raises(ValueError, match=r"--attention-backend 'flash': choose from"):
+        _core_attentions({}, attention="flash")
 
 
 # --- which attention the local spec picks ---------------------------------------------------
@@ -208,12 +217,13 @@ HYBRID = {"qk_layernorm": True, "linear_attention_layers": [0], "linear_num_key_
           "linear_conv_kernel_dim": 4, "attention_output_gate": True}
 
 
-def _core_attentions(arch_kw, cp=1):
-    """The ``core_attention`` module of every softmax attention layer of the block spec."""
+def _core_attentions(arch_kw, cp=1, attention="auto"):
+    """The ``core_attention`` module of every softmax attention layer of the block spec built
+    for ``attention`` (``--attention-backend``)."""
     arch = tiny_arch(**arch_kw)
     config = gpt._transformer_config(arch, tp_size=1, pp_size=1, cp_size=cp,
                                      expert_sizes=(1, 1), params_dtype=torch.float32)
-    block = gpt._block_spec(arch, config, vp_stage=None, pp_rank=0)
+    block = gpt._block_spec(arch, config, vp_stage=None, pp_rank=0, attention=attention)
     found = [getattr(spec.submodules.self_attention.submodules, "core_attention", None)
              for spec in block.layer_specs]
     # a spec entry is a module class or a ModuleSpec of one
@@ -223,7 +233,7 @@ def _core_attentions(arch_kw, cp=1):
 @pytest.fixture
 def gpu_without_te(monkeypatch):
     monkeypatch.setattr(gpt, "on_cpu", lambda: False)
-    monkeypatch.setattr(gpt, "_te_available", lambda: False)
+    monkeypatch.setattr(gpt, "transformer_engine_available", lambda: False)
 
 
 @pytest.mark.parametrize("arch_kw", [{}, {"num_experts": 4, "moe_router_topk": 2,
@@ -242,20 +252,75 @@ def test_gpu_without_te_keeps_sinks_unfused(gpu_without_te, monkeypatch):
     # attention sinks have no SDPA form: the unfused attention (scores formed), or a refusal
     sinks = {"attention_sinks": True}
     assert set(_core_attentions(sinks)) == {DotProductAttention}
-    monkeypatch.setenv(ATTENTION_ENV, "sdpa")
     with pytest.raises(ValueError, match="got 'learnable'"):
-        _core_attentions(sinks)
+        _core_attentions(sinks, attention="sdpa")
 
 
 def test_cpu_default_and_overrides(monkeypatch):
+    # the environment variable that chose it before is not read any more
+    monkeypatch.setenv("MEGATRON_KD_ATTENTION", "sdpa")
     assert set(_core_attentions({})) == {DotProductAttention}
     assert set(_core_attentions({}, cp=2)) == {ContextParallelAttention}
-    monkeypatch.setenv(ATTENTION_ENV, "sdpa")
-    assert set(_core_attentions(HYBRID)) == {SdpaAttention}
+    assert set(_core_attentions(HYBRID, attention="sdpa")) == {SdpaAttention}
     monkeypatch.setattr(gpt, "on_cpu", lambda: False)
-    monkeypatch.setattr(gpt, "_te_available", lambda: False)
-    monkeypatch.setenv(ATTENTION_ENV, "unfused")
-    assert set(_core_attentions({})) == {DotProductAttention}
+    monkeypatch.setattr(gpt, "transformer_engine_available", lambda: False)
+    assert set(_core_attentions({})) == {SdpaAttention}
+    assert set(_core_attentions({}, attention="unfused")) == {DotProductAttention}
+
+
+def _serve_config(argv):
+    parser = argparse.ArgumentParser()
+    teacher_serve.add_arguments(parser)
+    return teacher_serve.ServeConfig.from_args(parser.parse_args(
+        ["serve", "--kd-teacher-load", "ckpt", "--kd-teacher-endpoint", "ep", *argv]))
+
+
+def _cache_build_kernels(argv):
+    parser = argparse.ArgumentParser()
+    cache_command.add_arguments(parser)
+    args = parser.parse_args(["build", "--out", "o", "--kd-teacher-load", "t", "--seq-length",
+                              "16", "--train-iters", "1", "--global-batch-size", "1", *argv])
+    return from_flags(KernelSection, args)
+
+
+TRAIN = ["--num-layers", "2", "--hidden-size", "8", "--num-attention-heads", "2",
+         "--seq-length", "16", "--micro-batch-size", "1", "--train-iters", "3", "--mock-data",
+         "--vocab-size", "100", "--kd-weight", "0", "--kd-ce-weight", "1"]
+
+
+@pytest.mark.parametrize("choice", ["sdpa", "unfused"])
+def test_attention_backend_is_a_flag_of_every_command_that_builds_a_model(choice):
+    """``--attention-backend`` reaches each command's config (and from there the model
+    builder); its default is ``auto``, a value outside the choices is refused by the parser and
+    by the section."""
+    assert RunConfig.from_args(parse_args(TRAIN)).kernels == KernelSection()
+    assert KernelSection().attention_backend == "auto"
+    given = KernelSection(attention_backend=choice)
+    assert RunConfig.from_args(parse_args(TRAIN + ["--attention-backend", choice])).kernels \
+        == given
+    assert _serve_config(["--attention-backend", choice]).kernels == given
+    assert _serve_config([]).kernels == KernelSection()
+    assert _cache_build_kernels(["--attention-backend", choice]) == given
+    assert _cache_build_kernels([]) == KernelSection()
+    with pytest.raises(SystemExit):
+        parse_args(TRAIN + ["--attention-backend", "flash"])
+    with pytest.raises(ValueError, match=r"--attention-backend 'flash': choose from auto, "
+                                         r"sdpa, unfused"):
+        KernelSection(attention_backend="flash")
+
+
+@pytest.mark.parametrize("backend, teacher", [
+    (None, "auto"), (AttnBackend.auto, "auto"), (AttnBackend.flash, "auto"),
+    (AttnBackend.fused, "auto"), (AttnBackend.local, "unfused"),
+    (AttnBackend.unfused, "unfused"), ("local", "unfused")])
+def test_megatron_lm_teacher_follows_its_attention_backend(backend, teacher):
+    """Inside Megatron-LM the colocated teacher's attention is read from Megatron-LM's own
+    ``--attention-backend`` (an ``AttnBackend``; absent from old trees): the backends that
+    form the scores keep it on ``DotProductAttention``, the others give ``auto``."""
+    args = SimpleNamespace() if backend is None else SimpleNamespace(attention_backend=backend)
+    assert teacher_attention(args) == teacher
+    with pytest.raises(ValueError, match=r"--attention-backend 'paged'"):
+        teacher_attention(SimpleNamespace(attention_backend="paged"))
 
 
 # --- what the planner assumes ------------------------------------------------------------------

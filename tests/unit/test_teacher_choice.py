@@ -12,17 +12,18 @@
 
 Real ``TCPStore`` servers and sockets on 127.0.0.1, no process group. A dead replica's port is
 a socket bound and not listening (the kernel refuses connections to it, as to a killed
-process's port, and the port stays ours: no bind-then-close race).
+process's port, and the port stays ours: no bind-then-close race). "At once" is counted, not
+timed: a dead replica costs one connection attempt, which the kernel refuses, and no store
+client (whose retries until its timeout were the stall).
 """
 
 import datetime
 import socket
-import time
 
 import pytest
 import torch.distributed as dist
 
-from megatron_kd.teacher import choice
+from megatron_kd.teacher import choice, protocol
 from megatron_kd.teacher.choice import ReplicaChooser
 from megatron_kd.teacher.endpoint import DirectoryEndpoint, ReplicaRecord
 from megatron_kd.teacher.protocol import (
@@ -35,8 +36,6 @@ from megatron_kd.teacher.protocol import (
 )
 
 IDENTITY = {"checkpoint": "abc", "hidden_size": 8}
-#: far above what finding a refused port takes (milliseconds), far below the timeouts used
-FAST_S = 1.0
 
 
 @pytest.fixture
@@ -56,6 +55,29 @@ def dead_ports():
         s.close()
 
 
+@pytest.fixture
+def dialled(monkeypatch):
+    """What :func:`~megatron_kd.teacher.protocol.replica_store` does, by port: ``connect``, each
+    connection attempt; ``client``, each store client made. A client to a port in ``dead``
+    fails the test at once (the real one would retry the refused port until its timeout)."""
+    calls = {"connect": [], "client": [], "dead": set()}
+    real_connect, real_store = socket.create_connection, dist.TCPStore
+
+    def connect(address, *args, **kwargs):
+        calls["connect"].append(address[1])
+        return real_connect(address, *args, **kwargs)
+
+    def store(host, port, *args, is_master=False, **kwargs):
+        if not is_master:
+            calls["client"].append(port)
+            assert port not in calls["dead"], f"a store client for dead port {port}"
+        return real_store(host, port, *args, is_master=is_master, **kwargs)
+
+    monkeypatch.setattr(protocol.socket, "create_connection", connect)
+    monkeypatch.setattr(protocol.dist, "TCPStore", store)
+    return calls
+
+
 META = ConnectionMeta(run=1, dp_rank=0, tp=1, micro_batch_size=1, seq_length=8, max_samples=1,
                       wire_dtype="fp32", device="cpu", identity=IDENTITY)
 
@@ -72,33 +94,44 @@ def _live_store():
     return store
 
 
-def test_a_dead_replicas_store_is_refused_at_once(dead_ports):
+def test_a_dead_replicas_store_is_refused_at_once(dead_ports, dialled):
     (port,) = dead_ports(1)
-    t0 = time.monotonic()
+    dialled["dead"].add(port)
     with pytest.raises(ConnectionRefusedError):
         replica_store(ReplicaRecord(replica="gone", host="127.0.0.1", port=port), 10.0)
-    assert time.monotonic() - t0 < FAST_S  # was the timeout and once more: 10 s, then 10 s
+    # one attempt, refused by the kernel, and no store client: a client retried the refused
+    # port until its timeout and once more (10 s, then 10 s)
+    assert dialled["connect"] == [port] and dialled["client"] == []
     live = _live_store()
     store = replica_store(ReplicaRecord(replica="here", host="127.0.0.1", port=live.port), 10.0)
     store.set("k", "v")
     assert live.get("k") == b"v"
+    assert dialled["connect"] == [port, live.port] and dialled["client"] == [live.port]
 
 
-def test_stale_records_cost_a_rebalance_check_nothing(tmp_path, dead_ports):
+def test_stale_records_cost_a_rebalance_check_nothing(tmp_path, dead_ports, dialled):
     endpoint = DirectoryEndpoint(str(tmp_path / "endpoint"))
     live = _live_store()
     current = ReplicaRecord(replica="current", host="127.0.0.1", port=live.port,
                             identity=IDENTITY)
     endpoint.publish(current)
+    dead = dead_ports(3)
+    dialled["dead"].update(dead)
     stale = [ReplicaRecord(replica=f"killed{i}", host="127.0.0.1", port=port, identity=IDENTITY)
-             for i, port in enumerate(dead_ports(3))]
+             for i, port in enumerate(dead)]
     for record in stale:
         endpoint.publish(record)
     chooser = _chooser(endpoint)
-    t0 = time.monotonic()
     assert chooser.less_loaded(current) is None  # only dead replicas to move to
-    assert time.monotonic() - t0 < FAST_S  # was 3 stale records x (2 s probe + its retry)
+    # each stale record one refused attempt and no store client (was 3 x (a 2 s probe's
+    # client and its retry)); the live replica one attempt and its one client
+    assert sorted(dialled["connect"]) == sorted([live.port, *dead])
+    assert dialled["client"] == [live.port]
     assert chooser.dead == {r.replica for r in stale} and chooser.live() == 1
+    # found dead, not dialled again: the next check costs no attempt at all
+    assert chooser.less_loaded(current) is None
+    assert sorted(dialled["connect"]) == sorted([live.port, *dead])
+    assert dialled["client"] == [live.port]
 
 
 def _set_load(store, connections, pending):

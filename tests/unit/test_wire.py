@@ -1,6 +1,8 @@
 """The teacher wire's messages (no process group): headers round-trip, a response that does
 not answer its request names both values, and the three wire element types."""
 
+import collections
+
 import pytest
 import torch
 
@@ -65,3 +67,21 @@ def test_planner_counts_the_bytes_the_wire_carries(wire_dtype):
         on_wire = sum(p.numel() * p.element_size() for p in sent)
         assert traffic.wire_bytes_per_token(hidden, wire_dtype) == on_wire
         assert wire_bytes_per_token(hidden, wire_dtype) == on_wire
+
+
+def test_planner_counts_the_token_ids_a_student_sends():
+    from megatron_kd.planner import traffic
+    from megatron_kd.teacher.client import TeacherClient
+
+    # the client's request for one micro-batch, taken where it would go on the wire
+    client = TeacherClient.__new__(TeacherClient)  # nothing connected: only the request is built
+    client.member, client.next_request = 0, 0
+    client.outstanding = collections.deque()
+    tokens = torch.arange(6, dtype=torch.int64).reshape(2, 3)
+    client.schedule = iter([(0, 0, (0, 1), tokens)])
+    sent = []
+    client._transmit = sent.append
+    client._send_next()
+    (request,) = sent
+    assert request.tokens.element_size() == traffic.TOKEN_ID_BYTES
+    assert request.tokens.nbytes == traffic.token_bytes_per_step_per_dp_rank(2, 1, 3)

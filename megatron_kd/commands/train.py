@@ -3,10 +3,11 @@ disaggregated (a teacher service) or offline (a top-K cache).
 
 Launch with ``torchrun`` (``RANK``/``WORLD_SIZE``/``MASTER_ADDR`` in the environment), as a single
 process, or call :func:`train` in processes that already have ``torch.distributed`` initialised.
-On a machine without a GPU the project's CPU shim is installed and gloo is used. The flags are
+On a machine without a GPU the project's CPU shim is installed and gloo is used
+(:mod:`megatron_kd.commands.startup`). The flags are
 the typed sections of :mod:`megatron_kd.training.run_config`, the checks in
 :mod:`megatron_kd.training.run_checks`, the teacher one of
-:mod:`megatron_kd.integration.teacher_sources`, the loop in :mod:`megatron_kd.training.trainer`.
+:mod:`megatron_kd.modes`, the loop in :mod:`megatron_kd.training.trainer`.
 """
 
 from __future__ import annotations
@@ -15,11 +16,9 @@ import argparse
 import json
 import sys
 
-import torch
 import torch.distributed as dist
 
-from megatron_kd.integration.cpu_shim import device_context, install_cpu_shim, on_cpu
-from megatron_kd.integration.groups import init_distributed_from_env, model_parallel
+from megatron_kd.commands.startup import in_layout, started
 from megatron_kd.training.run_checks import check_run
 from megatron_kd.training.run_config import RunConfig, add_arguments, parse_args
 from megatron_kd.training.trainer import Trainer
@@ -32,26 +31,19 @@ def train(args: argparse.Namespace | RunConfig, *, loss_fn=None) -> dict:
     :class:`~megatron_kd.training.run_config.RunConfig`); returns a summary dict (per-step
     records included).
 
-    Initialises ``torch.distributed`` from the environment if it is not already (torchrun, or a
-    world of one), sets up Megatron's TP x PP groups for the run and tears them down after.
+    Starts as every command does (:func:`megatron_kd.commands.startup.started`), sets up
+    Megatron's groups of the run's layout and tears them down after.
     ``loss_fn`` replaces the fused loss (same signature; for tests).
     """
-    install_cpu_shim()
-    if on_cpu():
-        torch.set_flush_denormal(True)  # denormal softmax tails make CPU matmuls ~50x slower
     config = args if isinstance(args, RunConfig) else RunConfig.from_args(args)
-    created = init_distributed_from_env()
-    try:
+    with started():
         run = check_run(config, dist.get_world_size())  # every check before any model is built
-        with model_parallel(run.tp, run.pp, run.ep, run.etp, run.vp, run.cp), device_context():
+        with in_layout(run.layout):
             trainer = Trainer(config, run, loss_fn=loss_fn)
             try:
                 return trainer.fit()
             finally:
                 trainer.close()
-    finally:
-        if created:
-            dist.destroy_process_group()
 
 
 def run(args: argparse.Namespace) -> int:

@@ -17,7 +17,7 @@ global_batch_size)``. Launch it with ``torchrun``: the world splits into teacher
 ``--tensor-model-parallel-size`` ranks; replicas share the shards. Run it again after a crash
 to resume. The teacher is not pipelined.
 
-The build itself is :mod:`megatron_kd.training.cache_build`, imported only for ``build``:
+The build itself is :mod:`megatron_kd.commands.cache_build`, imported only for ``build``:
 ``verify`` and ``info`` read files and answer without torch or Megatron-Core.
 """
 
@@ -86,7 +86,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _add_build_flags(b: argparse.ArgumentParser) -> None:
     # the run's sections are Megatron-Core's configs: imported for build only
-    from megatron_kd.training.cache_build import add_data_flags, add_run_flags
+    from megatron_kd.commands.cache_build import add_data_flags, add_run_flags
 
     add_flags(b, CacheBuildSection, exclude=("micro_batch_size",))
     add_run_flags(b)
@@ -104,6 +104,6 @@ def run(args: argparse.Namespace) -> int:
 
 def _build(args: argparse.Namespace) -> int:
     # torch and Megatron-Core: imported for build only
-    from megatron_kd.training.cache_build import run_build
+    from megatron_kd.commands.cache_build import run_build
 
     return run_build(from_flags(CacheBuildSection, args), args)

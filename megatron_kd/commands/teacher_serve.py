@@ -29,33 +29,32 @@ import os
 import socket
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
-from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from megatron_kd.arch import sequence_parts
+from megatron_kd.arch import Role, check_layout
+from megatron_kd.commands.startup import in_layout, started
 from megatron_kd.flags import add_flags, flag, from_flags
-from megatron_kd.integration.args import KDArgs, add_teacher_flags
-from megatron_kd.integration.context_parallel import cp_positions, gather_positions
-from megatron_kd.integration.cpu_shim import device_context, install_cpu_shim, on_cpu
-from megatron_kd.integration.groups import (
-    check_experts_within_tensor_parallel,
-    init_distributed_from_env,
-    model_parallel,
+from megatron_kd.integration.gpt import transformer_engine_available
+from megatron_kd.integration.teacher import (
+    build_frozen_teacher,
+    check_teacher,
+    full_sequence_forward,
+    teacher_identity,
 )
-from megatron_kd.integration.output_layer import gather_sequence, to_sbh
-from megatron_kd.integration.teacher import build_frozen_teacher, check_teacher, teacher_identity
+from megatron_kd.modes.args import KDArgs, add_teacher_flags
+from megatron_kd.parallel import ParallelLayout
 from megatron_kd.placement import compute_device
-from megatron_kd.teacher.endpoint import parse_endpoint
+from megatron_kd.teacher.config import ServiceConfig
+from megatron_kd.teacher.endpoint import ReplicaLayout, parse_endpoint
 from megatron_kd.teacher.launcher_watch import STOP_OVERDUE_EXIT, LauncherWatch, stop_on_signals
 from megatron_kd.teacher.service import TeacherService
 from megatron_kd.training.metrics import MetricsSection, MetricWriters, service_scalars
-from megatron_kd.training.run_config import ParallelSection
+from megatron_kd.training.run_config import KernelSection, ParallelSection
 
-__all__ = ["ServeConfig", "ServeSection", "add_arguments", "run"]
+__all__ = ["ServeConfig", "ServeSection", "add_arguments", "check_replica_layout", "run"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -128,13 +127,17 @@ class ServeConfig:
     serve: ServeSection
     metrics: MetricsSection
 
+    kernels: KernelSection = field(default_factory=KernelSection)
+    """The teacher's attention kernels (``--attention-backend``, as ``train``'s)."""
+
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ServeConfig:
         """The sections of the flags :func:`add_arguments` added to ``serve``."""
         return cls(serve=from_flags(ServeSection, args),
                    teacher=from_flags(KDArgs, args, mode="disaggregated"),
                    parallel=from_flags(ParallelSection, args),
-                   metrics=from_flags(MetricsSection, args))
+                   metrics=from_flags(MetricsSection, args),
+                   kernels=from_flags(KernelSection, args))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -149,6 +152,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "tensor_model_parallel_size", "pipeline_model_parallel_size",
         "expert_model_parallel_size", "expert_tensor_parallel_size", "sequence_parallel",
         "context_parallel_size"))
+    add_flags(s, KernelSection, use_groups=False)
     add_teacher_flags(s, only=("teacher_args", "teacher_dtype"),
                       help={"teacher_dtype": "parameter dtype of the teacher"})
     add_flags(s, ServeSection, only=("max_batch_size", "max_seq_length"))
@@ -182,34 +186,28 @@ def _registry(host: str, port: int) -> int:
     return 0
 
 
+def check_replica_layout(arch, layout: ParallelLayout, *, transformer_engine: bool) -> None:
+    """``teacher serve``'s layout check: ``arch`` as a replica of ``layout``
+    (:func:`megatron_kd.arch.check_layout`, a replica's role); what the planner's replicas are
+    held to."""
+    check_layout(arch, layout, role=Role.TEACHER_REPLICA, transformer_engine=transformer_engine)
+
+
 def _check(cfg: ServeConfig, world: int):
-    parallel = cfg.parallel
-    for name, value in (("tensor_model_parallel_size", parallel.tensor_model_parallel_size),
-                        ("pipeline_model_parallel_size", parallel.pipeline_model_parallel_size),
-                        ("context_parallel_size", parallel.context_parallel_size)):
-        if value < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
-    tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
-    cp = parallel.context_parallel_size
-    if world != tp * pp * cp:
-        raise ValueError(f"a teacher replica's world is its TP x PP x CP ({tp} x {pp} x {cp} = "
-                         f"{tp * pp * cp}), got {world} ranks: launch one `teacher serve` per "
-                         f"replica (a replica is never a data-parallel rank of another: each "
-                         f"must be able to fail alone)")
+    """``(teacher directory, architecture, layout)`` of this replica, checked: the replica's
+    layout over its ``world``."""
     teacher_dir, arch = check_teacher(cfg.teacher.teacher_load,
-                                      seq_length=cfg.serve.max_seq_length or 1, tp_sizes=(tp,),
-                                      pp_size=pp, teacher_args=cfg.teacher.teacher_args)
-    arch.check_context_parallel(cp, role="teacher",
-                                advice="serve it at --context-parallel-size 1")
-    check_experts_within_tensor_parallel(arch, tp, parallel.expert_model_parallel_size,
-                                         parallel.expert_tensor_parallel_size)
-    return teacher_dir, arch
+                                      seq_length=cfg.serve.max_seq_length or 1,
+                                      teacher_args=cfg.teacher.teacher_args)
+    layout = cfg.parallel.layout(world, arch.num_layers)
+    try:
+        check_replica_layout(arch, layout, transformer_engine=transformer_engine_available())
+    except ValueError as e:
+        raise ValueError(f"teacher {teacher_dir!r}: {e}") from None
+    return teacher_dir, arch, layout
 
 
 def _serve(cfg: ServeConfig) -> int:
-    install_cpu_shim()
-    if on_cpu():
-        torch.set_flush_denormal(True)
     services: list[TeacherService] = []  # the one built below (what a forced exit withdraws)
     stop = stop_on_signals(cfg.serve.stop_grace,
                            lambda: [s.abandon("stop overdue") for s in services])
@@ -217,36 +215,29 @@ def _serve(cfg: ServeConfig) -> int:
     if cfg.serve.exit_with_launcher:  # watched from before the rendezvous: it may hang there too
         watch = LauncherWatch(stop.set, lambda: [s.abandon("launcher gone") for s in services],
                               grace_s=cfg.serve.launcher_grace).start()
-    created = init_distributed_from_env()
     try:
-        teacher_dir, arch = _check(cfg, dist.get_world_size())
-        parallel = cfg.parallel
-        with model_parallel(parallel.tensor_model_parallel_size,
-                            parallel.pipeline_model_parallel_size,
-                            parallel.expert_model_parallel_size,
-                            parallel.expert_tensor_parallel_size,
-                            cp=parallel.context_parallel_size), device_context():
-            service = _service(cfg, teacher_dir, arch)
-            services.append(service)
-            service.serve(stop.is_set)
+        with started():
+            teacher_dir, arch, layout = _check(cfg, dist.get_world_size())
+            with in_layout(layout):
+                service = _service(cfg, teacher_dir, arch, layout)
+                services.append(service)
+                service.serve(stop.is_set)
         return 0
     finally:
-        if created:
-            dist.destroy_process_group()
         if watch is not None:
             watch.close()  # ended in order (a forced exit would not come back here)
         stop.ended()
 
 
-def _service(cfg: ServeConfig, teacher_dir: str, arch) -> TeacherService:
-    serve, teacher, parallel = cfg.serve, cfg.teacher, cfg.parallel
-    tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
-    cp = parallel.context_parallel_size
+def _service(cfg: ServeConfig, teacher_dir: str, arch,
+             parallel: ParallelLayout) -> TeacherService:
+    serve, teacher = cfg.serve, cfg.teacher
+    tp, pp, cp = parallel.tp, parallel.pp, parallel.cp
     is_first, is_last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
-    sp = parallel.sequence_parallel and tp > 1
+    sp = parallel.sequence_parallel
     model = build_frozen_teacher(arch, teacher_dir, dtype=teacher.teacher_torch_dtype,
                                  pre_process=is_first, post_process=is_last, seed=serve.seed,
-                                 sequence_parallel=sp)
+                                 sequence_parallel=sp, attention=cfg.kernels.attention_backend)
     # the ranks of the last pipeline stage (TP x CP of them), each with the whole answer
     stages = [None] * dist.get_world_size()
     dist.all_gather_object(stages, is_last)
@@ -270,62 +261,19 @@ def _service(cfg: ServeConfig, teacher_dir: str, arch) -> TeacherService:
             if record["event"] == "stopped":
                 writers.close()
 
+    config = ServiceConfig(host=serve.host or socket.gethostname(), port=serve.port,
+                           max_batch=serve.max_batch_size,
+                           max_seq_length=serve.max_seq_length or arch.max_position_embeddings,
+                           timeout_s=teacher.teacher_timeout,
+                           stats_interval_s=serve.stats_interval)
+    layout = ReplicaLayout(last_stage_ranks=tuple(last_stage), device=device.type,
+                           world_size=dist.get_world_size(), tp=tp, pp=pp, cp=cp,
+                           ep=parallel.ep, pid=os.getpid(),
+                           started=round(time.time(), 3))
     return TeacherService(
-        last_stage_ranks=last_stage, identity=teacher_identity(teacher_dir, arch,
-                                                               teacher.teacher_dtype),
+        identity=teacher_identity(teacher_dir, arch, teacher.teacher_dtype),
         endpoint=parse_endpoint(teacher.teacher_endpoint),
-        host=serve.host or socket.gethostname(), port=serve.port,
-        forward=_forward_fn(model, is_last, ps.get_tensor_model_parallel_group() if sp else None,
-                            ps.get_context_parallel_group() if cp > 1 else None),
-        device=device, timeout_s=teacher.teacher_timeout,
-        max_batch=serve.max_batch_size,
-        max_seq_length=serve.max_seq_length or arch.max_position_embeddings,
-        log=log, stats_interval_s=serve.stats_interval,
-        layout={"world_size": dist.get_world_size(), "tp": tp, "pp": pp, "cp": cp,
-                "ep": parallel.expert_model_parallel_size, "pid": os.getpid(),
-                "started": round(time.time(), 3)})
-
-
-def _forward_fn(model, is_last: bool, sp_group=None, cp_group=None):
-    """``forward(tokens [B, s]) -> [s, B, h]`` on the last stage (None elsewhere): Megatron-Core's
-    forward-only pipeline schedule over one microbatch of the whole batch. ``sp_group``: the
-    model is sequence-parallel over this TP group; ``cp_group``: context-parallel over this
-    group (each rank runs its load-balanced positions). The slices are gathered into the whole
-    sequence (the replica's senders cut it for the student's own ranks), and a sequence the
-    split does not divide is padded at its end for the forward (causal: the padding changes no
-    earlier position) and cut back after."""
-    forward_backward = get_forward_backward_func()
-    cp = cp_group.size() if cp_group is not None else 1
-    split = sequence_parts(tp=sp_group.size() if sp_group is not None else 1, cp=cp,
-                           sequence_parallel=sp_group is not None)
-
-    def forward(tokens: torch.Tensor):
-        batch, given = tokens.shape
-        if given % split:
-            tokens = torch.nn.functional.pad(tokens, (0, split - given % split))
-        seq = tokens.shape[1]
-        position_ids = torch.arange(seq, device=tokens.device).unsqueeze(0).expand(batch, -1)
-        if cp > 1:  # this rank's load-balanced positions of every sequence
-            rows = cp_positions(seq, cp_group.rank(), cp, tokens.device)
-            tokens, position_ids = tokens[:, rows], position_ids[:, rows]
-        out = []
-
-        def forward_step(data_iterator, model):
-            item = next(data_iterator)
-            output = model(item["tokens"], item["position_ids"], None)
-
-            def keep(output_tensor):
-                hidden = gather_sequence(to_sbh(output_tensor).detach(), sp_group)
-                out.append(gather_positions(hidden, cp_group) if cp > 1 else hidden)
-                return torch.zeros((), device=output_tensor.device), {}
-
-            return output, keep
-
-        with device_context(), torch.no_grad():
-            forward_backward(forward_step_func=forward_step,
-                             data_iterator=iter([{"tokens": tokens, "position_ids": position_ids}]),
-                             model=[model], num_microbatches=1, seq_length=seq,
-                             micro_batch_size=batch, forward_only=True)
-        return out[0][:given] if is_last else None
-
-    return forward
+        forward=full_sequence_forward(
+            model, is_last=is_last, sp_group=ps.get_tensor_model_parallel_group() if sp else None,
+            cp_group=ps.get_context_parallel_group() if cp > 1 else None),
+        device=device, config=config, layout=layout, log=log)

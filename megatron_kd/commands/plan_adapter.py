@@ -36,14 +36,10 @@ import torch
 
 from megatron_kd.arch import GPTArchConfig
 from megatron_kd.loss.config import CpuTuning, GpuTuning
+from megatron_kd.parallel import ParallelLayout
+from megatron_kd.parallel.windows import DEFAULT_GPU_WINDOW_BYTES, DEFAULT_WEIGHT_GRAD
 from megatron_kd.planner import traffic
-from megatron_kd.planner.memory import (
-    DEFAULT_GPU_WINDOW_BYTES,
-    ActivationOptions,
-    ParallelLayout,
-    Precision,
-    Term,
-)
+from megatron_kd.planner.memory import ActivationOptions, Precision, Term
 from megatron_kd.planner.models import PlannedModel
 from megatron_kd.planner.plan import Mode, PlanOptions
 from megatron_kd.planner.presets import GpuSpec, LinkSpec
@@ -77,7 +73,8 @@ def arch_to_model(arch: GPTArchConfig, name: str) -> PlannedModel:
     """The planner's :class:`PlannedModel` of a ``GPTArchConfig``, with the padded vocabulary as
     its vocabulary (the runs' layouts then pad by 1, see :func:`predict`)."""
     padded = dataclasses.replace(arch, vocab_size=arch.padded_vocab_size)
-    return PlannedModel(name=name, arch=padded, source="megatron-kd train check_run")
+    return PlannedModel(name=name, arch=padded, source="megatron-kd train check_run",
+                        vocab_multiple=1)
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -93,9 +90,9 @@ class RunShape:
     """Parameters in fp32 (no ``--bf16``)."""
     teacher_dtype: str
     """``--kd-teacher-dtype``."""
-    tp: int
-    pp: int
-    dp: int
+    layout: ParallelLayout
+    """The run's layout (``CheckedRun.layout``): the student's, and a colocated teacher's in
+    its groups."""
     seq_length: int
     micro_batch_size: int
     global_batch_size: int
@@ -112,16 +109,8 @@ class RunShape:
     """The fused loss's path (``--kd-loss-path``): ``auto`` is the GPU path on a GPU."""
     loss_window_bytes: int = DEFAULT_GPU_WINDOW_BYTES
     """The GPU path's bound on a window's logits (``--kd-loss-window-mib``)."""
-    loss_weight_grad: str = "fp32_gemm"
+    loss_weight_grad: str = DEFAULT_WEIGHT_GRAD
     """The GPU path's weight-gradient accumulator (``--kd-loss-weight-grad``)."""
-    sequence_parallel: bool = False
-    cp: int = 1
-    """Context-parallel size (``CheckedRun.cp``)."""
-    vp: int = 1
-    """Model chunks per pipeline rank (interleaved schedule)."""
-    recompute: str = "none"
-    recompute_method: str = "uniform"
-    recompute_num_layers: int = 1
 
     @property
     def mode(self) -> Mode | None:
@@ -143,9 +132,7 @@ def run_shape(config: RunConfig, run: CheckedRun) -> RunShape:
         teacher=arch_to_model(run.teacher_arch, "teacher") if run.teacher_arch else None,
         fp32=run.params_dtype == torch.float32,
         teacher_dtype=run.kd.teacher_dtype,
-        tp=run.tp,
-        pp=run.pp,
-        dp=run.dp,
+        layout=run.layout,
         seq_length=config.data.seq_length,
         micro_batch_size=config.optimizer.micro_batch_size,
         global_batch_size=run.global_batch_size,
@@ -158,12 +145,6 @@ def run_shape(config: RunConfig, run: CheckedRun) -> RunShape:
         loss_path=run.kd.loss.path,
         loss_window_bytes=gpu_tuning.window_bytes,
         loss_weight_grad=gpu_tuning.weight_grad,
-        sequence_parallel=run.sequence_parallel,
-        cp=run.cp,
-        vp=run.vp or 1,
-        recompute=run.model_overrides.get("recompute_granularity") or "none",
-        recompute_method=run.model_overrides.get("recompute_method") or "uniform",
-        recompute_num_layers=run.model_overrides.get("recompute_num_layers") or 1,
     )
 
 
@@ -213,7 +194,8 @@ def _options(run: RunShape, on_cpu: bool, teacher_tp: int | None,
     )
     extra = {}
     tuning = CpuTuning.for_this_machine()  # what the loss works with on this CPU
-    if on_cpu and (run.tp == 1 or tuning.blocks_with_tp):
+    layout = run.layout
+    if on_cpu and (layout.tp == 1 or tuning.blocks_with_tp):
         # the loss's elementwise work runs in cache-sized row blocks (CPU, no TP collectives)
         extra["loss_block_elements"] = tuning.block_elements
     if run.topk is not None:
@@ -227,19 +209,20 @@ def _options(run: RunShape, on_cpu: bool, teacher_tp: int | None,
         teacher=run.teacher if run.teacher is not None else run.student,
         gpu=gpu,
         inter_node_link=LinkSpec(name="measured", bytes_per_s=1e9),
-        gpus_per_node=max(run.tp * run.pp * run.cp * run.dp, teacher_tp or 1),
+        gpus_per_node=max(layout.world_size, teacher_tp or 1),
         nodes=1,
         seq_length=run.seq_length,
         micro_batch_size=run.micro_batch_size,
         global_batch_size=run.global_batch_size,
-        tp=run.tp,
-        pp=run.pp,
-        vp=run.vp,
-        cp=run.cp,
-        recompute=run.recompute,
-        recompute_method=run.recompute_method if run.recompute == "full" else None,
-        recompute_num_layers=run.recompute_num_layers if run.recompute == "full" else None,
-        sequence_parallel=run.sequence_parallel,
+        tp=layout.tp,
+        pp=layout.pp,
+        vp=layout.vp,
+        cp=layout.cp,
+        recompute=layout.recompute,
+        recompute_method=layout.recompute_method if layout.recompute == "full" else None,
+        recompute_num_layers=(layout.recompute_num_layers if layout.recompute == "full"
+                              else None),
+        sequence_parallel=layout.sequence_parallel,
         use_distributed_optimizer=False,
         teacher_tp=teacher_tp,
         teacher_pp=teacher_pp,
@@ -264,15 +247,9 @@ def predict(config: RunConfig, run: CheckedRun, on_cpu: bool) -> Prediction:
     shape = run_shape(config, run)
     opts = _options(shape, on_cpu, None, None)
     mode = shape.mode
-    layout = ParallelLayout(tp=shape.tp, pp=shape.pp, vp=shape.vp, dp=shape.dp, cp=shape.cp,
-                            sequence_parallel=shape.sequence_parallel, recompute=shape.recompute,
-                            recompute_method=shape.recompute_method,
-                            recompute_num_layers=shape.recompute_num_layers,
-                            make_vocab_size_divisible_by=1)
+    layout = shape.layout
     # a colocated teacher runs in the student's groups, context parallelism included
-    teacher_layout = ParallelLayout(tp=shape.tp, pp=1, dp=shape.dp, cp=shape.cp,
-                                    sequence_parallel=shape.sequence_parallel,
-                                    make_vocab_size_divisible_by=1)
+    teacher_layout = layout.colocated()
     colocated = mode is not None and mode.colocated
     # no teacher: the offline mode's terms, less its cache reader
     terms = student_stage_terms(opts, Mode.OFFLINE_CACHE if mode is None else mode, layout,
@@ -282,11 +259,11 @@ def predict(config: RunConfig, run: CheckedRun, on_cpu: bool) -> Prediction:
         terms.pop(Term.CACHE_READER, None)
     wire = to_teacher = None
     if mode is Mode.DISAGGREGATED:
-        gbs, dp, s = shape.global_batch_size, shape.dp, shape.seq_length
+        gbs, dp, s = shape.global_batch_size, layout.dp, shape.seq_length
         per_dp = traffic.hidden_bytes_per_step_per_dp_rank(opts.teacher, gbs, dp, s,
                                                           opts.wire_dtype)
         # a student rank receives 1/tp of its context-parallel rank's positions
-        wire = {"tp-rank": per_dp / (shape.tp * shape.cp), "dp-rank": per_dp,
+        wire = {"tp-rank": per_dp / (layout.tp * layout.cp), "dp-rank": per_dp,
                 "all-ranks": per_dp * dp}
         ids = traffic.token_bytes_per_step_per_dp_rank(gbs, dp, s)
         to_teacher = {"dp-rank": ids, "all-ranks": ids * dp}
@@ -298,7 +275,6 @@ def predict_teacher(config: RunConfig, run: CheckedRun, on_cpu: bool, tp: int,
     """The planner's terms for rank 0 of a disaggregated run's teacher replica (its stage 0,
     TP rank 0) with the replica's layout ``tp`` x ``pp`` (a replica has no data parallelism)."""
     opts = plan_options(config, run, on_cpu, teacher_tp=tp, teacher_pp=pp)
-    layout = ParallelLayout(tp=tp, pp=pp, dp=1, make_vocab_size_divisible_by=1)
-    terms = teacher_inference_terms(opts, layout, 0)
+    terms = teacher_inference_terms(opts, ParallelLayout(tp=tp, pp=pp), 0)
     terms.pop(Term.RESERVE, None)
     return terms

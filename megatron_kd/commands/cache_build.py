@@ -1,6 +1,6 @@
 """``megatron-kd cache build``'s run: the teacher in its model-parallel groups over the
 training samples, their top-K stored (:func:`megatron_kd.cache.build.build_cache`). The command
-line is :mod:`megatron_kd.training.cache_command`'s, which imports this module only for
+line is :mod:`megatron_kd.commands.cache`'s, which imports this module only for
 ``build``: ``verify`` and ``info`` need neither torch nor Megatron-Core.
 """
 
@@ -10,33 +10,28 @@ import argparse
 import json
 import os
 
-import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
-from megatron_kd.arch import check_sequence_split
+from megatron_kd.arch import Role, check_layout
 from megatron_kd.cache.build import build_cache
 from megatron_kd.cache.codec import LogprobCodec
 from megatron_kd.cache.format import CacheSpec
 from megatron_kd.cache.identity import dataset_identity, tokenizer_identity
+from megatron_kd.commands.startup import in_layout, started
 from megatron_kd.data.datasets import collate
 from megatron_kd.data.tokenizer import MockTokenizer
 from megatron_kd.flags import add_flags, from_flags
-from megatron_kd.integration.args import KDArgs, add_teacher_flags
 from megatron_kd.integration.checkpoint import checkpoint_hash
-from megatron_kd.integration.context_parallel import cp_positions, gather_positions
-from megatron_kd.integration.cpu_shim import device_context, install_cpu_shim, on_cpu
-from megatron_kd.integration.groups import (
-    check_experts_within_tensor_parallel,
-    init_distributed_from_env,
-    model_parallel,
-)
-from megatron_kd.integration.output_layer import gather_sequence, output_layer_weight, to_sbh
-from megatron_kd.integration.teacher import build_frozen_teacher
+from megatron_kd.integration.gpt import transformer_engine_available
+from megatron_kd.integration.output_layer import output_layer_weight
+from megatron_kd.integration.teacher import build_frozen_teacher, full_sequence_forward
+from megatron_kd.modes.args import KDArgs, add_teacher_flags
+from megatron_kd.parallel import ParallelLayout
 from megatron_kd.training.run_checks import build_datasets, check_teacher, resolve_tokenizer
-from megatron_kd.training.run_config import DataSection, ParallelSection
+from megatron_kd.training.run_config import DataSection, KernelSection, ParallelSection
 
-__all__ = ["add_data_flags", "add_run_flags", "run_build"]
+__all__ = ["add_data_flags", "add_run_flags", "check_cache_layout", "run_build"]
 
 
 def add_run_flags(b: argparse.ArgumentParser) -> None:
@@ -44,6 +39,7 @@ def add_run_flags(b: argparse.ArgumentParser) -> None:
     add_flags(b, ParallelSection, use_groups=False, only=(
         "tensor_model_parallel_size", "expert_model_parallel_size",
         "expert_tensor_parallel_size", "sequence_parallel", "context_parallel_size"))
+    add_flags(b, KernelSection, use_groups=False)
     add_teacher_flags(b, help={"teacher_dtype": "parameter dtype of the teacher (the top-K "
                                                 "maths runs in fp32 either way)"})
 
@@ -55,49 +51,52 @@ def add_data_flags(b: argparse.ArgumentParser) -> None:
                                   "identity)", "global_batch_size": None})
 
 
+def check_cache_layout(arch, layout: ParallelLayout, *, seq_length: int,
+                       transformer_engine: bool) -> None:
+    """``cache build``'s layout check: ``arch`` as the teacher of a cache build in ``layout``
+    (:func:`megatron_kd.arch.check_layout`, a cache build's role: no pipeline, its experts
+    inside its tensor-parallel group); what the planner's cache builds are held to."""
+    check_layout(arch, layout, role=Role.CACHE_TEACHER, seq_length=seq_length,
+                 transformer_engine=transformer_engine)
+
+
 def run_build(build, args: argparse.Namespace) -> int:
     """Build the cache ``build`` (the command's ``CacheBuildSection``: where, top-K, encoding,
     shards, windows, micro-batch) for the run's data, parallel and teacher sections read from
     ``args``, on every rank of the job; rank 0 prints the build's summary as JSON."""
     data, parallel = from_flags(DataSection, args), from_flags(ParallelSection, args)
     kd = from_flags(KDArgs, args)
+    kernels = from_flags(KernelSection, args)
     for name, value in (("kd_topk", build.topk), ("samples_per_shard", build.samples_per_shard),
                         ("window_size", build.window_size), ("seq_length", data.seq_length),
                         ("micro_batch_size", build.micro_batch_size),
                         ("train_iters", data.train_iters),
-                        ("global_batch_size", data.global_batch_size),
-                        ("tensor_model_parallel_size", parallel.tensor_model_parallel_size)):
+                        ("global_batch_size", data.global_batch_size)):
         if value < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
     codec = LogprobCodec(name=build.logprob_encoding)
-    install_cpu_shim()
-    if on_cpu():
-        torch.set_flush_denormal(True)
-    created = init_distributed_from_env()
-    try:
-        with model_parallel(parallel.tensor_model_parallel_size, 1,
-                            parallel.expert_model_parallel_size,
-                            parallel.expert_tensor_parallel_size,
-                            cp=parallel.context_parallel_size), device_context():
-            stats = _build_in_model_parallel(build, data, parallel, kd, codec)
+    with started():
+        teacher_dir, arch = check_teacher(kd.teacher_load, seq_length=data.seq_length,
+                                          teacher_args=kd.teacher_args)
+        layout = parallel.layout(dist.get_world_size(), arch.num_layers)
+        try:
+            check_cache_layout(arch, layout, seq_length=data.seq_length,
+                               transformer_engine=transformer_engine_available())
+        except ValueError as e:
+            raise ValueError(f"teacher {teacher_dir!r}: {e}") from None
+        with in_layout(layout):
+            stats = _build_in_model_parallel(build, data, layout, kd, teacher_dir, arch, codec,
+                                             attention=kernels.attention_backend)
         if dist.get_rank() == 0:
             print(json.dumps({"shards_written": len(stats.shards_written),
                               "shards_skipped": len(stats.shards_skipped),
                               "tokens": stats.tokens, "seconds": round(stats.seconds, 3)}))
         dist.barrier()
         return 0
-    finally:
-        if created:
-            dist.destroy_process_group()
 
 
-def _build_in_model_parallel(build, data: DataSection, parallel: ParallelSection, kd: KDArgs,
-                             codec: LogprobCodec):
-    tp = parallel.tensor_model_parallel_size
-    teacher_dir, arch = check_teacher(kd.teacher_load, seq_length=data.seq_length,
-                                      tp_sizes=(tp,), teacher_args=kd.teacher_args)
-    check_experts_within_tensor_parallel(arch, tp, parallel.expert_model_parallel_size,
-                                         parallel.expert_tensor_parallel_size)
+def _build_in_model_parallel(build, data: DataSection, layout: ParallelLayout, kd: KDArgs,
+                             teacher_dir: str, arch, codec: LogprobCodec, *, attention: str):
     tokenizer = resolve_tokenizer(data, teacher_dir)
     if tokenizer is not None and tokenizer.vocab_size > arch.vocab_size:
         raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens but the teacher "
@@ -105,15 +104,11 @@ def _build_in_model_parallel(build, data: DataSection, parallel: ParallelSection
     tokenizer = tokenizer or MockTokenizer(arch.vocab_size)
     dataset, _ = build_datasets(data, arch.vocab_size, tokenizer, data.global_batch_size,
                                 need_valid=False)
-    sp = parallel.sequence_parallel and tp > 1
-    cp = parallel.context_parallel_size
-    check_sequence_split(data.seq_length, tp=tp, cp=cp, sequence_parallel=sp)
-    arch.check_context_parallel(cp, role="teacher",
-                                advice="build the cache at --context-parallel-size 1")
+    sp, cp = layout.sequence_parallel, layout.cp
     cp_group = ps.get_context_parallel_group() if cp > 1 else None
     # seeded only so Megatron's model-parallel RNG exists; the weights are loaded next
     teacher = build_frozen_teacher(arch, teacher_dir, dtype=kd.teacher_torch_dtype,
-                                   seed=data.seed, sequence_parallel=sp)
+                                   seed=data.seed, sequence_parallel=sp, attention=attention)
     weight = output_layer_weight(teacher)
     tp_group = ps.get_tensor_model_parallel_group()
 
@@ -128,18 +123,12 @@ def _build_in_model_parallel(build, data: DataSection, parallel: ParallelSection
         dataset_hash=dataset_identity(dataset), samples_per_shard=build.samples_per_shard,
         logprob_codec=codec)
 
-    @torch.no_grad()
+    # the top-K needs the whole sequence, in order, on every rank of a teacher copy
+    forward = full_sequence_forward(teacher, is_last=True, sp_group=tp_group if sp else None,
+                                    cp_group=cp_group)
+
     def teacher_forward(indices):
-        batch = collate([dataset[i] for i in indices])
-        tokens = batch["tokens"].to(weight.device)
-        position_ids = batch["position_ids"].to(weight.device)
-        if cp_group is not None:  # this rank's load-balanced positions of each sequence
-            rows = cp_positions(tokens.shape[1], cp_group.rank(), cp, tokens.device)
-            tokens, position_ids = tokens[:, rows], position_ids[:, rows]
-        hidden = to_sbh(teacher(tokens, position_ids, None))  # [s/cp (/tp with SP), b, h]
-        # the top-K needs the whole sequence, in order, on every rank of a replica
-        hidden = gather_sequence(hidden, tp_group) if sp else hidden
-        return gather_positions(hidden, cp_group) if cp_group is not None else hidden
+        return forward(collate([dataset[i] for i in indices])["tokens"].to(weight.device))
 
     log = print if ps.get_tensor_and_context_parallel_rank() == 0 else None
     def sample_tokens(indices):  # the whole sequences the teacher saw, fingerprinted
