@@ -171,7 +171,8 @@ def _check_pipeline(arch: GPTArchConfig, layout: ParallelLayout,
 def _check_experts(arch: GPTArchConfig, layout: ParallelLayout, any_experts: bool,
                    role: Role) -> None:
     ep, etp = layout.ep, layout.expert_tp
-    if ep > 1 and not any_experts:
+    # a colocated teacher takes the student's expert groups, whichever model needs them
+    if ep > 1 and not any_experts and role is not Role.COLOCATED_TEACHER:
         whose = ("neither the student nor a colocated teacher has experts"
                  if role is Role.STUDENT else f"the {role.value} has no experts")
         raise ValueError(f"--expert-model-parallel-size {ep} needs a mixture-of-experts model: "

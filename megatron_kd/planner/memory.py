@@ -871,8 +871,8 @@ def _gpu_fused_loss_bytes(student: PlannedModel, layout: ParallelLayout, n: int,
 
 
 #: Bytes of one decoded top-K entry: an int64 token id and an fp32 log-prob (the dtypes
-#: ``megatron_kd.cache.reader.TopKCacheReader`` returns and the trainer hands to the loss); a
-#: copy, compared with what the cache decodes by ``tests/unit/test_planner_copies.py``.
+#: ``megatron_kd.cache.reader.TopKCacheReader`` returns and the trainer hands to the loss),
+#: measured against what the cache decodes by ``tests/unit/test_cache_offline.py``.
 DECODED_TOPK_ENTRY_BYTES = 12
 
 

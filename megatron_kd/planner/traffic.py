@@ -92,8 +92,8 @@ from megatron_kd.planner.models import PlannedModel
 WIRE_ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "fp8": 1}
 WIRE_TOKEN_EXTRA_BYTES = {"fp32": 0, "bf16": 0, "fp8": 4}
 
-#: Bytes per token id a student sends its teacher: the int32 ids of a request (a copy, compared
-#: with what ``megatron_kd.teacher.client`` sends by ``tests/unit/test_planner_copies.py``).
+#: Bytes per token id a student sends its teacher: the int32 ids of a request (what
+#: ``megatron_kd.teacher.client`` sends, measured against it by ``tests/unit/test_wire.py``).
 TOKEN_ID_BYTES = 4
 
 

@@ -28,10 +28,10 @@ def main(argv: list[str] | None = None) -> int:
     seconds_per_token = float(argv[0])
     torch.set_num_threads(1)
     if seconds_per_token > 0:
-        make = teacher_serve._forward_fn
+        make = teacher_serve.full_sequence_forward
 
-        def forward_fn(model, is_last, *args):
-            inner = make(model, is_last, *args)
+        def forward_fn(model, **kwargs):
+            inner = make(model, **kwargs)
 
             def forward(tokens):
                 out = inner(tokens)
@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
 
             return forward
 
-        teacher_serve._forward_fn = forward_fn
+        teacher_serve.full_sequence_forward = forward_fn
     return cli_main(["teacher", "serve", *argv[2:]])
 
 

@@ -123,8 +123,8 @@ def resolve_tokenizer(data: DataSection, teacher_dir: str | None, *,
     return tokenizer
 
 
-def _check_flags(config: RunConfig, world_size: int) -> tuple[ParallelLayout, int]:
-    """``(layout, global_batch_size)`` from the flags alone."""
+def _check_flags(config: RunConfig) -> None:
+    """The flags alone, before any file is read."""
     arch, data, log = config.arch, config.data, config.logging
     mbs = config.optimizer.micro_batch_size
     for name, value in (("num_layers", arch.num_layers), ("hidden_size", arch.hidden_size),
@@ -137,21 +137,28 @@ def _check_flags(config: RunConfig, world_size: int) -> tuple[ParallelLayout, in
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
     if data.eval_iters < 0:
         raise ValueError(f"--eval-iters must be >= 0, got {data.eval_iters}")
-    layout = config.parallel.layout(world_size, arch.num_layers or 1)
-    gbs = data.global_batch_size or mbs * layout.dp
-    if gbs % (mbs * layout.dp):
-        raise ValueError(f"--global-batch-size {gbs} is not divisible by --micro-batch-size "
-                         f"{mbs} x data-parallel size {layout.dp}")
     if config.parallel.bf16 and on_cpu():
         raise ValueError("--bf16 needs a GPU: Megatron-Core's mixed-precision optimizer accepts "
                          "only CUDA tensors. On CPU train the student in fp32 (a bf16 teacher "
                          "is fine: --kd-teacher-dtype bf16)")
-    if layout.use_distributed_optimizer and on_cpu():
+    if config.parallel.use_distributed_optimizer and on_cpu():
         raise ValueError("--use-distributed-optimizer needs a GPU: Megatron-Core's "
                          "DistributedOptimizer accepts only CUDA parameters (megatron-core "
                          "0.16-0.19). On CPU leave it off")
     if log.save_interval is not None and log.save_interval < 1:
         raise ValueError(f"--save-interval must be >= 1, got {log.save_interval}")
+
+
+def _layout(config: RunConfig, world_size: int,
+            num_layers: int | None) -> tuple[ParallelLayout, int]:
+    """``(layout, global_batch_size)``: the run's layout, built once from its flags over
+    ``world_size`` ranks for a student of ``num_layers`` layers (None: not known yet)."""
+    layout = config.parallel.layout(world_size, num_layers)
+    mbs = config.optimizer.micro_batch_size
+    gbs = config.data.global_batch_size or mbs * layout.dp
+    if gbs % (mbs * layout.dp):
+        raise ValueError(f"--global-batch-size {gbs} is not divisible by --micro-batch-size "
+                         f"{mbs} x data-parallel size {layout.dp}")
     return layout, gbs
 
 
@@ -233,7 +240,14 @@ def check_run(config: RunConfig, world_size: int) -> CheckedRun:
     ``ValueError`` with the offending values. Reads only small files (JSON, tokenizer,
     checkpoint metadata); in offline mode it also builds the datasets to check the cache."""
     kd, data = config.kd, config.data
-    layout, gbs = _check_flags(config, world_size)
+    _check_flags(config)
+    pretrained_dir = pretrained = None
+    source = _weights_source(config.logging)
+    if source is not None:
+        pretrained_dir = _pretrained_dir(*source)
+        pretrained = read_checkpoint_arch(pretrained_dir)
+    layout, gbs = _layout(config, world_size, config.arch.num_layers
+                          or (pretrained.num_layers if pretrained is not None else None))
     teacher_arch = None
     if kd.teacher_load:
         # the student's ranks hold the teacher's output layer in the student's partition (a
@@ -247,11 +261,6 @@ def check_run(config: RunConfig, world_size: int) -> CheckedRun:
             raise ValueError(f"--kd-topk-cache {kd.topk_cache!r} is not a directory")
         # Only the manifest here (the student's vocabulary); the full check follows below.
         cache_spec = CacheSpec.from_json(load_manifest(kd.topk_cache))
-    pretrained_dir = pretrained = None
-    source = _weights_source(config.logging)
-    if source is not None:
-        pretrained_dir = _pretrained_dir(*source)
-        pretrained = read_checkpoint_arch(pretrained_dir)
     tokenizer = resolve_tokenizer(data, kd.teacher_load, student_dir=pretrained_dir)
     vocab, padded = _vocabulary(config.arch, teacher_arch, cache_spec, tokenizer, layout.tp,
                                 pretrained)

@@ -203,10 +203,12 @@ class ParallelSection:
                "Transformer Engine) gathers them whatever this says", choices=CP_COMM_TYPES,
         group=_PARALLEL)
 
-    def layout(self, world_size: int, num_layers: int) -> ParallelLayout:
-        """The run's :class:`~megatron_kd.parallel.ParallelLayout` over ``world_size`` ranks,
-        built once from these flags (what the flags say together, named by flag; what the
-        model allows is :func:`megatron_kd.arch.check_layout`'s)."""
+    def layout(self, world_size: int, num_layers: int | None) -> ParallelLayout:
+        """The run's :class:`~megatron_kd.parallel.ParallelLayout` over ``world_size`` ranks
+        for a model of ``num_layers`` layers (None: not known, which only
+        ``--num-layers-per-virtual-pipeline-stage`` needs), built once from these flags (what
+        the flags say together, named by flag; what the model allows is
+        :func:`megatron_kd.arch.check_layout`'s)."""
         for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
                      "context_parallel_size", "expert_model_parallel_size",
                      "expert_tensor_parallel_size", "virtual_pipeline_model_parallel_size"):
@@ -221,12 +223,15 @@ class ParallelSection:
             cp_comm_type=self.cp_comm_type,
             use_distributed_optimizer=self.use_distributed_optimizer, **self._recompute())
 
-    def virtual_stages(self, num_layers: int) -> int | None:
+    def virtual_stages(self, num_layers: int | None) -> int | None:
         """Model chunks per pipeline rank (None: no interleaving), from either flag."""
         if self.num_layers_per_virtual_pipeline_stage is not None:
             if self.virtual_pipeline_model_parallel_size is not None:
                 raise ValueError("give --num-layers-per-virtual-pipeline-stage or "
                                  "--virtual-pipeline-model-parallel-size, not both")
+            if num_layers is None:
+                raise ValueError("--num-layers-per-virtual-pipeline-stage needs the model's "
+                                 "layers: --num-layers, or --pretrained-checkpoint")
             per = self.num_layers_per_virtual_pipeline_stage
             pp = self.pipeline_model_parallel_size
             if per < 1 or num_layers % (per * pp):

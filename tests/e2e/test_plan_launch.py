@@ -148,10 +148,9 @@ def test_train_accepts_the_planned_student_flags(plans, checkpoints, monkeypatch
     monkeypatch.setattr(run_checks, "on_cpu", lambda: False)  # as on the GPU host planned for
     run = run_checks.check_run(RunConfig.from_args(parse_args(argv)), plan["student_gpus"])
     layout = plan["layout"]
-    assert (run.tp, run.pp, run.dp, run.cp) == (layout["tp"], layout["pp"], layout["dp"],
-                                                layout["cp"])
-    assert run.vp == (layout["vp"] if layout["vp"] > 1 else None)
-    assert run.sequence_parallel == (layout["sequence_parallel"] and layout["tp"] > 1)
+    assert (run.layout.tp, run.layout.pp, run.layout.dp, run.layout.cp, run.layout.vp) == (
+        layout["tp"], layout["pp"], layout["dp"], layout["cp"], layout["vp"])
+    assert run.layout.sequence_parallel == (layout["sequence_parallel"] and layout["tp"] > 1)
     assert run.kd.mode == ("colocated" if mode == "colocated-fused" else "disaggregated")
 
 

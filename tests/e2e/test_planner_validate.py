@@ -190,7 +190,7 @@ def test_builtin_cases_resolve_and_predict(vp, cases, tmp_path):
             # a student rank receives 1/tp of its context-parallel rank's s/cp positions
             assert pred.wire == {
                 "dp-rank": wire_per_dp_rank,
-                "tp-rank": wire_per_dp_rank / (run.tp * run.cp),
+                "tp-rank": wire_per_dp_rank / (run.layout.tp * run.layout.cp),
                 "all-ranks": wire_per_dp_rank,
             }
             # kd_wire_bytes_to_teacher sums the student's ranks: dp x (G/dp * s * 4), dp = 1
@@ -199,7 +199,7 @@ def test_builtin_cases_resolve_and_predict(vp, cases, tmp_path):
                 "all-ranks": ids_per_dp_rank,
             }
             # the student's copy of the teacher output-layer shard: V/t * h_t * 4 bytes
-            assert pred.terms[Term.TEACHER_OUTPUT_SHARD] == 32000 // run.tp * 768 * 4
+            assert pred.terms[Term.TEACHER_OUTPUT_SHARD] == 32000 // run.layout.tp * 768 * 4
             # one replica of one rank, outside the student's world, at the student's endpoint
             assert config.kd.teacher_endpoint == str(tmp_endpoint(case))
             assert case.teacher_nproc == 1

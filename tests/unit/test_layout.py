@@ -142,8 +142,10 @@ def test_expert_rules():
                                          "mixture-of-experts model: neither the student nor a "
                                          "colocated teacher has experts"):
         check_layout(tiny_arch(), ParallelLayout(dp=2, ep=2, etp=1))
-    # a dense student beside a colocated mixture-of-experts teacher: the run's experts are its
+    # a dense student beside a colocated mixture-of-experts teacher: the run's experts are its;
+    # a dense teacher beside a mixture-of-experts student takes the student's expert groups
     check_layout(tiny_arch(), ParallelLayout(dp=2, ep=2, etp=1), colocated_teacher=MOE)
+    check_layout(MOE, ParallelLayout(dp=2, ep=2, etp=1), colocated_teacher=tiny_arch())
     with pytest.raises(ValueError, match="the teacher replica has no experts"):
         check_layout(tiny_arch(), ParallelLayout(tp=2, ep=2, etp=1),
                      role=Role.TEACHER_REPLICA)
