@@ -21,6 +21,8 @@ from megatron.core.datasets.blended_megatron_dataset_config import (
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 
+from megatron_kd.parallel.layout import microbatches_per_step
+
 SPLIT_NAMES = ("training", "validation", "test")
 
 
@@ -142,15 +144,12 @@ class BatchPlan:
     dp_size: int
 
     def __post_init__(self) -> None:
-        per_rank = self.micro_batch_size * self.dp_size
-        if self.global_batch_size % per_rank:
-            raise ValueError(f"--global-batch-size {self.global_batch_size} is not divisible by "
-                             f"--micro-batch-size {self.micro_batch_size} x data-parallel size "
-                             f"{self.dp_size}")
+        microbatches_per_step(self.global_batch_size, self.micro_batch_size, self.dp_size)
 
     @property
     def num_microbatches(self) -> int:
-        return self.global_batch_size // (self.micro_batch_size * self.dp_size)
+        return microbatches_per_step(self.global_batch_size, self.micro_batch_size,
+                                     self.dp_size)
 
     def sample_ids(self, consumed_samples: int, microbatch: int, num_samples: int) -> list[int]:
         """Dataset indices of one of this rank's microbatches (a dataset of ``num_samples``)."""

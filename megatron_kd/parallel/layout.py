@@ -17,7 +17,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-__all__ = ["CP_COMM_TYPES", "RECOMPUTE_CHOICES", "RECOMPUTE_METHODS", "ParallelLayout"]
+__all__ = ["CP_COMM_TYPES", "RECOMPUTE_CHOICES", "RECOMPUTE_METHODS", "ParallelLayout",
+           "microbatches_per_step", "virtual_stages_of"]
 
 #: Activation recompute: none, the core attention only, or whole layers.
 RECOMPUTE_CHOICES = ("none", "selective", "full")
@@ -199,3 +200,23 @@ class ParallelLayout:
         return replace(self, pp=1, vp=1, recompute="none",
                        recompute_method="uniform", recompute_num_layers=1,
                        use_distributed_optimizer=False)
+
+
+def virtual_stages_of(num_layers: int, pp: int, layers_per_stage: int) -> int:
+    """Model chunks per pipeline rank that ``--num-layers-per-virtual-pipeline-stage``
+    ``layers_per_stage`` gives ``num_layers`` layers over ``pp`` stages; ``ValueError`` naming
+    the flags where they do not split into whole virtual stages."""
+    if layers_per_stage < 1 or num_layers % (layers_per_stage * pp):
+        raise ValueError(f"--num-layers-per-virtual-pipeline-stage {layers_per_stage} x "
+                         f"--pipeline-model-parallel-size {pp} does not divide --num-layers "
+                         f"{num_layers}")
+    return num_layers // (layers_per_stage * pp)
+
+
+def microbatches_per_step(global_batch_size: int, micro_batch_size: int, dp: int) -> int:
+    """Micro-batches each of ``dp`` data-parallel ranks runs a step; ``ValueError`` naming the
+    flags where the global batch does not split into them."""
+    if global_batch_size % (micro_batch_size * dp):
+        raise ValueError(f"--global-batch-size {global_batch_size} is not divisible by "
+                         f"--micro-batch-size {micro_batch_size} x data-parallel size {dp}")
+    return global_batch_size // (micro_batch_size * dp)

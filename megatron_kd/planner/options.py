@@ -231,11 +231,9 @@ def _alternatives(opts: PlanOptions, base: ParallelLayout) -> list[tuple[str, di
     pp, dp = base.pp, base.dp
     if pp == 1 and dp % 2 == 0:  # no pipeline: what a two-stage one would buy
         pp, dp = 2, dp // 2
-    if pp > 1 and layers % pp == 0:
-        m = opts.global_batch_size // (opts.micro_batch_size * dp)
-        for v in _divisors(layers // pp):
-            if v == 1 or (m >= pp and m % pp == 0):
-                out.append((f"pp={pp} vp={v}", {"pp": pp, "dp": dp, "vp": v}))
+    if pp > 1:  # every whole number of layers per virtual stage (the rules refuse the rest)
+        for v in _divisors(max(1, layers // pp)):
+            out.append((f"pp={pp} vp={v}", {"pp": pp, "dp": dp, "vp": v}))
     if base.tp * 2 <= opts.gpus_per_node and base.dp % 2 == 0:
         out.append((f"tp={base.tp * 2} +SP",
                     {"tp": base.tp * 2, "dp": base.dp // 2, "sequence_parallel": True}))

@@ -80,13 +80,8 @@ def chunk_layers(num_layers: int, pp: int, vp: int, stage: int) -> tuple[range, 
         return (stage_layers(num_layers, pp, stage),)
     if not 0 <= stage < pp:
         raise ValueError(f"stage={stage} out of range for pp={pp}")
-    if pp == 1:
-        raise ValueError(f"vp={vp} needs pp > 1 (interleaving splits pipeline stages)")
-    if num_layers % (pp * vp):
-        raise ValueError(
-            f"num_layers={num_layers} is not a multiple of pp*vp={pp}*{vp} (Megatron-Core gives "
-            f"every virtual stage the same number of layers)"
-        )
+    # a layout megatron_kd.arch.check_layout accepted: every chunk the same whole layers
+    assert pp > 1 and num_layers % (pp * vp) == 0, (num_layers, pp, vp)
     k = num_layers // (pp * vp)
     return tuple(range((c * pp + stage) * k, (c * pp + stage + 1) * k) for c in range(vp))
 
@@ -94,17 +89,6 @@ def chunk_layers(num_layers: int, pp: int, vp: int, stage: int) -> tuple[range, 
 def rank_layers(num_layers: int, pp: int, vp: int, stage: int) -> list[int]:
     """Every layer pipeline rank ``stage`` holds, over all its chunks."""
     return [i for chunk in chunk_layers(num_layers, pp, vp, stage) for i in chunk]
-
-
-def check_microbatches(pp: int, vp: int, num_microbatches: int) -> None:
-    """``ValueError`` when Megatron-Core's interleaved schedule refuses ``m`` micro-batches
-    (default group size ``p``: ``m >= p`` and ``m`` a multiple of ``p``)."""
-    if vp > 1 and (num_microbatches < pp or num_microbatches % pp):
-        raise ValueError(
-            f"interleaved schedule (vp={vp}) with pp={pp} needs the micro-batches per step "
-            f"m={num_microbatches} to be a multiple of pp (Megatron-Core's "
-            f"microbatch_group_size_per_vp_stage defaults to pp)"
-        )
 
 
 def in_flight_microbatches(pp: int, stage: int, num_microbatches: int) -> int:
@@ -129,7 +113,9 @@ def interleaved_in_flight_chunks(pp: int, vp: int, stage: int, num_microbatches:
 def schedule_chunks(pp: int, vp: int, num_microbatches: int) -> list[int]:
     """The model chunk of each forward, in order (Megatron-Core ``get_schedule_table`` with groups
     of ``pp`` micro-batches; the ``k``-th backward runs chunk ``vp - 1 - chunks[k]``)."""
-    check_microbatches(pp, vp, num_microbatches)
+    # a layout megatron_kd.arch.check_layout accepted: whole groups of pp micro-batches
+    assert vp == 1 or (num_microbatches >= pp and num_microbatches % pp == 0), (pp, vp,
+                                                                                num_microbatches)
     group = pp if vp > 1 else num_microbatches
     out: list[int] = []
     for first in range(0, num_microbatches, group):

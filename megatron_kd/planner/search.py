@@ -39,6 +39,7 @@ import math
 from dataclasses import replace
 
 from megatron_kd.arch import Role, check_layout
+from megatron_kd.parallel.layout import microbatches_per_step, virtual_stages_of
 from megatron_kd.planner import memory as mem
 from megatron_kd.planner import schedule
 from megatron_kd.planner import traffic as tr
@@ -132,21 +133,14 @@ def student_candidates(opts: PlanOptions, mode: Mode | None = None) -> list[Para
     for t in tps:
         pps = [opts.pp] if opts.pp else _divisors(world // t if world % t == 0 else 1)
         for p in pps:
-            if world % (t * p):
-                reasons.append(f"tp*pp={t}*{p} does not divide {world} GPUs")
-                continue
-            for c in [opts.cp] if opts.cp is not None else _divisors(world // (t * p)):
-                if world % (t * p * c):
-                    reasons.append(f"tp*pp*cp={t}*{p}*{c} does not divide {world} GPUs")
+            for c in [opts.cp] if opts.cp is not None else _divisors(max(1, world // (t * p))):
+                try:
+                    dp = ParallelLayout.from_world(world, tp=t, pp=p, cp=c).dp
+                    m = microbatches_per_step(opts.global_batch_size, opts.micro_batch_size, dp)
+                except ValueError as exc:
+                    reasons.append(str(exc))
                     continue
-                dp = world // (t * p * c)
-                if opts.global_batch_size % (opts.micro_batch_size * dp):
-                    reasons.append(
-                        f"global_batch_size={opts.global_batch_size} is not a multiple of "
-                        f"micro_batch_size*dp={opts.micro_batch_size}*{dp}"
-                    )
-                    continue
-                out += _split_candidates(opts, mode, t, p, c, dp, reasons)
+                out += _split_candidates(opts, mode, t, p, c, dp, m, reasons)
     if not out:
         distinct = list(dict.fromkeys(reasons))
         raise ValueError(
@@ -179,12 +173,11 @@ def _expert_sizes(opts: PlanOptions, mode: Mode | None) -> list[int]:
 
 
 def _split_candidates(opts: PlanOptions, mode: Mode | None, t: int, p: int, c: int, dp: int,
-                      reasons: list[str]) -> list[ParallelLayout]:
+                      m: int, reasons: list[str]) -> list[ParallelLayout]:
     """Every valid layout of one tensor x pipeline x context x data split: its virtual stages,
     expert-parallel sizes and recompute settings."""
     sp = (t > 1) if opts.sequence_parallel is None else opts.sequence_parallel
     comm = opts.cp_comm_type or mem.default_cp_comm_type(opts.student)
-    m = opts.global_batch_size // (opts.micro_batch_size * dp)
     dist_opt = opts.use_distributed_optimizer
     if dist_opt is None:
         dist_opt = dp > 1
@@ -255,14 +248,19 @@ def _virtual_stages(opts: PlanOptions, p: int, reasons: list[str]) -> list[int]:
     layers = opts.student.num_layers
     if opts.layers_per_virtual_stage is not None:
         per = opts.layers_per_virtual_stage
-        if p == 1 or layers % (p * per) or layers == p * per:
+        try:
+            v = virtual_stages_of(layers, p, per)
+        except ValueError as e:
+            reasons.append(str(e))
+            return []
+        if p == 1 or v == 1:
             reasons.append(
                 f"layers_per_virtual_stage={per} with pp={p} and num_layers={layers}: needs pp > 1 "
                 f"and more than one virtual stage of whole layers per rank (Megatron-Core runs "
                 f"one chunk per rank through its interleaved schedule, which the planner does not "
                 f"model)")
             return []
-        return [layers // (p * per)]
+        return [v]
     if opts.vp is not None:
         return [opts.vp]
     if p == 1 or layers % p:
@@ -343,7 +341,7 @@ def teacher_candidates(opts: PlanOptions, role: Role = Role.TEACHER_REPLICA
 
 def num_microbatches(opts: PlanOptions, layout: ParallelLayout) -> int:
     """Micro-batches ``m`` each data-parallel rank runs per optimizer step."""
-    return opts.global_batch_size // (opts.micro_batch_size * layout.dp)
+    return microbatches_per_step(opts.global_batch_size, opts.micro_batch_size, layout.dp)
 
 
 def student_stage_terms(

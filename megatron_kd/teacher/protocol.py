@@ -33,6 +33,7 @@ from dataclasses import MISSING, asdict, dataclass, fields
 import torch
 import torch.distributed as dist
 
+from megatron_kd.parallel.sequence import sequence_parts
 from megatron_kd.teacher.wire import WIRE_DTYPES
 
 __all__ = ["ACCEPTED", "CLOSED_COUNTER_KEY", "CONN_COUNTER_KEY", "IDENTITY_KEY", "MAX_META_BYTES",
@@ -228,7 +229,7 @@ class ConnectionLimits:
         if meta.device not in self.devices:
             raise HandshakeError(f"device {_short(meta.device)}: this replica makes links to "
                                  f"students on {list(self.devices)}")
-        split = meta.members * (2 if meta.cp > 1 else 1)
+        split = sequence_parts(tp=meta.members // meta.cp, cp=meta.cp, sequence_parallel=True)
         if meta.members > self.max_members or meta.seq_length % split:
             raise HandshakeError(f"tp {meta.tp} x cp {meta.cp}: a connection answers at most "
                                  f"{self.max_members} student ranks, and its seq_length "

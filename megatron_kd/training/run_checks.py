@@ -41,6 +41,7 @@ from megatron_kd.integration.gpt import transformer_engine_available
 from megatron_kd.integration.teacher import check_teacher
 from megatron_kd.modes.args import KDArgs
 from megatron_kd.parallel import ParallelLayout, pad_vocab_size
+from megatron_kd.parallel.layout import microbatches_per_step
 from megatron_kd.training.run_config import ArchitectureSection, DataSection, RunConfig
 from megatron_kd.training.student_arch import student_arch as build_student_arch
 
@@ -73,7 +74,8 @@ class CheckedRun:
     @property
     def num_microbatches(self) -> int:
         """Micro-batches a data-parallel rank runs a step."""
-        return self.global_batch_size // (self.micro_batch_size * self.layout.dp)
+        return microbatches_per_step(self.global_batch_size, self.micro_batch_size,
+                                     self.layout.dp)
 
 
 def resolve_tokenizer(data: DataSection, teacher_dir: str | None, *,
@@ -156,9 +158,7 @@ def _layout(config: RunConfig, world_size: int,
     layout = config.parallel.layout(world_size, num_layers)
     mbs = config.optimizer.micro_batch_size
     gbs = config.data.global_batch_size or mbs * layout.dp
-    if gbs % (mbs * layout.dp):
-        raise ValueError(f"--global-batch-size {gbs} is not divisible by --micro-batch-size "
-                         f"{mbs} x data-parallel size {layout.dp}")
+    microbatches_per_step(gbs, mbs, layout.dp)
     return layout, gbs
 
 

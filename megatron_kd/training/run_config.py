@@ -21,7 +21,7 @@ from megatron_kd.flags import add_flags, flag, from_flags
 from megatron_kd.integration.sdpa_attention import ATTENTION_CHOICES
 from megatron_kd.modes.args import KDArgs, add_kd_args
 from megatron_kd.parallel import ParallelLayout
-from megatron_kd.parallel.layout import CP_COMM_TYPES
+from megatron_kd.parallel.layout import CP_COMM_TYPES, virtual_stages_of
 from megatron_kd.parallel.vocab import MAKE_VOCAB_SIZE_DIVISIBLE_BY
 from megatron_kd.training.hybrid_args import LINEAR_DEFAULTS, VARIANTS, layer_pattern
 from megatron_kd.training.metrics import MetricsSection
@@ -232,13 +232,8 @@ class ParallelSection:
             if num_layers is None:
                 raise ValueError("--num-layers-per-virtual-pipeline-stage needs the model's "
                                  "layers: --num-layers, or --pretrained-checkpoint")
-            per = self.num_layers_per_virtual_pipeline_stage
-            pp = self.pipeline_model_parallel_size
-            if per < 1 or num_layers % (per * pp):
-                raise ValueError(f"--num-layers-per-virtual-pipeline-stage {per} x "
-                                 f"--pipeline-model-parallel-size {pp} does not divide "
-                                 f"--num-layers {num_layers}")
-            return num_layers // (per * pp)
+            return virtual_stages_of(num_layers, self.pipeline_model_parallel_size,
+                                     self.num_layers_per_virtual_pipeline_stage)
         return self.virtual_pipeline_model_parallel_size
 
     def _recompute(self) -> dict:
