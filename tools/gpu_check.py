@@ -30,6 +30,10 @@ CUDA, two on the CPU, whose figures only show that a step runs):
   loss's GEMMs). Tiny on the CPU.
 * ``profile_loss``: ``tools/bench_loss.py --profile``: the fused loss's top kernels at the
   Multiverse shape (T 8192, V 128,256, h_s 3072, h_t 4096, bf16).
+* ``bench_step`` (only when named in ``--steps``: it takes most of a session on one H200):
+  ``tools/bench_step.py``, whole ``megatron-kd train`` steps at the seed's shapes (Llama-3.2-3B
+  student, Llama-3.1-8B teacher, 8K tokens): online and offline, fused and dense-logits
+  losses, the student alone; peaks beside the planner's. Tiny on the CPU.
 * ``bench_loss``: ``tools/bench_loss.py`` one variant at a time, bf16 on CUDA, inside what is
   left of the time budget; its table. First the loss's targets at both shapes, Multiverse
   (V 128,256) and Qwen3 (V 151,936, h_s 2,560): the floor, ours at its defaults and its memory
@@ -70,10 +74,13 @@ TESTS = os.path.join(ROOT, "tests")
 SCRIPT = os.path.abspath(__file__)
 
 STEPS = ("make_teacher", "parity", "bench_loss", "profile_loss", "train_step_bf16_te",
-         "train_step_tp2_sp", "train_step_cp2_te", "train_step_1b", "cache_build")
+         "train_step_tp2_sp", "train_step_cp2_te", "train_step_1b", "cache_build", "bench_step")
+#: steps run only when ``--steps`` names them
+ON_REQUEST = ("bench_step",)
 # the benchmark last: it takes what is left of the time budget
 RUN_ORDER = ("make_teacher", "parity", "train_step_bf16_te", "train_step_tp2_sp",
-             "train_step_cp2_te", "cache_build", "profile_loss", "train_step_1b", "bench_loss")
+             "train_step_cp2_te", "cache_build", "profile_loss", "train_step_1b", "bench_loss",
+             "bench_step")
 NEEDS_TEACHER = ("train_step_bf16_te", "train_step_tp2_sp", "train_step_cp2_te", "cache_build")
 NO_GPU = "skipped: no GPU"
 
@@ -123,10 +130,12 @@ PEER_MODULES = {"liger": "liger_kernel", "modelopt": "modelopt"}  # ligertriton_
 # other steps leave (about 4 minutes when they take their usual time).
 LIMITS = {"cuda": dict(make_teacher=60, parity=90, train_step_bf16_te=60,
                        train_step_tp2_sp=90, train_step_cp2_te=90, cache_build=60,
-                       train_step_1b=180, profile_loss=45, bench=300, point=60, total=450),
+                       train_step_1b=180, profile_loss=45, bench=300, point=60, total=450,
+                       bench_step=540),
           "cpu": dict(make_teacher=150, parity=150, train_step_bf16_te=240,
                       train_step_tp2_sp=240, train_step_cp2_te=240, cache_build=180,
-                      train_step_1b=240, profile_loss=120, bench=150, point=120, total=900)}
+                      train_step_1b=240, profile_loss=120, bench=150, point=120, total=900,
+                      bench_step=600)}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -810,7 +819,7 @@ def _matmul_params(m: dict) -> int:
     """Weights a token multiplies in one pass through the layers (SwiGLU MLP, grouped-query
     attention, no biases): not the embedding (a lookup) nor the output layer (the loss)."""
     h, heads, groups = m["hidden_size"], m["num_attention_heads"], m["num_query_groups"]
-    d = h // heads
+    d = m.get("kv_channels") or h // heads
     attention = h * heads * d + 2 * h * groups * d + heads * d * h
     return m["num_layers"] * (attention + 3 * h * m["ffn_hidden_size"])
 
@@ -819,21 +828,26 @@ def _attention_flops(m: dict, seq: int) -> float:
     """Forward FLOPs of the score and value products of one causal sequence, all layers: the
     half of ``4 s^2 d`` per layer that the mask keeps (a kernel that computes the masked half
     too does more work than counted)."""
-    d_attention = m["hidden_size"]  # heads x head width
+    d_attention = m["num_attention_heads"] * (m.get("kv_channels")
+                                              or m["hidden_size"] // m["num_attention_heads"])
     return m["num_layers"] * 0.5 * 4.0 * seq * seq * d_attention
 
 
 def step_flops(one_b: dict) -> dict:
-    """FLOPs of one training step of the 1B step (one sequence of ``seq`` tokens): the
-    student's forward and backward (``6 N`` a token and three times its attention), the
-    teacher's forward (``2 N`` a token and its attention) and the loss's GEMMs (the student's
-    projection forward and its two gradients, the teacher's projection forward)."""
-    s, t, seq = one_b["student"], one_b["teacher"], one_b["seq"]
+    """Model FLOPs of one sequence of ``seq`` tokens in a training step (docs/benchmarks.md's
+    count; ``tools/bench_step.py`` uses it too): the student's forward and backward (``6 N`` a
+    token and three times its attention), the teacher's forward (``2 N`` a token and its
+    attention; ``teacher`` None: no teacher runs, an offline or teacherless step) and the
+    loss's GEMMs (the student's projection forward and its two gradients, the teacher's
+    projection forward). No recompute: what the model needs, not what a run spends."""
+    s, t, seq = one_b["student"], one_b.get("teacher"), one_b["seq"]
     vocab = s["vocab_size"]
     parts = {
         "student_layers": 6.0 * _matmul_params(s) * seq + 3.0 * _attention_flops(s, seq),
-        "teacher_layers": 2.0 * _matmul_params(t) * seq + _attention_flops(t, seq),
-        "loss_gemms": 2.0 * seq * vocab * (3 * s["hidden_size"] + t["hidden_size"]),
+        "teacher_layers": (2.0 * _matmul_params(t) * seq + _attention_flops(t, seq)
+                           if t is not None else 0.0),
+        "loss_gemms": 2.0 * seq * vocab * (3 * s["hidden_size"]
+                                           + (t["hidden_size"] if t is not None else 0)),
     }
     return {**parts, "total": sum(parts.values())}
 
@@ -947,7 +961,29 @@ def _cache_figures(figures: dict, name: str, text: str) -> None:
                                                     "complete")}
 
 
-STEP_FUNCS = {"make_teacher": step_make_teacher, "parity": step_parity,
+def step_bench_step(ctx: Ctx, step: dict) -> None:
+    """``tools/bench_step.py`` on the check's device; its rows as the step's figures."""
+    out = ctx.path("bench_step")
+    timeout = _timeout(ctx, "bench_step")
+    cmd = [sys.executable, os.path.join(ROOT, "tools", "bench_step.py"), "--device", ctx.device,
+           "--out", out, "--timeout", str(int(timeout))]
+    step["commands"].append(shlex.join(cmd))
+    r = run_cmd(cmd, ctx, step["log"], timeout)
+    path = os.path.join(out, "bench_step.json")
+    if os.path.exists(path):
+        with open(path, encoding="utf-8") as f:
+            report = json.load(f)
+        step["figures"] = {"rows": [
+            {k: row.get(k) for k in ("row", "error", "step_s", "tokens_per_s", "peak_bytes",
+                                     "peak_reserved_bytes", "predicted_peak_bytes",
+                                     "measured_over_predicted", "model_tflops", "mfu")}
+            for row in report["rows"]], "json": os.path.relpath(path, ctx.out)}
+    if r["rc"] != 0:
+        _fail(step, f"tools/bench_step.py exited {r['rc']}"
+              + (" (timeout)" if r["timed_out"] else ""), r["tail"])
+
+
+STEP_FUNCS = {"make_teacher": step_make_teacher, "bench_step": step_bench_step, "parity": step_parity,
               "bench_loss": step_bench_loss, "profile_loss": step_profile_loss,
               "train_step_1b": step_train_1b, "train_step_bf16_te": step_train,
               "train_step_tp2_sp": step_train_tp2_sp,
@@ -1153,8 +1189,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
                    help="auto: CUDA when a GPU is usable, else the CPU")
     p.add_argument("--out", default="gpu_check_out", help="report directory")
-    p.add_argument("--steps", nargs="+", choices=STEPS, default=list(STEPS),
-                   help="steps to run (make_teacher is added when a later step needs it)")
+    p.add_argument("--steps", nargs="+", choices=STEPS,
+                   default=[s for s in STEPS if s not in ON_REQUEST],
+                   help="steps to run (make_teacher is added when a later step needs it; "
+                        f"{', '.join(ON_REQUEST)} only when named)")
     p.add_argument("--parity-size", choices=tuple(PARITY_SIZES), default=None,
                    help="parity sizes (default: moderate on CUDA, tiny on the CPU)")
     p.add_argument("--budget", type=float, default=None,

@@ -48,7 +48,7 @@ from megatron_kd.training.run_checks import CheckedRun, check_run
 from megatron_kd.training.run_config import RunConfig, add_arguments
 
 __all__ = ["Prediction", "RunShape", "arch_to_model", "parse_train_args", "plan_options",
-           "predict", "predict_teacher", "resolve_run", "run_shape"]
+           "predict", "predict_shape", "predict_teacher", "resolve_run", "run_shape"]
 
 #: The planner's modes of the trainer's online ``--kd-mode`` values (with a teacher).
 _ONLINE_MODES = {"colocated": Mode.COLOCATED_FUSED, "disaggregated": Mode.DISAGGREGATED}
@@ -114,11 +114,14 @@ class RunShape:
 
     @property
     def mode(self) -> Mode | None:
-        """The planner's mode of the run; None: no teacher."""
+        """The planner's mode of the run; None: no teacher. A colocated run on the dense path
+        is the planner's colocated-dense mode."""
         if self.kd_mode == "offline":
             return Mode.OFFLINE_CACHE
         if self.teacher is None:
             return None
+        if self.kd_mode == "colocated" and self.loss_path == "dense":
+            return Mode.COLOCATED_DENSE
         return _ONLINE_MODES[self.kd_mode]
 
 
@@ -244,7 +247,12 @@ def _options(run: RunShape, on_cpu: bool, teacher_tp: int | None,
 def predict(config: RunConfig, run: CheckedRun, on_cpu: bool) -> Prediction:
     """The planner's terms for the logging rank (student rank 0: stage 0, TP rank 0), and for a
     disaggregated run its wire bytes both ways."""
-    shape = run_shape(config, run)
+    return predict_shape(run_shape(config, run), on_cpu)
+
+
+def predict_shape(shape: RunShape, on_cpu: bool) -> Prediction:
+    """:func:`predict` for a run described by its :class:`RunShape` (a run not resolved from
+    its flags: e.g. one whose checkpoints do not exist yet)."""
     opts = _options(shape, on_cpu, None, None)
     mode = shape.mode
     layout = shape.layout

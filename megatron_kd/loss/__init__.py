@@ -5,14 +5,16 @@ and output-layer shards, in row windows, combining per-row values across the ten
 group; the ``[tokens, vocab]`` logits never exist. ``KDLossConfig.cpu_tuning`` (a
 ``CpuTuning``) says how a window is worked through on CPU; by default this machine's. CUDA inputs
 take the GPU path (:mod:`megatron_kd.loss.gpu`, tuned by ``KDLossConfig.gpu_tuning``, a
-``GpuTuning``); ``KDLossConfig.path`` chooses either path by hand. The teacher's side is one
-record, a ``DenseTeacher`` (hidden states and output-layer shard) or a ``TopKTeacher`` (top-K ids
-and log-probs): ``Teacher``.
+``GpuTuning``); ``KDLossConfig.path`` chooses either path by hand, or ``"dense"``: the
+reference baseline ``dense_logits_kd_loss``, which writes the logits (for benchmarks). The
+teacher's side is one record, a ``DenseTeacher`` (hidden states and output-layer shard) or a
+``TopKTeacher`` (top-K ids and log-probs): ``Teacher``.
 """
 
 from megatron_kd.loss.config import CpuTuning, GpuTuning, KDLossConfig
+from megatron_kd.loss.dense import dense_logits_kd_loss
 from megatron_kd.loss.fused import vocab_parallel_kd_loss
 from megatron_kd.loss.teacher import DenseTeacher, Teacher, TopKTeacher
 
 __all__ = ["CpuTuning", "DenseTeacher", "GpuTuning", "KDLossConfig", "Teacher", "TopKTeacher",
-           "vocab_parallel_kd_loss"]
+           "dense_logits_kd_loss", "vocab_parallel_kd_loss"]

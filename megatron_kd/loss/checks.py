@@ -23,8 +23,8 @@ from megatron_kd.loss.teacher import DenseTeacher, Teacher, TopKTeacher
 from megatron_kd.loss.window import Shard, Window
 from megatron_kd.parallel.vocab import vocab_shard
 
-__all__ = ["FiniteTracker", "check_global", "check_local", "exchange_sizes", "full_lead", "world",
-           "shard_of"]
+__all__ = ["FiniteTracker", "check_global", "check_local", "checked_inputs", "compute_dtype",
+           "exchange_sizes", "full_lead", "world", "shard_of"]
 
 
 def world(tp_group: dist.ProcessGroup | None) -> tuple[int, int]:
@@ -32,6 +32,11 @@ def world(tp_group: dist.ProcessGroup | None) -> tuple[int, int]:
     if tp_group is None:
         return 0, 1
     return dist.get_rank(tp_group), dist.get_world_size(tp_group)
+
+
+def compute_dtype(student_hidden: torch.Tensor) -> torch.dtype:
+    """fp32 inside (fp64 for fp64 inputs, the references' dtype)."""
+    return torch.float64 if student_hidden.dtype == torch.float64 else torch.float32
 
 
 def full_lead(student_hidden: torch.Tensor, tp_world_size: int, sp: bool) -> tuple[int, ...]:
@@ -190,6 +195,36 @@ def check_global(teacher: Teacher | None, labels, config: KDLossConfig, shard: S
             if bool((mass > 1.0 + 1e-3).any()):
                 raise ValueError(f"teacher top-K probabilities sum to {float(mass.max()):.6f} > 1 "
                                  f"in some token: not log-softmax values over the full vocabulary")
+
+
+def checked_inputs(student_hidden: torch.Tensor, student_weight: torch.Tensor,
+                   teacher: Teacher | None, labels: torch.Tensor | None,
+                   loss_mask: torch.Tensor | None, config: KDLossConfig,
+                   tp_group: dist.ProcessGroup | None) -> tuple[Shard, bool, torch.Tensor]:
+    """Every check of the loss's inputs, on every rank of ``tp_group`` together, before any
+    path's autograd Function runs: ``(this rank's shard, whether the hidden states arrive
+    sequence-parallel, the loss mask)`` (ones over the full sequence where ``loss_mask`` is
+    None).
+
+    Collectives: the one all-gather of :func:`exchange_sizes` (three integers per rank), so a
+    rank whose local check fails makes every rank raise.
+    """
+    tp_rank, tp_world_size = world(tp_group)
+    sp = config.sequence_parallel and tp_world_size > 1
+    local_error = check_local(student_hidden, student_weight, teacher, labels, loss_mask, config,
+                              tp_world_size, sp)
+    if (local_error is None and config.gradient_accumulation_fusion
+            and student_weight.requires_grad and not hasattr(student_weight, "main_grad")):
+        local_error = ("gradient_accumulation_fusion=True but student_weight has no main_grad "
+                       "(Megatron's DDP wrapper adds it; turn the fusion off without it)")
+    # The all-gather of shard sizes; raises on every rank if any rank's input is bad.
+    sizes = exchange_sizes(student_weight, student_hidden, local_error, tp_group, tp_world_size)
+    shard = shard_of(sizes, tp_group, tp_rank, tp_world_size, config)
+    check_global(teacher, labels, config, shard)
+    if loss_mask is None:
+        loss_mask = torch.ones(full_lead(student_hidden, tp_world_size, sp), dtype=torch.float32,
+                               device=student_hidden.device)
+    return shard, sp, loss_mask
 
 
 class FiniteTracker:

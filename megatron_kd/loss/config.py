@@ -20,7 +20,7 @@ KINDS = ("forward_kl", "reverse_kl", "jsd")
 TOPK_TAILS = ("renormalize", "ghost")
 BACKWARDS = ("precompute", "recompute")
 ELEMENTWISE = ("eager", "compiled")
-PATHS = ("auto", "cpu", "gpu")
+PATHS = ("auto", "cpu", "gpu", "dense")
 GPU_KERNELS = ("triton", "compiled", "eager")
 # The window rule and its constants are megatron_kd.parallel.windows': the planner counts the
 # windows the loss runs from the same module (WEIGHT_GRADS is the --kd-loss-weight-grad choices).
@@ -257,7 +257,13 @@ class KDLossConfig:
     CUDA inputs, the CPU path otherwise (and where ``elementwise="compiled"``, an option of the
     CPU path's walk, is set); ``gpu`` / ``cpu``: that path on any device (``gpu`` on CPU is how
     the GPU path's maths is tested without a GPU; ``gpu`` with ``elementwise="compiled"`` is
-    refused). Both compute the same loss."""
+    refused). Both compute the same loss. ``dense``: the reference baseline: the logits written,
+    as Megatron-LM + ModelOpt's logits KD does; for benchmarks
+    (:func:`~megatron_kd.loss.dense.dense_logits_kd_loss`: the student's and a dense teacher's
+    ``[tokens, local_vocab_size]`` logits in fp32 and autograd's softmax temporaries, per call;
+    the same loss, any device). It has no windows: ``window_size``, ``backward``,
+    ``cpu_tuning`` and ``gpu_tuning`` do not apply to it, and ``elementwise="compiled"`` is
+    refused."""
 
     gpu_tuning: GpuTuning | None = None
     """How the GPU path works through a window (``None``: :class:`GpuTuning`'s defaults). No
@@ -266,6 +272,10 @@ class KDLossConfig:
     def __post_init__(self) -> None:
         if self.path not in PATHS:
             raise ValueError(f"path must be one of {PATHS}, got {self.path!r}")
+        if self.path == "dense" and self.elementwise != "eager":
+            raise ValueError(f"path='dense' (the reference baseline: the logits written) has no "
+                             f"elementwise={self.elementwise!r}, an option of the fused CPU "
+                             f"path; set path='cpu' to run it")
         if self.gpu_tuning is not None and not isinstance(self.gpu_tuning, GpuTuning):
             raise ValueError(f"gpu_tuning must be a GpuTuning or None, got {self.gpu_tuning!r}")
         if self.kind not in KINDS:

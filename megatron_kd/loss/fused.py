@@ -21,17 +21,10 @@ import torch
 import torch.distributed as dist
 
 from megatron_kd.loss import compiled, gpu_kernels, kinds
-from megatron_kd.loss.checks import (
-    FiniteTracker,
-    check_global,
-    check_local,
-    exchange_sizes,
-    full_lead,
-    shard_of,
-    world,
-)
+from megatron_kd.loss.checks import FiniteTracker, checked_inputs, compute_dtype
 from megatron_kd.loss.combine import gather_sequence, reduce_hidden_grad
 from megatron_kd.loss.config import CpuTuning, GpuTuning, KDLossConfig
+from megatron_kd.loss.dense import dense_logits_kd_loss
 from megatron_kd.loss.gpu import GpuKDLoss
 from megatron_kd.loss.grads import input_grads, main_grad_placeholder, scale_precomputed
 from megatron_kd.loss.kinds import KindMath, Stats, kind_for
@@ -144,11 +137,6 @@ class _FusedKDLoss(torch.autograd.Function):
         else:
             grad_x, grad_w = _recompute_backward(ctx, grad_loss)
         return input_grads(ctx, grad_x, grad_w)
-
-
-def compute_dtype(student_hidden: torch.Tensor) -> torch.dtype:
-    """fp32 inside (fp64 for fp64 inputs, the references' dtype)."""
-    return torch.float64 if student_hidden.dtype == torch.float64 else torch.float32
 
 
 def _walker(student_hidden, student_weight, teacher_hidden, teacher_weight, topk_ids,
@@ -293,8 +281,15 @@ def vocab_parallel_kd_loss(
     Collectives: all inside :class:`_FusedKDLoss` (its docstring lists them), the exchange of
     shard sizes included. Here the inputs' shapes are only checked locally: a rank whose check
     fails hands the message on, and every rank raises after the exchange.
+
+    ``config.path == "dense"`` runs the reference baseline instead,
+    :func:`~megatron_kd.loss.dense.dense_logits_kd_loss` (the logits written; same contract).
     """
     config = config or KDLossConfig()
+    if config.path == "dense":
+        return dense_logits_kd_loss(student_hidden, student_weight, teacher, labels=labels,
+                                    loss_mask=loss_mask, config=config, tp_group=tp_group,
+                                    terms_out=terms_out)
     gpu_path = config.uses_gpu_path(student_hidden.device)
     if gpu_path:
         tuning = config.gpu_tuning or GpuTuning()
@@ -302,21 +297,8 @@ def vocab_parallel_kd_loss(
     else:
         # Resolved once per call: the walk of forward and a recomputing backward reads this one.
         tuning = CpuTuning.for_this_machine() if config.cpu_tuning is None else config.cpu_tuning
-    tp_rank, tp_world_size = world(tp_group)
-    sp = config.sequence_parallel and tp_world_size > 1
-    local_error = check_local(student_hidden, student_weight, teacher, labels, loss_mask, config,
-                              tp_world_size, sp)
-    if (local_error is None and config.gradient_accumulation_fusion
-            and student_weight.requires_grad and not hasattr(student_weight, "main_grad")):
-        local_error = ("gradient_accumulation_fusion=True but student_weight has no main_grad "
-                       "(Megatron's DDP wrapper adds it; turn the fusion off without it)")
-    # The all-gather of shard sizes; raises on every rank if any rank's input is bad.
-    sizes = exchange_sizes(student_weight, student_hidden, local_error, tp_group, tp_world_size)
-    shard = shard_of(sizes, tp_group, tp_rank, tp_world_size, config)
-    check_global(teacher, labels, config, shard)
-    if loss_mask is None:
-        loss_mask = torch.ones(full_lead(student_hidden, tp_world_size, sp), dtype=torch.float32,
-                               device=student_hidden.device)
+    shard, _, loss_mask = checked_inputs(student_hidden, student_weight, teacher, labels,
+                                         loss_mask, config, tp_group)
     tracker = (FiniteTracker(student_hidden.device, compute_dtype(student_hidden))
                if config.check_finite else None)
     function = GpuKDLoss if gpu_path else _FusedKDLoss

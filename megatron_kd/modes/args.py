@@ -66,8 +66,11 @@ LOSS_FLAGS = {
                              "or 'compiled' torch.compile kernels (forward KL with a dense "
                              "teacher only; compiled on the first step)"),
     "path": Flag(name="--kd-loss-path", choices=PATHS, group=_KD,
-                 help="the fused loss's implementation: 'auto' (the GPU path for CUDA tensors, "
-                      "the CPU path otherwise), or 'gpu' / 'cpu' on any device"),
+                 help="the loss's implementation: 'auto' (the fused loss's GPU path for CUDA "
+                      "tensors, its CPU path otherwise), 'gpu' / 'cpu' (that path on any "
+                      "device), or 'dense': the reference baseline that writes the fp32 "
+                      "logits, as Megatron-LM + ModelOpt's logits KD does (for benchmarks, "
+                      "not training)"),
     "topk_tail": Flag(name="--kd-topk-tail", choices=TOPK_TAILS, group=_OFFLINE,
                       help="offline: 'renormalize' (the teacher distribution is the softmax of "
                            "the K log-probs) or 'ghost' (the K probabilities plus one bucket for "

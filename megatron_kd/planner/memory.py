@@ -734,12 +734,41 @@ def dense_loss_bytes(
     seq_length: int,
     micro_batch_size: int,
 ) -> float:
-    """Dense KD loss: bf16 logits + fp32 copy + fp32 softmax, student and teacher: ``10`` bytes per
-    local logit each (the rank's ``s*b/cp`` rows)."""
+    """Dense KD loss (ModelOpt's, the colocated-dense mode): bf16 logits + fp32 copy + fp32
+    softmax, student and teacher: ``10`` bytes per local logit each (the rank's ``s*b/cp``
+    rows)."""
     n = layout.local_tokens(seq_length, micro_batch_size)
     v_s = student.padded_vocab(layout.tp) // layout.tp
     v_t = teacher.padded_vocab(layout.tp) // layout.tp
     return n * (10 * v_s + 10 * v_t)
+
+
+#: The dense-logits baseline's (``--kd-loss-path dense``, :mod:`megatron_kd.loss.dense`) peak
+#: bytes per token and local vocabulary column, forward KL at T = 1, beyond the returned
+#: gradients: with a dense teacher (the student's bf16 logits, their fp32 copy and
+#: log-probabilities; the teacher's the same, no grad; the KL's products autograd keeps for
+#: backward and the logits' gradient) and with a top-K teacher (the student's alone). Counted on
+#: the implementation: the peak of live tensor storages over its forward and backward
+#: (``tests/unit/test_dense_loss.py`` holds the two within 10%).
+DENSE_PATH_BYTES_PER_LOGIT = {"dense": 28, "topk": 12}
+
+
+def dense_path_loss_bytes(
+    student: PlannedModel,
+    layout: ParallelLayout,
+    seq_length: int,
+    micro_batch_size: int,
+    dense_teacher: bool,
+    topk: int = 0,
+) -> float:
+    """The dense-logits baseline's buffers on the last stage (``--kd-loss-path dense``):
+    :data:`DENSE_PATH_BYTES_PER_LOGIT` a local logit of the rank's ``s*b/cp`` rows, and with a
+    top-K teacher its ``K`` ids and log-probs (12 bytes an entry) a row."""
+    n = layout.local_tokens(seq_length, micro_batch_size)
+    v_s = student.padded_vocab(layout.tp) // layout.tp
+    if dense_teacher:
+        return n * DENSE_PATH_BYTES_PER_LOGIT["dense"] * v_s
+    return n * (DENSE_PATH_BYTES_PER_LOGIT["topk"] * v_s + 12 * topk)
 
 
 @dataclass(kw_only=True, frozen=True)

@@ -162,8 +162,9 @@ class PlanOptions:
     loss_path: str = "gpu"
     """The fused loss's path the run takes: ``gpu`` (what CUDA inputs take: windows of
     :attr:`loss_window_bytes` of input-dtype logits, the :attr:`loss_weight_grad`
-    accumulator) or ``cpu`` (cache-sized fp32 windows: the CPU runs
-    ``megatron_kd.commands.plan_adapter`` plans, which validate the planner)."""
+    accumulator), ``cpu`` (cache-sized fp32 windows: the CPU runs
+    ``megatron_kd.commands.plan_adapter`` plans, which validate the planner) or ``dense`` (the
+    reference baseline, ``--kd-loss-path dense``: the logits written, in any mode)."""
 
     loss_window_bytes: int = DEFAULT_GPU_WINDOW_BYTES
     """The GPU path's bound on one window's logits (``--kd-loss-window-mib``, 1 GiB)."""
@@ -260,8 +261,8 @@ class PlanOptions:
         if self.wire_dtype not in WIRE_DTYPES:
             raise ValueError(f"PlanOptions.wire_dtype must be one of {WIRE_DTYPES}, got "
                              f"{self.wire_dtype!r}")
-        if self.loss_path not in ("gpu", "cpu"):
-            raise ValueError(f"PlanOptions.loss_path must be 'gpu' or 'cpu', got "
+        if self.loss_path not in ("gpu", "cpu", "dense"):
+            raise ValueError(f"PlanOptions.loss_path must be 'gpu', 'cpu' or 'dense', got "
                              f"{self.loss_path!r}")
         self.gpu_loss  # noqa: B018 - validates the GPU path's settings
         for name in ("window_size", "loss_block_elements"):
@@ -303,6 +304,11 @@ class PlanOptions:
             raise ValueError(f"reserve_bytes must be >= 0, got {self.reserve_bytes}")
         if not 0 <= self.headroom < 1:
             raise ValueError(f"PlanOptions.headroom must be in [0, 1), got {self.headroom}")
+
+    def dense_loss(self, mode: Mode) -> bool:
+        """Whether ``mode``'s loss writes the logits: the colocated-dense mode (ModelOpt's), or
+        any mode on the dense path."""
+        return mode is Mode.COLOCATED_DENSE or self.loss_path == "dense"
 
     @property
     def gpu_loss(self) -> GpuLoss | None:

@@ -380,7 +380,7 @@ def _student_model_terms(
             layout,
             s,
             b,
-            dense_output_layer=mode is Mode.COLOCATED_DENSE,
+            dense_output_layer=opts.dense_loss(mode),
             activation_bytes=opts.activation.activation_bytes,
         )
     terms = {
@@ -432,6 +432,10 @@ def _loss_terms(opts: PlanOptions, mode: Mode, layout: ParallelLayout) -> dict[T
     """The KD loss's buffers on the last stage: dense logits, or the fused loss's parts."""
     s, b = opts.seq_length, opts.micro_batch_size
     student, teacher = opts.student, opts.teacher
+    if opts.loss_path == "dense":  # the dense-logits baseline, in any mode
+        return {Term.DENSE_LOGITS: mem.dense_path_loss_bytes(
+            student, layout, s, b, dense_teacher=mode is not Mode.OFFLINE_CACHE,
+            topk=opts.topk)}
     if mode is Mode.COLOCATED_DENSE:
         return {Term.DENSE_LOGITS: mem.dense_loss_bytes(student, teacher, layout, s, b)}
     fused = mem.fused_loss_bytes(

@@ -14,7 +14,8 @@ import torch.distributed as dist
 
 from megatron_kd.integration.groups import collective_device
 
-__all__ = ["JsonLog", "Progress", "RunRecord", "peak_memory", "reduce_reports"]
+__all__ = ["JsonLog", "Progress", "RunRecord", "peak_memory", "peak_reserved_memory",
+           "reduce_reports", "static_memory"]
 
 
 def peak_memory() -> tuple[int, str]:
@@ -23,6 +24,59 @@ def peak_memory() -> tuple[int, str]:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         return int(torch.cuda.max_memory_allocated()), "cuda_max_allocated"
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024, "cpu_max_rss"
+
+
+def peak_reserved_memory() -> int | None:
+    """Peak bytes the CUDA caching allocator reserved (None off a GPU)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return int(torch.cuda.max_memory_reserved())
+    return None
+
+
+def _tensor_bytes(tensors, seen: set[int]) -> int:
+    """Bytes of ``tensors``' storages, each storage counted once (``seen``: data pointers)."""
+    total = 0
+    for t in tensors:
+        if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+            continue
+        storage = t.untyped_storage()
+        if storage.data_ptr() in seen:
+            continue
+        seen.add(storage.data_ptr())
+        total += storage.nbytes()
+    return total
+
+
+def _torch_optimizers(optimizer) -> list:
+    """The ``torch.optim`` optimizers inside a Megatron optimizer (chained or not)."""
+    chained = getattr(optimizer, "chained_optimizers", None)
+    if chained is not None:
+        return [o for c in chained for o in _torch_optimizers(c)]
+    inner = getattr(optimizer, "optimizer", None)
+    return [inner] if inner is not None else []
+
+
+def static_memory(chunks, optimizer, teacher) -> dict[str, int]:
+    """What a rank holds before its first step, in the planner's terms (bytes): the student's
+    weights (its parameters' storages), gradients (DDP's ``main_grad`` buffers), the optimizer
+    (its state and the fp32 master copies a mixed-precision optimizer keeps beside the
+    parameters) and the teacher's weights and buffers (``teacher``: its model, or None). Each
+    storage is counted once, so a parameter that is a view of a contiguous buffer counts the
+    buffer."""
+    seen: set[int] = set()
+    params = [p for c in chunks for p in c.parameters()]
+    out = {"student_weights": _tensor_bytes(params, seen),
+           "student_grads": _tensor_bytes([getattr(p, "main_grad", None) for p in params], seen)}
+    state = []
+    for opt in _torch_optimizers(optimizer):
+        for group in opt.param_groups:
+            state.extend(group["params"])  # master copies (the model's own are already seen)
+        for per_param in opt.state.values():
+            state.extend(v for v in per_param.values() if isinstance(v, torch.Tensor))
+    out["optimizer"] = _tensor_bytes(state, seen)
+    if teacher is not None:
+        out["teacher_weights"] = _tensor_bytes([*teacher.parameters(), *teacher.buffers()], seen)
+    return out
 
 
 def _fmt_time(seconds: float) -> str:

@@ -66,7 +66,15 @@ from megatron_kd.training.checkpointing import (
     stop_iteration,
 )
 from megatron_kd.training.faults import ExitSignal, FiniteGuard
-from megatron_kd.training.logs import JsonLog, Progress, RunRecord, peak_memory, reduce_reports
+from megatron_kd.training.logs import (
+    JsonLog,
+    Progress,
+    RunRecord,
+    peak_memory,
+    peak_reserved_memory,
+    reduce_reports,
+    static_memory,
+)
 from megatron_kd.training.metrics import MetricWriters, StepTimers, eval_scalars, step_scalars
 from megatron_kd.training.run_checks import CheckedRun, build_datasets
 from megatron_kd.training.run_config import RunConfig
@@ -414,7 +422,13 @@ class Trainer:
         # the teacher's statistics named here, as they are logged (rates over the step's time)
         record = {"step": iteration, **record, **teacher_stats.log_fields(dt),
                   "tokens_per_s": tokens_per_step / dt, "step_time_s": dt,
-                  "peak_mem_bytes": peak, "peak_mem_kind": kind}
+                  "peak_mem_bytes": peak, "peak_mem_kind": kind,
+                  "peak_mem_reserved_bytes": peak_reserved_memory()}
+        if not history.steps:
+            # after the first step of this process (the optimizer's state exists from its first
+            # update on): what the rank holds between steps, by the planner's terms
+            record["static_mem_bytes"] = static_memory(self.chunks, self.optimizer,
+                                                       getattr(self.teacher, "model", None))
         history.steps.append(record)
         log.write(record)
         self.writers.step(iteration, iteration * gbs,

@@ -95,6 +95,37 @@ def test_sequence_parallel_inputs(pool, world, backward, path):
     compare(sp, make_inputs(sp), ours, world)
 
 
+# The dense-logits baseline (path="dense") at TP 2 (shards 336 : 673): its log-sum-exp's
+# backward all-reduce, a shard of padding only (vocab_size 300: rank 1 owns no token, and still
+# runs the same backward collectives), a ghost tail counted once, sequence parallelism.
+DENSE_CASES = {
+    "fwd_kl_T2_ce_mask_pad": spec(path="dense", temperature=2.0, ce_weight=0.5, mask=True,
+                                  vocab_size=1000),
+    "rev_kl_T07": spec(path="dense", kind="reverse_kl", temperature=0.7, mask=True),
+    "jsd_b03_ce_bf16": spec(path="dense", kind="jsd", beta=0.3, ce_weight=0.3,
+                            dtype=torch.bfloat16),
+    "topk_renorm_T2": spec(path="dense", teacher="renormalize", topk_tail="renormalize",
+                           temperature=2.0, k=11, ce_weight=0.5, mask=True),
+    "topk_ghost": spec(path="dense", teacher="ghost", topk_tail="ghost", k=9, mask=True,
+                       vocab_size=1001),
+    "padding_only_shard": spec(path="dense", vocab_size=300, ce_weight=0.5),
+    "topk_ghost_padding_only_shard": spec(path="dense", teacher="ghost", topk_tail="ghost",
+                                          vocab_size=300, ce_weight=0.5),
+    "sequence_parallel": spec(path="dense", s=12, b=2, sequence_parallel=True, ce_weight=0.5,
+                              mask=True, temperature=2.0),
+    "sequence_parallel_topk": spec(path="dense", s=12, b=2, sequence_parallel=True,
+                                   teacher="renormalize", topk_tail="renormalize", k=5,
+                                   ce_weight=0.5),
+}
+
+
+@pytest.mark.parametrize("name", list(DENSE_CASES))
+def test_dense_baseline_at_tp2(pool, name):
+    sp = DENSE_CASES[name]
+    ours = pool.run(dist_case, sp, 2)[:2]
+    compare(sp, make_inputs(sp), ours, 2)
+
+
 def test_shards_are_uneven_and_do_not_divide():
     assert shard_sizes(1009, 4) == [100, 201, 302, 406]
     assert all(1009 % w for w in (2, 3, 4))

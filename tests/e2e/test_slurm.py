@@ -94,7 +94,7 @@ def teacher_ckpt(tmp_path_factory):
         from megatron_kd.integration.groups import init_distributed_from_env, model_parallel
         arch = GPTArchConfig(**{TEACHER_ARCH!r})
         init_distributed_from_env()
-        with model_parallel(1, 1):
+        with model_parallel():
             save_model_checkpoint(build_gpt_model(arch, seed=5), arch, {str(directory)!r})
         dist.destroy_process_group()
     """)

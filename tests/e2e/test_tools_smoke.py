@@ -8,6 +8,7 @@ parity errors are the exception: judged here, against this test's own tolerances
 tool's verdict.
 """
 
+import argparse
 import getpass
 import importlib.util
 import json
@@ -139,6 +140,54 @@ def test_bench_loss(tmp_path):
     # the tunings the workers ran with, beside the timings
     assert report["config"]["cpu_tuning"]["block_elements"] > 0
     assert report["config"]["gpu_tuning"]["kernels"] == "triton"
+
+
+def test_bench_step(tmp_path):
+    """Every row of the whole-step benchmark at the tiny size, as its docs run it: each a
+    ``megatron-kd train`` that ran its steps, its peak beside the planner's prediction for its
+    exact flags (the same as the prediction from the sizes alone, which the seed-size account
+    uses), the measured static terms equal to the planner's, the table, JSON and plot."""
+    out = tmp_path / "bench_step"
+    r = _tool(tmp_path, "bench_step.py", "--device", "cpu", "--out", str(out), timeout=900)
+    report = _json(out / "bench_step.json")
+    rows = {row["row"]: row for row in report["rows"]}
+    assert list(rows) == ["online_fused", "offline_fused", "online_dense", "offline_dense",
+                          "student_ce"]
+    assert report["pieces"]["make_teacher"]["rc"] == 0
+    assert report["pieces"]["cache_build"]["rc"] == 0
+    assert (out / "bench_step.png").stat().st_size > 0
+    bs = _bench_step_module()
+    size = bs.SIZES["tiny"]
+    from_sizes = bs.predict_rows(argparse.Namespace(
+        device="cpu", seq=size["seq"], global_batch=size["global_batch"], topk=size["topk"],
+        teacher_dtype="fp32", rows=list(rows)), size["student"](), size["teacher"]())
+    for name, row in rows.items():
+        assert "error" not in row and "predicted_error" not in row, row
+        assert len(row["losses"]) == report["iters"] and row["step_s"] > 0
+        assert all(_number(x) for x in row["losses"])
+        assert row["predicted_terms_bytes"] == from_sizes[name], name
+        assert _number(row["measured_over_predicted"]) and row["measured_over_predicted"] > 0
+        for term, pair in row["static_vs_planner"].items():
+            # the optimizer's step counters (a few bytes a tensor) are not a planner term
+            assert pair["measured"] == pytest.approx(pair["predicted"], rel=1e-3, abs=4096), \
+                (name, term)
+        assert ("teacher_weights" in row["static_bytes"]) == (row["mode"] == "colocated")
+        assert row["flops"]["teacher"] > 0 if row["mode"] == "colocated" else \
+            row["flops"]["teacher"] == 0
+        assert f"| {name} |" in r.stdout
+    assert rows["online_dense"]["loss_path"] == "dense" and "--kd-loss-path" in \
+        rows["online_dense"]["train_argv"]
+
+
+def _bench_step_module():
+    if "bench_step" not in sys.modules:
+        sys.path.insert(0, os.path.join(ROOT, "tools"))
+        spec = importlib.util.spec_from_file_location(
+            "bench_step", os.path.join(ROOT, "tools", "bench_step.py"))
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["bench_step"] = module
+        spec.loader.exec_module(module)
+    return sys.modules["bench_step"]
 
 
 def test_bench_wire_precision(tmp_path):

@@ -45,7 +45,8 @@ def test_cuda_without_gpu_skips_every_step(tmp_path):
     assert "CUDA is not available" in r.stderr and "Traceback" not in r.stderr
     report = _report(tmp_path)
     steps = report["steps"]
-    assert [s["step"] for s in steps] == list(_module().STEPS)
+    gc = _module()
+    assert [s["step"] for s in steps] == [n for n in gc.STEPS if n not in gc.ON_REQUEST]
     assert all(s["status"].startswith("skipped: no GPU") for s in steps), steps
     assert report["header"]["device"] == "cpu" and report["failed"] == []
 
@@ -103,8 +104,9 @@ def test_steps_after_the_teacher_run_jobs_at_a_time(tmp_path, monkeypatch):
     assert gc.main(["--device", "cpu", "--out", str(tmp_path), "--jobs", "2"]) == 0
     report = _report(tmp_path)
     assert report["header"]["jobs"] == 2
-    assert [s["status"] for s in report["steps"]] == ["ok"] * len(gc.STEPS), report["steps"]
-    assert order[0] == "make_teacher" and sorted(order) == sorted(gc.STEPS)
+    default = [n for n in gc.STEPS if n not in gc.ON_REQUEST]  # bench_step: named only
+    assert [s["status"] for s in report["steps"]] == ["ok"] * len(default), report["steps"]
+    assert order[0] == "make_teacher" and sorted(order) == sorted(default)
     assert set(order[1:3]) == set(first_two)
 
 
@@ -112,7 +114,11 @@ def test_one_job_runs_the_steps_in_order(tmp_path, monkeypatch):
     gc = _module()
     order = _fake_steps(gc, monkeypatch)
     assert gc.main(["--device", "cpu", "--out", str(tmp_path), "--jobs", "1"]) == 0
-    assert order == list(gc.RUN_ORDER) and _report(tmp_path)["header"]["jobs"] == 1
+    assert order == [n for n in gc.RUN_ORDER if n not in gc.ON_REQUEST]
+    assert _report(tmp_path)["header"]["jobs"] == 1
+    order.clear()  # a step run on request only, when named
+    assert gc.main(["--device", "cpu", "--out", str(tmp_path), "--steps", "bench_step"]) == 0
+    assert order == ["bench_step"]
     r = _check(tmp_path, "--device", "cpu", "--jobs", "0")
     assert r.returncode == 2 and "--jobs 0: must be at least 1" in r.stderr
 

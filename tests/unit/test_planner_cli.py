@@ -389,7 +389,7 @@ def test_plan_options_validation():
         _opts("llama-3.2-1b", "llama-3.1-8b", tp=16)
     with pytest.raises(ValueError, match="mfu must be in"):
         _opts("llama-3.2-1b", "llama-3.1-8b", mfu=1.5)
-    with pytest.raises(ValueError, match="loss_path must be 'gpu' or 'cpu', got 'tpu'"):
+    with pytest.raises(ValueError, match="loss_path must be 'gpu', 'cpu' or 'dense', got 'tpu'"):
         _opts("llama-3.2-1b", "llama-3.1-8b", loss_path="tpu")
     with pytest.raises(ValueError, match="weight_grad must be one of"):
         _opts("llama-3.2-1b", "llama-3.1-8b", loss_weight_grad="bf16")
