@@ -361,6 +361,11 @@ def run_row(a, name: str, mode: str | None, path: str, common: list[str], teache
             k: {"measured": static[k],
                 "predicted": sum(row["predicted_terms_bytes"].get(t, 0.0) for t in labels)}
             for k, labels in STATIC_TERMS.items() if k in static}
+        # the rest of the peak (activations, the loss, the teacher's forward, the cache
+        # reader): the measured peak less the measured static terms, beside the planner's
+        predicted_static = sum(v["predicted"] for v in row["static_vs_planner"].values())
+        row["rest_vs_planner"] = {"measured": measured - sum(static.values()),
+                                  "predicted": row["predicted_peak_bytes"] - predicted_static}
     return row
 
 
