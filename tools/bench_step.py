@@ -495,6 +495,11 @@ def main(argv: list[str] | None = None) -> int:
     if a.predict_only:
         print(prediction_table(predict_rows(a, student, teacher)))
         return 0
+    if a.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            p.error("--device cuda: CUDA is not available here (--predict-only needs none)")
     a.out = os.path.abspath(a.out)
     os.makedirs(a.out, exist_ok=True)
     if student.vocab_size != teacher.vocab_size:

@@ -5,9 +5,11 @@ benchmark itself runs end to end on the CPU in ``tests/e2e/test_tools_smoke.py``
 import argparse
 import importlib.util
 import os
+import subprocess
 import sys
 
 import pytest
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TOOLS = os.path.join(ROOT, "tools")
@@ -131,3 +133,11 @@ def test_step_flops_are_the_hand_count():
     assert 25.9 * 237 == pytest.approx(18.5 * 331, rel=0.01) == pytest.approx(20.2 * 304,
                                                                                 rel=0.01)
     assert 6.1e15 / (student_hand) == pytest.approx(32, rel=0.03)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_cuda_without_a_gpu_is_refused_by_name():
+    r = subprocess.run([sys.executable, os.path.join(TOOLS, "bench_step.py"), "--device", "cuda",
+                        "--out", os.devnull], capture_output=True, text=True, timeout=120,
+                       check=False)
+    assert r.returncode == 2 and "--device cuda: CUDA is not available" in r.stderr, r.stderr
