@@ -51,6 +51,7 @@ from validate_planner import MEASURE_ENV, cache_build_argv, measure_baseline  # 
 
 from megatron_kd.arch import GPTArchConfig  # noqa: E402
 from megatron_kd.arch.megatron_lm_args import megatron_lm_flags  # noqa: E402
+from megatron_kd.planner.memory import Term  # noqa: E402
 from megatron_kd.planner.presets import MODEL_PRESETS  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -131,7 +132,7 @@ def common_argv(a, student: GPTArchConfig) -> list[str]:
     return argv
 
 
-def row_argv(a, name: str, mode: str | None, path: str, teacher_dir: str,
+def row_argv(a, mode: str | None, path: str, teacher_dir: str,
              cache_dir: str) -> list[str]:
     """A row's own flags after :func:`common_argv`."""
     argv = []
@@ -301,10 +302,10 @@ def prediction_table(predicted: dict[str, dict]) -> str:
 
 #: The measured static terms (``static_mem_bytes`` of the first step) and the planner's terms
 #: they stand beside.
-STATIC_TERMS = {"student_weights": ("student weights",),
-                "student_grads": ("student grads (main_grad)",),
-                "optimizer": ("optimizer (Adam)",),
-                "teacher_weights": ("teacher weights",)}
+STATIC_TERMS = {"student_weights": Term.STUDENT_WEIGHTS.label,
+                "student_grads": Term.STUDENT_GRADS.label,
+                "optimizer": Term.OPTIMIZER.label,
+                "teacher_weights": Term.TEACHER_WEIGHTS.label}
 
 
 def run_row(a, name: str, mode: str | None, path: str, common: list[str], teacher_dir: str,
@@ -313,7 +314,7 @@ def run_row(a, name: str, mode: str | None, path: str, common: list[str], teache
     os.makedirs(os.path.dirname(log_json), exist_ok=True)
     if os.path.exists(log_json):
         os.remove(log_json)
-    argv = [*common, *row_argv(a, name, mode, path, teacher_dir, cache_dir)]
+    argv = [*common, *row_argv(a, mode, path, teacher_dir, cache_dir)]
     row = {"row": name, "mode": mode or "none", "loss_path": path,
            "train_argv": argv}
     try:
@@ -359,8 +360,8 @@ def run_row(a, name: str, mode: str | None, path: str, common: list[str], teache
         static = row["static_bytes"] or {}
         row["static_vs_planner"] = {
             k: {"measured": static[k],
-                "predicted": sum(row["predicted_terms_bytes"].get(t, 0.0) for t in labels)}
-            for k, labels in STATIC_TERMS.items() if k in static}
+                "predicted": row["predicted_terms_bytes"].get(label, 0.0)}
+            for k, label in STATIC_TERMS.items() if k in static}
         # the rest of the peak (activations, the loss, the teacher's forward, the cache
         # reader): the measured peak less the measured static terms, beside the planner's
         predicted_static = sum(v["predicted"] for v in row["static_vs_planner"].values())
