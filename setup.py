@@ -15,10 +15,15 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["megatron_kd", "megatron_kd.*"]),
     include_package_data=True,
+    # Everything import-hf, export-hf and preprocess import on their way (tests/unit/
+    # test_install_requires.py reads the source and holds this list to it): tokenizers for the
+    # tokenizer.json they read and write, safetensors for Hugging Face weights.
     install_requires=[
         "torch>=2.4",
         "megatron-core>=0.16",
         "numpy",
+        "tokenizers",
+        "safetensors",
     ],
     extras_require={
         # What the test suite needs beyond the core (tokenizer and HF import parity tests).

@@ -5,6 +5,9 @@ Each sub-command lives in its own module, imported only when that sub-command ru
 
     def add_arguments(parser: argparse.ArgumentParser) -> None: ...
     def run(args: argparse.Namespace) -> int: ...
+
+and may provide ``explain_unknown(unknown: list[str]) -> str``, the error for arguments its
+parser does not know (``train``: Megatron-LM flags it does not take, and why).
 """
 
 from __future__ import annotations
@@ -133,7 +136,9 @@ def main(argv: list[str] | None = None) -> int:
         # the command's flags are Megatron-LM's (train) or its own; --verbose is the CLI's
         sub_parser.error(f"--verbose goes before the command: megatron-kd --verbose {name} ...")
     if unknown:
-        sub_parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+        explain = getattr(module, "explain_unknown", None)  # a command's own account of them
+        sub_parser.error(explain(unknown) if explain is not None
+                         else f"unrecognized arguments: {' '.join(unknown)}")
     return int(module.run(args) or 0)
 
 

@@ -19,7 +19,10 @@ Usage::
     python tools/plan_examples.py --markdown   # only the markdown blocks
     python tools/plan_examples.py --markdown --json plans.json   # and every plan as JSON
 
-Pure Python (no torch); runs in about a second.
+The tables are the docs' (docs/planner.md, README.md): each follows a line
+``<!-- tools/plan_examples.py: NAME -->`` there, NAME a key of :func:`tables`, and
+``tests/unit/test_docs_plan_figures.py`` regenerates them and compares. Pure Python (no torch);
+runs in about a second.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ class Scenario:
     global_batch_size: int = 64
     gpus_per_node: int = 8
     topk: int | None = None  # the offline cache's K (None: the planner's default)
+    published: str = ""  # what a published report says of the case (the README's last column)
 
     def options(self) -> PlanOptions:
         gpu = get_gpu(self.gpu)
@@ -100,14 +104,24 @@ SCENARIOS = [
 
 LONG_CONTEXT = [
     Scenario("llama-3.1-8b", "llama-3.2-3b", "h200-141g", 1, claim=0, seq_length=8192,
-             global_batch_size=1, gpus_per_node=1, topk=100),
+             global_batch_size=1, gpus_per_node=1, topk=100,
+             published="fused 58.3 GB, dense 78.3 GB (offline, top-100)"),
     Scenario("llama-3.1-8b", "llama-3.2-3b", "h200-141g", 1, claim=0, seq_length=32768,
              global_batch_size=1, gpus_per_node=1, topk=100),
     Scenario("qwen3-235b-a22b", "qwen3-30b-a3b", "h200-141g", 1, claim=0, seq_length=32768,
-             global_batch_size=4),
+             global_batch_size=4,
+             published="(gpt-oss-120b -> 20b: peak near 250 GB; its student does not train "
+                       "here)"),
+    # the recipe's batch (docs/recipes/qwen3.5-35b-a3b-to-9b.md: the plan's default, 128)
     Scenario("qwen3.5-35b-a3b", "qwen3.5-9b", "h200-141g", 1, claim=0, seq_length=32768,
-             global_batch_size=64),
+             global_batch_size=128, published="(DeltaNet: no CP)"),
 ]
+
+#: How the README names the models and the GPUs.
+_README_NAMES = {"llama-3.1-8b": "Llama-3.1-8B", "llama-3.2-3b": "3.2-3B",
+                 "qwen3-235b-a22b": "Qwen3-235B-A22B", "qwen3-30b-a3b": "30B-A3B",
+                 "qwen3.5-35b-a3b": "Qwen3.5-35B-A3B", "qwen3.5-9b": "9B",
+                 "h200-141g": "H200", "h100-80g": "H100"}
 
 
 def layout_cell(plan: ModePlan) -> str:
@@ -127,14 +141,20 @@ def layout_cell(plan: ModePlan) -> str:
     if not plan.fits:
         return f"OOM ({plan.total_bytes / GIB:.0f} GiB, {text})"
     text += f", {plan.total_bytes / GIB:.0f} GiB, {plan.student_tokens_per_s / 1e3:.1f}k tok/s"
-    if plan.mode is Mode.DISAGGREGATED:
-        tl = plan.teacher_layout
-        text += (f", + {plan.teacher_replicas} x {tl.world_size}-GPU replica "
-                 f"({total_bytes(plan.teacher_terms) / GIB:.0f} GiB)")
-    return text
+    return text + _replicas(plan, ", + ")
 
 
-def long_context_markdown(results: list[tuple[Scenario, PlanResult]]) -> str:
+def _replicas(plan: PlanResult, lead: str) -> str:
+    """A disaggregated plan's teacher replicas and the memory of one, after ``lead``; nothing
+    for another mode."""
+    if plan.mode is not Mode.DISAGGREGATED:
+        return ""
+    return (f"{lead}{plan.teacher_replicas} x {plan.teacher_layout.world_size}-GPU replica "
+            f"({total_bytes(plan.teacher_terms) / GIB:.0f} GiB)")
+
+
+def long_context_table(results: list[tuple[Scenario, PlanResult]]) -> list[str]:
+    """docs/planner.md's long-context table: every mode's layout and peak per case."""
     lines = [
         ("| teacher -> student | GPUs | tokens, sequences/step | colocated dense | colocated fused "
          "| offline cache | disaggregated |"),
@@ -146,9 +166,56 @@ def long_context_markdown(results: list[tuple[Scenario, PlanResult]]) -> str:
             f"{sc.global_batch_size} | " + " | ".join(layout_cell(result.plans[m]) for m in Mode)
             + " |"
         )
+    return lines
+
+
+def long_context_markdown(results: list[tuple[Scenario, PlanResult]]) -> str:
+    lines = long_context_table(results)
     lines += ["", "Reproduce: `python tools/plan_examples.py` (each row is one `megatron-kd plan` "
               "command, e.g. `" + results[-1][0].command() + "`)."]
     return "\n".join(lines)
+
+
+def _short_layout(plan: ModePlan, num_layers: int) -> str:
+    """A layout in words, only what is not the default: ``TP 2 + SP, PP 2 x 4 virtual``."""
+    lay = plan.layout
+    parts = []
+    if lay.tp > 1:
+        parts.append(f"TP {lay.tp}" + (" + SP" if lay.sequence_parallel else ""))
+    if lay.pp > 1:
+        parts.append(f"PP {lay.pp}" + (f" x {lay.vp} virtual" if lay.vp > 1 else ""))
+    if lay.cp > 1:
+        parts.append(f"CP {lay.cp}")
+    if lay.recompute == "full" and lay.recompute_method == "block":
+        parts.append(f"recompute {lay.recompute_num_layers} of {num_layers // lay.pp} layers")
+    elif lay.recompute != "none":
+        parts.append(f"recompute {lay.recompute_label}")
+    return ", ".join(parts)
+
+
+def _readme_cell(plan: ModePlan, num_layers: int) -> str:
+    layout = _short_layout(plan, num_layers)
+    if not plan.fits:
+        return f"OOM ({plan.total_bytes / GIB:.0f} GiB)"
+    text = f"{plan.total_bytes / GIB:.0f} GiB" + (f" ({layout})" if layout else "")
+    return text + _replicas(plan, " + ")
+
+
+def readme_table(results: list[tuple[Scenario, PlanResult]]) -> list[str]:
+    """The README's table of the long-context cases: each mode's peak per GPU and its layout
+    where it is not TP 1 without recompute, beside what was published."""
+    lines = [("| pair, GPUs, tokens x sequences a step | colocated dense | colocated fused "
+              "| offline cache | disaggregated | published |"),
+             "|---|---|---|---|---|---|"]
+    for sc, result in results:
+        name = (f"{_README_NAMES[sc.teacher]} -> {_README_NAMES[sc.student]}, "
+                f"{sc.nodes * sc.gpus_per_node} {_README_NAMES[sc.gpu]}, "
+                f"{sc.seq_length // 1024}K x {sc.global_batch_size}")
+        layers = MODEL_PRESETS[sc.student].num_layers
+        lines.append(f"| {name} | "
+                     + " | ".join(_readme_cell(result.plans[m], layers) for m in Mode)
+                     + f" | {sc.published} |")
+    return lines
 
 
 def _cell(plan: ModePlan) -> str:
@@ -186,6 +253,32 @@ def claim_verdict(scenario: Scenario, plans: Mapping[Mode, ModePlan]) -> tuple[b
     )
 
 
+def claims_table(results: list[tuple[Scenario, PlanResult]]) -> list[str]:
+    """docs/planner.md's table of the published claims: each mode's peak and rate per case."""
+    lines = [("| teacher -> student | GPUs | colocated dense | colocated fused | offline cache "
+              "| disaggregated | claim |"),
+             "|---|---|---|---|---|---|---|"]
+    for sc, result in results:
+        ok, _ = claim_verdict(sc, result.plans)
+        lines.append(
+            f"| {sc.teacher} -> {sc.student} | {sc.nodes} x 8 {sc.gpu} | "
+            + " | ".join(_cell(result.plans[m]) for m in Mode)
+            + f" | {sc.claim}: {'yes' if ok else 'no'} |"
+        )
+    return lines
+
+
+def plan_scenarios(scenarios: list[Scenario]) -> list[tuple[Scenario, PlanResult]]:
+    return [(sc, plan_all(sc.options())) for sc in scenarios]
+
+
+def tables() -> dict[str, list[str]]:
+    """The docs' tables by name (the ``<!-- tools/plan_examples.py: NAME -->`` marks)."""
+    claims, long_context = plan_scenarios(SCENARIOS), plan_scenarios(LONG_CONTEXT)
+    return {"claims": claims_table(claims), "long_context": long_context_table(long_context),
+            "readme": readme_table(long_context)}
+
+
 def markdown(results: list[tuple[Scenario, PlanResult]]) -> str:
     lines = [
         "### What the planner says about the published claims",
@@ -196,20 +289,9 @@ def markdown(results: list[tuple[Scenario, PlanResult]]) -> str:
          "distributed optimizer, micro-batch 1, 400G InfiniBand, MFU 0.40 assumed for training "
          "and for the teacher's forward, 4 GiB per-GPU reserve."),
         "",
-        ("| teacher -> student | GPUs | colocated dense | colocated fused | offline cache "
-         "| disaggregated | claim |"),
-        "|---|---|---|---|---|---|---|",
+        *claims_table(results),
     ]
-    verdicts = []
-    for sc, result in results:
-        plans = result.plans
-        ok, sentence = claim_verdict(sc, plans)
-        verdicts.append((sc, ok, sentence))
-        lines.append(
-            f"| {sc.teacher} -> {sc.student} | {sc.nodes} x 8 {sc.gpu} | "
-            + " | ".join(_cell(plans[m]) for m in Mode)
-            + f" | {sc.claim}: {'yes' if ok else 'no'} |"
-        )
+    verdicts = [(sc, *claim_verdict(sc, result.plans)) for sc, result in results]
     lines += [
         "",
         ("Claim 1 (35B-A3B -> 9B trains colocated with the fused loss, but disaggregated is "
@@ -266,6 +348,8 @@ def main(argv: list[str] | None = None) -> int:
     print(claims)
     print()
     print(long_context)
+    print()
+    print("\n".join(readme_table(long_results)))
     if args.json:
         documents["markdown"] = {"claims": claims, "long_context": long_context}
         with open(args.json, "w", encoding="utf-8") as f:

@@ -163,5 +163,42 @@ kd_stop_step() {
     fi
 }
 
+# kd_last_value FLAG ARGS...: the value of the last FLAG in ARGS (what argparse takes), or
+# nothing.
+kd_last_value() {
+    local flag="$1" value="" prev=""
+    shift
+    for arg in "$@"; do
+        [ "$prev" = "$flag" ] && value="$arg"
+        prev="$arg"
+    done
+    printf '%s' "$value"
+}
+
+# kd_requeue_if_stopped JSONL: a long run's next job. When the training run's JSON log ends with
+# a resumable exit record -- the run stopped at a SIGTERM (--exit-signal-handler: the time
+# limit's --signal, scancel --signal=TERM) or at --exit-duration-in-mins, and saved -- requeue
+# this job: Slurm starts it again (same job id, same flags, after its requeue delay) and the run
+# resumes from --load. A run that reached --train-iters, or failed, is not requeued. KD_REQUEUE=0
+# turns this off (resubmit by hand, or chain jobs with sbatch --dependency=afterok:JOBID).
+kd_requeue_if_stopped() {
+    local last
+    [ "${KD_REQUEUE:-1}" = 1 ] || return 0
+    [ -n "$1" ] && [ -r "$1" ] || return 0
+    last="$(tail -n 1 "$1")"
+    case "$last" in
+        *'"event": "exit"'*'"resumable": true'*) ;;
+        *) return 0 ;;
+    esac
+    kd_log "the run stopped before --train-iters and saved ($last):" \
+           "requeueing job $SLURM_JOB_ID (restart $(( ${SLURM_RESTART_COUNT:-0} + 1 )))"
+    if ! scontrol requeue "$SLURM_JOB_ID"; then
+        kd_log "requeue refused (a job needs --requeue and a cluster with JobRequeue allowed):" \
+               "submit the job again with the same --load to continue"
+        return 3
+    fi
+    sleep 300  # Slurm ends this script as it requeues the job
+}
+
 kd_log "$KD_NNODES node(s) [${KD_NODES[*]}] x $KD_TASKS_PER_NODE task(s) = world $KD_WORLD_SIZE;" \
        "rendezvous $KD_MASTER_ADDR:$KD_MASTER_PORT; logs in $KD_LOG_DIR"

@@ -74,6 +74,13 @@ def run_build(build, args: argparse.Namespace) -> int:
                         ("global_batch_size", data.global_batch_size)):
         if value < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    if data.reset_position_ids:
+        raise ValueError("--reset-position-ids: the cache's teacher is given the token ids "
+                         "only and numbers them 0..s-1, so a student trained with reset "
+                         "positions would not match its targets; drop the flag (or distil "
+                         "with --kd-mode colocated, whose teacher takes the student's "
+                         "positions)")
+    kernels.check_transformer_impl(transformer_engine_available())
     codec = LogprobCodec(name=build.logprob_encoding)
     with started():
         teacher_dir, arch = check_teacher(kd.teacher_load, seq_length=data.seq_length,

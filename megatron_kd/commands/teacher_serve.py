@@ -200,6 +200,7 @@ def _check(cfg: ServeConfig, world: int):
                                       seq_length=cfg.serve.max_seq_length or 1,
                                       teacher_args=cfg.teacher.teacher_args)
     layout = cfg.parallel.layout(world, arch.num_layers)
+    cfg.kernels.check_transformer_impl(transformer_engine_available())
     try:
         check_replica_layout(arch, layout, transformer_engine=transformer_engine_available())
     except ValueError as e:

@@ -80,8 +80,11 @@ def check_split_sizes(prefixes: list[str], split: str) -> None:
 
 def build_gpt_datasets(*, data_path: list[str], split: str, seq_length: int, seed: int,
                        tokenizer, train_samples: int, valid_samples: int,
-                       cache_path: str | None = None):
-    """``(train, valid)`` ``GPTDataset``s through ``BlendedMegatronDatasetBuilder`` (collective)."""
+                       cache_path: str | None = None, eod_mask_loss: bool = False,
+                       reset_position_ids: bool = False):
+    """``(train, valid)`` ``GPTDataset``s through ``BlendedMegatronDatasetBuilder`` (collective).
+    ``eod_mask_loss``, ``reset_position_ids``: Megatron-LM's flags, as its ``GPTDataset`` makes
+    them (a zero loss mask on end-of-document tokens; positions restarting after each)."""
     prefixes, weights = parse_data_path(data_path)
     check_data_prefixes(prefixes, tokenizer)
     check_split_sizes(prefixes, split)
@@ -92,9 +95,9 @@ def build_gpt_datasets(*, data_path: list[str], split: str, seq_length: int, see
         split=split,
         path_to_cache=cache_path,
         tokenizer=tokenizer,
-        reset_position_ids=False,
+        reset_position_ids=reset_position_ids,
         reset_attention_mask=False,
-        eod_mask_loss=False,
+        eod_mask_loss=eod_mask_loss,
         create_attention_mask=False,
     )
     train, valid, _ = BlendedMegatronDatasetBuilder(

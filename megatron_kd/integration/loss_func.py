@@ -8,7 +8,12 @@ from collections.abc import Callable
 import torch
 
 from megatron_kd.integration.output_layer import to_sbh
-from megatron_kd.loss import DenseTeacher, Teacher, vocab_parallel_kd_loss
+from megatron_kd.loss import (
+    DenseTeacher,
+    Teacher,
+    vocab_parallel_agreement,
+    vocab_parallel_kd_loss,
+)
 
 __all__ = ["make_kd_loss_func"]
 
@@ -24,6 +29,7 @@ def make_kd_loss_func(
     report_lm_loss: bool = True,
     report_kd_loss: bool = True,
     report_teacher_lm_loss: bool = False,
+    report_agreement: bool = False,
     loss_fn: Callable | None = None,
 ) -> Callable[[torch.Tensor], tuple]:
     """A ``loss_func(output_tensor)`` for a ``get_forward_backward_func`` schedule.
@@ -43,12 +49,15 @@ def make_kd_loss_func(
             KD report without KD training costs the teacher's projection).
         report_teacher_lm_loss: also report the teacher's own CE on the labels
             (``teacher_lm_loss``; for evaluation).
+        report_agreement: also report the student-teacher KL at T = 1 (``kd_kl``) and top-1
+            agreement (``top1_agreement``) when there is a teacher (for evaluation; always
+            :func:`~megatron_kd.loss.vocab_parallel_agreement`, whatever ``loss_fn`` is).
         loss_fn: the loss (default ``vocab_parallel_kd_loss``; tests pass a dense reference).
 
     The returned function takes the bypassed student output ``[b, s, h_s]`` and returns
     ``(loss_sum, num_tokens, report)`` (Megatron's ``calculate_per_token_loss`` contract), where
-    ``report`` maps ``loss``, ``kd_loss``, ``lm_loss`` (and ``teacher_lm_loss``) to detached
-    ``[sum, tokens]`` pairs (``kd_loss`` / ``lm_loss`` unweighted; ``kd_loss`` includes the
+    ``report`` maps ``loss``, ``kd_loss``, ``lm_loss`` (and ``teacher_lm_loss``, ``kd_kl``,
+    ``top1_agreement``) to detached ``[sum, tokens]`` pairs (``kd_loss`` / ``lm_loss`` unweighted; ``kd_loss`` includes the
     ``T^2`` factor; absent when not computed).
     """
     loss_fn = loss_fn or vocab_parallel_kd_loss
@@ -80,6 +89,12 @@ def make_kd_loss_func(
                                    labels=labels_sb, loss_mask=mask_sb, config=ce_cfg,
                                    tp_group=tp_group)
                 report["teacher_lm_loss"] = torch.stack([t_sum.float(), n])
+            if report_agreement and teacher is not None:
+                agreement = vocab_parallel_agreement(
+                    student_hidden.detach(), student_weight.detach(), teacher,
+                    loss_mask=mask_sb, config=config, tp_group=tp_group)
+                report["kd_kl"] = torch.stack([agreement.kl_sum.float(), n])
+                report["top1_agreement"] = torch.stack([agreement.top1_sum.float(), n])
         return loss_sum, num_tokens.detach().to(torch.int), report
 
     return loss_func

@@ -8,13 +8,17 @@ take the GPU path (:mod:`megatron_kd.loss.gpu`, tuned by ``KDLossConfig.gpu_tuni
 ``GpuTuning``); ``KDLossConfig.path`` chooses either path by hand, or ``"dense"``: the
 reference baseline ``dense_logits_kd_loss``, which writes the logits (for benchmarks). The
 teacher's side is one record, a ``DenseTeacher`` (hidden states and output-layer shard) or a
-``TopKTeacher`` (top-K ids and log-probs): ``Teacher``.
+``TopKTeacher`` (top-K ids and log-probs): ``Teacher``. For evaluation,
+``vocab_parallel_agreement`` gives the student-teacher KL at T = 1 and top-1 agreement
+(``AgreementSums``) over the same shards, the logits again never formed.
 """
 
+from megatron_kd.loss.agreement import AgreementSums, vocab_parallel_agreement
 from megatron_kd.loss.config import CpuTuning, GpuTuning, KDLossConfig
 from megatron_kd.loss.dense import dense_logits_kd_loss
 from megatron_kd.loss.fused import vocab_parallel_kd_loss
 from megatron_kd.loss.teacher import DenseTeacher, Teacher, TopKTeacher
 
-__all__ = ["CpuTuning", "DenseTeacher", "GpuTuning", "KDLossConfig", "Teacher", "TopKTeacher",
-           "dense_logits_kd_loss", "vocab_parallel_kd_loss"]
+__all__ = ["AgreementSums", "CpuTuning", "DenseTeacher", "GpuTuning", "KDLossConfig", "Teacher",
+           "TopKTeacher", "dense_logits_kd_loss", "vocab_parallel_agreement",
+           "vocab_parallel_kd_loss"]

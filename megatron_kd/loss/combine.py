@@ -7,6 +7,8 @@ The heavy local work (projections, exponentials) stays on each rank; what crosse
   formed relative to that global shift. They are two steps because the sums need ``M`` first;
   folding both into one call would mean rescaling sums formed against local maxima, which
   changes the numerics;
+* (evaluation only) the per-row argmax, :class:`ShardArgmax`: a MAX all-reduce of the per-row
+  maxima, then a MIN all-reduce of the global ids that hold them (the lowest id among ties);
 * with sequence parallelism, the all-gather of the hidden states (:func:`gather_sequence`);
 * the sum of the per-shard hidden gradients (:func:`reduce_hidden_grad`).
 
@@ -23,7 +25,12 @@ import torch.distributed as dist
 
 from megatron_kd.collectives import all_gather_into, reduce_scatter_into
 
-__all__ = ["ShardMax", "ShardSum", "gather_sequence", "reduce_hidden_grad"]
+__all__ = ["ARGMAX_NONE", "ShardArgmax", "ShardMax", "ShardSum", "gather_sequence",
+           "reduce_hidden_grad"]
+
+#: The id a shard proposes for a row whose global maximum it does not hold (larger than any
+#: vocabulary id, so the MIN all-reduce never picks it while some shard holds the maximum).
+ARGMAX_NONE = torch.iinfo(torch.int64).max
 
 
 class ShardMax(torch.autograd.Function):
@@ -87,6 +94,50 @@ class ShardSum(torch.autograd.Function):
     def backward(ctx, grad_sums: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         return (
             grad_sums,  # local_sums (d S / d local_sums_r = identity)
+            None,  # tp_group
+            None,  # tp_world_size
+        )
+
+
+class ShardArgmax(torch.autograd.Function):
+    """Per-row argmax over the vocab shards: the global id of each row's largest value, the
+    lowest id among equal values (``torch.argmax``'s rule on the full row), replicated.
+
+    ``local_max``: ``[k, rows]`` this rank's per-row maxima (``-inf`` for a shard with no real
+    columns); ``local_argmax``: ``[k, rows]`` int64, the global id of the first column of this
+    shard holding that maximum (any value for a shard with no real columns). Returns a new
+    ``[k, rows]`` int64 tensor; the inputs are not written.
+
+    Collectives (``tp_group``; none when ``tp_world_size`` is 1):
+
+    * forward: one MAX all-reduce of the ``[k, rows]`` maxima, then one MIN all-reduce of the
+      ``[k, rows]`` ids (a shard whose maximum is below the global one proposes
+      :data:`ARGMAX_NONE`). The maxima are compared exactly: the MAX all-reduce returns one of
+      the values it was given, so the shards that hold it see it bit for bit.
+    * backward: none.
+
+    Gradient: none (an argmax is piecewise constant; its output is an integer tensor).
+    """
+
+    @staticmethod
+    def forward(ctx, local_max: torch.Tensor, local_argmax: torch.Tensor,
+                tp_group: dist.ProcessGroup | None, tp_world_size: int) -> torch.Tensor:
+        if tp_world_size == 1:
+            return local_argmax.clone()
+        global_max = local_max.clone()
+        # Every shard must know the row's maximum to tell whether it holds it.
+        dist.all_reduce(global_max, op=dist.ReduceOp.MAX, group=tp_group)
+        ids = torch.where(local_max == global_max, local_argmax,
+                          torch.full_like(local_argmax, ARGMAX_NONE))
+        # The lowest global id among the shards that hold the maximum (ties: torch.argmax's).
+        dist.all_reduce(ids, op=dist.ReduceOp.MIN, group=tp_group)
+        return ids
+
+    @staticmethod
+    def backward(ctx, grad_ids: torch.Tensor) -> tuple[None, None, None, None]:
+        return (
+            None,  # local_max (an argmax has no gradient)
+            None,  # local_argmax
             None,  # tp_group
             None,  # tp_world_size
         )

@@ -5,10 +5,13 @@ job's (a ``teacher serve`` replica, or the ``cache build`` of the offline cache)
 The student's flags are the layout, batch, precision and ``--kd-*`` flags, in Megatron-LM's
 spelling: ``megatron-kd train`` and the patched ``pretrain_gpt.py`` both take them, beside the
 model's flags (``megatron_lm_flags.txt`` of an imported checkpoint, or ``--pretrained-checkpoint``
-for ``megatron-kd train``) and the data's. Paths the plan cannot know are shell variables the
-user sets: ``$TEACHER_CKPT`` (the teacher as ``megatron-kd import-hf`` wrote it; the planned
-teacher's path when it was given as a checkpoint directory), ``$STUDENT_CKPT``,
-``$KD_TEACHER_ENDPOINT`` and ``$KD_CACHE_DIR``.
+for ``megatron-kd train``: :data:`MODEL_FLAGS`) and the data's (:data:`DATA_FLAGS`, the same in
+the cache build's line: the cache covers exactly the samples the student reads). The lines for
+``megatron-kd train`` and ``cache build`` are complete as printed. Paths and counts the plan
+cannot know are shell variables the user sets: ``$TEACHER_CKPT`` (the teacher as ``megatron-kd
+import-hf`` wrote it; the planned teacher's path when it was given as a checkpoint directory),
+``$STUDENT_CKPT``, ``$KD_TEACHER_ENDPOINT``, ``$KD_CACHE_DIR``, ``$DATA_PREFIX`` (the indexed
+dataset), ``$HF_TOKENIZER`` and ``$TRAIN_ITERS``.
 
 The colocated-dense mode is the incumbent dense loss, planned for comparison: megatron-kd runs
 the fused loss (colocated-fused), so that mode has no launch lines.
@@ -31,6 +34,18 @@ from megatron_kd.planner.search import search_teacher
 #: eight (examples/slurm/kd_env.sh).
 REPLICAS_PER_NODE_MAX = 8
 
+#: The data flags of the student's line and of the cache build, as one set: the cache covers
+#: exactly the samples the student reads, and a run of other data flags is refused. Shell
+#: variables the user sets, the names ``megatron_lm.sbatch``'s line gives them too; the sequence
+#: length and the global batch, the other data flags, are the plan's own.
+DATA_FLAGS = ("--data-path", "$DATA_PREFIX", "--tokenizer-model", "$HF_TOKENIZER",
+              "--train-iters", "$TRAIN_ITERS")
+
+#: The student's model for ``megatron-kd train``: its weights and architecture from the
+#: checkpoint ``import-hf`` wrote (``pretrain_gpt.py`` takes the model's flags instead: the
+#: ``megatron_lm.sbatch`` line's ``STUDENT``).
+MODEL_FLAGS = ("--pretrained-checkpoint", "$STUDENT_CKPT")
+
 #: The ``megatron_lm.sbatch`` driver script of each mode (examples/megatron_lm/).
 _MEGATRON_LM_SCRIPT = {
     Mode.COLOCATED_FUSED: "train_kd_colocated.sh",
@@ -46,6 +61,12 @@ class Launch:
     student_flags: tuple[str, ...]
     """The student run's layout, batch, precision and ``--kd-*`` flags (Megatron-LM spelling)."""
 
+    data_flags: tuple[str, ...] = DATA_FLAGS
+    """The data's flags, the student's and the cache build's alike (:data:`DATA_FLAGS`)."""
+
+    model_flags: tuple[str, ...] = MODEL_FLAGS
+    """The student's model for ``megatron-kd train`` (:data:`MODEL_FLAGS`)."""
+
     teacher_command: tuple[str, ...] = ()
     """``megatron-kd teacher serve ...`` (disaggregated) or ``megatron-kd cache build ...``
     (offline), with its flags; empty when the teacher runs inside the student's job."""
@@ -58,6 +79,8 @@ class Launch:
         return {
             "student_flags": list(self.student_flags),
             "student_flags_text": shell_join(self.student_flags),
+            "data_flags": list(self.data_flags),
+            "model_flags": list(self.model_flags),
             "teacher_command": list(self.teacher_command),
             "teacher_command_text": shell_join(self.teacher_command),
             "sbatch": list(self.sbatch),
@@ -65,8 +88,8 @@ class Launch:
 
     def lines(self) -> list[str]:
         """The launch as the text report prints it."""
-        out = ["launch, the student's flags (with the model's and the data's):",
-               f"  {shell_join(self.student_flags)}"]
+        out = ["launch, `megatron-kd train`'s flags (the student's, the model's, the data's):",
+               f"  {shell_join(self.student_flags + self.model_flags + self.data_flags)}"]
         if self.teacher_command:
             out += ["the teacher job:", f"  {shell_join(self.teacher_command)}"]
         out.append("on Slurm (examples/slurm/):")
@@ -102,8 +125,7 @@ def launch(opts: PlanOptions, plan: ModePlan) -> Launch | None:
                           f"fits a node's GPUs (the build runs none); the command below is the "
                           f"layout of least memory")
         sbatch += [
-            f"printf '%s\\n' {shell_join(teacher_command[3:])} > cache.args  # + the run's "
-            f"data flags",
+            f"printf '%s\\n' {shell_join(teacher_command[3:])} > cache.args",
             f"KD_ARGS_FILE=$PWD/cache.args KD_CACHE_DIR=$KD_CACHE_DIR sbatch {shape} "
             f"examples/slurm/cache_build.sbatch",
         ]
@@ -111,7 +133,7 @@ def launch(opts: PlanOptions, plan: ModePlan) -> Launch | None:
     endpoint = ("KD_TEACHER_ENDPOINT=$KD_TEACHER_ENDPOINT "
                 if plan.mode is Mode.DISAGGREGATED else "")
     sbatch += [
-        f"printf '%s\\n' {shell_join(student)} > student.args  # + the model's and data's flags",
+        f"printf '%s\\n' {shell_join(student + MODEL_FLAGS + DATA_FLAGS)} > student.args",
         f"KD_ARGS_FILE=$PWD/student.args {endpoint}sbatch {shape} examples/slurm/{script}",
         _megatron_lm_line(opts, plan, endpoint),
     ]
@@ -221,7 +243,7 @@ def _cache_command(opts: PlanOptions, teacher: str) -> tuple[tuple[str, ...], bo
              "--kd-topk", str(opts.topk), "--seq-length", str(opts.seq_length),
              "--micro-batch-size", str(opts.micro_batch_size),
              "--global-batch-size", str(opts.global_batch_size),
-             "--kd-teacher-dtype", "bf16", "--out", "$KD_CACHE_DIR"]
+             "--kd-teacher-dtype", "bf16", "--out", "$KD_CACHE_DIR", *DATA_FLAGS]
     return tuple(flags), fits
 
 
@@ -238,7 +260,7 @@ def _megatron_lm_line(opts: PlanOptions, plan: ModePlan, endpoint: str) -> str:
     if layout.vp > 1:
         env.append(f"VP_LAYERS={opts.student.num_layers // (layout.pp * layout.vp)}")
     env += [f"SEQ_LENGTH={opts.seq_length}", f"MICRO_BATCH={opts.micro_batch_size}",
-            f"GLOBAL_BATCH={opts.global_batch_size}"]
+            f"GLOBAL_BATCH={opts.global_batch_size}", "TRAIN_ITERS=$TRAIN_ITERS"]
     extra = _without(_layout_flags(layout, experts=_has_experts(opts, plan),
                                    num_layers=opts.student.num_layers),
                      {"--tensor-model-parallel-size", "--pipeline-model-parallel-size",

@@ -181,9 +181,12 @@ class PlanOptions:
     """Entries per token in the offline cache; the default is ``--kd-topk``'s (``cache
     build``'s)."""
 
-    cache_entry_bytes: int = 6
-    """Bytes per cached entry on storage (a 4-byte token id and a 2-byte value): the cache's size
-    and read rate. Decoded in memory an entry takes 12 bytes (``memory.cache_reader_bytes``)."""
+    cache_entry_bytes: float | None = None
+    """Bytes per cached entry on storage, a token's share included (``--kd-cache-entry-bytes``):
+    the cache's size and read rate. None: what ``cache build``'s default encoding takes for the
+    teacher's vocabulary (:func:`~megatron_kd.planner.traffic.cache_bytes_per_token`, about 2.9
+    bytes an entry at K = 100). Decoded in memory an entry takes 12 bytes
+    (``memory.cache_reader_bytes``)."""
 
     loss_block_elements: int | None = None
     """Elements per block of the fused loss's elementwise work: None on a GPU and with TP > 1 (a
@@ -245,7 +248,6 @@ class PlanOptions:
             "micro_batch_size",
             "global_batch_size",
             "topk",
-            "cache_entry_bytes",
             "cache_resident_microbatches",
             "hidden_elem_bytes",
             "loss_stats",
@@ -254,6 +256,12 @@ class PlanOptions:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"PlanOptions.{name} must be a positive int, got {value!r}")
+        if self.cache_entry_bytes is not None and (
+                isinstance(self.cache_entry_bytes, bool)
+                or not isinstance(self.cache_entry_bytes, int | float)
+                or not self.cache_entry_bytes > 0):
+            raise ValueError(f"PlanOptions.cache_entry_bytes must be a positive number or None, "
+                             f"got {self.cache_entry_bytes!r}")
         if self.teacher_replicas is not None and (
                 not isinstance(self.teacher_replicas, int) or self.teacher_replicas <= 0):
             raise ValueError(f"PlanOptions.teacher_replicas must be a positive int or None, got "

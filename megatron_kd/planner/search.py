@@ -743,14 +743,16 @@ def _cache_traffic(
 ) -> dict[Traffic, float]:
     """The offline cache's read rate, its size and the teacher GPU-hours that build it."""
     s = opts.seq_length
-    per_dp = opts.global_batch_size // layout.dp * s * (opts.topk * opts.cache_entry_bytes + 4)
+    per_token = (tr.cache_bytes_per_token(opts.teacher.vocab_size, opts.topk)
+                 if opts.cache_entry_bytes is None else opts.topk * opts.cache_entry_bytes)
+    per_dp = opts.global_batch_size // layout.dp * s * per_token
     build = (
         tr.forward_flops_per_token(opts.teacher, s) * 1e9 / (opts.gpu.bf16_flops * opts.teacher_mfu)
     )
     return {
         Traffic.CACHE_BYTES: per_dp,
         Traffic.CACHE_READ_RATE: per_dp / step_time_s / 1e9,
-        Traffic.CACHE_SIZE: 1e9 * (opts.topk * opts.cache_entry_bytes + 4) / 1e9,
+        Traffic.CACHE_SIZE: per_token,  # GB per 1B tokens: bytes a token
         Traffic.CACHE_BUILD_GPU_HOURS: build / 3600,
     }
 

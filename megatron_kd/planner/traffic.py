@@ -67,7 +67,8 @@ Traffic per optimizer step (the quantities a run can count)
 * TP all-reduces of the fused loss: ``loss_stats`` fp32 values per row and window (running maxima,
   sums of exponentials, the cross term), none in backward; a ring all-reduce moves
   ``2 (t-1)/t`` of the payload per rank: ``m * (s/cp)*b * loss_stats * 4 * 2(t-1)/t`` bytes.
-* offline cache reads from storage: ``(G/dp) * s * (K*entry_bytes + 4)`` bytes per student DP rank.
+* offline cache reads from storage: ``(G/dp) * s * B`` bytes per student DP rank, ``B`` a token's
+  bytes in the cache (:func:`cache_bytes_per_token`, the codec of ``megatron_kd/cache/codec.py``).
 
 "The wire never stalls the student" when the bytes a receiving GPU needs per step arrive within the
 step: ``bytes_per_step / step_time <= link_bytes_per_s * link_efficiency``; the prefetch ring (depth
@@ -91,6 +92,15 @@ from megatron_kd.planner.models import PlannedModel
 #: ``megatron_kd.teacher.wire.encode_hidden`` sends (``tests/unit/test_wire.py`` compares them).
 WIRE_ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "fp8": 1}
 WIRE_TOKEN_EXTRA_BYTES = {"fp32": 0, "bf16": 0, "fp8": 4}
+
+#: The offline cache's encoding as ``cache build`` writes it by default
+#: (``megatron_kd/cache/codec.py``; ``tests/unit/test_cache_size.py`` holds these to the codec and
+#: the command's default): ids as Rice-coded gaps, a quotient of this or more escaped with the
+#: id's full width; log-probs in ``--logprob-encoding log1p-u11``'s 11 bits each; 16 bits a token
+#: of its top-K mass.
+CACHE_RICE_ESCAPE = 16
+CACHE_LOGPROB_BITS = 11
+CACHE_MASS_BITS = 16
 
 #: Bytes per token id a student sends its teacher: the int32 ids of a request (what
 #: ``megatron_kd.teacher.client`` sends, measured against it by ``tests/unit/test_wire.py``).
@@ -138,6 +148,36 @@ def wire_bytes_per_token(hidden_size: int, wire_dtype: str) -> int:
         raise ValueError(f"wire dtype must be one of {sorted(WIRE_ELEMENT_BYTES)}, "
                          f"got {wire_dtype!r}")
     return hidden_size * WIRE_ELEMENT_BYTES[wire_dtype] + WIRE_TOKEN_EXTRA_BYTES[wire_dtype]
+
+
+def cache_bytes_per_token(vocab_size: int, topk: int, *,
+                          logprob_bits: int = CACHE_LOGPROB_BITS,
+                          mass_bits: int = CACHE_MASS_BITS) -> float:
+    """Bytes one token's top-``topk`` entries take in the offline cache (the codec's layout; a
+    sample's 12-byte header and a shard's tables are left out: under 0.01 byte a token).
+
+    The ids of a token, sorted, are stored as gaps Rice-coded with one parameter ``r`` per sample
+    (the codec picks the cheapest): a gap costs ``r`` low bits, its quotient ``gap >> r`` in
+    unary plus a terminator, and a quotient of :data:`CACHE_RICE_ESCAPE` or more the id's full
+    ``ceil(log2 V)`` bits beside. Ids spread at random over the vocabulary have gaps close to
+    geometric with ``p = K/V``, so with ``a = (1 - p)^(2^r)``: ``P(quotient >= j) = a^j``, a gap's
+    expected bits are ``1 + r + sum_{j=1..16} a^j + a^16 ceil(log2 V)``, least over ``r``. A
+    real teacher's top-K ids cluster (frequent tokens), so its cache is at most about this
+    size. Each log-prob takes ``logprob_bits``, each token ``mass_bits`` more. A ``topk`` beyond
+    the vocabulary is the whole vocabulary."""
+    if topk < 1 or vocab_size < 1:
+        raise ValueError(f"top-K and the vocabulary must be >= 1, got topk={topk}, "
+                         f"vocab_size={vocab_size}")
+    topk = min(topk, vocab_size)
+    id_bits = max(1, (vocab_size - 1).bit_length())
+
+    def gap_bits(r: int) -> float:
+        a = (1.0 - topk / vocab_size) ** (1 << r)
+        quotient = sum(a ** j for j in range(1, CACHE_RICE_ESCAPE + 1))
+        return 1 + r + quotient + a ** CACHE_RICE_ESCAPE * id_bits
+
+    ids = topk * min(gap_bits(r) for r in range(id_bits + 1))
+    return (ids + topk * logprob_bits + mass_bits) / 8
 
 
 def attention_keys_mean(seq_length: int, window: int) -> float:

@@ -211,9 +211,13 @@ def _check_expert_layout(arch: GPTArchConfig, saved_ep: int, directory: str) -> 
 
 
 def load_training_checkpoint(root: str, *, model, optimizer, scheduler,
-                             arch: GPTArchConfig) -> tuple[int, int]:
+                             arch: GPTArchConfig, load_optim: bool = True,
+                             load_rng: bool = True) -> tuple[int, int]:
     """Restore the newest complete checkpoint under ``root`` into ``model`` (this rank's model
-    chunks, or one model); returns ``(iteration, consumed_samples)``.
+    chunks, or one model); returns ``(iteration, consumed_samples)``. ``load_optim`` False
+    (``--no-load-optim``): the optimizer keeps its fresh state (the learning-rate schedule,
+    the iteration and the data position are still the checkpoint's); ``load_rng`` False
+    (``--no-load-rng``): the RNG states stay as seeded.
 
     ``(0, 0)`` when ``root`` has none. A torn checkpoint (a save killed half way) is never
     read: the newest complete one is, and rank 0 says which it took. The checkpoint's
@@ -234,17 +238,22 @@ def load_training_checkpoint(root: str, *, model, optimizer, scheduler,
     same_world = common.get("world_size") == dist.get_world_size()
     chunks = model if isinstance(model, list) else [model]
     models = _model_states(chunks)
-    request = {**models, "optimizer": optimizer.sharded_state_dict(models, is_loading=True)}
-    if same_world:
+    request = dict(models)
+    if load_optim:
+        request["optimizer"] = optimizer.sharded_state_dict(models, is_loading=True)
+    if same_world and load_rng:
         request["rng_state"] = _rng_sharded_object(_rng_state())
     state = dist_checkpointing.load(request, directory)
     for chunk, key in zip(chunks, models, strict=True):
         unwrap_model(chunk).load_state_dict(state[key], strict=True)
-    optimizer.load_state_dict(state["optimizer"])
+    if load_optim:
+        optimizer.load_state_dict(state["optimizer"])
+    else:  # the fp32 main weights (a copy the optimizer keeps) from the loaded model
+        optimizer.reload_model_params()
     scheduler.load_state_dict(state["opt_param_scheduler"])
-    if same_world:
+    if same_world and load_rng:
         _set_rng_state(state["rng_state"])
-    elif dist.get_rank() == 0:
+    elif load_rng and dist.get_rank() == 0:
         print(f"megatron-kd: checkpoint was saved on {common.get('world_size')} ranks, resuming "
               f"on {dist.get_world_size()}: RNG states restart from the seed", file=sys.stderr)
     return int(state["iteration"]), int(state["consumed_samples"])

@@ -148,6 +148,8 @@ class RunRecord:
     step_times: list = field(default_factory=list)
     t_start: float = field(default_factory=time.perf_counter)
     exit_signal: bool = False
+    exit_reason: str | None = None
+    """``"signal"`` or ``"duration"`` when the run stopped before its stop iteration."""
 
 
 def reduce_reports(reports: list, keys: tuple, contributes: bool) -> dict:

@@ -147,11 +147,15 @@ def step_scalars(record: dict, metrics: MetricsSection, batch_size: int,
 
 
 def eval_scalars(record: dict) -> dict[str, float]:
-    """The scalars of one evaluation record (Megatron-LM's ``<key> validation`` names)."""
+    """The scalars of one evaluation record (Megatron-LM's ``<key> validation`` names; the
+    student-teacher KL and top-1 agreement as ``kd/validation ...``, where the mode reports
+    them)."""
     out = {"lm loss validation": record.get("eval_lm_loss"),
            "kd loss validation": record.get("eval_kd_loss"),
            "total loss validation": record.get("eval_loss"),
-           "teacher lm loss validation": record.get("eval_teacher_lm_loss")}
+           "teacher lm loss validation": record.get("eval_teacher_lm_loss"),
+           "kd/validation kl": record.get("eval_kd_kl"),
+           "kd/validation top-1 agreement": record.get("eval_top1_agreement")}
     if record.get("eval_lm_loss") is not None and record.get("eval_teacher_lm_loss") is not None:
         out["kd/student - teacher lm loss"] = (record["eval_lm_loss"]
                                                - record["eval_teacher_lm_loss"])

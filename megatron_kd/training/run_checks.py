@@ -149,6 +149,19 @@ def _check_flags(config: RunConfig) -> None:
                          "0.16-0.19). On CPU leave it off")
     if log.save_interval is not None and log.save_interval < 1:
         raise ValueError(f"--save-interval must be >= 1, got {log.save_interval}")
+    document_flags = [f for f, on in (("--eod-mask-loss", data.eod_mask_loss),
+                                       ("--reset-position-ids", data.reset_position_ids)) if on]
+    if document_flags and data.mock_data:
+        raise ValueError(f"{' and '.join(document_flags)} act on the end-of-document tokens of "
+                         f"--data-path; --mock-data has none (drop the flag or give --data-path)")
+    config.kernels.check_transformer_impl(transformer_engine_available())
+    config.parallel.ddp_overlap()  # --overlap-param-gather needs the distributed optimizer
+    if data.reset_position_ids and config.kd.mode != "colocated" and config.kd.loss.kd_weight > 0:
+        raise ValueError(
+            f"--reset-position-ids with --kd-mode {config.kd.mode}: the teacher (served or "
+            f"cached) is given the token ids only and numbers them 0..s-1, so its targets "
+            f"would not be those of the student's positions; use --kd-mode colocated (its "
+            f"teacher takes the student's position ids), or drop the flag")
 
 
 def _layout(config: RunConfig, world_size: int,
@@ -314,4 +327,5 @@ def build_datasets(data: DataSection, vocab_size: int, tokenizer, global_batch_s
     return build_gpt_datasets(
         data_path=data.data_path, split=data.split, seq_length=data.seq_length, seed=data.seed,
         tokenizer=tokenizer, train_samples=train_samples, valid_samples=valid_samples,
-        cache_path=data.data_cache_path)
+        cache_path=data.data_cache_path, eod_mask_loss=data.eod_mask_loss,
+        reset_position_ids=data.reset_position_ids)

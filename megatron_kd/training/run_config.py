@@ -18,12 +18,12 @@ import dataclasses
 from dataclasses import dataclass
 
 from megatron_kd.flags import add_flags, flag, from_flags
-from megatron_kd.integration.sdpa_attention import ATTENTION_CHOICES
 from megatron_kd.modes.args import KDArgs, add_kd_args
 from megatron_kd.parallel import ParallelLayout
 from megatron_kd.parallel.layout import CP_COMM_TYPES, virtual_stages_of
 from megatron_kd.parallel.vocab import MAKE_VOCAB_SIZE_DIVISIBLE_BY
 from megatron_kd.training.hybrid_args import LINEAR_DEFAULTS, VARIANTS, layer_pattern
+from megatron_kd.training.kernels import KernelSection
 from megatron_kd.training.metrics import MetricsSection
 
 __all__ = ["ArchitectureSection", "DataSection", "KernelSection", "LoggingSection",
@@ -196,6 +196,17 @@ class ParallelSection:
     recompute_num_layers: int | None = flag(
         None, "layers per recomputed group (uniform) or recomputed layers per chunk (block)",
         type=int, group=_RECOMPUTE)
+    overlap_grad_reduce: bool = flag(
+        False, "reduce each gradient bucket over the data-parallel ranks as soon as its "
+               "gradients are ready, overlapping the backward pass (Megatron-Core's DDP; "
+               "Megatron-LM's flag)", group=_PARALLEL)
+    overlap_param_gather: bool = flag(
+        False, "with --use-distributed-optimizer: all-gather the updated parameters bucket by "
+               "bucket during the next forward pass (Megatron-Core's DDP; Megatron-LM's flag)",
+        group=_PARALLEL)
+    recompute_activations: bool = flag(
+        False, "selective recompute: the same as --recompute-granularity selective "
+               "(Megatron-LM's flag)", group=_RECOMPUTE)
     cp_comm_type: str = flag(
         "p2p", "with context parallelism, how Transformer Engine's attention exchanges keys "
                "and values: p2p (a ring), all_gather or a2a (heads scattered; what it runs "
@@ -241,6 +252,12 @@ class ParallelSection:
         three (the method and count only with full recompute)."""
         granularity, method, count = (self.recompute_granularity, self.recompute_method,
                                       self.recompute_num_layers)
+        if self.recompute_activations:  # Megatron-LM's spelling of selective recompute
+            if granularity == "full":
+                raise ValueError("--recompute-activations is selective recompute; "
+                                 "--recompute-granularity full asks for full recompute: give "
+                                 "one of them")
+            granularity = "selective"
         if granularity is None:
             if method is not None or count is not None:
                 raise ValueError(f"--recompute-method {method} / --recompute-num-layers {count} "
@@ -258,6 +275,16 @@ class ParallelSection:
         if count < 1:
             raise ValueError(f"--recompute-num-layers must be >= 1, got {count}")
         return {"recompute": "full", "recompute_method": method, "recompute_num_layers": count}
+
+    def ddp_overlap(self) -> dict:
+        """The overlap fields of Megatron-Core's ``DistributedDataParallelConfig`` these flags
+        ask for (Megatron-LM's rule: the parameter gather overlaps only the distributed
+        optimizer's)."""
+        if self.overlap_param_gather and not self.use_distributed_optimizer:
+            raise ValueError("--overlap-param-gather needs --use-distributed-optimizer (the "
+                             "parameters it gathers are the distributed optimizer's shards)")
+        return {"overlap_grad_reduce": self.overlap_grad_reduce,
+                "overlap_param_gather": self.overlap_param_gather}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -298,6 +325,13 @@ class DataSection:
         None, "Hugging Face tokenizer.json (or a directory holding one); default: "
               "tokenizer.json in the --kd-teacher-load directory, if there is one", group=_DATA)
     eod_token: str | None = flag(None, group=_DATA)
+    eod_mask_loss: bool = flag(
+        False, "no loss on end-of-document tokens (Megatron-LM's flag: the KD and the "
+               "cross-entropy terms both skip them)", group=_DATA)
+    reset_position_ids: bool = flag(
+        False, "position ids restart after each end-of-document token (Megatron-LM's flag; "
+               "the colocated teacher is given the same positions, so with a KD term only "
+               "--kd-mode colocated takes it)", group=_DATA)
     data_cache_path: str | None = flag(None, group=_DATA)
     mock_data: bool = flag(False, "synthetic, learnable token sequences instead of --data-path",
                            group=_DATA)
@@ -333,33 +367,36 @@ class LoggingSection:
     exit_signal_handler: bool = flag(
         False, "on SIGTERM (Slurm's scancel and time limits) finish the current step, save a "
                "checkpoint (with --save) and exit 0 (Megatron-LM's flag)", group=_LOGGING)
+    exit_duration_in_mins: float | None = flag(
+        None, "stop after this many minutes of this process (checked after every step, the "
+              "same decision on every rank), saving a checkpoint with --save: set it below the "
+              "job's time limit (Megatron-LM's flag; minutes may be fractional here)",
+        type=float, group=_LOGGING)
     exit_after_iters: int | None = flag(
         None, "stop (saving if --save) after this many iterations of this run; for testing "
               "resumption", type=int, group=_LOGGING)
-
-
-@dataclass(frozen=True, kw_only=True)
-class KernelSection:
-    """Which kernels the models' layers run: one section for every command that builds a model
-    from its flags (``megatron-kd train``: the student and a colocated teacher; ``teacher
-    serve`` and ``cache build``: the teacher), handed to the model builder
-    (:func:`~megatron_kd.integration.gpt.build_gpt_model`); nothing reads the environment for
-    it."""
-
-    attention_backend: str = flag(
-        "auto", "the core attention of softmax attention layers built without Transformer "
-                "Engine (Megatron-LM's flag, this project's choices): 'auto' (on a GPU torch's "
-                "scaled_dot_product_attention, no [s, s] scores; on the CPU Megatron-Core's "
-                "DotProductAttention), 'sdpa' or 'unfused' (DotProductAttention, the scores "
-                "formed) everywhere", choices=ATTENTION_CHOICES, group=_PARALLEL)
-    """``auto``, ``sdpa`` or ``unfused``
-    (:data:`~megatron_kd.integration.sdpa_attention.ATTENTION_CHOICES`; docs/models.md,
-    "Attention backends")."""
+    no_load_optim: bool = flag(
+        False, "resume from --load without its optimizer state (a new Adam state; the "
+               "iteration, samples consumed and learning-rate schedule are the checkpoint's: "
+               "Megatron-LM's flag)", group=_LOGGING)
+    no_load_rng: bool = flag(
+        False, "resume from --load without its RNG states (Megatron-LM's flag)",
+        group=_LOGGING)
+    ckpt_format: str = flag(
+        "torch_dist", "checkpoint format: torch_dist (Megatron-Core's dist_checkpointing, "
+                      "loadable at other TP / PP / EP; the only one megatron-kd train writes)",
+        group=_LOGGING)
 
     def __post_init__(self) -> None:
-        if self.attention_backend not in ATTENTION_CHOICES:
-            raise ValueError(f"--attention-backend {self.attention_backend!r}: choose from "
-                             f"{', '.join(ATTENTION_CHOICES)}")
+        if self.ckpt_format != "torch_dist":
+            raise ValueError(
+                f"--ckpt-format {self.ckpt_format!r}: megatron-kd train writes and reads "
+                f"torch_dist (Megatron-Core's dist_checkpointing) only; for another format run "
+                f"the distillation inside Megatron-LM's pretrain_gpt.py with the --kd-* flags "
+                f"(docs/megatron_lm.md)")
+        if self.exit_duration_in_mins is not None and not self.exit_duration_in_mins > 0:
+            raise ValueError(f"--exit-duration-in-mins must be > 0, got "
+                             f"{self.exit_duration_in_mins}")
 
 
 @dataclass(frozen=True, kw_only=True)

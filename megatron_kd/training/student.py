@@ -74,9 +74,11 @@ def build_student(cfg: RunConfig, run: CheckedRun, pp_rank: int) -> Student:
         chunks.append(model)
     config = chunks[0].config
     distributed = run.layout.use_distributed_optimizer
+    overlap = cfg.parallel.ddp_overlap()
     ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-        use_distributed_optimizer=distributed, average_in_collective=False)
+        grad_reduce_in_fp32=True, use_distributed_optimizer=distributed,
+        average_in_collective=False, align_param_gather=overlap["overlap_param_gather"],
+        **overlap)
     # Megatron-LM's wrapping: bucketing for the first chunk only
     wrapped = [DistributedDataParallel(config=model.config, ddp_config=ddp_config,
                                        module=model, disable_bucketing=i > 0)
@@ -84,6 +86,15 @@ def build_student(cfg: RunConfig, run: CheckedRun, pp_rank: int) -> Student:
     config.finalize_model_grads_func = finalize_model_grads
     no_sync = [chunk.no_sync for chunk in wrapped]
     config.no_sync_func = no_sync if vp else no_sync[0]
+    # Megatron-LM's wiring of the overlaps into the pipeline schedule: each chunk's gradient
+    # reduction started by the schedule as its last microbatch's backward ends (its
+    # --align-grad-reduce default), each chunk's parameter gather before its first forward
+    if overlap["overlap_grad_reduce"]:
+        grad_sync = [chunk.start_grad_sync for chunk in wrapped]
+        config.grad_sync_func = grad_sync if vp else grad_sync[0]
+    if overlap["overlap_param_gather"]:
+        param_sync = [chunk.start_param_sync for chunk in wrapped]
+        config.param_sync_func = param_sync if vp else param_sync[0]
     if vp and collective_device().type == "cpu":
         # Interleaved schedules with batched p2p gave wrong losses for later microbatches
         # on gloo (2 stages x 2 virtual stages, megatron-core 0.16.1): one op at a time.

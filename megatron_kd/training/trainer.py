@@ -30,11 +30,17 @@ student's vocabulary is the cache's. On the last pipeline stage a background thr
 rank's microbatches (by dataset sample index, so any DP / TP / micro-batch layout reads the same
 cache) ahead of the step, and the loss takes them as a sparse teacher (``forward_kl`` only).
 Evaluation reports the student's cross-entropy only (the cache does not cover the validation
-samples).
+samples): no KD loss, student-teacher KL (``eval_kd_kl``: forward KL at T = 1, from
+:func:`~megatron_kd.loss.vocab_parallel_agreement`) or top-1 agreement (``eval_top1_agreement``),
+which a colocated run's evaluation reports beside its losses (docs/training.md).
 
 The teacher is one :class:`~megatron_kd.modes.source.TeacherSource`, built once
 (the only place the KD mode is read) and asked for each microbatch's teacher arguments; the
 trainer never branches on the mode.
+
+The module is one piece: the step, the evaluation, the checkpoints and the loop read and advance
+one trainer's state (its step, its data position, its model chunks and teacher source), which
+split over modules would be handed back and forth on every call.
 """
 
 from __future__ import annotations
@@ -65,7 +71,7 @@ from megatron_kd.training.checkpointing import (
     save_training_checkpoint,
     stop_iteration,
 )
-from megatron_kd.training.faults import ExitSignal, FiniteGuard
+from megatron_kd.training.faults import EarlyExit, FiniteGuard
 from megatron_kd.training.logs import (
     JsonLog,
     Progress,
@@ -97,9 +103,14 @@ class Trainer:
     """
 
     REPORT_KEYS = ("loss", "kd_loss", "lm_loss", "teacher_lm_loss")
+    # evaluation also reports the student-teacher KL at T = 1 and top-1 agreement
+    EVAL_REPORT_KEYS = (*REPORT_KEYS, "kd_kl", "top1_agreement")
 
-    def __init__(self, config: RunConfig, run: CheckedRun, *, loss_fn=None) -> None:
+    def __init__(self, config: RunConfig, run: CheckedRun, *, loss_fn=None,
+                 started: float | None = None) -> None:
         self.run_config, self.run = config, run
+        # when the process started (time.monotonic()): --exit-duration-in-mins counts from it
+        self.started = time.monotonic() if started is None else started
         self.loss_fn = loss_fn  # None: the fused loss; tests pass a dense reference
         self.rank = dist.get_rank()
         self.is_first = ps.is_pipeline_first_stage()
@@ -197,7 +208,8 @@ class Trainer:
             labels=batch["labels"], loss_mask=batch["loss_mask"],
             config=self.loss_config if inputs.present or not self._evaluating
             else self.ce_config,
-            tp_group=self.tp_group, report_teacher_lm_loss=self._evaluating, **kw)
+            tp_group=self.tp_group, report_teacher_lm_loss=self._evaluating,
+            report_agreement=self._evaluating, **kw)
         return output, self._named_failures(loss_func)
 
     def _teacher_inputs(self, tokens, position_ids, m: int):
@@ -238,8 +250,9 @@ class Trainer:
                 micro_batch_size=self.run_config.optimizer.micro_batch_size,
                 forward_only=forward_only)
 
-    def _reduce_reports(self, reports: list) -> dict[str, torch.Tensor | None]:
-        return reduce_reports(reports, self.REPORT_KEYS, self.is_last and self.tp_rank == 0)
+    def _reduce_reports(self, reports: list, keys: tuple = REPORT_KEYS
+                        ) -> dict[str, torch.Tensor | None]:
+        return reduce_reports(reports, keys, self.is_last and self.tp_rank == 0)
 
     def train_step(self, consumed_samples: int) -> tuple[dict, SourceStepStats]:
         """One optimizer step from ``consumed_samples``: its losses, learning rate, gradient
@@ -290,10 +303,13 @@ class Trainer:
             chunk.train()
         self._evaluating = False
         self.timers.discard()  # the step timers time training steps only
-        red = self._reduce_reports(reports)
+        red = self._reduce_reports(reports, self.EVAL_REPORT_KEYS)
+        # kd_kl / top1_agreement: None where no evaluation microbatch had a teacher
         return {"eval_loss": _mean(red["loss"]), "eval_kd_loss": _mean(red["kd_loss"]),
                 "eval_lm_loss": _mean(red["lm_loss"]),
-                "eval_teacher_lm_loss": _mean(red["teacher_lm_loss"])}
+                "eval_teacher_lm_loss": _mean(red["teacher_lm_loss"]),
+                "eval_kd_kl": _mean(red["kd_kl"]),
+                "eval_top1_agreement": _mean(red["top1_agreement"])}
 
     def close(self) -> None:
         """Stop the teacher source (its client or decoder) and free what it made."""
@@ -306,9 +322,11 @@ class Trainer:
         load = self.run_config.logging.load
         start_iter, consumed = 0, 0
         if load and latest_iteration(load) is not None and not self.run_config.logging.finetune:
+            logging = self.run_config.logging
             start_iter, consumed = load_training_checkpoint(
                 load, model=self.chunks, optimizer=self.optimizer, scheduler=self.scheduler,
-                arch=self.run.student_arch)
+                arch=self.run.student_arch, load_optim=not logging.no_load_optim,
+                load_rng=not logging.no_load_rng)
         elif self.run.pretrained:  # first weights: --pretrained-checkpoint (unless --load
             # holds a checkpoint: a resumed run takes its own), or --finetune's --load
             load_model_checkpoint(self.chunks, self.run.pretrained)
@@ -336,6 +354,22 @@ class Trainer:
         for note in self.run.notes if self.log_rank else ():
             progress.message(f"megatron-kd: {note}")
 
+    @contextlib.contextmanager
+    def _parameters_gathered(self):
+        """With ``--overlap-param-gather`` the updated parameters are all-gathered by the next
+        forward pass's hooks: for a checkpoint or an evaluation they are gathered now and the
+        hooks are off until it ends (Megatron-LM's rule)."""
+        if not self.run_config.parallel.overlap_param_gather:
+            yield
+            return
+        for chunk in self.chunks:
+            chunk.disable_forward_pre_hook(param_sync=True)
+        try:
+            yield
+        finally:
+            for chunk in self.chunks:
+                chunk.enable_forward_pre_hook()
+
     def _save(self, iteration: int, consumed: int) -> None:
         run, save = self.run, self.run_config.logging.save
         if not save:
@@ -344,14 +378,16 @@ class Trainer:
                  # where its first weights came from (export-hf follows it to the HF config)
                  "pretrained_checkpoint": os.path.abspath(run.pretrained) if run.pretrained
                  else None, **self.teacher.checkpoint_record()}
-        save_training_checkpoint(save, iteration=iteration, consumed_samples=consumed,
-                                 model=self.chunks, optimizer=self.optimizer,
-                                 scheduler=self.scheduler, arch=run.student_arch, extra=extra,
-                                 tokenizer_file=run.tokenizer.path if run.tokenizer else None)
+        with self._parameters_gathered():
+            save_training_checkpoint(
+                save, iteration=iteration, consumed_samples=consumed, model=self.chunks,
+                optimizer=self.optimizer, scheduler=self.scheduler, arch=run.student_arch,
+                extra=extra, tokenizer_file=run.tokenizer.path if run.tokenizer else None)
 
     def _evaluate_and_log(self, iteration: int, log: JsonLog, progress: Progress,
                           evals: list) -> None:
-        ev = self.evaluate()
+        with self._parameters_gathered():
+            ev = self.evaluate()
         if not ev:
             return
         ev = {"step": iteration, "eval": True, **ev}
@@ -361,14 +397,21 @@ class Trainer:
                                 eval_scalars(ev))
         progress.message(f"eval @ {iteration}: lm loss {ev['eval_lm_loss']:.4f}"
                          + (f", kd loss {ev['eval_kd_loss']:.4f}"
-                            if ev.get("eval_kd_loss") is not None else ""))
+                            if ev.get("eval_kd_loss") is not None else "")
+                         + (f", kl {ev['eval_kd_kl']:.4f}, top-1 agreement "
+                            f"{ev['eval_top1_agreement']:.4f}"
+                            if ev.get("eval_kd_kl") is not None else ""))
 
     def fit(self) -> dict:
         """Train from ``--load`` (or the start) to the stop iteration; returns a summary.
 
         With ``--exit-signal-handler`` a SIGTERM on any rank ends the run after the step it
         arrived in: a checkpoint is saved (with ``--save``) and the summary says
-        ``exit_signal: True``.
+        ``exit_signal: True``. With ``--exit-duration-in-mins`` the run ends after the first
+        step that ends past that many minutes of the process, saving likewise. Either way the
+        JSON log's last record is ``{"event": "exit", "reason": "signal" | "duration",
+        "resumable": true, ...}`` (what the sbatch scripts requeue on) and the summary's
+        ``exit_reason`` names it.
         """
         logging, gbs = self.run_config.logging, self.run.global_batch_size
         train_iters = self.run_config.data.train_iters
@@ -378,7 +421,8 @@ class Trainer:
         log = self._json_log = JsonLog(logging.log_json, self.log_rank)
         self.writers = MetricWriters(self.run_config.metrics, self.log_rank, save=logging.save,
                                      config=self.run_config.flat())
-        exit_signal = ExitSignal() if logging.exit_signal_handler else None
+        early = EarlyExit(signal_handler=logging.exit_signal_handler,
+                          duration_mins=logging.exit_duration_in_mins, started=self.started)
         self._announce(progress, start_iter)
         record = RunRecord(start_iter)
         iteration, saved_at = start_iter, None
@@ -392,20 +436,26 @@ class Trainer:
                 if logging.save_interval and iteration % logging.save_interval == 0:
                     self._save(iteration, consumed)
                     saved_at = iteration
-                if exit_signal is not None and exit_signal.received(collective_device()):
-                    record.exit_signal = True
-                    progress.message(f"megatron-kd: SIGTERM received: stopping after iteration "
+                reason = early.reason(collective_device()) if iteration < stop_at else None
+                if reason is not None:
+                    record.exit_reason = reason
+                    record.exit_signal = reason == "signal"
+                    what = ("SIGTERM received" if reason == "signal" else
+                            f"--exit-duration-in-mins {early.duration_mins:g} passed")
+                    progress.message(f"megatron-kd: {what}: stopping after iteration "
                                      f"{iteration}" + (", saving a checkpoint" if logging.save
                                                        else ""))
                     break
             if logging.save and saved_at != iteration and iteration > start_iter:
                 self._save(iteration, consumed)
+            if record.exit_reason is not None:  # after the save: resumable from it
+                log.write({"step": iteration, "event": "exit", "reason": record.exit_reason,
+                           "resumable": bool(logging.save), "train_iters": train_iters})
         finally:
             progress.close()
             log.close()
             self.writers.close()
-            if exit_signal is not None:
-                exit_signal.close()
+            early.close()
         return self._summary(record, iteration)
 
     def _one_step(self, consumed: int, history: RunRecord, log: JsonLog, progress: Progress,
@@ -454,6 +504,7 @@ class Trainer:
             else None,
             "wall_s": time.perf_counter() - record.t_start,
             "exit_signal": record.exit_signal,
+            "exit_reason": record.exit_reason,
             "student_params_per_rank": self.num_params,
             "student_arch": run.student_arch.to_dict(),
             "teacher_arch": run.teacher_arch.to_dict() if run.teacher_arch else None,

@@ -69,6 +69,10 @@ def test_tensorboard_and_wandb_hold_the_json_log(pool, teacher, tmp_path, monkey
             e["eval_teacher_lm_loss"], rel=1e-6)
         assert scalars["kd/student - teacher lm loss"][e["step"]] == pytest.approx(
             e["eval_lm_loss"] - e["eval_teacher_lm_loss"], rel=1e-5)
+        assert scalars["kd/validation kl"][e["step"]] == pytest.approx(e["eval_kd_kl"],
+                                                                       rel=1e-6)
+        assert scalars["kd/validation top-1 agreement"][e["step"]] == pytest.approx(
+            e["eval_top1_agreement"], rel=1e-6)
     # W&B, offline: the run's directory, read back with W&B's own reader of its run file
     runs = [d for d in (wb / "wandb").iterdir() if d.name.startswith("offline-run-")]
     assert len(runs) == 1
@@ -80,6 +84,8 @@ def test_tensorboard_and_wandb_hold_the_json_log(pool, teacher, tmp_path, monkey
         assert row["learning-rate"] == pytest.approx(r["lr"], rel=1e-12)
     assert history[4]["lm loss validation"] == pytest.approx(evals[-1]["eval_lm_loss"],
                                                              rel=1e-12)
+    assert history[4]["kd/validation top-1 agreement"] == pytest.approx(
+        evals[-1]["eval_top1_agreement"], rel=1e-12)
 
 
 def _disaggregated(pool, teacher, tmp_path, replicas, *, teacher_sleep, teacher_ahead, steps=6):

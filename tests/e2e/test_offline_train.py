@@ -157,6 +157,7 @@ def test_full_vocab_cache_equals_dense_teacher(pool, setup):
     ev = offline[0]["evals"][0]
     assert ev["eval_lm_loss"] > 0 and ev["eval_loss"] == pytest.approx(ev["eval_lm_loss"])
     assert ev["eval_kd_loss"] is None and ev["eval_teacher_lm_loss"] is None
+    assert ev["eval_kd_kl"] is None and ev["eval_top1_agreement"] is None
 
 
 @pytest.mark.parametrize("tail", ["renormalize", "ghost"])

@@ -423,17 +423,31 @@ def test_teacher_job_serves_a_separate_student_job(slurm, teacher_ckpt, tmp_path
                                           if teacher_out.exists() else "")
 
 
-PREEMPT_ITERS = 400  # far more than run before the signal: the schedule is the same in every run
+PREEMPT_ITERS = 60  # far more than run before the signal; the requeued job runs the rest
 
 
 def _losses_by_step(path: Path) -> dict[int, float]:
     records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return {r["step"]: r["loss"] for r in records if not r.get("eval")}
+    return {r["step"]: r["loss"] for r in records if not r.get("eval") and "event" not in r}
 
 
-def test_scancel_term_saves_and_the_resubmitted_job_continues(slurm, teacher_ckpt, tmp_path):
-    """`scancel --signal=TERM` mid-run: every rank finishes its step, saves, exits 0 (the job
-    COMPLETED); the same job submitted again resumes with the uninterrupted run's losses."""
+def _wait_for_steps(slurm: LocalSlurm, job_id: str, log: Path, steps: int, log_dir: Path,
+                    out: Path) -> None:
+    deadline = time.monotonic() + JOB_TIMEOUT_S
+    while not (log.exists() and len(_losses_by_step(log)) >= steps):
+        assert time.monotonic() < deadline, f"no {steps} steps logged in {JOB_TIMEOUT_S} s"
+        info = slurm.show_job(job_id)
+        if info.get("JobState") not in ("PENDING", "CONFIGURING", "RUNNING"):
+            _assert_completed(info, log_dir, out.read_text(errors="replace"))
+            pytest.fail(f"job {job_id} ended before {steps} steps were logged")
+        time.sleep(0.2)
+
+
+def test_scancel_term_saves_requeues_and_the_job_continues(slurm, teacher_ckpt, tmp_path):
+    """`scancel --signal=TERM` mid-run (what the time limit's --signal sends): every rank
+    finishes its step and saves; the script sees the run's resumable exit record and requeues
+    the job, which Slurm starts again: it resumes from the checkpoint and ends at --train-iters
+    (not requeued again). Its losses, over both starts, are an uninterrupted job's."""
     ckpt = tmp_path / "ckpt"
     flags = STUDENT_FLAGS.replace("--train-iters {iters} --eval-interval {iters}",
                                   "--train-iters {iters} --eval-interval 100000")
@@ -444,44 +458,129 @@ def test_scancel_term_saves_and_the_resubmitted_job_continues(slurm, teacher_ckp
         slurm, "colocated.sbatch", run1, "--nodes=1", f"--nodelist={slurm.nodes[0]}",
         "--ntasks-per-node=2", KD_ARGS_FILE=str(args),
         KD_EXTRA_ARGS=f"--save {ckpt} --load {ckpt} --save-interval 100000")
-    deadline = time.monotonic() + JOB_TIMEOUT_S
     log = log_dir / "train.jsonl"
-    while time.monotonic() < deadline and not (log.exists() and len(_losses_by_step(log)) >= 3):
-        info = slurm.show_job(job_id)
-        if info.get("JobState") not in ("PENDING", "CONFIGURING", "RUNNING"):
-            _assert_completed(info, log_dir, out.read_text(errors="replace"))
-            pytest.fail(f"job {job_id} ended before 3 steps were logged")
-        time.sleep(0.5)
+    _wait_for_steps(slurm, job_id, log, 3, log_dir, out)
     slurm.run("scancel", "--signal=TERM", job_id)
+    # requeued: Slurm holds a requeued job for a delay (BeginTime, 2 minutes here) before it
+    # may start again; the test, as an operator may, lets it start now
+    deadline = time.monotonic() + JOB_TIMEOUT_S
+    while True:
+        info = slurm.show_job(job_id)
+        if info.get("Restarts", "0") != "0" and info.get("JobState") == "PENDING":
+            break
+        assert info.get("JobState") in ("RUNNING", "COMPLETING", "PENDING", "REQUEUED"), \
+            _explain(info, log_dir, out.read_text(errors="replace"))
+        assert time.monotonic() < deadline, "the job was not requeued"
+        time.sleep(0.2)
+    # (again while it pends: an update racing the requeue's own hold is overwritten by it)
+    while slurm.show_job(job_id).get("JobState") == "PENDING":
+        assert time.monotonic() < deadline, "the requeued job never started"
+        slurm.run("scontrol", "update", f"JobId={job_id}", "StartTime=now", check=False)
+        time.sleep(1.0)
     info = slurm.wait(job_id, timeout_s=JOB_TIMEOUT_S)
     text = out.read_text(errors="replace")
     _assert_completed(info, log_dir, text)
+    assert info["Restarts"] == "1", info  # requeued once: the second start ran to the end
     assert "SIGTERM received: stopping after iteration" in text, text[-3000:]
-    stopped = int((ckpt / "latest_checkpointed_iteration.txt").read_text())
-    assert 3 <= stopped < PREEMPT_ITERS and max(_losses_by_step(log)) == stopped
-    # resubmitted: two more steps from the checkpoint
+    records = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+    exits = [r for r in records if r.get("event") == "exit"]
+    assert len(exits) == 1 and exits[0]["reason"] == "signal" and exits[0]["resumable"]
+    stopped = exits[0]["step"]
+    assert 3 <= stopped < PREEMPT_ITERS
+    assert f"requeueing job {job_id} (restart 1)" in text, text[-3000:]
+    assert f"resumed from iteration {stopped}" in text, text[-3000:]
+    both = _losses_by_step(log)
+    assert sorted(both) == list(range(1, PREEMPT_ITERS + 1))
+    # the reference: the same job, uninterrupted
     run2 = tmp_path / "run2"
     run2.mkdir()
     info, log_dir2, text = _submit(slurm, "colocated.sbatch", run2, "--nodes=1",
                                    f"--nodelist={slurm.nodes[0]}", "--ntasks-per-node=2",
-                                   KD_ARGS_FILE=str(args),
-                                   KD_EXTRA_ARGS=f"--load {ckpt} --exit-after-iters 2")
+                                   KD_ARGS_FILE=str(args))
     _assert_completed(info, log_dir2, text)
-    assert f"resumed from iteration {stopped}" in text, text[-3000:]
-    resumed = _losses_by_step(log_dir2 / "train.jsonl")
-    # the reference: the same run, uninterrupted, to the same step
-    run3 = tmp_path / "run3"
-    run3.mkdir()
-    info, log_dir3, text = _submit(slurm, "colocated.sbatch", run3, "--nodes=1",
-                                   f"--nodelist={slurm.nodes[0]}", "--ntasks-per-node=2",
-                                   KD_ARGS_FILE=str(args),
-                                   KD_EXTRA_ARGS=f"--exit-after-iters {stopped + 2}")
-    _assert_completed(info, log_dir3, text)
-    straight = _losses_by_step(log_dir3 / "train.jsonl")
-    first = _losses_by_step(log)
-    assert [first[i] for i in range(1, stopped + 1)] == [straight[i] for i in range(1, stopped + 1)]
-    assert [resumed[i] for i in (stopped + 1, stopped + 2)] == \
-        [straight[i] for i in (stopped + 1, stopped + 2)]
+    assert info["Restarts"] == "0" and "requeueing" not in text
+    straight = _losses_by_step(log_dir2 / "train.jsonl")
+    assert [both[i] for i in range(1, PREEMPT_ITERS + 1)] == \
+        [straight[i] for i in range(1, PREEMPT_ITERS + 1)]
+
+
+def _teacher_job(slurm: LocalSlurm, directory: Path, teacher_ckpt: str, endpoint: Path):
+    """A one-replica ``teacher.sbatch`` job on the second node, registered at ``endpoint``
+    (waited for); ``(job id, log dir, output path)``."""
+    directory.mkdir()
+    serve_args = _args_file(directory / "serve.args", "--kd-teacher-load {teacher}",
+                            teacher=teacher_ckpt)
+    before = set(endpoint.glob("replica-*.json")) if endpoint.exists() else set()
+    job = _submit_nowait(slurm, "teacher.sbatch", directory, "--nodes=1",
+                         f"--nodelist={slurm.nodes[1]}", "--ntasks-per-node=1",
+                         KD_ARGS_FILE=str(serve_args), KD_TEACHER_ENDPOINT=str(endpoint))
+    deadline = time.monotonic() + JOB_TIMEOUT_S
+    while not set(endpoint.glob("replica-*.json")) - before:
+        info = slurm.show_job(job[0])
+        assert info.get("JobState") in ("PENDING", "CONFIGURING", "RUNNING"), \
+            _explain(info, job[1], job[2].read_text() if job[2].exists() else "")
+        assert time.monotonic() < deadline, "the teacher replica never registered"
+        time.sleep(0.3)
+    return job
+
+
+def test_teacher_job_ending_mid_run_is_replaced_and_no_step_changes(slurm, teacher_ckpt,
+                                                                     tmp_path):
+    """A long run outlives its teacher job: the teacher job is stopped mid-run (SIGTERM, what
+    its time limit sends: the replica finishes its batch, withdraws and exits 0); the student
+    waits (up to --kd-teacher-timeout) with its requests held; a second teacher job (as one
+    chained with --dependency=afterany would) registers at the same endpoint, and the student
+    re-sends and goes on. Every step is trained once, and the losses are those of a student run
+    whose teacher never went away."""
+    endpoint = tmp_path / "endpoint"
+    first, _, first_out = _teacher_job(slurm, tmp_path / "teacher1", teacher_ckpt, endpoint)
+    flags = STUDENT_FLAGS.replace("--train-iters {iters} --eval-interval {iters}",
+                                  "--train-iters {iters} --eval-interval 100000")
+    iters = PREEMPT_ITERS
+    student = tmp_path / "student"
+    student.mkdir()
+    args = _args_file(student / "train.args", flags, iters=iters, teacher=teacher_ckpt)
+    second = None
+    try:
+        job, log_dir, out = _submit_nowait(
+            slurm, "disaggregated.sbatch", student, "--nodes=1", f"--nodelist={slurm.nodes[0]}",
+            "--ntasks-per-node=2", KD_ARGS_FILE=str(args), KD_TEACHER_ENDPOINT=str(endpoint),
+            KD_EXTRA_ARGS="--kd-teacher-timeout 300")
+        log = log_dir / "train.jsonl"
+        _wait_for_steps(slurm, job, log, 3, log_dir, out)
+        slurm.run("scancel", "--signal=TERM", first)
+        # gone, as a teacher job at its limit is (its exit status is the replica's business:
+        # once a replica stopped with connections open aborted in its teardown, exit 134, and
+        # what matters here is that the student rides it out)
+        info = slurm.wait(first, timeout_s=JOB_TIMEOUT_S)
+        assert info["JobState"] in ("COMPLETED", "FAILED"), info
+        held = max(_losses_by_step(log))
+        assert held < iters, "the student finished before its teacher went away"
+        time.sleep(2)  # the student waits with no replica
+        assert max(_losses_by_step(log)) == held
+        second = _teacher_job(slurm, tmp_path / "teacher2", teacher_ckpt, endpoint)[0]
+        info = slurm.wait(job, timeout_s=JOB_TIMEOUT_S)
+        text = out.read_text(errors="replace")
+        _assert_completed(info, log_dir, text)
+        records = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+        assert [e for e in records if e.get("event") == "failover"], text[-3000:]
+        replaced = _losses_by_step(log)
+        assert sorted(replaced) == list(range(1, iters + 1))
+        # the reference: a student whose teacher (the second job's replica) stays
+        reference = tmp_path / "reference"
+        reference.mkdir()
+        info, ref_logs, ref_text = _submit(
+            slurm, "disaggregated.sbatch", reference, "--nodes=1",
+            f"--nodelist={slurm.nodes[0]}", "--ntasks-per-node=2", KD_ARGS_FILE=str(args),
+            KD_TEACHER_ENDPOINT=str(endpoint))
+        _assert_completed(info, ref_logs, ref_text)
+        straight = _losses_by_step(ref_logs / "train.jsonl")
+        assert [replaced[i] for i in range(1, iters + 1)] == pytest.approx(
+            [straight[i] for i in range(1, iters + 1)], rel=1e-6)
+    finally:
+        for teacher_job in (first, second):
+            if teacher_job is not None:
+                slurm.run("scancel", teacher_job, check=False)
 
 
 def test_megatron_lm_job_runs_the_real_pretrain_gpt_on_two_nodes(slurm, tmp_path):

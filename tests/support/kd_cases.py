@@ -228,3 +228,93 @@ def dist_case(ctx, sp: dict, world: int) -> dict | None:
     inp = make_inputs(sp)
     sizes = shard_sizes(sp["padded_vocab"], world, sp["seed"])
     return run_ours(sp, inp, sizes, dist.get_rank(group), group)
+
+
+# --- the student-teacher metrics of evaluation (megatron_kd.loss.agreement) ------------------
+
+def tied_inputs(sp: dict) -> dict:
+    """A dense case whose logits are small integers (exact in every dtype and summation order),
+    so most rows' maxima are tied, many across vocab shards: hidden states and weights drawn
+    from {-2, ..., 2} (625 distinct weight rows for 1009 ids). The teacher is the student's
+    weights with a few rows changed, so some rows agree and some do not."""
+    g = torch.Generator().manual_seed(sp["seed"])
+    s, b, h, vp = sp["s"], sp["b"], sp["h_s"], sp["padded_vocab"]
+
+    def ints(*shape):
+        return torch.randint(-2, 3, shape, generator=g).to(sp["dtype"])
+
+    weight = ints(vp, h)
+    t_weight = weight.clone()
+    t_weight[torch.randperm(vp, generator=g)[: vp // 3]] = ints(vp // 3, h)
+    hidden = ints(s, b, h)
+    return {"student_hidden": hidden, "student_weight": weight,
+            "teacher_hidden": hidden.clone(), "teacher_weight": t_weight,
+            **({"loss_mask": (torch.rand(s, b, generator=g) > 0.3).float()} if sp["mask"]
+               else {})}
+
+
+def run_agreement(sp: dict, inp: dict, sizes: list[int], rank: int, group) -> dict:
+    """:func:`~megatron_kd.loss.agreement.vocab_parallel_agreement` on rank ``rank`` of
+    ``group`` with shard ``sizes``, under the case's loss configuration (which must not change
+    the metrics); its sums and whether the inputs were left unwritten."""
+    from megatron_kd.loss.agreement import vocab_parallel_agreement
+
+    start = sum(sizes[:rank])
+    stop = start + sizes[rank]
+    world = len(sizes)
+    hidden, t_hidden = inp["student_hidden"], inp.get("teacher_hidden")
+    if sp["sequence_parallel"] and world > 1:
+        chunk = hidden.shape[0] // world
+        hidden = hidden[rank * chunk:(rank + 1) * chunk]
+        if t_hidden is not None:
+            t_hidden = t_hidden[rank * chunk:(rank + 1) * chunk]
+    t_weight = inp.get("teacher_weight")
+    before = {k: v.clone() for k, v in inp.items()}
+    sums = vocab_parallel_agreement(
+        hidden, inp["student_weight"][start:stop],
+        teacher_of(inp, t_hidden, None if t_weight is None else t_weight[start:stop]),
+        loss_mask=inp.get("loss_mask"), config=config_of(sp, cpu_tuning_of(sp, stop - start)),
+        tp_group=group)
+    return {"kl": sums.kl_sum, "top1": sums.top1_sum, "tokens": sums.num_tokens,
+            "inputs_unchanged": all(torch.equal(before[k], inp[k]) for k in inp)}
+
+
+# KL tolerance (relative to the reference's sum) by input dtype: fp64 / fp32 as the loss's
+# (TOLERANCE); bf16: the logits are bf16 products here and exact products of the same bf16 values
+# in the reference, 2^-9 relative of |z| ~ 3 per logit, and a KL is a difference of such terms
+# (~0.5 per token here): 5e-2 of the sum, where a wrong term is O(1).
+AGREEMENT_KL_TOLERANCE = {**TOLERANCE, torch.bfloat16: 5e-2}
+
+
+def compare_agreement(sp: dict, inp: dict, ours: list[dict]) -> None:
+    """Every rank's sums equal the dense reference's: the KL within the dtype's tolerance, the
+    agreement count and the token count exactly (bf16: the reference's logits rounded to bf16,
+    as the output layers write them, so both see the same ties)."""
+    from support.kd_reference import reference_agreement
+
+    d = {k: v.double() if v.is_floating_point() and k != "teacher_topk_logprobs" else v
+         for k, v in inp.items()}
+    ref_kl, ref_top1, ref_tokens = reference_agreement(
+        d["student_hidden"], d["student_weight"], d.get("teacher_hidden"),
+        d.get("teacher_weight"), d.get("teacher_topk_ids"), d.get("teacher_topk_logprobs"),
+        d.get("loss_mask"), vocab_size=sp["vocab_size"],
+        logit_dtype=torch.bfloat16 if sp["dtype"] == torch.bfloat16 else None)
+    tol = AGREEMENT_KL_TOLERANCE[sp["dtype"]]
+    for rank, r in enumerate(ours):
+        where = f"rank {rank}/{len(ours)} spec={sp}"
+        assert r["inputs_unchanged"], f"an input was written in place ({where})"
+        assert abs(float(r["kl"]) - float(ref_kl)) <= tol * max(abs(float(ref_kl)), 1e-12), (
+            float(r["kl"]), float(ref_kl), where)
+        assert float(r["top1"]) == float(ref_top1), (float(r["top1"]), float(ref_top1), where)
+        assert float(r["tokens"]) == float(ref_tokens), where
+
+
+def agreement_dist_case(ctx, sp: dict, world: int, tied: bool = False) -> dict | None:
+    """Gloo worker: the metrics of the case on the prefix group of ``world`` ranks (``tied``:
+    on :func:`tied_inputs`)."""
+    group = ctx.group(world)
+    if group is None:
+        return None
+    inp = tied_inputs(sp) if tied else make_inputs(sp)
+    sizes = shard_sizes(sp["padded_vocab"], world, sp["seed"])
+    return run_agreement(sp, inp, sizes, dist.get_rank(group), group)

@@ -66,3 +66,60 @@ def reference_kd_loss(student_hidden, student_weight, teacher_hidden=None, teach
         ce = F.cross_entropy(z_s, lab, ignore_index=ignore_index, reduction="none")
         loss = loss + mask * ce_weight * ce
     return loss.sum()
+
+
+def reference_agreement(student_hidden, student_weight, teacher_hidden=None, teacher_weight=None,
+                        topk_ids=None, topk_logprobs=None, loss_mask=None, *, vocab_size=None,
+                        logit_dtype=None):
+    """``(sum of mask * KL(p_t || p_s) at T = 1, sum of mask * [argmax z_s == argmax z_t],
+    sum of mask)`` from the full logits; full weights.
+
+    Dense teacher: the textbook KL over the true vocabulary and ``torch.argmax`` of the full
+    rows (its first maximal index: the lowest id among ties). Top-K teacher: the KL of the
+    K + 1 buckets (the K ids, then everything else), and the teacher's argmax the lowest id
+    among its largest log-probabilities. ``logit_dtype``: the logits rounded to it first (as an
+    output layer in that dtype writes them: a bf16 layer's rounding makes ties of its own).
+    """
+    h = student_hidden.shape[-1]
+    x = student_hidden.reshape(-1, h)
+    n = x.shape[0]
+    v = student_weight.shape[0] if vocab_size is None else vocab_size
+
+    def rounded(z):
+        return z if logit_dtype is None else z.to(logit_dtype).to(z.dtype)
+
+    z_s = rounded(x @ student_weight.t())[:, :v]
+    logp_s = F.log_softmax(z_s, dim=-1)
+    top_s = torch.argmax(z_s, dim=-1)
+    mask = torch.ones(n, dtype=x.dtype) if loss_mask is None else loss_mask.reshape(n).to(x.dtype)
+    if teacher_hidden is not None:
+        z_t = rounded(teacher_hidden.reshape(n, -1) @ teacher_weight.t())[:, :v]
+        return reference_agreement_of_logits(z_s, z_t, mask)
+    else:
+        ids = topk_ids.reshape(n, -1)
+        lp = topk_logprobs.reshape(n, -1).to(x.dtype)
+        # the K + 1 buckets of each distribution: the K ids, then the rest
+        q = torch.cat([lp.exp(), (1 - lp.exp().sum(-1, keepdim=True)).clamp(min=0)], dim=1)
+        p_k = logp_s.exp().gather(1, ids)
+        p = torch.cat([p_k, (1 - p_k.sum(-1, keepdim=True)).clamp(min=0)], dim=1)
+        kl = torch.where(q > 0, q * (q.log() - p.log()), 0.0).sum(-1)
+        # the lowest id among the row's largest log-probabilities, one row at a time
+        top_t = torch.tensor([min(int(i) for i, lpi in zip(row_ids, row_lp)
+                                  if lpi == row_lp.max()) for row_ids, row_lp in zip(ids, lp)])
+    agree = (top_s == top_t).to(x.dtype)
+    return (mask * kl).sum(), (mask * agree).sum(), mask.sum()
+
+
+def reference_agreement_of_logits(z_s, z_t, loss_mask=None):
+    """:func:`reference_agreement` of full ``[..., V]`` student and teacher logits (a dense
+    teacher): the textbook KL at T = 1 and ``torch.argmax`` of each row."""
+    v = z_s.shape[-1]
+    z_s, z_t = z_s.reshape(-1, v), z_t.reshape(-1, v)
+    n = z_s.shape[0]
+    mask = (torch.ones(n, dtype=z_s.dtype) if loss_mask is None
+            else loss_mask.reshape(n).to(z_s.dtype))
+    logp_s = F.log_softmax(z_s, dim=-1)
+    logp_t = F.log_softmax(z_t, dim=-1)
+    kl = (logp_t.exp() * (logp_t - logp_s)).sum(-1)
+    agree = (torch.argmax(z_s, dim=-1) == torch.argmax(z_t, dim=-1)).to(z_s.dtype)
+    return (mask * kl).sum(), (mask * agree).sum(), mask.sum()

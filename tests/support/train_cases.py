@@ -279,3 +279,27 @@ def literal_dense_kd_loss(values: dict):
 def step_losses(summary):
     """The per-step losses of a training summary."""
     return [r["loss"] for r in summary["steps"]]
+
+
+def case_checkpoint_logits(ctx, directory, tokens):
+    """``[b, s, vocab_size]`` full-vocabulary logits of the model in ``directory`` (a model
+    checkpoint, or a ``--save`` root's newest iteration) on ``tokens``, at TP 1 in fp32, its
+    output layer run as a plain model runs it (no loss, no bypass)."""
+    from megatron_kd.integration.checkpoint import (
+        load_model_checkpoint,
+        read_checkpoint_arch,
+        resolve_model_dir,
+    )
+    from megatron_kd.integration.cpu_shim import device_context
+    from megatron_kd.integration.gpt import build_gpt_model
+    from megatron_kd.integration.groups import model_parallel
+
+    model_dir = resolve_model_dir(directory)
+    arch = read_checkpoint_arch(model_dir)
+    with model_parallel(tp=1):
+        model = build_gpt_model(arch, seed=0)
+        load_model_checkpoint(model, model_dir)
+        positions = torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens)
+        with torch.no_grad(), device_context():
+            logits = model.eval()(tokens, positions, None)
+    return logits[..., :arch.vocab_size]

@@ -32,7 +32,7 @@ from megatron_kd.planner.plan import Mode, PlanOptions
 from megatron_kd.planner.presets import MODEL_PRESETS, get_gpu, get_link
 from megatron_kd.planner.search import student_candidates, teacher_candidates
 from megatron_kd.training.run_checks import check_run_layout
-from megatron_kd.training.run_config import ParallelSection, RunConfig
+from megatron_kd.training.run_config import DataSection, ParallelSection, RunConfig
 
 #: Teacher -> student pairs covering every preset (families share a tokenizer); gpt-oss-20b's
 #: experts with biases do not train: the planner must refuse it as a student, as train does.
@@ -72,9 +72,13 @@ def _parser(command: str, action: str | None = None) -> argparse.ArgumentParser:
     return chosen
 
 
+#: Values for the shell variables of the launch lines that are not paths.
+_VALUES = {"$TRAIN_ITERS": "10"}
+
+
 def _tokens(tokens) -> list[str]:
     """Launch tokens with the shell variables the user sets given values."""
-    return [t.replace("$", "") for t in tokens]
+    return [_VALUES.get(t, t.replace("$", "")) for t in tokens]
 
 
 def _grid():
@@ -100,8 +104,7 @@ def test_the_planned_launch_is_what_the_commands_accept(teacher, student, nodes,
             continue  # the incumbent dense loss, planned for comparison: no launch lines
         lines = launch(opts, plan)
         # the student's flags, read by megatron-kd train
-        args = _parser("train").parse_args(_tokens(lines.student_flags)
-                                           + ["--train-iters", "1", "--mock-data"])
+        args = _parser("train").parse_args(_tokens(lines.student_flags + lines.data_flags))
         config = RunConfig.from_args(args)
         layout = config.parallel.layout(opts.world_size, opts.student.num_layers)
         assert layout == plan.layout, (mode, shlex.join(lines.student_flags))
@@ -121,8 +124,10 @@ def test_the_planned_launch_is_what_the_commands_accept(teacher, student, nodes,
             assert replica == tl, shlex.join(lines.teacher_command)
             check_replica_layout(opts.teacher.arch_at(tl.tp), replica, transformer_engine=True)
         if mode is Mode.OFFLINE_CACHE:  # the build's flags, read by cache build
-            build = _parser("cache", "build").parse_args(
-                _tokens(lines.teacher_command[3:]) + ["--train-iters", "1", "--mock-data"])
+            # as printed: the run's data flags and --train-iters included
+            build = _parser("cache", "build").parse_args(_tokens(lines.teacher_command[3:]))
+            assert from_flags(DataSection, build) == config.data, shlex.join(
+                lines.teacher_command)
             # the build's own section of the flags, as cache build reads them
             cache = from_flags(ParallelSection, build).layout(opts.world_size,
                                                               opts.teacher.num_layers)
@@ -219,3 +224,39 @@ def test_teacher_candidates_are_the_layouts_serve_and_cache_build_accept(teacher
             continue
         accepted.add(layout)
     assert set(teacher_candidates(opts, role)) == accepted
+
+
+def _printed_line(text: str, section: str, heading: str) -> list[str]:
+    """The line under ``heading`` in the ``== section`` part of the text report, as a user
+    copies it (the shell's words)."""
+    part = text.split(f"== {section}:")[1].split("\n== ")[0].splitlines()
+    at = next(i for i, line in enumerate(part) if line.strip().startswith(heading))
+    return shlex.split(part[at + 1])
+
+
+def test_the_printed_cache_build_line_is_complete(capsys):
+    """The offline plan's printed ``cache build`` line, its shell variables set, parses with
+    ``cache build``'s own parser and nothing added (``--train-iters`` and the data flags are
+    there), and reads the very data section the printed ``train`` line gives ``train`` (also
+    parsed as printed: the student's model is there too): the cache covers the student's
+    samples."""
+    from megatron_kd.cli import main
+
+    assert main(["plan", "--teacher", "qwen3.5-35b-a3b", "--student", "qwen3.5-9b", "--gpu",
+                 "h200-141g", "--nodes", "1", "--seq-length", "8192",
+                 "--use-distributed-optimizer", "--modes", "offline-cache"]) == 0
+    text = capsys.readouterr().out
+    build = _tokens(_printed_line(text, "offline-cache", "the teacher job:"))
+    assert build[:3] == ["megatron-kd", "cache", "build"], build
+    cache = _parser("cache", "build").parse_args(build[3:])
+    student = _tokens(_printed_line(text, "offline-cache", "launch, `megatron-kd train`'s"))
+    run = RunConfig.from_args(_parser("train").parse_args(student))
+    data = run.data
+    assert run.logging.pretrained_checkpoint == "STUDENT_CKPT"
+    assert from_flags(DataSection, cache) == data
+    assert (data.data_path, data.tokenizer_model, data.train_iters) == (
+        ["DATA_PREFIX"], "HF_TOKENIZER", 10)
+    # the Slurm line writes the same flags to the build's args file
+    slurm = next(line for line in text.splitlines() if "> cache.args" in line)
+    assert shlex.split(slurm)[2:shlex.split(slurm).index(">")] == \
+        _printed_line(text, "offline-cache", "the teacher job:")[3:]
