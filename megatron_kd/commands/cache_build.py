@@ -80,7 +80,8 @@ def run_build(build, args: argparse.Namespace) -> int:
                          "positions would not match its targets; drop the flag (or distil "
                          "with --kd-mode colocated, whose teacher takes the student's "
                          "positions)")
-    kernels.check_transformer_impl(transformer_engine_available())
+    transformer_engine = transformer_engine_available()
+    kernels.check_transformer_impl(transformer_engine)
     codec = LogprobCodec(name=build.logprob_encoding)
     with started():
         teacher_dir, arch = check_teacher(kd.teacher_load, seq_length=data.seq_length,
@@ -88,7 +89,7 @@ def run_build(build, args: argparse.Namespace) -> int:
         layout = parallel.layout(dist.get_world_size(), arch.num_layers)
         try:
             check_cache_layout(arch, layout, seq_length=data.seq_length,
-                               transformer_engine=transformer_engine_available())
+                               transformer_engine=transformer_engine)
         except ValueError as e:
             raise ValueError(f"teacher {teacher_dir!r}: {e}") from None
         with in_layout(layout):

@@ -200,9 +200,10 @@ def _check(cfg: ServeConfig, world: int):
                                       seq_length=cfg.serve.max_seq_length or 1,
                                       teacher_args=cfg.teacher.teacher_args)
     layout = cfg.parallel.layout(world, arch.num_layers)
-    cfg.kernels.check_transformer_impl(transformer_engine_available())
+    transformer_engine = transformer_engine_available()
+    cfg.kernels.check_transformer_impl(transformer_engine)
     try:
-        check_replica_layout(arch, layout, transformer_engine=transformer_engine_available())
+        check_replica_layout(arch, layout, transformer_engine=transformer_engine)
     except ValueError as e:
         raise ValueError(f"teacher {teacher_dir!r}: {e}") from None
     return teacher_dir, arch, layout

@@ -57,8 +57,8 @@ def make_kd_loss_func(
     The returned function takes the bypassed student output ``[b, s, h_s]`` and returns
     ``(loss_sum, num_tokens, report)`` (Megatron's ``calculate_per_token_loss`` contract), where
     ``report`` maps ``loss``, ``kd_loss``, ``lm_loss`` (and ``teacher_lm_loss``, ``kd_kl``,
-    ``top1_agreement``) to detached ``[sum, tokens]`` pairs (``kd_loss`` / ``lm_loss`` unweighted; ``kd_loss`` includes the
-    ``T^2`` factor; absent when not computed).
+    ``top1_agreement``) to detached ``[sum, tokens]`` pairs (``kd_loss`` / ``lm_loss``
+    unweighted; ``kd_loss`` includes the ``T^2`` factor; absent when not computed).
     """
     loss_fn = loss_fn or vocab_parallel_kd_loss
     labels_sb = labels.transpose(0, 1)

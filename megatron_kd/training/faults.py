@@ -26,23 +26,16 @@ __all__ = ["EarlyExit", "ExitSignal", "FiniteGuard"]
 
 
 class ExitSignal:
-    """Records a SIGTERM; :meth:`received` tells every rank whether any rank got one."""
+    """Records a SIGTERM on this rank (:class:`EarlyExit` tells every rank whether any rank got
+    one)."""
 
     def __init__(self, signum: int = signal.SIGTERM) -> None:
         self.signum = signum
-        self._received = False
+        self.got = False
         self._previous = signal.signal(signum, self._handle)
 
     def _handle(self, signum, frame) -> None:  # noqa: ARG002 - the signal module's signature
-        self._received = True
-
-    def received(self, device) -> bool:
-        """Whether any rank of the default group has received the signal (collective: Slurm
-        signals the ranks at slightly different moments, and they must stop at one step)."""
-        flag = torch.tensor([1.0 if self._received else 0.0], device=device)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+        self.got = True
 
     def close(self) -> None:
         signal.signal(self.signum, self._previous)
@@ -66,10 +59,11 @@ class EarlyExit:
 
     def reason(self, device) -> str | None:
         """``"signal"``, ``"duration"`` or None (collective over the default group when
-        :attr:`active`; the signal wins when both hold)."""
+        :attr:`active`: Slurm signals the ranks at slightly different moments, and they must
+        stop at one step; the signal wins when both hold)."""
         if not self.active:
             return None
-        flags = torch.tensor([1.0 if self.signal is not None and self.signal._received else 0.0,
+        flags = torch.tensor([1.0 if self.signal is not None and self.signal.got else 0.0,
                               1.0 if self.deadline is not None
                               and time.monotonic() > self.deadline else 0.0], device=device)
         if dist.is_initialized() and dist.get_world_size() > 1:

@@ -147,9 +147,13 @@ class RunRecord:
     evals: list = field(default_factory=list)
     step_times: list = field(default_factory=list)
     t_start: float = field(default_factory=time.perf_counter)
-    exit_signal: bool = False
     exit_reason: str | None = None
     """``"signal"`` or ``"duration"`` when the run stopped before its stop iteration."""
+
+    @property
+    def exit_signal(self) -> bool:
+        """Whether a SIGTERM stopped the run (``--exit-signal-handler``)."""
+        return self.exit_reason == "signal"
 
 
 def reduce_reports(reports: list, keys: tuple, contributes: bool) -> dict:

@@ -439,7 +439,6 @@ class Trainer:
                 reason = early.reason(collective_device()) if iteration < stop_at else None
                 if reason is not None:
                     record.exit_reason = reason
-                    record.exit_signal = reason == "signal"
                     what = ("SIGTERM received" if reason == "signal" else
                             f"--exit-duration-in-mins {early.duration_mins:g} passed")
                     progress.message(f"megatron-kd: {what}: stopping after iteration "

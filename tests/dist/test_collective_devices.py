@@ -30,7 +30,7 @@ from megatron_kd.modes.offline import Cached
 from megatron_kd.modes.source import SourceConfig, StudentPlace
 from megatron_kd.testing.devices import on_accelerator, simulated_accelerator
 from megatron_kd.training.checkpointing import _state_bytes
-from megatron_kd.training.faults import ExitSignal
+from megatron_kd.training.faults import EarlyExit
 from megatron_kd.training.logs import reduce_reports
 from megatron_kd.training.metrics import StepTimers
 
@@ -235,13 +235,13 @@ def _step_timers(ctx):
     return sorted(timers.take(collective_device()))  # as the trainer calls it
 
 
-def _exit_signal(ctx):
-    signal = ExitSignal()
+def _early_exit(ctx):
+    early = EarlyExit(signal_handler=True, duration_mins=None, started=0.0)
     try:
-        signal._received = ctx.rank == 1
-        return signal.received(collective_device())  # as the trainer calls it
+        early.signal.got = ctx.rank == 1
+        return early.reason(collective_device())  # as the trainer calls it
     finally:
-        signal.close()
+        early.close()
 
 
 def _teacher_stats(ctx):
@@ -273,7 +273,7 @@ HELPERS = {
                                                  "kd_cache_read_tokens_per_s": 50.0},
                                   "all_reduce modes/stats.py"),
     "metrics.StepTimers.take": (_step_timers, None, "all_reduce training/metrics.py"),
-    "faults.ExitSignal.received": (_exit_signal, True, "all_reduce training/faults.py"),
+    "faults.EarlyExit.reason": (_early_exit, "signal", "all_reduce training/faults.py"),
     "disaggregated.Remote.step_stats": (_teacher_stats, 0, "all_reduce teacher/step_stats.py"),
     "checkpointing._state_bytes": (_checkpoint_bytes, 2 * (16 + 16),
                                    "all_reduce training/checkpointing.py"),
