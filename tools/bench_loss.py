@@ -46,7 +46,10 @@ failure never stops the others.
 On CUDA the inputs are generated on the device and the dtype defaults to bf16 (fp32 on CPU).
 ``--shape multiverse qwen3`` measures the named shapes (T, V, h_s, h_t) in one run;
 ``--profile PATH`` writes the ``--profile-variant``'s top kernels (``torch.profiler`` key
-averages by device time, CPU time on CPU) at each shape as JSON.
+averages by device time, CPU time on CPU) at each shape as JSON. Memory is printed in GiB and MiB
+(until issue 54 labelled "GB" and "MB"; the numbers were GiB and MiB then too). The JSON's
+``run`` records the commit, the command, the device and the versions, which a run filed under
+``docs/gpu_runs/`` must hold (``docs/gpu_runs/README.md``).
 
     python tools/bench_loss.py --tokens 2048 4096 --tp 1 2   # docs/benchmarks.md's table (40 min)
     python tools/bench_loss.py --tokens 1024 --tp 1 --variants floor fused_fkl liger_fkl
@@ -60,6 +63,8 @@ import argparse
 import datetime
 import json
 import os
+import platform
+import shlex
 import statistics
 import subprocess
 import sys
@@ -173,6 +178,8 @@ def _worker(rank: int, a: argparse.Namespace, init_file: str, out_file: str) -> 
     # the tunings the fused variants ran with, recorded by the driver beside the timings (it
     # imports no torch itself: a point's process start is seconds less)
     result["tuning"] = {"cpu_tuning": _cpu_tuning(), "gpu_tuning": _gpu_tuning_record(a)}
+    result["device_name"] = (torch.cuda.get_device_name(device) if device.type == "cuda"
+                             else None)  # the driver names the host's CPU itself
     with open(f"{out_file}.{rank}", "w") as f:
         json.dump(result, f)
     dist.destroy_process_group()
@@ -447,7 +454,7 @@ def _run_point(a, variant: str, tokens: int, tp: int) -> dict:
                "--_tokens", str(tokens), "--_tp", str(tp), "--_out", out,
                "--vocab", str(a.vocab), "--h-s", str(a.h_s), "--h-t", str(a.h_t),
                "--repeats", str(a.repeats), "--threads", str(a.threads), "--device", a.device,
-               "--dtype", a.dtype, "--mem-limit-gb", str(a.mem_limit_gb), "--beta", str(a.beta),
+               "--dtype", a.dtype, "--mem-limit-gib", str(a.mem_limit_gib), "--beta", str(a.beta),
                "--gpu-kernels", a.gpu_kernels, "--loss-path", a.loss_path]
         if a.window_size:
             cmd += ["--window-size", str(a.window_size)]
@@ -502,6 +509,8 @@ def _run_point(a, variant: str, tokens: int, tp: int) -> dict:
                 point[key] = results[0][key]
         if a._tuning is None:
             a._tuning = results[0].get("tuning")
+        if a._device_name is None:
+            a._device_name = results[0].get("device_name")
         return point
 
 
@@ -511,9 +520,9 @@ def _spawn_workers(a) -> None:
     import torch.multiprocessing as mp
 
     a.variant, a.tokens, a.tp = a._variant, a._tokens, a._tp
-    if a.mem_limit_gb > 0 and a.device == "cpu":
+    if a.mem_limit_gib > 0 and a.device == "cpu":
         # allocation failures become MemoryError/RuntimeError (reported as OOM), not the OOM killer
-        limit = int(a.mem_limit_gb * (1 << 30) / a.tp)
+        limit = int(a.mem_limit_gib * (1 << 30) / a.tp)
         resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
     init_file = a._out + ".store"
     if a.tp == 1:  # one rank: in this process (one interpreter and CUDA start less a point)
@@ -525,7 +534,7 @@ def _spawn_workers(a) -> None:
 def _fmt_bytes(b) -> str:
     if b is None:
         return "-"
-    return f"{b / (1 << 30):.2f} GB" if b >= (1 << 30) else f"{b / (1 << 20):.0f} MB"
+    return f"{b / (1 << 30):.2f} GiB" if b >= (1 << 30) else f"{b / (1 << 20):.0f} MiB"
 
 
 def _ratio(a, b) -> str:
@@ -619,7 +628,7 @@ def _plot(points: list[dict], path: str) -> bool:
             if bound:  # the same GEMMs at the loss's window size: a windowed loss's bound
                 ax_t.plot(*zip(*bound), style, marker="x", color="black",
                           label=f"GEMMs at the loss's window TP{tp}")
-    ax_m.set(xlabel="tokens T", ylabel="extra peak memory (GB)", xscale="log", yscale="log",
+    ax_m.set(xlabel="tokens T", ylabel="extra peak memory (GiB)", xscale="log", yscale="log",
              title="memory above the inputs")
     ax_t.set(xlabel="tokens T", ylabel="forward+backward (s)", xscale="log", yscale="log",
              title="time (median)")
@@ -689,6 +698,51 @@ def _cpu_tuning() -> dict:
     return dataclasses.asdict(CpuTuning.for_this_machine())
 
 
+def _git(*args: str) -> str:
+    try:
+        return subprocess.run(["git", *args], cwd=os.path.dirname(os.path.abspath(__file__)),
+                              capture_output=True, text=True, timeout=30).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def _version(dist: str) -> str:
+    import importlib.metadata as md  # a package's version without importing it (no torch here)
+    try:
+        return md.version(dist)
+    except md.PackageNotFoundError:
+        return "not installed"
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _run_record(a) -> dict:
+    """What a run filed under ``docs/gpu_runs/`` records beside its figures: the commit (marked
+    dirty when tracked files differ from it), the command, the device and the versions."""
+    commit = _git("rev-parse", "HEAD") or "unknown"
+    if _git("status", "--porcelain", "--untracked-files=no"):
+        commit += " (dirty)"
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "git_commit": commit,
+        "command": shlex.join(["python", "tools/bench_loss.py", *a._argv]),
+        # the workers' device (None until a point has run there); the host's CPU on CPU
+        "device": a._device_name if a.device == "cuda" else _cpu_name(),
+        "versions": {"python": platform.python_version(),
+                     **{d: _version(d) for d in ("torch", "triton", "liger-kernel",
+                                                 "nvidia-modelopt", "megatron-core")}},
+    }
+
+
 def _write_outputs(a, points: list[dict], complete: bool) -> list[dict]:
     """The JSON of the points so far (and the profiles), rewritten after every point, so a run
     cut short by a time limit still leaves what it measured (``complete`` says whether it
@@ -702,7 +756,7 @@ def _write_outputs(a, points: list[dict], complete: bool) -> list[dict]:
                 if "profile" in p]
     kept = [{k: v for k, v in p.items() if k != "profile"} for p in points]
     with open(a.out + ".tmp", "w") as f:
-        json.dump({"config": meta, "complete": complete, "points": kept,
+        json.dump({"run": _run_record(a), "config": meta, "complete": complete, "points": kept,
                    "table_markdown": _table(kept)}, f, indent=1)
     os.replace(a.out + ".tmp", a.out)
     if a.profile:
@@ -755,8 +809,9 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--dtype", default=None, choices=["fp32", "bf16"],
                    help="default: bf16 on cuda (the training precision), fp32 on cpu")
-    p.add_argument("--mem-limit-gb", type=float, default=20.0,
-                   help="CPU: cap on the data segment of all ranks together (0: none)")
+    p.add_argument("--mem-limit-gib", "--mem-limit-gb", dest="mem_limit_gib", type=float,
+                   default=20.0, help="CPU: cap in GiB on the data segment of all ranks together "
+                                      "(0: none; --mem-limit-gb is its old name)")
     p.add_argument("--point-timeout", type=float, default=1800)
     p.add_argument("--out", default="bench_out/bench_loss.json")
     p.add_argument("--plot", default="bench_out/bench_loss.png")
@@ -769,6 +824,8 @@ def main(argv=None) -> int:
     p.add_argument("--_tp", type=int, help=argparse.SUPPRESS)
     p.add_argument("--_out", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
+    a._argv = list(sys.argv[1:] if argv is None else argv)
+    a._device_name = None  # the workers' device, from the first point measured
     if a.dtype is None:
         a.dtype = "bf16" if a.device == "cuda" else "fp32"
     a.shape_name = None

@@ -51,7 +51,7 @@ Ctrl-C and SIGTERM included. (Were the tool itself SIGKILLed, its replicas leave
 launcher and the students fail within ``--teacher-timeout`` of them.)
 
     python tools/soak_service.py                # the full soak (about 6 minutes on 2 cores)
-    python tools/soak_service.py --short        # about a minute: 2 runs, one kill (CI)
+    python tools/soak_service.py --short        # about two minutes: 2 runs, one kill (CI)
     python tools/soak_service.py --steps 600 --faults 40 --seed 7 --out soak.json
 """
 
@@ -94,8 +94,9 @@ VOCAB, SEQ, MICRO_BATCH, MICROBATCHES = 256, 32, 2, 2
 REL_TOL = 1e-5
 #: seconds after a kill in which the runs' steps are counted as its cost
 KILL_WINDOW_S = 10.0
-#: --short: about a minute on 2 cores, still one kill and restart and garbage of both kinds
-SHORT = dict(runs=["dp1", "tp2"], steps=80, faults=4, kills=1, duration=240.0, min_gap=0.5,
+#: --short: about two minutes on 2 cores (most of it start-up), still one kill and restart and
+#: garbage of both kinds
+SHORT = dict(runs=["dp1", "tp2"], steps=40, faults=4, kills=1, duration=240.0, min_gap=0.5,
              max_gap=6.0)
 FAULT_KINDS = ("kill", "connection", "bytes")
 #: An environment variable every process of one soak inherits (how its processes are found)

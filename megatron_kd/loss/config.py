@@ -137,7 +137,8 @@ class GpuTuning:
     dtype (cuBLAS adds each window's product to it, rounding once per window): half the
     memory (0.79 GB less at V = 128,256, h_s = 3072 in bf16), for the memory target; with
     few windows (the byte budget) the roundings are few. With the recomputing backward and
-    gradient-accumulation fusion the accumulator is ``main_grad`` itself (no buffer)."""
+    gradient-accumulation fusion the accumulator is ``main_grad`` itself (no buffer), which
+    ``input_dtype`` then adds to as ``fp32_gemm`` does."""
 
     def __post_init__(self) -> None:
         if isinstance(self.window_bytes, bool) or not isinstance(self.window_bytes, int) \

@@ -273,18 +273,21 @@ def _with_ids(se_tail: torch.Tensor, m_tail: torch.Tensor, a_ids: torch.Tensor,
 
 def _add_weight_grad(acc: torch.Tensor, g: torch.Tensor, x: torch.Tensor, mode: str) -> None:
     """``acc += g^T x``, ``g`` and ``x`` in the input dtype, ``acc`` in it or in fp32 / fp64
-    (:attr:`GpuTuning.weight_grad`)."""
+    (:attr:`GpuTuning.weight_grad`; ``input_dtype`` meets an fp32 ``acc`` as ``main_grad``
+    under gradient-accumulation fusion, and adds to it as ``fp32_gemm`` does)."""
     if g.dtype == acc.dtype:  # input_dtype, or fp32 / fp64 inputs: cuBLAS adds in place
         acc.addmm_(g.t(), x)
-    elif mode == "fp32_gemm" and acc.device.type == "cuda":
+    elif mode != "fp32_add" and acc.device.type == "cuda":
         # one GEMM reading and writing the fp32 accumulator: no rounding to the input dtype
+        # (input_dtype too where the accumulator is main_grad: no product buffer)
         try:
             torch.addmm(acc, g.t(), x, out_dtype=acc.dtype, out=acc)
         except RuntimeError as e:
             raise RuntimeError(f"this torch's addmm refuses an {acc.dtype} accumulator with "
                                f"{g.dtype} operands ({e}); set GpuTuning(weight_grad="
-                               f"'fp32_add') (or 'input_dtype')") from e
-    else:  # fp32_add (and fp32_gemm on CPU, which has no such GEMM): the input-dtype product
+                               f"'fp32_add') (or, without gradient-accumulation fusion, "
+                               f"'input_dtype')") from e
+    else:  # fp32_add (and the others on CPU, which has no such GEMM): the input-dtype product
         acc.add_(g.t() @ x)  # added in acc's dtype, with no fp32 copy of the product
 
 
@@ -342,6 +345,7 @@ class GpuKDLoss(torch.autograd.Function):
                 walk.accumulate(walk.grad_(z_s, z_t, saved, win), xs, rows, grad_x, grad_w)
             elif saved_all is not None:
                 saved_all[:, start:start + z_s.shape[0]] = saved
+            del win, kd_row, ce_row, saved  # one window's records at a time, not two
         loss = config.kd_weight * kd_total + config.ce_weight * ce_total
         if terms_out is not None:
             terms_out["kd_sum"] = kd_total.detach()
@@ -422,12 +426,16 @@ def _recompute_backward(ctx, grad_loss):
     else:
         grad_w = (student_weight.new_zeros(student_weight.shape, dtype=_accumulator_dtype(
             ctx.tuning, cdt, student_weight)) if ctx.needs_input_grad[1] else None)
-    saved_all = ctx.saved_all
     for start, rows in walk.windows():
         xs, z_s, z_t, win = walk.project(rows)
-        saved = saved_all[:, start:start + z_s.shape[0]]
+        saved = ctx.saved_all[:, start:start + z_s.shape[0]]
         walk.accumulate(walk.grad_(z_s, z_t, saved, win, scale), xs, rows, grad_x, grad_w)
+        del win  # one window's records at a time, not two
+    # the window buffers and the statistics freed before the gradients' rounded copies (or
+    # main_grad's placeholder) are allocated: held there, they added the window's logits to
+    # the recomputing backward's peak
     ctx.saved_all = None
+    walk = xs = z_s = z_t = saved = None
     if grad_x is not None:
         grad_x = reduce_hidden_grad(grad_x, shard.tp_group, shard.tp_world_size, sp, ctx.lead,
                                     h_s)

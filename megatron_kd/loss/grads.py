@@ -37,6 +37,7 @@ def scale_precomputed(ctx, grad_loss: torch.Tensor,
     if grad_w is not None and ctx.fuse_wgrad:
         weight, ctx.weight = ctx.weight, None
         weight.main_grad.addcmul_(grad_w, grad_loss.to(weight.main_grad.dtype))
+        grad_w = None  # the accumulator freed before the placeholder is allocated
         grad_w = main_grad_placeholder(weight)
     elif grad_w is not None:
         grad_w = finish_weight_grad(grad_w, grad_loss)

@@ -11,6 +11,10 @@ tensor is refused at run time, so a helper that builds its buffer with ``torch.t
         dist.all_reduce(torch.zeros(3))    # AssertionError: a host tensor (file:line, shape)
     calls                                  # ["all_reduce t.py:4", "all_reduce t.py:5"]
 
+The module is one piece: the tagging, the refusal of mixed calls and the byte count are steps
+of one torch-function mode's handling of each call (a tensor is counted when it is tagged), and
+the patches of ``torch.distributed`` and autograd exist to keep that mode's tags true.
+
 The data never leaves the CPU (so gloo runs the collectives); a tensor is *tagged* as living on
 the accelerator, by an attribute on its Python object:
 
@@ -43,6 +47,21 @@ What a GPU refuses is refused here too:
   their models and batches as on a GPU; ``torch.distributed.is_nccl_available()`` answers
   False (no NCCL group can start without a GPU), so links between processes go over the host.
 
+Memory, as ``torch.cuda``'s allocator statistics count it: the bytes of the storages that
+tagged tensors hold, each storage counted once however many views share it, from the moment a
+tagged tensor refers to it until the storage itself is freed (a storage kept by autograd for
+backward, or as a leaf's ``.grad``, stays counted without any Python tensor of it).
+:func:`memory_allocated`, :func:`max_memory_allocated` and :func:`reset_peak_memory_stats`
+read it, and so do ``torch.cuda``'s functions of those names inside the ``with`` block. What
+runs inside one C++ op (its internal temporaries) is not seen; neither is a storage made by
+autograd's C++ engine until a tagged tensor refers to it (a leaf's accumulated ``.grad``: when
+it is read). :func:`as_kernel` runs a PyTorch function as one GPU kernel: its temporaries are
+not counted (registers and shared memory on a GPU), its results are.
+
+What a GPU runs and the CPU cannot is run here with the same results and memory: a GEMM that
+accumulates into a wider output dtype (``torch.addmm(..., out_dtype=torch.float32)`` of bf16
+operands) is computed in that dtype, its operands' upcast copies not counted.
+
 Not modelled: there is one device (no ``cuda:1``); the backward pass of
 ``torch.autograd.grad`` runs untagged (``Tensor.backward`` and ``torch.autograd.backward`` keep
 tagging), and so do the gradients autograd's C++ engine hands to hooks registered on plain
@@ -57,9 +76,11 @@ and only inside the ``with`` block; tags left on tensors afterwards change nothi
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import os
 import sys
+import weakref
 from typing import Any, Callable, Iterator
 
 import torch
@@ -70,8 +91,9 @@ from torch.overrides import TorchFunctionMode
 
 from megatron_kd import placement
 
-__all__ = ["ACCELERATOR", "CHECKED_FUNCTIONS", "on_accelerator", "simulated_accelerator",
-           "to_accelerator"]
+__all__ = ["ACCELERATOR", "CHECKED_FUNCTIONS", "as_kernel", "max_memory_allocated",
+           "memory_allocated", "on_accelerator", "reset_peak_memory_stats",
+           "simulated_accelerator", "to_accelerator"]
 
 #: The device tagged tensors report.
 ACCELERATOR = torch.device("cuda", 0)
@@ -107,9 +129,105 @@ def on_accelerator(t: Any) -> bool:
     return isinstance(t, torch.Tensor) and bool(getattr(t, _TAG, False))
 
 
+class _Memory:
+    """The simulated accelerator's allocator statistics: bytes of the storages tagged tensors
+    hold, now and at the peak. A storage is keyed by its Python object, which torch keeps for
+    as long as the storage lives (so it is one object however many tensors share it), and
+    uncounted when that object is finalised, i.e. when the storage is freed."""
+
+    def __init__(self) -> None:
+        self.allocated = 0
+        self.peak = 0
+        self.paused = 0
+        self._sizes: dict[int, int] = {}  # id(storage object) -> bytes counted
+
+    def hold(self, t: torch.Tensor) -> None:
+        """Count ``t``'s storage if it is not counted yet (or count its new size, resized)."""
+        if self.paused:
+            return
+        with torch._C.DisableTorchFunction():
+            try:
+                storage = t.untyped_storage()
+            except (RuntimeError, NotImplementedError):  # no storage (sparse, nested)
+                return
+            nbytes = storage.nbytes()
+        key = id(storage)
+        counted = self._sizes.get(key)
+        if counted is None:
+            if nbytes == 0:
+                return
+            weakref.finalize(storage, self._free, key)
+            counted = 0
+        self._sizes[key] = nbytes
+        self.allocated += nbytes - counted
+        self.peak = max(self.peak, self.allocated)
+
+    def _free(self, key: int) -> None:
+        self.allocated -= self._sizes.pop(key)
+
+
+# the counter of the simulation in progress (None outside one)
+_memory: _Memory | None = None
+
+
+def _active_memory() -> _Memory:
+    if _memory is None:
+        raise RuntimeError("no simulated accelerator: call this inside simulated_accelerator()")
+    return _memory
+
+
+def memory_allocated(device: Any = None) -> int:
+    """Bytes of the storages tagged tensors hold now (``torch.cuda.memory_allocated``)."""
+    return _active_memory().allocated
+
+
+def max_memory_allocated(device: Any = None) -> int:
+    """The most :func:`memory_allocated` has been since the simulation began or the last
+    :func:`reset_peak_memory_stats` (``torch.cuda.max_memory_allocated``)."""
+    return _active_memory().peak
+
+
+def reset_peak_memory_stats(device: Any = None) -> None:
+    """Start the peak afresh from what is held now (``torch.cuda.reset_peak_memory_stats``)."""
+    memory = _active_memory()
+    memory.peak = memory.allocated
+
+
+def as_kernel(fn: Callable) -> Callable:
+    """``fn`` run as one GPU kernel for the memory count: the tensors it makes and frees inside
+    are not counted (a kernel keeps them in registers and shared memory), the tensors it
+    returns are (also those it wrote in place, already counted). Outside a simulation, ``fn``."""
+
+    @functools.wraps(fn)
+    def kernel(*args, **kwargs):
+        memory = _memory
+        if memory is None:
+            return fn(*args, **kwargs)
+        memory.paused += 1
+        try:
+            out = fn(*args, **kwargs)
+        finally:
+            memory.paused -= 1
+        for t in _tensors(out):
+            if on_accelerator(t):
+                memory.hold(t)
+        return out
+
+    return kernel
+
+
 def _tag(t: torch.Tensor) -> torch.Tensor:
     setattr(t, _TAG, True)
+    if _memory is not None:
+        _memory.hold(t)
     return t
+
+
+def _held(t: torch.Tensor) -> None:
+    """Count the storage of a tagged tensor an op wrote in place (``out=``, ``set_``,
+    ``resize_`` may have given it another storage or size)."""
+    if _memory is not None and on_accelerator(t):
+        _memory.hold(t)
 
 
 def to_accelerator(t: torch.Tensor) -> torch.Tensor:
@@ -144,9 +262,12 @@ def _any_tagged(obj: Any) -> bool:
 
 
 def _tag_outputs(out: Any, keep: tuple) -> Any:
-    """Tag the tensors of ``out`` except those that are arguments (in-place results)."""
+    """Tag the tensors of ``out`` except those that are arguments (in-place results, whose
+    storage is counted again if it changed)."""
     if isinstance(out, torch.Tensor):
-        if not any(out is k for k in keep):
+        if any(out is k for k in keep):
+            _held(out)
+        else:
             _tag(out)
     elif isinstance(out, (list, tuple)):
         for o in out:
@@ -200,6 +321,7 @@ class _AcceleratorMode(TorchFunctionMode):
             func(*args, **kwargs)
             if isinstance(args[1], torch.Tensor):
                 setattr(args[0], _TAG, on_accelerator(args[1]))
+                _held(args[0])
             return None
         # a parameter's gradient lives where the parameter does
         if owner is _GRAD and name == "__get__" and tagged:
@@ -222,6 +344,8 @@ class _AcceleratorMode(TorchFunctionMode):
             kwargs = {**kwargs, "pin_memory": False}
         if func is torch.Tensor.pin_memory:
             return args[0]
+        if func is torch.addmm and kwargs.get("out_dtype") is not None and tagged:
+            return _addmm_out_dtype(*args, **kwargs)
         target, args, kwargs = _target(func, args, kwargs)
         out = func(*args, **kwargs)
         source = args[0] if args else None
@@ -237,6 +361,22 @@ class _AcceleratorMode(TorchFunctionMode):
             keep = tuple(a for a in (*args, kwargs.get("out")) if isinstance(a, torch.Tensor))
             _tag_outputs(out, keep if not target else ())
         return out
+
+
+def _addmm_out_dtype(input: torch.Tensor, mat1: torch.Tensor, mat2: torch.Tensor, *,
+                     out_dtype: torch.dtype, beta: float = 1, alpha: float = 1,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+    """CUDA's ``addmm`` into a wider dtype (bf16 operands, an fp32 result and accumulator),
+    which the CPU lacks: the same sum in ``out_dtype``, the operands' upcast copies made with
+    the mode off (not counted: the GPU's GEMM makes none)."""
+    with torch._C.DisableTorchFunction():
+        res = torch.addmm(input.to(out_dtype), mat1.to(out_dtype), mat2.to(out_dtype),
+                          beta=beta, alpha=alpha)
+        if out is None:
+            return _tag(res)
+        out.copy_(res)
+    _held(out)
+    return out
 
 
 def _backward(func: Callable, args: tuple, kwargs: dict) -> None:
@@ -364,8 +504,10 @@ def simulated_accelerator() -> Iterator[list[str]]:
     Yields the list of the checked calls so far, ``"<function> <file>:<line>"`` each (so a
     test can tell that the collectives it means to check did run under the check).
     """
+    global _memory
     saved: dict[tuple[Any, str], Any] = {}
     calls: list[str] = []
+    outer_memory = _memory
 
     def patch(obj: Any, name: str, value: Any) -> None:
         # a class's own attribute as stored (a classmethod, not the bound method getattr gives)
@@ -388,10 +530,16 @@ def simulated_accelerator() -> Iterator[list[str]]:
         # no NCCL group can be made without a GPU (a CUDA build of torch has NCCL): links
         # between processes that both say "cuda" go over the host, as where NCCL is missing
         patch(dist, "is_nccl_available", lambda: False)
+        for name, fn in (("memory_allocated", memory_allocated),
+                         ("max_memory_allocated", max_memory_allocated),
+                         ("reset_peak_memory_stats", reset_peak_memory_stats)):
+            patch(torch.cuda, name, fn)
         _autograd_patches(patch)
         _parameter_patch(patch)
+        _memory = _Memory()
         with _AcceleratorMode():
             yield calls
     finally:
+        _memory = outer_memory
         for (obj, name), value in saved.items():
             setattr(obj, name, value)

@@ -166,18 +166,18 @@ def _launch_line(text: str, job_id: str) -> str:
     return lines[0]
 
 
-def _check_train_log(log_dir: Path, info, text) -> list[dict]:
+def _check_train_log(log_dir: Path, info, text, iters: int = TRAIN_ITERS) -> list[dict]:
     path = log_dir / "train.jsonl"
     assert path.exists(), _explain(info, log_dir, text)
     records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     steps = [r for r in records if not r.get("eval")]
     evals = [r for r in records if r.get("eval")]
-    assert [r["step"] for r in steps] == list(range(1, TRAIN_ITERS + 1))
+    assert [r["step"] for r in steps] == list(range(1, iters + 1))
     for r in steps:
         assert math.isfinite(r["loss"]) and r["loss"] > 0
         assert r["kd_loss"] is not None and r["lm_loss"] is not None  # teacher and labels used
         assert r["tokens_per_s"] > 0
-    assert [e["step"] for e in evals] == [TRAIN_ITERS]
+    assert [e["step"] for e in evals] == [iters]
     return steps
 
 
@@ -332,20 +332,32 @@ def test_disaggregated_needs_an_endpoint_or_a_teacher_step(slurm, stub_python, t
 
 # --- the real program ----------------------------------------------------------------------------
 
-def test_colocated_job(slurm, teacher_ckpt, tmp_path):
-    args = _args_file(tmp_path / "train.args", STUDENT_FLAGS, iters=TRAIN_ITERS,
+@pytest.fixture(scope="module")
+def colocated_job(slurm, teacher_ckpt, tmp_path_factory):
+    """One uninterrupted ``colocated.sbatch`` job of :data:`PREEMPT_ITERS` iterations (an
+    evaluation at the end): checked by :func:`test_colocated_job`, and the reference of the
+    requeued run (the same flags but the evaluation interval, which changes no training loss).
+    ``(info, log dir, output, train args file)``."""
+    directory = tmp_path_factory.mktemp("colocated_job")
+    args = _args_file(directory / "train.args", STUDENT_FLAGS, iters=PREEMPT_ITERS,
                       teacher=teacher_ckpt)
-    info, log_dir, text = _submit(slurm, "colocated.sbatch", tmp_path, "--nodes=1",
+    info, log_dir, text = _submit(slurm, "colocated.sbatch", directory, "--nodes=1",
                                   f"--nodelist={slurm.nodes[0]}", "--ntasks-per-node=2",
                                   KD_ARGS_FILE=str(args))
+    return info, log_dir, text, args
+
+
+def test_colocated_job(colocated_job):
+    info, log_dir, text, _ = colocated_job
     _assert_completed(info, log_dir, text)
     job_id = info["JobId"]
     line = _launch_line(text, job_id)
     # the rendezvous: the first node's address (NodeAddr), a port derived from the job id
     assert "world 2" in line and f"127.0.0.1:{_job_port(job_id)}" in line, line
-    _check_train_log(log_dir, info, text)
+    _check_train_log(log_dir, info, text, iters=PREEMPT_ITERS)
     # Each rank's output is labelled; rank 0 prints its progress and the summary.
-    assert "0: [" in text and '0: {"iterations": 3' in text, text[-2000:]
+    assert "0: [" in text and f'0: {{"iterations": {PREEMPT_ITERS}' in text, text[-2000:]
+    assert info["Restarts"] == "0" and "requeueing" not in text
 
 
 def test_cache_build_job(slurm, teacher_ckpt, tmp_path):
@@ -443,7 +455,8 @@ def _wait_for_steps(slurm: LocalSlurm, job_id: str, log: Path, steps: int, log_d
         time.sleep(0.2)
 
 
-def test_scancel_term_saves_requeues_and_the_job_continues(slurm, teacher_ckpt, tmp_path):
+def test_scancel_term_saves_requeues_and_the_job_continues(slurm, teacher_ckpt, colocated_job,
+                                                           tmp_path):
     """`scancel --signal=TERM` mid-run (what the time limit's --signal sends): every rank
     finishes its step and saves; the script sees the run's resumable exit record and requeues
     its job, which Slurm takes back (pending, one restart). The continuation -- here submitted
@@ -502,14 +515,9 @@ def test_scancel_term_saves_requeues_and_the_job_continues(slurm, teacher_ckpt, 
     assert "requeueing" not in text
     second = _losses_by_step(log_dir2 / "train.jsonl")
     assert sorted(second) == list(range(stopped + 1, PREEMPT_ITERS + 1))
-    # the reference: the same job, uninterrupted
-    run3 = tmp_path / "run3"
-    run3.mkdir()
-    info, log_dir3, text = _submit(slurm, "colocated.sbatch", run3, "--nodes=1",
-                                   f"--nodelist={slurm.nodes[0]}", "--ntasks-per-node=2",
-                                   KD_ARGS_FILE=str(args))
+    # the reference: the same job, uninterrupted (the module's colocated job)
+    info, log_dir3, text, _ = colocated_job
     _assert_completed(info, log_dir3, text)
-    assert info["Restarts"] == "0" and "requeueing" not in text
     straight = _losses_by_step(log_dir3 / "train.jsonl")
     both = first | second
     assert [both[i] for i in range(1, PREEMPT_ITERS + 1)] == \

@@ -140,6 +140,12 @@ def test_bench_loss(tmp_path):
     # the tunings the workers ran with, beside the timings
     assert report["config"]["cpu_tuning"]["block_elements"] > 0
     assert report["config"]["gpu_tuning"]["kernels"] == "triton"
+    # what a run filed under docs/gpu_runs/ records (docs/gpu_runs/README.md)
+    run = report["run"]
+    assert run["git_commit"] and run["device"] not in (None, "", "cpu")
+    assert run["command"].startswith("python tools/bench_loss.py --tokens 64")
+    assert run["versions"]["torch"] != "not installed"
+    assert " MiB |" in report["table_markdown"] and " MB |" not in report["table_markdown"]
 
 
 def test_bench_step(tmp_path):

@@ -1,8 +1,10 @@
 """Fused KD loss, tier 1: what a GPU needs that a CPU run does not show by itself.
 
-* No host synchronisation inside the loss's autograd Function: every call that reads a
-  tensor's value on the host (``.item()``, ``bool()``, ``int()``, ``float()``, ``.tolist()``,
-  ``.cpu()``, ``nonzero``) raises while the Function's forward or backward runs.
+* No host synchronisation inside the loss's autograd Function, either path's: every call that
+  reads a tensor's value on the host (``.item()``, ``bool()``, ``int()``, ``float()``,
+  ``.tolist()``, ``.cpu()``, ``nonzero``) raises while the Function's forward or backward runs.
+  The GPU path runs under the simulated accelerator (:mod:`megatron_kd.testing.devices`), its
+  inputs "on the device" as in training.
 * Megatron's gradient-accumulation fusion: the weight gradient lands in ``main_grad`` (added to
   what it held, scaled by the incoming gradient), against the fp64 reference.
 """
@@ -12,7 +14,8 @@ import torch
 from support.kd_cases import config_of, make_inputs, reference, rel_err, spec, teacher_of
 from torch.overrides import TorchFunctionMode
 
-from megatron_kd.loss import KDLossConfig, fused, vocab_parallel_kd_loss
+from megatron_kd.loss import KDLossConfig, fused, gpu, vocab_parallel_kd_loss
+from megatron_kd.testing.devices import on_accelerator, simulated_accelerator
 
 HOST_READS = {"item", "__bool__", "__int__", "__float__", "__index__", "tolist", "cpu",
               "nonzero", "numpy"}
@@ -30,19 +33,21 @@ class NoHostReads(TorchFunctionMode):
 
 @pytest.fixture
 def guarded(monkeypatch):
-    """Run _FusedKDLoss.forward and .backward under NoHostReads."""
-    forward, backward = fused._FusedKDLoss.forward, fused._FusedKDLoss.backward
+    """Run the forward and backward of both paths' Functions (_FusedKDLoss, GpuKDLoss) under
+    NoHostReads."""
+    for function in (fused._FusedKDLoss, gpu.GpuKDLoss):
+        forward, backward = function.forward, function.backward
 
-    def guarded_forward(ctx, *args):
-        with NoHostReads():
-            return forward(ctx, *args)
+        def guarded_forward(ctx, *args, forward=forward):
+            with NoHostReads():
+                return forward(ctx, *args)
 
-    def guarded_backward(ctx, *grads):
-        with NoHostReads():
-            return backward(ctx, *grads)
+        def guarded_backward(ctx, *grads, backward=backward):
+            with NoHostReads():
+                return backward(ctx, *grads)
 
-    monkeypatch.setattr(fused._FusedKDLoss, "forward", staticmethod(guarded_forward))
-    monkeypatch.setattr(fused._FusedKDLoss, "backward", staticmethod(guarded_backward))
+        monkeypatch.setattr(function, "forward", staticmethod(guarded_forward))
+        monkeypatch.setattr(function, "backward", staticmethod(guarded_backward))
 
 
 CASES = {
@@ -86,6 +91,22 @@ def _run(sp, weight_setup=None, scale=0.75):
     return inp, loss, hidden, weight
 
 
+def _run_on_device(sp, scale=0.75):
+    """``_run`` with every input moved to the simulated accelerator ("CUDA" inputs take the
+    GPU path); the results come back to the host."""
+    inp = make_inputs(sp)
+    with simulated_accelerator():
+        dev = {k: v.cuda() for k, v in inp.items()}
+        hidden = dev["student_hidden"].requires_grad_(True)
+        weight = dev["student_weight"].requires_grad_(True)
+        loss, _ = vocab_parallel_kd_loss(hidden, weight, teacher_of(dev),
+                                         labels=dev.get("labels"),
+                                         loss_mask=dev.get("loss_mask"), config=config_of(sp))
+        (loss * scale).backward()
+        assert on_accelerator(loss) and on_accelerator(hidden.grad)
+        return inp, loss.detach().cpu(), hidden.grad.cpu(), weight.grad.cpu()
+
+
 def _fusion_config(sp):
     cfg = config_of(sp)
     cfg.gradient_accumulation_fusion = True
@@ -96,11 +117,15 @@ def _fusion_config(sp):
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_no_host_reads_inside_the_autograd_function(guarded, name, backward):
     sp = spec(backward=backward, mask=True, window_size=4, **CASES[name])
-    inp, loss, hidden, weight = _run(sp)
+    if sp["path"] == "gpu":  # the GPU path as training runs it: its inputs on the device
+        inp, loss, grad_x, grad_w = _run_on_device(sp)
+    else:
+        inp, loss, hidden, weight = _run(sp)
+        loss, grad_x, grad_w = loss.detach(), hidden.grad, weight.grad
     ref_loss, ref_gx, ref_gw = reference(sp, inp)
-    assert rel_err(loss.detach(), ref_loss) < 1e-9  # the guarded run is the real computation
-    assert rel_err(hidden.grad, 0.75 * ref_gx) < 1e-9  # scaled by the upstream gradient
-    assert rel_err(weight.grad, 0.75 * ref_gw) < 1e-9
+    assert rel_err(loss, ref_loss) < 1e-9  # the guarded run is the real computation
+    assert rel_err(grad_x, 0.75 * ref_gx) < 1e-9  # scaled by the upstream gradient
+    assert rel_err(grad_w, 0.75 * ref_gw) < 1e-9
 
 
 def test_the_guard_catches_a_host_read(guarded, monkeypatch):
@@ -114,6 +139,23 @@ def test_the_guard_catches_a_host_read(guarded, monkeypatch):
     monkeypatch.setattr(fused.KindMath, "stats", stats_with_item)
     with pytest.raises(AssertionError, match=r"item\(\) inside the loss's autograd"):
         _run(spec())
+
+
+@pytest.mark.parametrize("step, backward", [("stats", "precompute"),  # forward
+                                            ("grad_", "recompute")])  # backward
+def test_the_guard_catches_a_host_read_on_the_gpu_path(guarded, monkeypatch, step, backward):
+    # the GPU path's guard can fail too, in forward and in backward: a .item() slipped into a
+    # window step
+    real = getattr(gpu._Walk, step)
+
+    def step_with_item(self, z_s, *args, **kwargs):
+        z_s.max().item()
+        return real(self, z_s, *args, **kwargs)
+
+    monkeypatch.setattr(gpu._Walk, step, step_with_item)
+    sp = spec(backward=backward, path="gpu", gpu_tuning=dict(kernels="eager"))
+    with pytest.raises(AssertionError, match=r"item\(\) inside the loss's autograd"):
+        _run_on_device(sp)
 
 
 def test_non_finite_loss_still_raises_after_the_function():

@@ -163,17 +163,18 @@ def test_gpu_tuning_validation(bad):
 GIB = 1 << 30
 
 
-@pytest.mark.parametrize("vocab, n_rows, window_size, want", [
-    (128_256, 8_192, None, 2_048),  # cap 2,093: 4 windows of 2,048 (16 tiles each)
-    (151_936, 8_192, None, 1_664),  # cap 1,766: 5 windows, 1,639 rounded up to 13 tiles
-    (128_256, 4_096, None, 2_048),
-    (128_256, 2_000, None, 2_000),  # one window: the call's rows, whatever they are
-    (128_256, 8_192, 1_000, 1_000),  # 9 windows of 911: 1,024 is over the cap, so the cap
-    (128_256, 8_192, 100, 100),  # below a tile: balanced only (82 windows of 100)
-    (128_256, 4_100, 1_000, 896),  # 5 windows of 820, rounded to 896 (4,100 = 4 x 896 + 516)
+@pytest.mark.parametrize("vocab, n_rows, window_size, want, budget", [
+    (128_256, 8_192, None, 2_048, GIB),  # cap 2,093: 4 windows of 2,048 (16 tiles each)
+    (151_936, 8_192, None, 1_664, GIB),  # cap 1,766: 5 windows, 1,639 rounded up to 13 tiles
+    (128_256, 4_096, None, 2_048, GIB),
+    (128_256, 2_000, None, 2_000, GIB),  # one window: the call's rows, whatever they are
+    (128_256, 8_192, 1_000, 911, GIB),  # 9 windows of 911: 1,024 is over the cap, so equal ones
+    (151_936, 8_192, None, 820, GIB // 2),  # cap 883: 10 windows of 820, not 9 x 883 + 245
+    (128_256, 8_192, 100, 100, GIB),  # below a tile: balanced only (82 windows of 100)
+    (128_256, 4_100, 1_000, 896, GIB),  # 5 windows of 820, rounded to 896 (4,100 = 4 x 896 + 516)
 ])
-def test_gpu_windows_are_balanced_and_whole_tiles(vocab, n_rows, window_size, want):
-    got = GpuTuning(window_bytes=GIB).rows_per_window(vocab, 2, 2, window_size, n_rows)
+def test_gpu_windows_are_balanced_and_whole_tiles(vocab, n_rows, window_size, want, budget):
+    got = GpuTuning(window_bytes=budget).rows_per_window(vocab, 2, 2, window_size, n_rows)
     assert got == want
 
 
