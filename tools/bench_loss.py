@@ -15,6 +15,11 @@ each loss kind (``fkl`` forward KL, ``rkl`` reverse KL, ``jsd`` Jensen-Shannon a
   ``fusedbf_<kind>`` the default windows with the weight gradient accumulated in the input
   dtype (rounded once a window, as Liger's chunks are; no fp32 accumulator), ``fusedlean_<kind>``
   the memory setting (``--kd-loss-weight-grad input_dtype --kd-loss-window-mib 512``).
+  ``fusedmg_<kind>`` and ``fusedmgrc_<kind>``: the loss as Megatron training runs it, with
+  gradient-accumulation fusion: the weight gradient added to an fp32 ``main_grad`` that exists
+  before the call (Megatron's DDP buffer, so counted with the inputs), with precomputed and with
+  recomputed gradients (the latter holds no weight-gradient buffer: ``main_grad`` is the
+  accumulator); what backward returns for the weight is Megatron's placeholder of its size.
   ``fusedold_fkl``: the CPU path on any device (the design the GPU path replaces);
   ``fusedc_fkl``: the CPU path with ``elementwise="compiled"`` (compiled in the warm-up run).
 * ``liger_<kind>``: Liger-Kernel's ``LigerFusedLinearJSDLoss`` (its chunked fused-linear loss,
@@ -78,13 +83,14 @@ VARIANTS = (["floor"] + [f"fused_{k}" for k in KINDS] + [f"liger_{k}" for k in K
             + ["fusedc_fkl", "fusedrc_fkl", "dense_fkl", "modelopt_fkl", "ligertriton_jsd",
                "ligertriton_fkl", "fusedtc_fkl", "fusedtc_jsd", "fusedadd_fkl", "fusedlm_fkl",
                "fusedold_fkl", "fusedrc_jsd", "fusedbf_fkl", "fusedbf_jsd", "fusedlean_fkl",
-               "fusedlean_jsd"])
+               "fusedlean_jsd", "fusedmg_fkl", "fusedmg_jsd", "fusedmgrc_fkl"])
 DEFAULT_VARIANTS = [v for v in VARIANTS
                     if v not in ("modelopt_fkl", "ligertriton_jsd", "ligertriton_fkl",
                                  "fusedc_fkl", "fusedtc_fkl", "fusedtc_jsd", "fusedadd_fkl",
                                  "fusedlm_fkl", "fusedold_fkl", "fusedrc_jsd",
                                  "fusedbf_fkl", "fusedbf_jsd", "fusedlean_fkl",
-                                 "fusedlean_jsd")]
+                                 "fusedlean_jsd", "fusedmg_fkl", "fusedmg_jsd",
+                                 "fusedmgrc_fkl")]
 TP1_ONLY = ("liger_", "ligertriton_", "dense_")
 GPU_PATH_ONLY = ("fusedtc_", "fusedadd_", "fusedlm_", "fusedbf_", "fusedlean_")
 FLOOR_BLOCKS = (128, 512, 1024, 2048)
@@ -356,11 +362,16 @@ def _make_variant(a, x_s, w_s, x_t, w_t, group):
                   "fusedbf": _gpu_tuning(a, weight_grad="input_dtype"),
                   "fusedlean": _gpu_tuning(a, weight_grad="input_dtype", window_bytes=512 << 20),
                   }.get(impl, _gpu_tuning(a))
+        fusion = impl in ("fusedmg", "fusedmgrc")
         cfg = KDLossConfig(kind=KINDS[kind], beta=a.beta, window_size=a.window_size,
-                           backward="recompute" if impl == "fusedrc" else "precompute",
+                           backward=("recompute" if impl in ("fusedrc", "fusedmgrc")
+                                     else "precompute"),
                            elementwise="compiled" if impl == "fusedc" else "eager",
                            path="cpu" if impl in ("fusedc", "fusedold") else a.loss_path,
-                           gpu_tuning=tuning)
+                           gpu_tuning=tuning, gradient_accumulation_fusion=fusion)
+        if fusion:  # Megatron's DDP buffer: there before the call, as the inputs are
+            w_s.main_grad = torch.zeros(w_s.shape, dtype=torch.float32, device=w_s.device)
+            w_s.grad_added_to_main_grad = False
 
         teacher = DenseTeacher(hidden=x_t, weight=w_t)
 

@@ -89,13 +89,15 @@ PARITY_SIZES = {
     "tiny": dict(s=8, b=2, h_s=16, h_t=24, padded_vocab=1009, k=7, window_size=4),
     "moderate": dict(s=256, b=2, h_s=512, h_t=768, padded_vocab=32000, k=32, window_size=128),
 }
-# CUDA, in the order they run (the budget may end before the last): issue 36's targets first,
-# at both shapes (ours, its memory setting and Liger's compiled loss, forward KL and JSD), then
-# the Multiverse shape's other peers, kinds and settings
-BENCH_GPU_CORE = ("floor", "fused_fkl", "fusedlean_fkl", "liger_fkl", "fused_jsd",
-                  "fusedlean_jsd", "liger_jsd")
+# CUDA, in the order they run (the budget may end before the last): the loss's targets first,
+# at both shapes (ours standalone, its memory setting, ours into main_grad as training runs it,
+# and Liger's compiled loss, forward KL and JSD), then the Multiverse shape's other peers, kinds
+# and settings
+BENCH_GPU_CORE = ("floor", "fused_fkl", "fusedlean_fkl", "fusedmg_fkl", "liger_fkl",
+                  "fused_jsd", "fusedlean_jsd", "liger_jsd")
 BENCH_GPU_MORE = ("ligertriton_fkl", "ligertriton_jsd", "dense_fkl", "modelopt_fkl",
-                  "fusedbf_fkl", "fused_rkl", "fusedrc_fkl", "fusedtc_fkl", "fusedlm_fkl")
+                  "fusedmgrc_fkl", "fusedbf_fkl", "fused_rkl", "fusedrc_fkl", "fusedtc_fkl",
+                  "fusedlm_fkl")
 MULTIVERSE = ["--tokens", "8192", "--vocab", "128256", "--h-s", "3072", "--h-t", "4096",
               "--tp", "1"]
 # Qwen3-8B -> Qwen3-4B (h 2,560), bench_loss's "qwen3" shape

@@ -128,14 +128,17 @@ def test_bench_long_context(tmp_path):
 def test_bench_loss(tmp_path):
     out = tmp_path / "loss.json"
     _tool(tmp_path, "bench_loss.py", "--tokens", "64", "--tp", "1", "--variants", "floor",
-          "fused_fkl", "--vocab", "512", "--h-s", "16", "--h-t", "32", "--repeats", "1",
-          "--device", "cpu", "--out", str(out), "--plot", "")
+          "fused_fkl", "fusedmg_fkl", "fusedmgrc_fkl", "--vocab", "512", "--h-s", "16",
+          "--h-t", "32", "--repeats", "1", "--device", "cpu", "--out", str(out), "--plot", "")
     report = _json(out)
     by = {p["variant"]: p for p in report["points"]}
-    assert set(by) == {"floor", "fused_fkl"}
+    assert set(by) == {"floor", "fused_fkl", "fusedmg_fkl", "fusedmgrc_fkl"}
     for p in by.values():
         assert p["status"] == "ok" and _number(p["time_s"]) and p["tokens"] == 64
-    assert _number(by["fused_fkl"]["extra_peak_bytes"])
+    # standalone and into main_grad (as training runs it), each with its working memory
+    for variant in ("fused_fkl", "fusedmg_fkl", "fusedmgrc_fkl"):
+        assert _number(by[variant]["extra_peak_bytes"]), variant
+        assert f"| {variant} |" in report["table_markdown"], variant
     assert "fused_fkl" in report["table_markdown"]
     # the tunings the workers ran with, beside the timings
     assert report["config"]["cpu_tuning"]["block_elements"] > 0

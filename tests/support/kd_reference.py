@@ -123,3 +123,59 @@ def reference_agreement_of_logits(z_s, z_t, loss_mask=None):
     kl = (logp_t.exp() * (logp_t - logp_s)).sum(-1)
     agree = (torch.argmax(z_s, dim=-1) == torch.argmax(z_t, dim=-1)).to(z_s.dtype)
     return (mask * kl).sum(), (mask * agree).sum(), mask.sum()
+
+
+def reference_mixture_kd_loss(student_hidden, student_weight, teachers, weights, labels=None,
+                              loss_mask=None, *, temperature=1.0, kd_weight=1.0, ce_weight=0.0,
+                              vocab_size=None, ignore_index=-100):
+    """``(loss, constant)`` of a student against the weighted mixture of ``teachers``, from
+    full logits: ``loss = sum over tokens of mask * (kd_weight * T^2 * KL(m || q) + ce_weight *
+    CE)`` with the mixture ``m = sum_i w_i p_i`` built explicitly (``w`` normalized to sum 1,
+    ``q = softmax(z_s / T)``); ``constant = sum of mask * kd_weight * T^2 * (H(m) - sum_i w_i
+    H(p_i))``, the teachers' weighted Jensen-Shannon divergence, from the teachers alone (no
+    gradient: it does not depend on the student).
+
+    ``teachers``: ``("dense", hidden [s, b, h_t], weight [V, h_t])`` (``p = softmax(z_t / T)``)
+    or ``("topk", ids [s, b, K], logprobs [s, b, K])`` (``p`` is ``softmax(logprobs / T)`` on
+    the K ids, 0 elsewhere: the renormalized tail), or ``("ghost", ids, logprobs)`` (T = 1: the
+    K probabilities, and the leftover mass ``1 - sum`` spread over the other ids in proportion
+    to the student's own probabilities, held fixed. Its KL to ``q`` is the ghost tail's K + 1
+    bucket KL, and its gradient with ``p`` held fixed the bucket KL's; ``constant`` then
+    depends on the student, but still has no gradient).
+    """
+    h = student_hidden.shape[-1]
+    x = student_hidden.reshape(-1, h)
+    n = x.shape[0]
+    v = student_weight.shape[0] if vocab_size is None else vocab_size
+    t = temperature
+    z_s = (x @ student_weight.t())[:, :v]
+    logq = F.log_softmax(z_s / t, dim=-1)
+    total = float(sum(weights))
+    with torch.no_grad():
+        probs = []
+        for kind, a, b in teachers:
+            if kind == "dense":
+                probs.append(F.softmax((a.reshape(n, -1) @ b.t())[:, :v] / t, dim=-1))
+            elif kind == "topk":
+                p = torch.zeros(n, v, dtype=x.dtype)
+                p.scatter_(1, a.reshape(n, -1), F.softmax(b.reshape(n, -1).to(x.dtype) / t, -1))
+                probs.append(p)
+            else:
+                ids, q = a.reshape(n, -1), b.reshape(n, -1).to(x.dtype).exp()
+                in_k = torch.zeros(n, v, dtype=torch.bool).scatter(1, ids, True)
+                q_s = torch.where(in_k, 0.0, logq.detach().exp())  # the student's tail
+                tail = (1 - q.sum(-1, keepdim=True)).clamp(min=0) / q_s.sum(-1, keepdim=True)
+                probs.append((q_s * tail).scatter(1, ids, q))
+
+        def entropy(p):  # 0 log 0 = 0
+            return -torch.where(p > 0, p * p.log(), 0.0).sum(-1)
+
+        m = sum((w / total) * p for w, p in zip(weights, probs))
+        js = entropy(m) - sum((w / total) * entropy(p) for w, p in zip(weights, probs))
+    mask = torch.ones(n, dtype=x.dtype) if loss_mask is None else loss_mask.reshape(n).to(x.dtype)
+    kl = torch.where(m > 0, m * (m.clamp(min=1e-300).log() - logq), 0.0).sum(-1)
+    loss = (mask * kd_weight * t * t * kl).sum()
+    if ce_weight > 0:
+        ce = F.cross_entropy(z_s, labels.reshape(n), ignore_index=ignore_index, reduction="none")
+        loss = loss + (mask * ce_weight * ce).sum()
+    return loss, (mask * kd_weight * t * t * js).sum()

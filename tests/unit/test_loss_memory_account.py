@@ -158,3 +158,45 @@ def test_the_account_catches_a_needless_buffer(monkeypatch):
 def test_account_validation(bad, match):
     with pytest.raises(ValueError, match=match):
         gpu_loss_memory(N, V, H_S, 2, **bad)
+
+
+def _docs_account_rows() -> list[list[str]]:
+    """The cells of docs/loss.md's account table at the Multiverse shape."""
+    import pathlib
+
+    text = (pathlib.Path(__file__).resolve().parents[2] / "docs" / "loss.md").read_text()
+    head = "| backward | `weight_grad` | fusion | forward | backward | peak | beyond `X + W` |"
+    lines = text[text.index(head):].splitlines()[2:]
+    rows = []
+    for line in lines:
+        if not line.startswith("|"):
+            break
+        rows.append([c.strip() for c in line.strip("|").split("|")])
+    return rows
+
+
+def test_the_docs_account_is_the_function_at_the_multiverse_shape():
+    """Every row of docs/loss.md's table (T 8,192, V 128,256, h_s 3,072, bf16, a dense
+    teacher) is :func:`gpu_loss_memory`'s, to the printed 0.01 GiB; "off / on" cells hold
+    both fusion settings."""
+    gib = float(1 << 30)
+    rows = _docs_account_rows()
+    assert len(rows) >= 8, rows
+    for backward_cell, grad_cell, fusion_cell, *figures in rows:
+        backward = "recompute" if backward_cell.startswith("recompute") else "precompute"
+        window = (512 << 20) if "512 MiB" in backward_cell else (1 << 30)
+        grads = [g.strip("` ") for g in grad_cell.replace("(default)", "").split(" or ")]
+        fusions = {"off": [False], "on": [True], "off / on": [False, True]}[fusion_cell]
+        for weight_grad in grads:
+            for fusion in fusions:
+                m = gpu_loss_memory(8192, 128256, 3072, 2, backward=backward,
+                                    weight_grad=weight_grad, main_grad_fusion=fusion,
+                                    window_bytes=window)
+                got = {"forward": m.forward / gib, "backward": m.backward / gib,
+                       "peak": m.peak / gib, "beyond": m.beyond_returned / gib}
+                cells = dict(zip(("forward", "backward", "peak", "beyond"), figures))
+                for key, cell in cells.items():
+                    options = [float(x) for x in cell.split(" / ")]
+                    want = options[fusion] if len(options) == 2 else options[0]
+                    assert round(got[key], 2) == want, (backward_cell, weight_grad, fusion,
+                                                        key, got[key], cell)
