@@ -717,12 +717,24 @@ def _git(*args: str) -> str:
         return ""
 
 
-def _version(dist: str) -> str:
-    import importlib.metadata as md  # a package's version without importing it (no torch here)
-    try:
-        return md.version(dist)
-    except md.PackageNotFoundError:
-        return "not installed"
+def git_commit() -> str:
+    """This checkout's commit, marked ``(dirty)`` when tracked files differ from it; "unknown"
+    outside a git checkout (a run record's ``git_commit``; tools/gpu_check.py's too)."""
+    commit = _git("rev-parse", "HEAD") or "unknown"
+    return commit + " (dirty)" if _git("status", "--porcelain", "--untracked-files=no") \
+        else commit
+
+
+def package_version(*dists: str) -> str:
+    """The version of the first of ``dists`` (names of one package) that is installed, without
+    importing it (no torch here); "not installed" when none is."""
+    import importlib.metadata as md
+    for d in dists:
+        try:
+            return md.version(d)
+        except md.PackageNotFoundError:
+            continue
+    return "not installed"
 
 
 def _cpu_name() -> str:
@@ -739,17 +751,14 @@ def _cpu_name() -> str:
 def _run_record(a) -> dict:
     """What a run filed under ``docs/gpu_runs/`` records beside its figures: the commit (marked
     dirty when tracked files differ from it), the command, the device and the versions."""
-    commit = _git("rev-parse", "HEAD") or "unknown"
-    if _git("status", "--porcelain", "--untracked-files=no"):
-        commit += " (dirty)"
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "git_commit": commit,
+        "git_commit": git_commit(),
         "command": shlex.join(["python", "tools/bench_loss.py", *a._argv]),
         # the workers' device (None until a point has run there); the host's CPU on CPU
         "device": a._device_name if a.device == "cuda" else _cpu_name(),
         "versions": {"python": platform.python_version(),
-                     **{d: _version(d) for d in ("torch", "triton", "liger-kernel",
+                     **{d: package_version(d) for d in ("torch", "triton", "liger-kernel",
                                                  "nvidia-modelopt", "megatron-core")}},
     }
 

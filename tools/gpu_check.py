@@ -69,6 +69,10 @@ import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from bench_loss import git_commit, package_version  # noqa: E402  (a sibling tool: its run record)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TESTS = os.path.join(ROOT, "tests")
 SCRIPT = os.path.abspath(__file__)
@@ -1023,24 +1027,6 @@ def run_step(ctx: Ctx, name: str) -> dict:
 # ---------------------------------------------------------------------------------------------
 # report
 # ---------------------------------------------------------------------------------------------
-def _version(*dists: str) -> str:
-    import importlib.metadata as md
-    for d in dists:
-        try:
-            return md.version(d)
-        except md.PackageNotFoundError:
-            continue
-    return "not installed"
-
-
-def _git(*args: str) -> str:
-    try:
-        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True,
-                              timeout=30).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return ""
-
-
 def header(device: str, argv: list[str], cuda_available: bool) -> dict:
     import platform
 
@@ -1048,16 +1034,15 @@ def header(device: str, argv: list[str], cuda_available: bool) -> dict:
     name = "cpu"
     if device == "cuda" and cuda_available:
         name = torch.cuda.get_device_name(0)
-    dirty = bool(_git("status", "--porcelain", "--untracked-files=no"))
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "git_commit": (_git("rev-parse", "HEAD") or "unknown") + (" (dirty)" if dirty else ""),
+        "git_commit": git_commit(),
         "torch": torch.__version__,
-        "megatron_core": _version("megatron-core", "megatron_core"),
-        "transformer_engine": _version("transformer-engine", "transformer_engine",
+        "megatron_core": package_version("megatron-core", "megatron_core"),
+        "transformer_engine": package_version("transformer-engine", "transformer_engine",
                                        "transformer-engine-torch"),
-        "liger_kernel": _version("liger-kernel", "liger_kernel"),
-        "nvidia_modelopt": _version("nvidia-modelopt", "nvidia_modelopt", "modelopt"),
+        "liger_kernel": package_version("liger-kernel", "liger_kernel"),
+        "nvidia_modelopt": package_version("nvidia-modelopt", "nvidia_modelopt", "modelopt"),
         "device": name, "device_requested": device, "cuda_available": cuda_available,
         "python": platform.python_version(), "host": platform.node(),
         "command": shlex.join(["tools/gpu_check.py", *argv]),

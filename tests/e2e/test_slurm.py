@@ -337,18 +337,18 @@ def colocated_job(slurm, teacher_ckpt, tmp_path_factory):
     """One uninterrupted ``colocated.sbatch`` job of :data:`PREEMPT_ITERS` iterations (an
     evaluation at the end): checked by :func:`test_colocated_job`, and the reference of the
     requeued run (the same flags but the evaluation interval, which changes no training loss).
-    ``(info, log dir, output, train args file)``."""
+    ``(info, log dir, output)``."""
     directory = tmp_path_factory.mktemp("colocated_job")
     args = _args_file(directory / "train.args", STUDENT_FLAGS, iters=PREEMPT_ITERS,
                       teacher=teacher_ckpt)
     info, log_dir, text = _submit(slurm, "colocated.sbatch", directory, "--nodes=1",
                                   f"--nodelist={slurm.nodes[0]}", "--ntasks-per-node=2",
                                   KD_ARGS_FILE=str(args))
-    return info, log_dir, text, args
+    return info, log_dir, text
 
 
 def test_colocated_job(colocated_job):
-    info, log_dir, text, _ = colocated_job
+    info, log_dir, text = colocated_job
     _assert_completed(info, log_dir, text)
     job_id = info["JobId"]
     line = _launch_line(text, job_id)
@@ -516,7 +516,7 @@ def test_scancel_term_saves_requeues_and_the_job_continues(slurm, teacher_ckpt, 
     second = _losses_by_step(log_dir2 / "train.jsonl")
     assert sorted(second) == list(range(stopped + 1, PREEMPT_ITERS + 1))
     # the reference: the same job, uninterrupted (the module's colocated job)
-    info, log_dir3, text, _ = colocated_job
+    info, log_dir3, text = colocated_job
     _assert_completed(info, log_dir3, text)
     straight = _losses_by_step(log_dir3 / "train.jsonl")
     both = first | second

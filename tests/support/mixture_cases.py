@@ -72,40 +72,40 @@ def run_mixture(case: dict, inp: dict, teachers: list[dict], sizes: list[int], r
     """Our mixture loss on rank ``rank`` of ``group``: loss, gradients (of a 0.75-scaled
     loss, divided back), the logged terms, and whether any input was written. ``weights`` /
     ``n_teachers``: the case's, or these (the first ``n_teachers`` teachers)."""
-    start, stop = sum(sizes[:rank]), sum(sizes[:rank + 1])
     n = len(teachers) if n_teachers is None else n_teachers
-    hidden = _sequence_slice(case, inp["student_hidden"], len(sizes), rank)
-    hidden = hidden.clone().requires_grad_(True)
-    weight = inp["student_weight"][start:stop].clone().requires_grad_(True)
     before = [{k: v.clone() for k, v in d.items()} for d in (inp, *teachers)]
-    terms: dict = {}
-    loss, n_tokens = mixture_kd_loss(
-        hidden, weight, records(case, teachers, sizes, rank)[:n],
-        case["weights"][:n] if weights is None else weights, labels=inp.get("labels"),
-        loss_mask=inp.get("loss_mask"), config=config_of(case, cpu_tuning_of(case, stop - start)),
-        tp_group=group, terms_out=terms)
-    (loss * 0.75).backward()  # a non-unit upstream gradient must scale every gradient
-    unchanged = all(torch.equal(b[k], d[k]) for b, d in zip(before, (inp, *teachers)) for k in d)
-    return {"loss": loss.detach(), "num_tokens": n_tokens, "grad_x": hidden.grad / 0.75,
-            "grad_w": weight.grad / 0.75, "start": start, "stop": stop,
-            "inputs_unchanged": unchanged, "grad_dtype": hidden.grad.dtype, "terms": terms}
+    out = _run_loss(case, inp, sizes, rank, group, lambda *args, **kw: mixture_kd_loss(
+        *args, records(case, teachers, sizes, rank)[:n],
+        case["weights"][:n] if weights is None else weights, **kw))
+    out["inputs_unchanged"] = all(torch.equal(b[k], d[k])
+                                  for b, d in zip(before, (inp, *teachers)) for k in d)
+    return out
 
 
 def run_single(case: dict, inp: dict, teacher: dict, sizes: list[int], rank: int, group) -> dict:
     """The one-teacher loss (``vocab_parallel_kd_loss``) of ``teacher`` on this rank, as
     :func:`run_mixture` gives its results."""
+    return _run_loss(case, inp, sizes, rank, group, lambda *args, **kw: vocab_parallel_kd_loss(
+        *args, records(case, [teacher], sizes, rank)[0], **kw))
+
+
+def _run_loss(case: dict, inp: dict, sizes: list[int], rank: int, group, loss_fn) -> dict:
+    """``loss_fn(hidden, weight, labels=, loss_mask=, config=, tp_group=, terms_out=)`` on this
+    rank's sequence slice and weight shard (its teachers bound in): loss, gradients of a
+    0.75-scaled loss divided back, their dtype, the shard and the logged terms."""
     start, stop = sum(sizes[:rank]), sum(sizes[:rank + 1])
     hidden = _sequence_slice(case, inp["student_hidden"], len(sizes), rank)
     hidden = hidden.clone().requires_grad_(True)
     weight = inp["student_weight"][start:stop].clone().requires_grad_(True)
     terms: dict = {}
-    loss, n_tokens = vocab_parallel_kd_loss(
-        hidden, weight, records(case, [teacher], sizes, rank)[0], labels=inp.get("labels"),
-        loss_mask=inp.get("loss_mask"), config=config_of(case, cpu_tuning_of(case, stop - start)),
-        tp_group=group, terms_out=terms)
-    (loss * 0.75).backward()
+    loss, n_tokens = loss_fn(
+        hidden, weight, labels=inp.get("labels"), loss_mask=inp.get("loss_mask"),
+        config=config_of(case, cpu_tuning_of(case, stop - start)), tp_group=group,
+        terms_out=terms)
+    (loss * 0.75).backward()  # a non-unit upstream gradient must scale every gradient
     return {"loss": loss.detach(), "num_tokens": n_tokens, "grad_x": hidden.grad / 0.75,
-            "grad_w": weight.grad / 0.75, "terms": terms}
+            "grad_w": weight.grad / 0.75, "start": start, "stop": stop,
+            "grad_dtype": hidden.grad.dtype, "terms": terms}
 
 
 def reference(case: dict, inp: dict, teachers: list[dict]):
