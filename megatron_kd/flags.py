@@ -107,7 +107,7 @@ def add_flags(parser, cls: type, *, title: str | None = None,
               specs: Mapping[str, Flag] | None = None, only: Iterable[str] | None = None,
               exclude: Iterable[str] = (), required: Iterable[str] = (),
               help: Mapping[str, str] | None = None, groups: dict | None = None,
-              use_groups: bool = True) -> None:
+              use_groups: bool = True, lists: Mapping[str, Any] | None = None) -> None:
     """Add the flags of dataclass ``cls`` to ``parser`` (a parser or an argument group).
 
     Args:
@@ -120,6 +120,9 @@ def add_flags(parser, cls: type, *, title: str | None = None,
             ``Flag.group`` names one section across dataclasses).
         use_groups: False lists every flag under ``title`` (a command whose help has no
             sections), whatever its ``Flag.group``.
+        lists: fields whose flag takes one value or more (``nargs="+"``: each converted by
+            the flag's type and checked against its choices), stored by the given argparse
+            action class.
     """
     groups = {} if groups is None else groups
     only = None if only is None else set(only)
@@ -152,6 +155,8 @@ def add_flags(parser, cls: type, *, title: str | None = None,
             for key in ("choices", "metavar", "nargs"):
                 if getattr(spec, key) is not None:
                     kwargs[key] = getattr(spec, key)
+            if lists and name in lists:
+                kwargs["nargs"], kwargs["action"] = "+", lists[name]
         group = spec.group if use_groups and spec.group else title
         target(group).add_argument(spec.option(name), **kwargs)
 

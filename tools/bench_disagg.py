@@ -142,6 +142,19 @@ def _instrument() -> dict:
     return stats
 
 
+def _make_teacher(make: dict) -> None:
+    """A random teacher's checkpoint (``make``: its arch, seed and directory), in the world of
+    this process."""
+    from megatron_kd.arch import GPTArchConfig
+    from megatron_kd.integration.checkpoint import save_model_checkpoint
+    from megatron_kd.integration.gpt import build_gpt_model
+    from megatron_kd.integration.groups import model_parallel
+
+    arch = GPTArchConfig(**make["arch"])
+    with model_parallel(tp=1):
+        save_model_checkpoint(build_gpt_model(arch, seed=make["seed"]), arch, make["directory"])
+
+
 def _worker(rank: int, kind: str, world: int, tmp: str, payload: dict) -> None:
     import warnings
 
@@ -154,22 +167,19 @@ def _worker(rank: int, kind: str, world: int, tmp: str, payload: dict) -> None:
                             world_size=world)
     try:
         if kind == "make_teacher":
-            from megatron_kd.arch import GPTArchConfig
-            from megatron_kd.integration.checkpoint import save_model_checkpoint
-            from megatron_kd.integration.gpt import build_gpt_model
-            from megatron_kd.integration.groups import model_parallel
-
-            arch = GPTArchConfig(**payload["arch"])
-            with model_parallel(tp=1):
-                save_model_checkpoint(build_gpt_model(arch, seed=payload["seed"]), arch,
-                                      payload["directory"])
+            _make_teacher(payload)
             result: dict = {}
         else:
             from megatron_kd.commands.train import parse_args, train
 
+            result = {}
+            if payload.get("make_teacher"):  # the run's teacher first, in its process
+                t0 = time.perf_counter()
+                _make_teacher(payload["make_teacher"])
+                result["make_teacher_s"] = time.perf_counter() - t0
             stats = _instrument()
             train(parse_args(payload["argv"]))
-            result = {"stats": stats}
+            result["stats"] = stats
         with open(os.path.join(tmp, f"result.{rank}"), "w") as f:
             json.dump(result, f)
     finally:
@@ -192,13 +202,21 @@ def _gemm_probe(rank: int, tmp: str, iters: int) -> None:
 
 
 def contention_probe(iters: int) -> dict:
-    """The same GEMM loop in 1 process, then in 2 at once."""
+    """The same GEMM loop in 1 process (this one: no process to start), then in 2 at once."""
+    import torch
     import torch.multiprocessing as mp
 
     out = {}
     for n in (1, 2):
         with tempfile.TemporaryDirectory(prefix="bench_disagg_probe_") as tmp:
-            mp.spawn(_gemm_probe, args=(tmp, iters), nprocs=n, join=True)
+            if n == 1:
+                threads = torch.get_num_threads()
+                try:
+                    _gemm_probe(0, tmp, iters)
+                finally:
+                    torch.set_num_threads(threads)
+            else:
+                mp.spawn(_gemm_probe, args=(tmp, iters), nprocs=n, join=True)
             times = []
             for r in range(n):
                 with open(os.path.join(tmp, f"probe.{r}")) as f:
@@ -260,6 +278,19 @@ def _read_log(path: str) -> list[dict]:
 class Bench:
     def __init__(self, a, workdir: str) -> None:
         self.a, self.workdir, self.n = a, workdir, 0
+        #: teachers not made yet: directory -> make_teacher's payload. The first run that
+        #: needs one makes it: a colocated run of one rank in its own process before it
+        #: trains (one process start less), anything else in a process of its own first.
+        self.pending: dict[str, dict] = {}
+
+    def teacher(self, directory: str, arch: dict) -> str:
+        """``directory``, where the teacher of ``arch`` will be (made when first needed)."""
+        self.pending[directory] = {"arch": arch, "seed": self.a.seed, "directory": directory}
+        return directory
+
+    def ensure_teacher(self, directory: str) -> None:
+        if directory in self.pending:
+            _spawn("make_teacher", 1, self.pending.pop(directory))
 
     def _dir(self, name: str) -> str:
         self.n += 1
@@ -282,11 +313,16 @@ class Bench:
         argv = student_argv(a, teacher_dir, log, dp=dp, microbatches=m, steps=steps, **shape)
         argv += list(extra)
         side = threading.Thread(target=during, args=(log,), daemon=True) if during else None
+        payload: dict = {"argv": argv}
+        if kind == "colocated" and dp == 1 and teacher_dir in self.pending:
+            payload["make_teacher"] = self.pending.pop(teacher_dir)
+        else:
+            self.ensure_teacher(teacher_dir)
         if side:
             side.start()
         t0 = time.perf_counter()
-        results = _spawn(kind, dp, {"argv": argv})
-        wall = time.perf_counter() - t0
+        results = _spawn(kind, dp, payload)
+        wall = time.perf_counter() - t0 - results[0].get("make_teacher_s", 0.0)
         if side:
             side.join(timeout=60)
         records = _read_log(log)
@@ -327,6 +363,7 @@ class Bench:
                       steps: int | None = None) -> dict:
         d = self._dir(name + "_replicas")
         endpoint = os.path.join(d, "endpoint")
+        self.ensure_teacher(teacher_dir)
         timeout = self.a.teacher_timeout
         started = [Replica(endpoint, teacher_dir, log=os.path.join(d, f"replica{i}.jsonl"),
                            sleep_per_token=sleep_per_token, start_timeout_s=timeout,
@@ -642,15 +679,10 @@ def main(argv=None) -> int:
     results: dict = {}
     with tempfile.TemporaryDirectory(prefix="bench_disagg_") as tmp:
         bench = Bench(a, tmp)
-        teacher = os.path.join(tmp, "teacher")
-        _spawn("make_teacher", 1, {"arch": _arch(a.teacher_layers, a.teacher_hidden,
-                                                 a.teacher_heads, None, a.vocab, a.seq_length),
-                                   "seed": a.seed, "directory": teacher})
-        small = os.path.join(tmp, "scaling_teacher")
-        if "replicas" in a.sections:
-            _spawn("make_teacher", 1, {"arch": _arch(1, a.scaling_teacher_hidden, 2, None,
-                                                     a.vocab, a.seq_length),
-                                       "seed": a.seed, "directory": small})
+        teacher = bench.teacher(os.path.join(tmp, "teacher"), _arch(
+            a.teacher_layers, a.teacher_hidden, a.teacher_heads, None, a.vocab, a.seq_length))
+        small = bench.teacher(os.path.join(tmp, "scaling_teacher"), _arch(
+            1, a.scaling_teacher_hidden, 2, None, a.vocab, a.seq_length))
         runners = {"step": run_step, "wire": run_wire, "failover": run_failover,
                    "replicas": run_replicas, "wait": run_wait}
         for section in a.sections:

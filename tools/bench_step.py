@@ -47,7 +47,12 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from validate_planner import MEASURE_ENV, cache_build_argv, measure_baseline  # noqa: E402  (a sibling tool)
+from validate_planner import (  # noqa: E402  (a sibling tool)
+    BASELINE_IMPORTS,
+    MEASURE_ENV,
+    cache_build_argv,
+    measure_baseline,
+)
 
 from megatron_kd.arch import GPTArchConfig  # noqa: E402
 from megatron_kd.arch.megatron_lm_args import megatron_lm_flags  # noqa: E402
@@ -192,6 +197,21 @@ with model_parallel(tp=1):
 if created:
     dist.destroy_process_group()
 """
+#: After :data:`_MAKE_TEACHER`, with the cache's flags (``make_teacher(cache=...)``):
+#: ``megatron-kd cache build`` as ``python -m megatron_kd`` runs it; how it ended, marked
+_THEN_CACHE = """
+import time, traceback
+from megatron_kd.cli import main as cli
+t0 = time.perf_counter()
+try:
+    rc = cli(["cache", "build", *json.loads(sys.argv[4])])
+except SystemExit as e:
+    rc = e.code if isinstance(e.code, int) else 1
+except Exception:
+    traceback.print_exc()
+    rc = 1
+print(MARK + json.dumps({"rc": rc, "seconds": round(time.perf_counter() - t0, 2)}), flush=True)
+"""
 
 
 def _env() -> dict:
@@ -218,20 +238,61 @@ def _run(cmd: list[str], log: str, timeout: float) -> dict:
             "command": shlex.join(cmd)}
 
 
-def make_teacher(a, teacher: GPTArchConfig, directory: str) -> dict:
-    """The teacher's random-init checkpoint, in its dtype (on the GPU where there is one)."""
+#: The lines in the teacher's log that give the baseline and the cache build's end
+#: (``make_teacher(baseline=True, cache=...)``)
+_BASELINE_MARK = "baseline_rss_bytes="
+_CACHE_MARK = "bench_step cache build: "
+
+
+def make_teacher(a, teacher: GPTArchConfig, directory: str, *, baseline: bool = False,
+                 cache: list[str] | None = None) -> dict:
+    """The teacher's random-init checkpoint, in its dtype (on the GPU where there is one).
+
+    The CPU's run makes the other pieces in the same process (one process start each less):
+    ``baseline``: the process first does what ``validate_planner.measure_baseline``'s own
+    process does (the imports of ``megatron-kd train`` and the CPU shim, nothing else yet) and
+    reads its peak RSS then, returned as ``baseline`` (None when it has none); ``cache`` (the
+    flags of :func:`cache_argv`): then ``megatron-kd cache build``, its rc, seconds and command
+    returned as ``cache_build`` (None when it did not end)."""
     arch = {f: getattr(teacher, f) for f in teacher.__dataclass_fields__}
     arch["max_position_embeddings"] = max(a.seq, teacher.max_position_embeddings)
-    return _run([sys.executable, "-c", _MAKE_TEACHER, directory, json.dumps(arch),
-                 a.teacher_dtype], os.path.join(a.out, "make_teacher.log"), a.timeout)
+    code = _MAKE_TEACHER
+    if baseline:
+        code = (BASELINE_IMPORTS + f"print({_BASELINE_MARK!r} + str(resource.getrusage("
+                "resource.RUSAGE_SELF).ru_maxrss * 1024), flush=True)\n" + code)
+    cmd = [sys.executable, "-c", code, directory, json.dumps(arch), a.teacher_dtype]
+    if cache is not None:
+        code += f"MARK = {_CACHE_MARK!r}\n" + _THEN_CACHE
+        cmd = [sys.executable, "-c", code, directory, json.dumps(arch), a.teacher_dtype,
+               json.dumps(cache)]
+    log = os.path.join(a.out, "make_teacher.log")
+    made = _run(cmd, log, a.timeout)
+    made["baseline"] = made["cache_build"] = None
+    with open(log, encoding="utf-8") as f:
+        for line in f:
+            if baseline and line.startswith(_BASELINE_MARK):
+                made["baseline"] = int(line[len(_BASELINE_MARK):])
+            elif cache is not None and line.startswith(_CACHE_MARK):
+                made["cache_build"] = dict(
+                    json.loads(line[len(_CACHE_MARK):]), tail=made["tail"],
+                    command=shlex.join(["megatron-kd", "cache", "build", *cache])
+                    + " (in the teacher's process)")
+    if made["cache_build"] is not None:  # the teacher's own seconds
+        made["seconds"] = round(made["seconds"] - made["cache_build"]["seconds"], 2)
+    return made
+
+
+def cache_argv(a, train_argv: list[str], teacher_dir: str, cache_dir: str) -> list[str]:
+    """``megatron-kd cache build``'s flags for the offline rows' samples (their data flags,
+    seed, length and sample count), the teacher in its dtype."""
+    argv = cache_build_argv(shlex.join(train_argv), 1, cache_dir, teacher_dir, a.topk)
+    return [*argv, "--kd-teacher-dtype", a.teacher_dtype]
 
 
 def build_cache(a, train_argv: list[str], teacher_dir: str, cache_dir: str) -> dict:
-    """``megatron-kd cache build`` of the offline rows' samples (their data flags, seed, length
-    and sample count), the teacher in its dtype."""
-    argv = cache_build_argv(shlex.join(train_argv), 1, cache_dir, teacher_dir, a.topk)
-    argv += ["--kd-teacher-dtype", a.teacher_dtype]
-    return _run([sys.executable, "-m", "megatron_kd", "cache", "build", *argv],
+    """``megatron-kd cache build`` of the offline rows' samples in a process of its own."""
+    return _run([sys.executable, "-m", "megatron_kd", "cache", "build",
+                 *cache_argv(a, train_argv, teacher_dir, cache_dir)],
                 os.path.join(a.out, "cache_build.log"), a.timeout)
 
 
@@ -512,8 +573,6 @@ def main(argv: list[str] | None = None) -> int:
     elif a.device == "cuda":
         name = _device_name("cuda")
         a.peak_flops = next((v for k, v in PEAK_BF16.items() if k in name), None)
-    # CPU: the peak resident set less an importing process's (what validate_planner does)
-    a.baseline = measure_baseline() if a.device != "cuda" else None
     common = common_argv(a, student)
     teacher_dir = os.path.join(a.out, "teacher")
     cache_dir = os.path.join(a.out, "cache")
@@ -524,19 +583,29 @@ def main(argv: list[str] | None = None) -> int:
                                                          else "tiny"),
               "seq_length": a.seq, "global_batch_size": a.global_batch, "iters": a.iters,
               "warmup": a.warmup, "topk": a.topk, "peak_tflops": (a.peak_flops or 0) / 1e12,
-              "baseline_rss_bytes": a.baseline, "multiverse": MULTIVERSE, "pieces": {},
+              "baseline_rss_bytes": None, "multiverse": MULTIVERSE, "pieces": {},
               "rows": []}
     wanted = [r for r in ROWS if r[0] in a.rows]
     needs_teacher = any(mode is not None for _, mode, _ in wanted)
+    # CPU: the peak resident set less an importing process's (what validate_planner does),
+    # read in the teacher's process where there is one
+    a.baseline = built = None
+    offline = any(mode == "offline" for _, mode, _ in wanted)
     if needs_teacher:
-        made = make_teacher(a, teacher, teacher_dir)
+        cpu = a.device != "cuda"  # the CPU: the baseline and the cache in the teacher's process
+        made = make_teacher(a, teacher, teacher_dir, baseline=cpu, cache=cache_argv(
+            a, common, teacher_dir, cache_dir) if cpu and offline else None)
         report["pieces"]["make_teacher"] = {k: made[k] for k in ("rc", "seconds", "command")}
-        if made["rc"] != 0:
+        if made["rc"] != 0 and made["cache_build"] is None:
             print(made["tail"], file=sys.stderr)
             print(f"bench_step: making the teacher failed ({made['rc']})", file=sys.stderr)
             return 1
-    if any(mode == "offline" for _, mode, _ in wanted):
-        built = build_cache(a, common, teacher_dir, cache_dir)
+        a.baseline, built = made["baseline"], made["cache_build"]
+    if a.device != "cuda" and a.baseline is None:
+        a.baseline = measure_baseline()
+    report["baseline_rss_bytes"] = a.baseline
+    if offline:
+        built = built or build_cache(a, common, teacher_dir, cache_dir)
         report["pieces"]["cache_build"] = {k: built[k] for k in ("rc", "seconds", "command")}
         if built["rc"] != 0:
             print(built["tail"], file=sys.stderr)

@@ -13,10 +13,14 @@ add what training did with it.
 
 Needs a finished ``megatron-kd demo`` (its teacher and its tokenized text); nothing else is
 fetched. ``--smoke`` needs neither: a tiny random teacher and student on mock data, two steps
-(that the tool runs end to end, not figures).
+(that the tool runs end to end, not figures). Each student run is a process of its own;
+``--in-process`` runs them one after another in the tool's own process instead (each
+``megatron-kd train``'s own start-up and teardown, the same seed and batches), which saves the
+interpreter and Megatron-Core start-up of each (CI's smoke run).
 
     python tools/bench_wire_precision.py --demo-dir demo_out --steps 10
     python tools/bench_wire_precision.py --smoke --out /tmp/wire.json --plot ""
+    python tools/bench_wire_precision.py --smoke --in-process --out /tmp/wire.json --plot ""
 """
 
 from __future__ import annotations
@@ -81,10 +85,27 @@ def _smoke_argv(teacher: str, steps: int, log: str) -> list[str]:
             "--kd-teacher-dtype", "fp32", "--log-json", log]
 
 
+def _train_in_process(argv: list[str]) -> None:
+    """``megatron-kd train ARGV`` in this process (``--in-process``): one CPU thread, as the
+    fresh process of the default gets from ``OMP_NUM_THREADS=1``."""
+    import torch
+
+    from megatron_kd.commands.train import parse_args, train
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        train(parse_args(argv))
+    finally:
+        torch.set_num_threads(threads)
+
+
 def run_one(demo_dir: str, wire: str, steps: int, work: str, teacher_dtype: str,
-            endpoint: str, *, smoke_teacher: str | None = None) -> list[dict]:
+            endpoint: str, *, smoke_teacher: str | None = None,
+            in_process: bool = False) -> list[dict]:
     """One student run against the replica at ``endpoint`` with ``--kd-wire-dtype wire`` (the
-    wire dtype is the connection's: one replica serves the three runs)."""
+    wire dtype is the connection's: one replica serves the three runs); in a process of its own,
+    or in this one (``in_process``)."""
     d = os.path.join(work, wire)
     os.makedirs(d)
     teacher = smoke_teacher or os.path.join(demo_dir, "teacher")
@@ -94,9 +115,12 @@ def run_one(demo_dir: str, wire: str, steps: int, work: str, teacher_dtype: str,
     argv[argv.index("--kd-teacher-dtype") + 1] = teacher_dtype
     argv += ["--kd-mode", "disaggregated", "--kd-teacher-endpoint", endpoint,
              "--kd-wire-dtype", wire, "--no-progress"]
-    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
-    subprocess.run([sys.executable, "-m", "megatron_kd", "train", *argv], check=True,
-                   env=env, stdout=subprocess.DEVNULL)
+    if in_process:
+        _train_in_process(argv)
+    else:
+        env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+        subprocess.run([sys.executable, "-m", "megatron_kd", "train", *argv], check=True,
+                       env=env, stdout=subprocess.DEVNULL)
     with open(log, encoding="utf-8") as f:
         return [r for r in (json.loads(line) for line in f if line.strip())
                 if "kd_loss" in r and "step" in r]
@@ -122,7 +146,13 @@ def main(argv=None) -> int:
     p.add_argument("--smoke", action="store_true",
                    help="a tiny random teacher and student on mock data instead of the demo's, "
                         "2 steps (--demo-dir and --steps are then ignored)")
+    p.add_argument("--in-process", action="store_true",
+                   help="run the student runs one after another in this process rather than "
+                        "each in a fresh one (saves each run's interpreter and Megatron-Core "
+                        "start-up)")
     a = p.parse_args(argv)
+    if a.in_process:
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""  # as the runs' own processes: on the CPU
     teacher = os.path.join(a.demo_dir, "teacher")
     if a.smoke:
         a.steps = 2
@@ -145,7 +175,7 @@ def main(argv=None) -> int:
         try:
             for wire in wires:
                 runs[wire] = run_one(a.demo_dir, wire, a.steps, work, a.teacher_dtype, endpoint,
-                                     smoke_teacher=smoke_teacher)
+                                     smoke_teacher=smoke_teacher, in_process=a.in_process)
                 print(f"{wire}: {len(runs[wire])} steps", flush=True)
         finally:
             replica.stop()

@@ -14,7 +14,11 @@ What runs, all on this machine (gloo, CPU, loopback, one thread a process):
   each with its own seed) connected with ``--kd-mode disaggregated``;
 * first, the same runs undisturbed (``--reference colocated``: the teacher in the student's
   processes, while the replicas start; ``disaggregated``: against the replicas, before any
-  fault) for the reference losses.
+  fault) for the reference losses. Each run and its reference are processes of their own;
+  with ``--same-process`` a run's processes (torchrun's ranks) train its reference, wait until
+  every reference is done, then train the run itself (one interpreter and Megatron-Core
+  start-up a rank less; each ``megatron-kd train`` still starts and ends as a command does,
+  in the world the processes keep for both).
 
 The chaos loop (its own ``random.Random(--seed)``) waits a random gap (paced so that at least
 ``--faults`` faults fall while the runs train, within ``[--min-gap, --max-gap]``), then does one
@@ -51,7 +55,8 @@ Ctrl-C and SIGTERM included. (Were the tool itself SIGKILLed, its replicas leave
 launcher and the students fail within ``--teacher-timeout`` of them.)
 
     python tools/soak_service.py                # the full soak (about 6 minutes on 2 cores)
-    python tools/soak_service.py --short        # about two minutes: 2 runs, one kill (CI)
+    python tools/soak_service.py --short        # about two minutes: 2 runs, one kill
+    python tools/soak_service.py --short --same-process   # the same, fewer processes (CI)
     python tools/soak_service.py --steps 600 --faults 40 --seed 7 --out soak.json
 """
 
@@ -101,6 +106,7 @@ SHORT = dict(runs=["dp1", "tp2"], steps=40, faults=4, kills=1, duration=240.0, m
 FAULT_KINDS = ("kill", "connection", "bytes")
 #: An environment variable every process of one soak inherits (how its processes are found)
 MARKER = "MEGATRON_KD_SOAK"
+SCRIPT = os.path.abspath(__file__)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -246,6 +252,8 @@ class Run:
     started: float = 0.0
     ended: float | None = None
     progress: list = field(default_factory=list)  # (seconds since the chaos began, steps)
+    #: --same-process, a reference: the file its processes write once it is done (they live on)
+    done_file: str | None = None
     _records: list = field(default_factory=list)  # its log's lines read so far
     _offset: int = 0  # bytes of its log read so far
 
@@ -254,9 +262,27 @@ class Run:
         return self.ranks // self.tp
 
     def start(self, argv: list[str], procs: Processes) -> None:
+        self._popen(command("megatron_kd", argv, self.ranks), procs)
+
+    def start_with_reference(self, reference: Run, reference_argv: list[str],
+                             argv: list[str], go_file: str, deadline: float,
+                             procs: Processes) -> None:
+        """``--same-process``: processes (a torchrun of ``ranks``) that train ``reference``
+        (``reference_argv``), mark it done, wait for ``go_file``, then train this run
+        (``argv``); :func:`_pair_main` is what each rank runs."""
+        job = self.log + ".job.json"
+        reference.done_file = reference.log + ".done"
+        with open(job, "w", encoding="utf-8") as f:
+            json.dump({"reference": reference_argv, "run": argv, "done": reference.done_file,
+                       "go": go_file, "wait_s": max(1.0, deadline - time.monotonic())}, f)
+        launch = ([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                   f"--nproc-per-node={self.ranks}"] if self.ranks > 1 else [sys.executable])
+        self._popen([*launch, SCRIPT, "--_pair", job], procs)
+        reference.proc, reference.started = self.proc, self.started
+
+    def _popen(self, cmd: list[str], procs: Processes) -> None:
         with open(self.log + ".stderr", "w", encoding="utf-8") as err:
-            self.proc = subprocess.Popen(command("megatron_kd", argv, self.ranks), env=_env(),
-                                         stdout=subprocess.DEVNULL, stderr=err,
+            self.proc = subprocess.Popen(cmd, env=_env(), stdout=subprocess.DEVNULL, stderr=err,
                                          start_new_session=True)
         self.started = time.monotonic()
         procs.add(self.proc.pid)
@@ -283,7 +309,42 @@ class Run:
                 and not r.get("eval")]
 
     def running(self) -> bool:
+        if self.done_file is not None and os.path.exists(self.done_file):
+            return False  # a reference done in processes that train its run next
         return self.proc is not None and self.proc.poll() is None
+
+
+def _pair_main(job_path: str) -> int:
+    """One rank of ``--same-process``: ``megatron-kd train`` of the reference, then (once the
+    soak's ``go`` file is there) of the run, in one process and one world (torchrun's, or one
+    of its own), each as ``python -m megatron_kd train`` runs it."""
+    from megatron_kd import known_warnings
+
+    known_warnings.install()  # as the CLI does, before torch and Megatron-Core import
+    import torch.distributed as dist
+
+    from megatron_kd.cli import main as cli
+    from megatron_kd.commands.startup import started
+
+    with open(job_path, encoding="utf-8") as f:
+        job = json.load(f)
+    # the world started once for both runs: a command ending its own world of torchrun's
+    # would leave the next one to rendezvous again over the same store
+    with started():
+        code = cli(job["reference"])  # the argv begins with "train"
+        if code:
+            return code
+        dist.barrier()
+        if dist.get_rank() == 0:
+            with open(job["done"], "w", encoding="utf-8") as f:
+                f.write("done\n")
+        end = time.monotonic() + job["wait_s"]
+        while not os.path.exists(job["go"]):
+            if time.monotonic() > end:
+                print("--same-process: no go within --duration", file=sys.stderr)
+                return 1
+            time.sleep(0.05)
+        return cli(job["run"])
 
 
 def student_argv(a, run: Run, teacher: str, endpoint: str | None) -> list[str]:
@@ -912,20 +973,35 @@ def soak(a, workdir: str, procs: Processes) -> dict:
                 for i, name in enumerate(a.runs)]
 
     references, chaos = runs("reference"), runs("soak")
+    go = os.path.join(workdir, "go")  # --same-process: the runs may begin
+
+    def start_references(endpoint: str | None) -> None:
+        for r, c in zip(references, chaos):
+            if a.same_process:
+                c.start_with_reference(r, student_argv(a, r, s.teacher, endpoint),
+                                       student_argv(a, c, s.teacher, s.endpoint), go,
+                                       s.deadline, procs)
+            else:
+                r.start(student_argv(a, r, s.teacher, endpoint), procs)
+
     s.start_replicas()
     if a.reference == "colocated":  # while the replicas start
-        for r in references:
-            r.start(student_argv(a, r, s.teacher, None), procs)
+        start_references(None)
     s.wait_replicas()
     print(f"{a.replicas} replicas ready ({time.monotonic() - t_start:.0f} s)", flush=True)
     if a.reference == "disaggregated":
-        for r in references:
-            r.start(student_argv(a, r, s.teacher, s.endpoint), procs)
+        start_references(s.endpoint)
     _wait_runs(references, s.deadline, procs.refresh)
     print(f"reference runs done ({time.monotonic() - t_start:.0f} s)", flush=True)
     s.t0 = time.monotonic()
     for r in chaos:
-        r.start(student_argv(a, r, s.teacher, s.endpoint), procs)
+        if a.same_process:
+            r.started = s.t0
+        else:
+            r.start(student_argv(a, r, s.teacher, s.endpoint), procs)
+    if a.same_process:
+        with open(go, "w", encoding="utf-8") as f:
+            f.write("go\n")
     _wait_runs(chaos, s.deadline, lambda: s.tick(chaos))
     print(f"soak runs done ({time.monotonic() - t_start:.0f} s)", flush=True)
     for r in references + chaos:
@@ -943,6 +1019,9 @@ def _interrupted(signum, _frame) -> None:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--_pair"]:  # one rank of --same-process's processes
+        return _pair_main(argv[1])
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=1500, help="steps of each student run")
     p.add_argument("--faults", type=int, default=24,
@@ -962,6 +1041,9 @@ def main(argv=None) -> int:
     p.add_argument("--reference", choices=("colocated", "disaggregated"), default="colocated",
                    help="the undisturbed runs: colocated (while the replicas start) or "
                         "against the replicas before any fault")
+    p.add_argument("--same-process", action="store_true",
+                   help="train each run's reference and then the run in the same processes "
+                        "(one start-up a rank less; default: processes of their own)")
     p.add_argument("--teacher-timeout", type=float, default=10.0,
                    help="--kd-teacher-timeout of the students and the replicas")
     p.add_argument("--min-gap", type=float, default=0.5, help="seconds between faults at least")
@@ -1002,8 +1084,7 @@ def main(argv=None) -> int:
         for signum in (signal.SIGINT, signal.SIGTERM):  # a second Ctrl-C cannot stop the cleanup
             signal.signal(signum, signal.SIG_IGN)
         procs.kill_all()
-    report["command"] = "python tools/soak_service.py " + " ".join(
-        sys.argv[1:] if argv is None else argv)
+    report["command"] = "python tools/soak_service.py " + " ".join(argv)
     report["workdir"] = workdir
     print("\n" + report["table"])
     for problem in report["problems"]:

@@ -122,13 +122,18 @@ TO_TEACHER_KEY = "kd_wire_bytes_to_teacher"
 # that the heap keeps (see "Measurement method" above). Applied to the runs and the baseline.
 MEASURE_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}
 
-_BASELINE_CODE = (
+#: What the baseline process does before its peak RSS is read: what ``megatron-kd train``
+#: imports, and the CPU shim (``tools/bench_step.py`` reads it at the start of another process)
+BASELINE_IMPORTS = (
     "import resource\n"
     "import torch, megatron.core\n"
     "import megatron_kd.commands.train\n"
     "from megatron_kd.integration.cpu_shim import install_cpu_shim\n"
     "install_cpu_shim()\n"
-    "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)\n"
+)
+_BASELINE_CODE = (
+    BASELINE_IMPORTS
+    + "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)\n"
 )
 
 

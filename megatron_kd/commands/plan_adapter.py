@@ -128,6 +128,9 @@ class RunShape:
 def run_shape(config: RunConfig, run: CheckedRun) -> RunShape:
     """The one place that reads the trainer's resolved run: ``config`` and ``run`` of
     :func:`resolve_run`."""
+    if run.kd.extra_teachers:
+        raise ValueError(f"--kd-mode {' '.join(t.mode for t in run.kd.teachers)}: the "
+                         f"planner's prediction of a run takes one teacher so far")
     gpu_tuning = run.kd.loss.gpu_tuning or GpuTuning()
     return RunShape(
         kd_mode=run.kd.mode,

@@ -18,9 +18,9 @@ from megatron_kd.loss.agreement import AgreementSums, vocab_parallel_agreement
 from megatron_kd.loss.config import CpuTuning, GpuTuning, KDLossConfig
 from megatron_kd.loss.dense import dense_logits_kd_loss
 from megatron_kd.loss.fused import vocab_parallel_kd_loss
-from megatron_kd.loss.mixture import mixture_kd_loss, mixture_weights
+from megatron_kd.loss.mixture import TeacherMixture, mixture_kd_loss, mixture_weights
 from megatron_kd.loss.teacher import DenseTeacher, Teacher, TopKTeacher
 
 __all__ = ["AgreementSums", "CpuTuning", "DenseTeacher", "GpuTuning", "KDLossConfig", "Teacher",
-           "TopKTeacher", "dense_logits_kd_loss", "mixture_kd_loss", "mixture_weights",
-           "vocab_parallel_agreement", "vocab_parallel_kd_loss"]
+           "TeacherMixture", "TopKTeacher", "dense_logits_kd_loss", "mixture_kd_loss",
+           "mixture_weights", "vocab_parallel_agreement", "vocab_parallel_kd_loss"]

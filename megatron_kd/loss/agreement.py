@@ -97,7 +97,7 @@ def vocab_parallel_agreement(
     Returns:
         :class:`AgreementSums`, the same on every rank of ``tp_group``.
 
-    Collectives (``tp_group``): the loss's input checks (one all-gather of three integers per
+    Collectives (``tp_group``): the loss's input checks (one all-gather of four integers per
     rank, so every rank raises a bad input together); with sequence parallelism an all-gather
     of the student's (and a dense teacher's) hidden states; per block of rows the loss's two
     (:class:`~megatron_kd.loss.combine.ShardMax`, :class:`~megatron_kd.loss.combine.ShardSum`)

@@ -107,9 +107,7 @@ def _check_dense(teacher: DenseTeacher, student_hidden, student_weight, lead: tu
     if t_lead != lead:
         raise ValueError(f"teacher.hidden leading shape {tuple(hidden.shape[:-1])} != "
                          f"student_hidden leading shape {tuple(student_hidden.shape[:-1])}")
-    if weight.shape[0] != student_weight.shape[0]:
-        raise ValueError(f"teacher shard has {weight.shape[0]} vocab rows but the "
-                         f"student shard has {student_weight.shape[0]} (same partition needed)")
+    # its vocabulary rows against the student's: every rank's, after the exchange of sizes
     if hidden.dtype != weight.dtype:
         raise ValueError(f"teacher.hidden dtype {hidden.dtype} != teacher.weight dtype "
                          f"{weight.dtype}")
@@ -131,19 +129,21 @@ def _check_topk(teacher: TopKTeacher, lead: tuple[int, ...], config: KDLossConfi
 
 def exchange_sizes(student_weight: torch.Tensor, student_hidden: torch.Tensor,
                    local_error: str | None, tp_group: dist.ProcessGroup | None,
-                   tp_world_size: int) -> list[int]:
-    """All ranks learn every shard size, their token counts and whether any input was bad."""
+                   tp_world_size: int, teacher_rows: int = -1) -> list[int]:
+    """All ranks learn every shard size, their token counts, whether any input was bad and a
+    dense teacher's output-layer rows (``teacher_rows``; -1: none), which must be the
+    student's shard for shard (else every rank raises the same error, naming both)."""
     n_tokens = int(math.prod(student_hidden.shape[:-1]))
     # on the inputs' device: NCCL groups reduce device tensors only
-    mine = torch.tensor([student_weight.shape[0], n_tokens, 0 if local_error is None else 1],
-                        dtype=torch.int64, device=student_hidden.device)
+    mine = torch.tensor([student_weight.shape[0], n_tokens, 0 if local_error is None else 1,
+                         teacher_rows], dtype=torch.int64, device=student_hidden.device)
     if tp_world_size == 1:
-        sizes = mine.view(1, 3)
+        sizes = mine.view(1, 4)
     else:
-        sizes = torch.empty(tp_world_size * 3, dtype=torch.int64, device=student_hidden.device)
+        sizes = torch.empty(tp_world_size * 4, dtype=torch.int64, device=student_hidden.device)
         # Shard offsets come from every rank's shard size; errors must stop all ranks together.
         all_gather_into(sizes, mine, group=tp_group)
-        sizes = sizes.view(tp_world_size, 3)
+        sizes = sizes.view(tp_world_size, 4)
     if local_error is not None:
         raise ValueError(local_error)
     sizes = sizes.cpu()
@@ -153,7 +153,14 @@ def exchange_sizes(student_weight: torch.Tensor, student_hidden: torch.Tensor,
     tokens = sizes[:, 1].tolist()
     if len(set(tokens)) != 1:
         raise ValueError(f"tensor-parallel ranks disagree on the number of tokens: {tokens}")
-    return sizes[:, 0].tolist()
+    student, teacher = sizes[:, 0].tolist(), sizes[:, 3].tolist()
+    if teacher_rows >= 0 and teacher != student:
+        raise ValueError(
+            f"the teacher's output layer has {sum(teacher)} vocabulary rows (shards {teacher} "
+            f"over the {tp_world_size} TP rank(s)) but the student's has {sum(student)} "
+            f"(shards {student}): teacher and student must share one vocabulary (its tokenizer "
+            f"and padding), shard for shard")
+    return student
 
 
 def shard_of(sizes: list[int], tp_group: dist.ProcessGroup | None, tp_rank: int,
@@ -206,8 +213,9 @@ def checked_inputs(student_hidden: torch.Tensor, student_weight: torch.Tensor,
     sequence-parallel, the loss mask)`` (ones over the full sequence where ``loss_mask`` is
     None).
 
-    Collectives: the one all-gather of :func:`exchange_sizes` (three integers per rank), so a
-    rank whose local check fails makes every rank raise.
+    Collectives: the one all-gather of :func:`exchange_sizes` (four integers per rank), so a
+    rank whose local check fails, or a teacher whose vocabulary shards are not the student's,
+    makes every rank raise.
     """
     tp_rank, tp_world_size = world(tp_group)
     sp = config.sequence_parallel and tp_world_size > 1
@@ -218,7 +226,9 @@ def checked_inputs(student_hidden: torch.Tensor, student_weight: torch.Tensor,
         local_error = ("gradient_accumulation_fusion=True but student_weight has no main_grad "
                        "(Megatron's DDP wrapper adds it; turn the fusion off without it)")
     # The all-gather of shard sizes; raises on every rank if any rank's input is bad.
-    sizes = exchange_sizes(student_weight, student_hidden, local_error, tp_group, tp_world_size)
+    dense = isinstance(teacher, DenseTeacher) and teacher.weight.dim() == 2
+    sizes = exchange_sizes(student_weight, student_hidden, local_error, tp_group, tp_world_size,
+                           teacher_rows=teacher.weight.shape[0] if dense else -1)
     shard = shard_of(sizes, tp_group, tp_rank, tp_world_size, config)
     check_global(teacher, labels, config, shard)
     if loss_mask is None:

@@ -333,7 +333,7 @@ def dense_logits_kd_loss(
         ``student_hidden`` and ``student_weight`` in their dtypes (the weight's into
         ``main_grad`` with ``gradient_accumulation_fusion``), and ``loss_mask.sum()``.
 
-    Collectives (``tp_group``): the exchange of shard sizes (one all-gather of three integers);
+    Collectives (``tp_group``): the exchange of shard sizes (one all-gather of four integers);
     with ``sequence_parallel`` an all-gather of each model's hidden states; per call one MAX and
     one SUM all-reduce of ``[models, rows]`` for the log-sum-exp (one more pair for CE at
     T != 1; one more SUM for a ghost tail); one SUM all-reduce of ``1 + 2 rows`` values (the

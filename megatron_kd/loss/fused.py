@@ -38,9 +38,10 @@ class _FusedKDLoss(torch.autograd.Function):
     """Fused projection + KD (+ CE) loss over a vocab-parallel output layer.
 
     Collectives (``tp_group``; none when it is ``None`` or of size 1). Before this Function
-    runs, :func:`vocab_parallel_kd_loss` all-gathers three integers per rank (shard size, token
-    count, whether the local input checks failed), so every rank learns the shard offsets and
-    every rank raises the same error instead of one rank hanging the others. Here:
+    runs, :func:`vocab_parallel_kd_loss` all-gathers four integers per rank (shard size, token
+    count, whether the local input checks failed, a dense teacher's shard rows), so every rank
+    learns the shard offsets and every rank raises the same error instead of one rank hanging
+    the others. Here:
 
     * forward: with ``sequence_parallel`` an all-gather of the student (and a dense teacher's)
       hidden states; per block of rows (a block is the whole window unless CPU blocks run with

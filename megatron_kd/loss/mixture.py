@@ -20,17 +20,16 @@ import dataclasses
 import math
 import numbers
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from megatron_kd.collectives import all_gather_into
-from megatron_kd.loss.checks import world
 from megatron_kd.loss.config import KDLossConfig
 from megatron_kd.loss.fused import vocab_parallel_kd_loss
 from megatron_kd.loss.teacher import DenseTeacher, Teacher, TopKTeacher
 
-__all__ = ["check_mixture_kind", "mixture_kd_loss", "mixture_weights"]
+__all__ = ["TeacherMixture", "check_mixture_kind", "mixture_kd_loss", "mixture_weights"]
 
 # Why the weighted sum of per-teacher terms is not the divergence to the mixture, per kind.
 _NOT_A_MIXTURE = {
@@ -41,6 +40,20 @@ _NOT_A_MIXTURE = {
            "inside a log, so their weighted sum is neither the JSD to the mixture "
            "m = sum_i w_i p_i nor a constant away from it",
 }
+
+
+@dataclass(frozen=True)
+class TeacherMixture:
+    """A run's N >= 2 teachers of one microbatch, as a trainer hands them to the loss: each
+    teacher's record (:class:`~megatron_kd.loss.DenseTeacher` or
+    :class:`~megatron_kd.loss.TopKTeacher`) and its weight (as given: :func:`mixture_kd_loss`
+    normalizes them)."""
+
+    teachers: tuple[Teacher, ...]
+    weights: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        mixture_weights(self.weights, len(self.teachers))
 
 
 def mixture_weights(weights: Sequence[float], n_teachers: int) -> tuple[float, ...]:
@@ -119,9 +132,9 @@ def mixture_kd_loss(
         one teacher the call *is* that function's (any kind; the same result bit for bit).
 
     Collectives (``tp_group``): those of each teacher's call (``vocab_parallel_kd_loss`` lists
-    them; a weight-0 teacher's call too); with N >= 2, before them, one all-gather of N + 1
-    integers per rank (the student's and the dense teachers' vocabulary shard sizes), so a
-    teacher whose vocabulary differs stops every rank with the same error.
+    them; a weight-0 teacher's call too). Each call's exchange of sizes carries its dense
+    teacher's vocabulary shard rows, so a teacher whose vocabulary differs stops every rank
+    with the same error, naming the teacher's index and both vocabularies.
     """
     config = config or KDLossConfig()
     teachers = tuple(teachers)
@@ -138,7 +151,6 @@ def mixture_kd_loss(
         if terms_out is not None:
             terms_out["teacher_kd_sums"] = (terms_out["kd_sum"],)
         return loss, num_tokens
-    check_vocabularies(student_hidden, student_weight, teachers, tp_group)
     return _weighted_sum(student_hidden, student_weight, teachers, shares, labels, loss_mask,
                          config, tp_group, terms_out)
 
@@ -199,38 +211,3 @@ def _teacher_term(i: int, n: int, student_hidden: torch.Tensor, student_weight: 
     except (ValueError, FloatingPointError) as e:  # the same kind, naming the teacher
         raise type(e)(f"in the loss of teacher {i} of {n} ({type(teacher).__name__}, "
                       f"weight {share:g}): {e}") from e
-
-
-def check_vocabularies(student_hidden: torch.Tensor, student_weight: torch.Tensor,
-                       teachers: Sequence[Teacher], tp_group: dist.ProcessGroup | None) -> None:
-    """Every dense teacher's output layer has the student's vocabulary shards on every TP rank;
-    else a ``ValueError`` naming the teacher's index and both vocabularies (total rows and shard
-    sizes), raised on every rank alike. A top-K teacher's ids are checked against the
-    vocabulary by its own call. Malformed weights (not matrices) are left to the teacher's call,
-    which names them.
-
-    Collectives: one all-gather of ``1 + len(teachers)`` integers per rank (``tp_group``).
-    """
-    rows = [student_weight.shape[0] if student_weight.dim() == 2 else -1]
-    rows += [t.weight.shape[0] if isinstance(t, DenseTeacher) and t.weight.dim() == 2 else -1
-             for t in teachers]
-    # on the inputs' device: NCCL groups gather device tensors only
-    mine = torch.tensor(rows, dtype=torch.int64, device=student_hidden.device)
-    _, tp_world_size = world(tp_group)
-    table = mine.view(1, -1)
-    if tp_world_size > 1:
-        table = torch.empty(tp_world_size * len(rows), dtype=torch.int64, device=mine.device)
-        # every rank's shard sizes, so every rank raises the same error (no rank left waiting)
-        all_gather_into(table, mine, group=tp_group)
-        table = table.view(tp_world_size, len(rows))
-    by_rank = table.cpu().tolist()
-    student = [r[0] for r in by_rank]
-    for i, teacher in enumerate(teachers):
-        sizes = [r[i + 1] for r in by_rank]
-        if -1 in student or -1 in sizes or sizes == student:
-            continue
-        raise ValueError(
-            f"teacher {i} ({type(teacher).__name__}) has an output layer of {sum(sizes)} "
-            f"vocabulary rows (shards {sizes} over the {tp_world_size} TP rank(s)) but the "
-            f"student's has {sum(student)} (shards {student}): every teacher must share the "
-            f"student's vocabulary (its tokenizer and padding), shard for shard")

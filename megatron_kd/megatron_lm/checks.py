@@ -1,8 +1,9 @@
 """Megatron-LM's flags with ``--kd-*``: what is refused before anything is built, and the checks
 of the loss its flags ask for.
 
-* :func:`check_megatron_args` validates the ``--kd-*`` flags against Megatron-LM's other flags
-  and the teacher checkpoint (``ValueError`` naming the flag and value), and
+* :func:`check_megatron_args` (:func:`check_megatron_teachers`: one teacher or several)
+  validates the ``--kd-*`` flags against Megatron-LM's other flags and each teacher's
+  checkpoint (``ValueError`` naming the flag and value), and
   :func:`open_topk_cache` an offline run's cache against them: the layouts the
   integration (:mod:`megatron_kd.megatron_lm`) cannot run, and the Megatron-LM
   features of :data:`CONFLICTING_FLAGS` that would distil another way or build the model
@@ -33,8 +34,8 @@ from megatron_kd.parallel import ParallelLayout
 from megatron_kd.parallel.sequence import check_sequence_split
 
 __all__ = ["CONFLICTING_FLAGS", "SPIKY_LOSS_FACTOR", "ConflictingFlag", "LossChecks",
-           "check_megatron_args", "megatron_lm_layout", "open_topk_cache", "teacher_attention",
-           "validate_loss"]
+           "check_megatron_args", "check_megatron_teachers", "megatron_lm_layout",
+           "open_topk_cache", "teacher_attention", "validate_loss"]
 
 SPIKY_LOSS_FACTOR = 10
 """A loss more than this many times the largest seen is spiky (Megatron-LM's
@@ -85,9 +86,27 @@ def check_megatron_args(args: argparse.Namespace):
     checkpoint; ``ValueError`` with the offending values. Reads only small files.
 
     Returns ``(kd, teacher_arch)``: the :class:`~megatron_kd.modes.args.KDArgs` (with the
-    teacher directory resolved) and the teacher's architecture (None without a teacher).
+    teacher directory resolved) and the first teacher's architecture (None without a loaded
+    teacher); several teachers: :func:`check_megatron_teachers` gives each one's.
+    """
+    kd, archs = check_megatron_teachers(args)
+    return kd, archs[0]
+
+
+def check_megatron_teachers(args: argparse.Namespace):
+    """:func:`check_megatron_args` for one teacher or several (``--kd-mode`` once per
+    teacher): each loaded teacher (colocated, disaggregated) checked as one is, each offline
+    cache opened (:func:`open_topk_cache`); several teachers' vocabularies must agree, and at
+    most one may be disaggregated.
+
+    Returns ``(kd, teacher_archs)``: the :class:`~megatron_kd.modes.args.KDArgs` (each
+    teacher's directory resolved) and one architecture per teacher (``kd.teachers`` order;
+    None for an offline teacher, or without a teacher).
     """
     kd = KDArgs.from_args(args)
+    teachers = kd.teachers
+    if kd.extra_teachers:
+        _check_one_look_ahead(teachers)
     for conflict in CONFLICTING_FLAGS:
         # absent from some trees (see CONFLICTING_FLAGS): absent is not given
         value = getattr(args, conflict.attribute, None)
@@ -105,9 +124,39 @@ def check_megatron_args(args: argparse.Namespace):
         raise ValueError(f"--mtp-num-layers {args.mtp_num_layers} is not supported with --kd-*")
     # before Megatron-LM loads it (after the model is built): this project's checkpoints
     use_pretrained_checkpoint(args)
+    checked = [_check_one_teacher(t, args, layout) for t in teachers]
+    if len(checked) == 1:
+        return checked[0][0], (checked[0][1],)
+    _check_shared_vocabulary(checked, args)
+    resolved = [t for t, _ in checked]
+    kd = dataclasses.replace(resolved[0], extra_teachers=tuple(resolved[1:]),
+                             teacher_weights=kd.teacher_weights)
+    return kd, tuple(arch for _, arch in checked)
+
+
+def _check_one_look_ahead(teachers) -> None:
+    """Megatron-LM's data iterator is read ahead once (:class:`~megatron_kd.teacher.lookahead.
+    Lookahead`): its :meth:`ahead` hands each item to one reader, so a second disaggregated
+    teacher's requests would take microbatches from the first's. Refused."""
+    served = [i for i, t in enumerate(teachers) if t.mode == "disaggregated"]
+    if len(served) > 1:
+        modes = " ".join(t.mode for t in teachers)
+        raise ValueError(f"--kd-mode {modes}: Megatron-LM's pretrain_gpt.py takes at most one "
+                         f"disaggregated teacher (teachers {served} are): its data iterator is "
+                         f"read ahead once, for one teacher's requests; serve one of them, or "
+                         f"cache it (`megatron-kd cache build`, --kd-mode offline), or train "
+                         f"with `megatron-kd train`")
+
+
+def _check_one_teacher(kd: KDArgs, args: argparse.Namespace, layout: ParallelLayout):
+    """``(kd, arch)`` of one teacher: its directory resolved and its architecture checked
+    against the layout and the student's vocabulary (None: offline, its cache opened and
+    checked, or no teacher)."""
+    if kd.mode == "offline":
+        open_topk_cache(kd, args)
+        return kd, None
     if not kd.teacher_load:
         return kd, None
-
     teacher_dir, arch = check_teacher(kd.teacher_load, seq_length=args.seq_length or 1,
                                       teacher_args=kd.teacher_args)
     kd = dataclasses.replace(kd, teacher_load=teacher_dir)
@@ -130,6 +179,20 @@ def check_megatron_args(args: argparse.Namespace):
             f"use the teacher's tokenizer and a --make-vocab-size-divisible-by that gives "
             f"{arch.padded_vocab_size}")
     return kd, arch
+
+
+def _check_shared_vocabulary(checked, args: argparse.Namespace) -> None:
+    """Several teachers: one (true) vocabulary size, a loaded teacher's or a cache's; else
+    ``ValueError`` naming each teacher and size."""
+    sizes = [arch.vocab_size if arch is not None else open_topk_cache(kd, args).spec.vocab_size
+             for kd, arch in checked]
+    if len(set(sizes)) > 1:
+        listed = "; ".join(
+            f"teacher {i} (--kd-mode {kd.mode} "
+            f"{kd.topk_cache if kd.mode == 'offline' else kd.teacher_load}): {size} tokens"
+            for i, ((kd, _), size) in enumerate(zip(checked, sizes)))
+        raise ValueError(f"the teachers' vocabularies differ ({listed}): a mixture's teachers "
+                         f"must share the student's tokenizer")
 
 
 def open_topk_cache(kd: KDArgs, args: argparse.Namespace) -> TopKCacheReader | None:

@@ -1,4 +1,6 @@
-"""Distillation inside Megatron-LM's ``pretrain_gpt.py``: the pieces its patch plugs in.
+"""Distillation inside Megatron-LM's ``pretrain_gpt.py``: the pieces its patch plugs in, kept
+in one piece because they are one contract (the patch's entry points, in the order Megatron-LM
+calls them, sharing one :class:`KDState`).
 
 Megatron-LM keeps its own training loop, data pipeline, checkpoints and logging; the patches in
 ``patches/`` change three arguments of its ``pretrain(...)`` call and nothing else (older trees,
@@ -64,6 +66,15 @@ iterator's, broadcast over TP; this CP rank's positions kept): any layout or sam
 a sample the cache does not hold is a ``ValueError`` in its forward step naming it and the cache
 (:class:`~megatron_kd.cache.lookup.TokenLookup`).
 
+Several teachers (``--kd-mode`` once per teacher, ``--kd-teacher-weights``): each is checked
+and built as one alone is, in ``--kd-mode`` order, and joined in a
+:class:`~megatron_kd.modes.mixture.Mixture` (:func:`~megatron_kd.modes.build.build_run_source`,
+as ``megatron-kd train`` builds it); the loss is the weighted mixture's, and each teacher's own
+KD loss is reported as ``"kd loss teacher <i>"`` (:func:`report_name`), its statistics as
+``kd/teacher-<i>/...``. At most one teacher may be disaggregated: the data iterator's
+look-ahead feeds one teacher's requests
+(:func:`~megatron_kd.megatron_lm.checks.check_megatron_teachers` refuses two).
+
 What is not supported here (a sequence the context-parallel split does not divide,
 multi-token prediction, another distillation, ...) is refused with ``ValueError`` before
 anything is built: :func:`~megatron_kd.megatron_lm.checks.check_megatron_args`.
@@ -94,7 +105,7 @@ from megatron_kd.integration.output_layer import (
 )
 from megatron_kd.megatron_lm.checks import (
     LossChecks,
-    check_megatron_args,
+    check_megatron_teachers,
     open_topk_cache,
     teacher_attention,
     validate_loss,
@@ -109,7 +120,7 @@ from megatron_kd.megatron_lm.teacher_side import (
     write_teacher_scalars,
 )
 from megatron_kd.modes.args import KDArgs, add_kd_args
-from megatron_kd.modes.build import build_teacher_source
+from megatron_kd.modes.build import build_run_source
 from megatron_kd.modes.source import NoTeacher, SourceConfig, StudentPlace, Teacher, TeacherSource
 
 # Megatron-LM imports this module before it builds a model: from here on the known third-party
@@ -129,6 +140,7 @@ __all__ = [
     "loss_func",
     "model_provider",
     "pre_wrap_hook",
+    "report_name",
     "with_kd_args",
 ]
 
@@ -149,7 +161,21 @@ PATCHES = {"model_provider": "megatron_lm_f88b85f_pretrain_gpt.patch",
 
 REPORT_NAMES = {"loss": "total loss", "kd_loss": "kd loss", "lm_loss": "lm loss",
                 "teacher_lm_loss": "teacher lm loss"}
-"""Report keys of :func:`megatron_kd.integration.make_kd_loss_func` -> Megatron-LM log names."""
+"""Report keys of :func:`megatron_kd.integration.make_kd_loss_func` -> Megatron-LM log names;
+with several teachers each one's ``kd_loss_<i>`` is ``kd loss teacher <i>``
+(:func:`report_name`)."""
+
+
+def report_name(key: str) -> str:
+    """The Megatron-LM log name of a report key of
+    :func:`megatron_kd.integration.make_kd_loss_func` (:data:`REPORT_NAMES`; teacher ``i``'s
+    own KD loss ``kd_loss_<i>``: ``kd loss teacher <i>``)."""
+    if key in REPORT_NAMES:
+        return REPORT_NAMES[key]
+    teacher = key.removeprefix("kd_loss_")
+    if teacher != key and teacher.isdigit():
+        return f"kd loss teacher {int(teacher)}"
+    raise KeyError(f"no Megatron-LM log name for the loss report {key!r}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -198,7 +224,10 @@ class KDState:
     """The run's teacher (:mod:`megatron_kd.modes`)."""
 
     teacher_arch: Any = None
-    """The teacher's architecture (None without a teacher)."""
+    """The (first loaded) teacher's architecture (None without a loaded teacher)."""
+
+    teacher_archs: tuple = ()
+    """Each teacher's architecture, in ``--kd-mode`` order (None: offline)."""
 
     checks: LossChecks = field(default_factory=LossChecks)
     """Megatron-LM's checks of the loss (its flags)."""
@@ -231,13 +260,17 @@ class KDState:
 
     @property
     def teacher(self):
-        """The frozen teacher model this rank holds (colocated), else None."""
-        return self.source.model
+        """The frozen teacher model this rank holds (colocated), else None (several teachers:
+        the first colocated one's; each source is in ``source.sources``)."""
+        sources = getattr(self.source, "sources", (self.source,))
+        return next((s.model for s in sources if s.model is not None), None)
 
     @property
     def client(self):
-        """The teacher client (disaggregated, once started), else None."""
-        return self.source.client
+        """The teacher client (disaggregated, once started), else None (several teachers: the
+        disaggregated one's)."""
+        sources = getattr(self.source, "sources", (self.source,))
+        return next((s.client for s in sources if s.client is not None), None)
 
 
 # The teacher source built at the first model_provider call of this process (virtual stage 0)
@@ -285,16 +318,16 @@ def model_provider(base_model_provider: Callable, pre_process: bool = True,
     ranks off the last pipeline stage drop it at once.
     """
     args = megatron_lm_args()
-    kd, teacher_arch = check_megatron_args(args)
+    kd, teacher_archs = check_megatron_teachers(args)
     pg_collection = kwargs.get("pg_collection")
     if kwargs.get("vp_stage") in (None, 0):
         # Before the student: building a student chunk may be collective too (tied embeddings
         # all-reduce between the first and last stage), and with virtual stages the ranks reach
         # those collectives at different calls; the teacher's load must not sit between them.
-        _prepare_teacher(args, kd, teacher_arch, pg_collection)
+        _prepare_teacher(args, kd, teacher_archs, pg_collection)
     model = base_model_provider(pre_process=pre_process, post_process=post_process, **kwargs)
     if post_process:
-        _attach_kd_state(model, args, kd, teacher_arch, pg_collection)
+        _attach_kd_state(model, args, kd, teacher_archs, pg_collection)
     return model
 
 
@@ -305,12 +338,12 @@ def pre_wrap_hook(chunks: list) -> list:
     its chunks are built), then the chunk with the output layer is bypassed and given its
     :class:`KDState`, as :func:`model_provider` does. Append it with :func:`add_kd_hooks`."""
     args = megatron_lm_args()
-    kd, teacher_arch = check_megatron_args(args)
+    kd, teacher_archs = check_megatron_teachers(args)
     pg_collection = getattr(unwrap_model(chunks[0]), "pg_collection", None)
-    _prepare_teacher(args, kd, teacher_arch, pg_collection)
+    _prepare_teacher(args, kd, teacher_archs, pg_collection)
     for chunk in chunks:
         if getattr(unwrap_model(chunk), "post_process", False):
-            _attach_kd_state(unwrap_model(chunk), args, kd, teacher_arch, pg_collection)
+            _attach_kd_state(unwrap_model(chunk), args, kd, teacher_archs, pg_collection)
     _pending_teacher.clear()  # ranks off the last stage: nothing of the teacher kept
     return chunks
 
@@ -322,9 +355,11 @@ def add_kd_hooks(model_config):
     return model_config
 
 
-def _prepare_teacher(args, kd: KDArgs, teacher_arch, pg_collection) -> None:
-    """The run's teacher source, built on every rank (collective: a colocated teacher's load,
-    a disaggregated one's output layer and run id) and kept on the last pipeline stage."""
+def _prepare_teacher(args, kd: KDArgs, teacher_archs, pg_collection) -> None:
+    """The run's teacher source (several teachers: a :class:`~megatron_kd.modes.mixture.Mixture`
+    of one per teacher, built in ``--kd-mode`` order), built on every rank (collective: a
+    colocated teacher's load, a disaggregated one's output layer and run id) and kept on the
+    last pipeline stage."""
     last = _on_last_pipeline_stage(pg_collection)
     # Context parallelism: a colocated teacher runs in the student's groups (its CP group too)
     # on the CP-sliced inputs; a disaggregated one's look-ahead sends the whole sequence from
@@ -332,7 +367,7 @@ def _prepare_teacher(args, kd: KDArgs, teacher_arch, pg_collection) -> None:
     # rank and size leave context parallelism out (its ranks share one data-parallel rank).
     cp_group, tp_cp_group = _cp_groups(pg_collection)
     # Offline: the data iterator gives no sample indices; rows are found by tokens.
-    topk_cache = open_topk_cache(kd, args)
+    topk_caches = [open_topk_cache(teacher, args) for teacher in kd.teachers]
     place = StudentPlace(active=last, dp_rank=ps.get_data_parallel_rank(),
                          dp_size=ps.get_data_parallel_world_size(),
                          tp_group=_tp_group(pg_collection), cp_group=cp_group,
@@ -341,16 +376,19 @@ def _prepare_teacher(args, kd: KDArgs, teacher_arch, pg_collection) -> None:
                           sequence_parallel=bool(args.sequence_parallel),
                           attention=teacher_attention(args), max_samples=1, rows_by_tokens=True,
                           close_groups=False)
-    source = build_teacher_source(kd, teacher_arch, place, config, topk_cache=topk_cache, log=print)
+    source = build_run_source(kd, teacher_archs, place, config, topk_caches=topk_caches,
+                              log=print)
     if last:
         _pending_teacher["source"] = source
 
 
-def _attach_kd_state(model, args, kd: KDArgs, teacher_arch, pg_collection) -> None:
+def _attach_kd_state(model, args, kd: KDArgs, teacher_archs, pg_collection) -> None:
     """The output layer of ``model`` (the chunk that has it) bypassed, its KD state attached."""
     bypass_output_layer(model)
     source = _pending_teacher.pop("source", None)
-    if source is None and (teacher_arch is not None or kd.topk_cache):  # a teacher is due
+    due = any(arch is not None for arch in teacher_archs) or any(
+        teacher.topk_cache for teacher in kd.teachers)
+    if source is None and due:  # a teacher is due
         raise RuntimeError("the chunk with the output layer was built before the teacher "
                            "(expected virtual stage 0 first)")
     source = source or NoTeacher()
@@ -364,7 +402,8 @@ def _attach_kd_state(model, args, kd: KDArgs, teacher_arch, pg_collection) -> No
                                      gradient_accumulation_fusion=args.gradient_accumulation_fusion,
                                      sequence_parallel=bool(args.sequence_parallel)),
         tp_group=_tp_group(pg_collection), cp_group=_cp_groups(pg_collection)[0],
-        source=source, teacher_arch=teacher_arch,
+        source=source, teacher_archs=tuple(teacher_archs),
+        teacher_arch=next((arch for arch in teacher_archs if arch is not None), None),
         checks=LossChecks.from_args(args))
 
 
@@ -493,4 +532,4 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor, *, labels: t
     loss_sum, num_tokens, report = inner(output_tensor)
     if checks is not None:
         validate_loss(loss_sum, checks)
-    return loss_sum, num_tokens, {REPORT_NAMES[key]: pair for key, pair in report.items()}
+    return loss_sum, num_tokens, {report_name(key): pair for key, pair in report.items()}

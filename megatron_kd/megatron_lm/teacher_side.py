@@ -157,17 +157,36 @@ def _cp_rank_positions(state, recorder) -> torch.Tensor | None:
     return cp_positions(seq, cp_group.rank(), cp_group.size(), recorder.labels.device)
 
 
+class _Schedule:
+    """The training microbatches read ahead, an iterable whose iterator is made anew each time
+    (several teachers' :class:`~megatron_kd.modes.mixture.Mixture` hands it to each source).
+    Each iterator reads :meth:`Lookahead.ahead`, which hands each item to one reader: only
+    one source may iterate it (a disaggregated teacher's; the colocated and offline sources
+    read each microbatch in its forward step), which
+    :func:`~megatron_kd.megatron_lm.checks.check_megatron_teachers` ensures."""
+
+    def __init__(self, look: Lookahead | None, per_step: int) -> None:
+        self._look, self._per_step = look, per_step
+        self._iterated = False
+
+    def __iter__(self):
+        if self._look is None:  # no data iterator on this rank: nothing to send
+            return iter(())
+        if self._iterated:
+            raise RuntimeError("the data iterator's look-ahead is read by one teacher only")
+        self._iterated = True
+        return self._microbatches()
+
+    def _microbatches(self):
+        per_step = self._per_step
+        for n, item in enumerate(self._look.ahead()):
+            yield Microbatch(step=n // per_step, index=n % per_step, tokens=item["tokens"])
+
+
 def start_source(state) -> None:
     """Start the run's teacher source at the first training microbatch: a disaggregated
     teacher's requests come from the look-ahead over the data iterator (TP rank 0 sends)."""
-    per_step = microbatches_per_step()
-    look = state.lookahead
-
-    def schedule():
-        for n, item in enumerate(look.ahead()):
-            yield Microbatch(step=n // per_step, index=n % per_step, tokens=item["tokens"])
-
-    state.source.start(schedule() if look is not None else iter(()))
+    state.source.start(_Schedule(state.lookahead, microbatches_per_step()))
     state.stats_time = time.perf_counter()
 
 

@@ -9,6 +9,16 @@ Each flag is a field: of :class:`KDArgs`, or, for the loss flags (``--kd-loss``,
 ``--kd-loss-weight-grad``: :data:`GPU_LOSS_FLAGS`), validated there once; :class:`KDArgs`
 checks only what the loss cannot know (modes, teacher placement, caches). Each default is the
 field's (:mod:`megatron_kd.flags`). A new flag: a new field.
+
+Several teachers (a weighted mixture, :mod:`megatron_kd.loss.mixture`): the per-teacher flags
+(:data:`PER_TEACHER`) take a list, Megatron-style. ``--kd-mode`` names one mode per teacher (N
+values, N teachers); ``--kd-teacher-load`` one checkpoint per teacher that loads one (colocated
+and disaggregated, in order), ``--kd-teacher-endpoint`` one per disaggregated teacher,
+``--kd-topk-cache`` one per offline teacher, ``--kd-teacher-args`` none or one per loaded
+teacher, ``--kd-teacher-dtype`` one for all or one per loaded teacher; ``--kd-teacher-weights``
+one weight per teacher (default: equal). One value is stored as it always was (the namespace of
+a one-teacher run does not change); :class:`KDArgs` then holds the first teacher, the others in
+:attr:`KDArgs.extra_teachers` (each a one-teacher :class:`KDArgs`, the shared flags alike).
 """
 
 from __future__ import annotations
@@ -26,16 +36,19 @@ from megatron_kd.flags import (
     Flag,
     KDSharedFlags,
     add_flags,
+    default_of,
     flag,
+    flag_spec,
     from_flags,
     shared_flag,
 )
-from megatron_kd.loss import GpuTuning, KDLossConfig
+from megatron_kd.loss import GpuTuning, KDLossConfig, mixture_weights
 from megatron_kd.loss.config import ELEMENTWISE, GPU_KERNELS, PATHS, TOPK_TAILS, WEIGHT_GRADS
 from megatron_kd.loss.config import KINDS as KD_LOSSES
+from megatron_kd.loss.mixture import check_mixture_kind
 
-__all__ = ["KD_MODES", "LOSS_FLAGS", "TEACHER_DTYPES", "WIRE_DTYPES", "KDArgs", "add_kd_args",
-           "add_teacher_flags", "teacher_torch_dtype"]
+__all__ = ["KD_MODES", "LOSS_FLAGS", "PER_TEACHER", "TEACHER_DTYPES", "WIRE_DTYPES", "KDArgs",
+           "add_kd_args", "add_teacher_flags", "teacher_torch_dtype"]
 
 KD_MODES = ("colocated", "disaggregated", "offline")
 TEACHER_DTYPES = ("fp32", "bf16")
@@ -105,14 +118,28 @@ GPU_LOSS_FLAGS = {
 #: The flags of a command that loads a teacher checkpoint (``cache build``, ``teacher serve``).
 TEACHER_FLAGS = ("teacher_load", "teacher_args", "teacher_dtype")
 
+#: The :class:`KDArgs` fields whose flag takes one value per teacher (module docstring).
+PER_TEACHER = ("mode", "teacher_load", "teacher_args", "teacher_dtype", "teacher_endpoint",
+               "topk_cache")
+
+
+class _PerTeacher(argparse.Action):
+    """``nargs="+"``, a single value stored as it is (a one-teacher run's namespace is what it
+    always was), several as a list."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values[0] if len(values) == 1 else list(values))
+
 
 def add_kd_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the ``--kd-*`` flags to ``parser`` (an argparse parser, e.g. Megatron-LM's)."""
     groups: dict = {}
-    add_flags(parser, KDArgs, only=("mode", "teacher_load", "teacher_args"), groups=groups)
+    lists = dict.fromkeys(PER_TEACHER, _PerTeacher)
+    first = ("mode", "teacher_load", "teacher_args")
+    add_flags(parser, KDArgs, only=first, groups=groups, lists=lists)
     add_flags(parser, KDLossConfig, specs=LOSS_FLAGS, exclude=("topk_tail",), groups=groups)
     add_flags(parser, GpuTuning, specs=GPU_LOSS_FLAGS, groups=groups)
-    add_flags(parser, KDArgs, exclude=("mode", "teacher_load", "teacher_args"), groups=groups)
+    add_flags(parser, KDArgs, exclude=first, groups=groups, lists=lists)
     add_flags(parser, KDLossConfig, specs=LOSS_FLAGS, only=("topk_tail",), groups=groups)
     return parser
 
@@ -186,7 +213,38 @@ class KDArgs:
              "length and tokenizer (K comes from its manifest); no teacher is built or loaded")
     """Offline: the top-K cache directory (required in offline mode, refused in the others)."""
 
+    teacher_weights: tuple[float, ...] | None = flag(
+        None, name="--kd-teacher-weights", type=float, nargs="+", metavar="W", group=_KD,
+        help="several teachers: one weight per --kd-mode teacher (normalized to sum 1; the KD "
+             "term is the weighted mixture's forward KL); default: equal weights")
+    """One weight per teacher (None: equal), normalized by :attr:`weights`."""
+
+    extra_teachers: tuple[KDArgs, ...] = ()
+    """The teachers after the first (this object's own fields), each a one-teacher
+    :class:`KDArgs` with the same loss and shared flags (no flag: :meth:`from_args` makes them
+    from the per-teacher flags' lists)."""
+
     def __post_init__(self) -> None:
+        self.extra_teachers = tuple(self.extra_teachers)
+        if self.teacher_weights is not None:
+            self.teacher_weights = tuple(self.teacher_weights)
+        n = 1 + len(self.extra_teachers)
+        for i, other in enumerate(self.extra_teachers, 1):
+            if other.extra_teachers or other.loss != self.loss:
+                raise ValueError(f"teacher {i}: an extra teacher is a one-teacher KDArgs with "
+                                 f"the run's loss")
+        if self.teacher_weights is not None:
+            try:
+                mixture_weights(self.teacher_weights, n)
+            except ValueError as e:
+                raise ValueError(f"--kd-teacher-weights {_words(self.teacher_weights)} for "
+                                 f"{n} teacher(s): {e}") from None
+        try:
+            check_mixture_kind(self.loss, n)
+        except ValueError as e:
+            raise ValueError(str(e).replace(f"kind={self.loss.kind!r}",
+                                            f"--kd-loss {self.loss.kind}")
+                             .replace("kind='forward_kl'", "--kd-loss forward_kl")) from None
         if self.mode not in KD_MODES:
             raise ValueError(f"--kd-mode must be one of {KD_MODES}, got {self.mode!r}")
         if self.teacher_dtype not in TEACHER_DTYPES:
@@ -242,6 +300,20 @@ class KDArgs:
                              f"--kd-mode disaggregated (mode is {self.mode!r})")
 
     @property
+    def teachers(self) -> tuple[KDArgs, ...]:
+        """Each teacher as a one-teacher :class:`KDArgs` (this object alone with one)."""
+        if not self.extra_teachers:
+            return (self,)
+        return (dataclasses.replace(self, extra_teachers=(), teacher_weights=None),
+                *self.extra_teachers)
+
+    @property
+    def weights(self) -> tuple[float, ...]:
+        """The teachers' weights, normalized to sum 1."""
+        n = 1 + len(self.extra_teachers)
+        return mixture_weights(self.teacher_weights or (1.0,) * n, n)
+
+    @property
     def wire(self) -> str:
         """The wire's element type (``--kd-wire-dtype``, else the teacher's dtype)."""
         return self.wire_dtype or self.teacher_dtype
@@ -264,7 +336,15 @@ class KDArgs:
             message = re.sub(r"\b(" + "|".join(fields) + r")\b",
                              lambda m: fields[m.group(1)], str(e))
             raise ValueError(message) from None
-        return from_flags(cls, args, loss=loss)
+        given = {name: getattr(args, flag_spec(cls, name).dest(name), default_of(cls, name))
+                 for name in PER_TEACHER}
+        per_teacher = _per_teacher(given)
+        if per_teacher is None:
+            return from_flags(cls, args, loss=loss)
+        first, *others = (from_flags(cls, args, loss=loss, teacher_weights=None, **values)
+                          for values in per_teacher)
+        weights = getattr(args, flag_spec(cls, "teacher_weights").dest("teacher_weights"), None)
+        return dataclasses.replace(first, extra_teachers=tuple(others), teacher_weights=weights)
 
     def loss_config(self, vocab_size: int | None = None, **overrides: Any) -> KDLossConfig:
         """The run's :class:`~megatron_kd.loss.KDLossConfig`: the flags' one with the true
@@ -277,3 +357,48 @@ def teacher_torch_dtype(name: str) -> torch.dtype:
     if name not in _TORCH_DTYPES:
         raise ValueError(f"--kd-teacher-dtype must be one of {TEACHER_DTYPES}, got {name!r}")
     return _TORCH_DTYPES[name]
+
+
+def _words(values) -> str:
+    return " ".join(str(v) for v in values)
+
+
+def _per_teacher(given: dict[str, Any]) -> list[dict[str, Any]] | None:
+    """The per-teacher flags' values (:data:`PER_TEACHER`, as parsed: one value, or a list)
+    dealt to the teachers ``--kd-mode`` names: one dict of :class:`KDArgs` fields per teacher;
+    None for one teacher (the values as they are). ``ValueError`` names a flag whose count does
+    not match the teachers it is for."""
+    modes = given["mode"] if isinstance(given["mode"], list) else [given["mode"]]
+    if len(modes) == 1:
+        for name in PER_TEACHER:
+            if isinstance(given[name], list):
+                raise ValueError(f"{flag_spec(KDArgs, name).option(name)} "
+                                 f"{_words(given[name])}: {len(given[name])} values for one "
+                                 f"teacher (--kd-mode {modes[0]}); several teachers take one "
+                                 f"--kd-mode each")
+        return None
+    loaded = [i for i, m in enumerate(modes) if m in ("colocated", "disaggregated")]
+    kinds = {"teacher_load": (loaded, "colocated or disaggregated", False),
+             "teacher_args": (loaded, "colocated or disaggregated", True),
+             "teacher_dtype": (loaded, "colocated or disaggregated", True),
+             "teacher_endpoint": ([i for i, m in enumerate(modes) if m == "disaggregated"],
+                                  "disaggregated", False),
+             "topk_cache": ([i for i, m in enumerate(modes) if m == "offline"], "offline", False)}
+    out = [{**{name: default_of(KDArgs, name) for name in PER_TEACHER}, "mode": m}
+           for m in modes]
+    for name, (who, what, one_for_all) in kinds.items():
+        value = given[name]
+        values = [] if value is None else value if isinstance(value, list) else [value]
+        if name == "teacher_dtype" and not isinstance(value, list):
+            values = [value] * len(who)  # one dtype for every loaded teacher
+        elif one_for_all and not values:
+            continue  # none given: each teacher's default
+        if len(values) != len(who):
+            option = flag_spec(KDArgs, name).option(name)
+            raise ValueError(
+                f"{option} {_words(values) or '(not given)'}: {len(values)} value(s) for the "
+                f"{len(who)} {what} teacher(s) of --kd-mode {_words(modes)}: give one per "
+                f"{what} teacher, in the order --kd-mode names them")
+        for i, v in zip(who, values):
+            out[i][name] = v
+    return out

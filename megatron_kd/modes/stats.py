@@ -9,6 +9,7 @@ and Megatron-LM's patched ``pretrain_gpt.py``):
 :class:`RemoteStepStats`   a disaggregated teacher: its clients'
                            :class:`~megatron_kd.teacher.step_stats.ClientStepStats`
 :class:`CacheStepStats`    an offline teacher: its cache readers
+:class:`MixtureStepStats`  several teachers: each one's record
 =========================  ==========================================================
 
 They are named only when logged, here and nowhere else: :meth:`~SourceStepStats.log_fields` gives
@@ -27,8 +28,8 @@ import torch.distributed as dist
 
 from megatron_kd.teacher.step_stats import ClientStepStats
 
-__all__ = ["SCALAR_NAMES", "CacheStepStats", "RemoteStepStats", "SourceStepStats",
-           "replica_rates"]
+__all__ = ["SCALAR_NAMES", "CacheStepStats", "MixtureStepStats", "RemoteStepStats",
+           "SourceStepStats", "replica_rates"]
 
 #: A step log key -> the ``kd/`` scalar it is written as (keys not here are the JSON log's only;
 #: each replica's rate is ``kd/replica-<id>/tokens-per-s``).
@@ -146,3 +147,30 @@ class CacheStepStats(SourceStepStats):
                 else 0.0,
                 "kd_cache_read_tokens_per_s": (round(self.tokens / self.decode_s, 1)
                                                if self.decode_s else None)}
+
+
+@dataclass(frozen=True, kw_only=True)
+class MixtureStepStats(SourceStepStats):
+    """A step of several teachers (:class:`~megatron_kd.modes.mixture.Mixture`): each
+    teacher's own record, named per teacher when logged."""
+
+    parts: tuple[SourceStepStats, ...] = ()
+    """Teacher ``i``'s record at ``i``."""
+
+    @property
+    def events(self) -> list[dict]:
+        """Each teacher's events, each naming its teacher (``"teacher": i``)."""
+        return [{**event, "teacher": i} for i, part in enumerate(self.parts)
+                for event in part.events]
+
+    def log_fields(self, step_time_s: float | None = None) -> dict[str, Any]:
+        """``kd_teachers``: each teacher's :meth:`~SourceStepStats.log_fields` (the keys one
+        teacher's run logs), in teacher order."""
+        return {"kd_teachers": [part.log_fields(step_time_s) for part in self.parts]}
+
+    def scalars(self, step_time_s: float | None = None) -> dict[str, float]:
+        """Each teacher's ``kd/`` scalars under ``kd/teacher-<i>/`` (``kd/teacher-1/wire-bytes``:
+        the second teacher's ``kd/wire-bytes``)."""
+        return {f"kd/teacher-{i}/{name[len('kd/'):]}": value
+                for i, part in enumerate(self.parts)
+                for name, value in part.scalars(step_time_s).items()}

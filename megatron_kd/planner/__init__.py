@@ -15,6 +15,7 @@ flight, the bubble), :mod:`.memory` (every per-GPU
 memory term, with its formula and source), :mod:`.traffic` (FLOPs, step time, wire bytes, teacher
 replicas), :mod:`.plan` (a plan's inputs, :class:`~.plan.PlanOptions`, and its frozen results),
 :mod:`.search` (candidate layouts, what each costs, the search), :mod:`.options` (what the
-alternatives to a chosen layout buy), :mod:`.cli` (``megatron-kd plan`` and its ``--from-args``
+alternatives to a chosen layout buy), :mod:`.mixture` (several teachers at once, one mode each),
+:mod:`.cli` (``megatron-kd plan`` and its ``--from-args``
 reader: the model's flags read by :mod:`megatron_kd.arch.megatron_lm_args`).
 """

@@ -6,6 +6,8 @@ Examples::
         --nodes 1 --seq-length 8192 --global-batch-size 64 --use-distributed-optimizer
     megatron-kd plan --teacher qwen3-235b-a22b \\
         --from-args "--num-layers 64 ... --tensor-model-parallel-size 8" --json
+    megatron-kd plan --teacher llama-3.1-8b llama-3.1-70b --kd-mode colocated disaggregated \\
+        --kd-teacher-weights 1 1 --student llama-3.2-3b    # a mixture (:mod:`.mixture`)
 
 Precedence: an option given on this command line wins over the same setting read from
 ``--from-args``, which wins over the defaults. A parallel size left out (or ``search``) is searched.
@@ -50,7 +52,8 @@ from megatron_kd.arch.megatron_lm_args import (
     read_megatron_lm_flags,
 )
 from megatron_kd.flags import KDSharedFlags, default_of, flag_spec
-from megatron_kd.planner.launch import launch
+from megatron_kd.planner import memory as mem
+from megatron_kd.planner.launch import MixtureLaunch, launch, mixture_launch
 from megatron_kd.planner.memory import (
     CP_COMM_TYPES,
     GIB,
@@ -61,12 +64,22 @@ from megatron_kd.planner.memory import (
     ActivationOptions,
     ParallelLayout,
     Precision,
+    Term,
     total_bytes,
+)
+from megatron_kd.planner.mixture import (
+    CALL_WORKING,
+    TEACHER_MODES,
+    MixtureOptions,
+    MixturePlan,
+    TeacherPlan,
+    plan_mixture,
 )
 from megatron_kd.planner.models import PlannedModel
 from megatron_kd.planner.options import layout_options, plan_all
 from megatron_kd.planner.plan import LayoutOption, Mode, ModePlan, PlanOptions, PlanResult
 from megatron_kd.planner.presets import GPU_PRESETS, LINK_PRESETS, get_gpu, get_link, load_model
+from megatron_kd.planner.traffic import Traffic
 
 #: The GPU and the link between nodes when none is given (the other defaults are
 #: :class:`PlanOptions`').
@@ -116,7 +129,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     ``--from-args``)."""
     g = parser.add_argument_group("models and hardware")
     g.add_argument(
-        "--teacher", help="preset name, a Hugging Face config.json or a megatron_kd checkpoint dir"
+        "--teacher", nargs="+", action=_OneOrSeveral,
+        help="preset name, a Hugging Face config.json or a megatron_kd checkpoint dir; several: "
+             "a mixture of teachers, with one --kd-mode each"
     )
     g.add_argument("--student", help="the same kinds as --teacher (or the model of --from-args)")
     g.add_argument("--gpu", choices=sorted(GPU_PRESETS), help=f"default {DEFAULT_GPU}")
@@ -216,6 +231,20 @@ def _add_distillation_arguments(parser: argparse.ArgumentParser) -> None:
     )
     _add_shared(g, "wire_dtype", default=_default("wire_dtype"))
     g.add_argument("--modes", help=f"comma-separated subset of {','.join(m.value for m in Mode)}")
+    g.add_argument("--kd-mode", dest="teacher_modes", nargs="+", choices=tuple(TEACHER_MODES),
+                   help="several --teacher: one mode per teacher, as `megatron-kd train` takes "
+                        "it (colocated: the fused loss's colocated mode)")
+    g.add_argument("--kd-teacher-weights", dest="teacher_weights", nargs="+", type=float,
+                   metavar="W", help="several --teacher: one weight per teacher (default: "
+                                     "equal), written into the launch line")
+
+
+class _OneOrSeveral(argparse.Action):
+    """``nargs="+"``: one value stored as it is (a one-teacher command's namespace is what it
+    always was), several as a list."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values[0] if len(values) == 1 else list(values))
 
 
 def _add_shared(group, name: str, *, default=None) -> None:
@@ -247,7 +276,8 @@ def build_options(args: argparse.Namespace) -> tuple[PlanOptions, list[str]]:
                 "--student given and --from-args also describes a model; give one of them"
             )
     for key, value in vars(args).items():
-        if value is not None and key not in ("from_args", "json", "modes"):
+        if value is not None and key not in ("from_args", "json", "modes", "teacher_modes",
+                                             "teacher_weights"):
             values[key] = value
     _command_line_wins(args, values)
     if student is None:
@@ -505,6 +535,8 @@ def _launch_dict(opts: PlanOptions, plan: ModePlan) -> dict | None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if isinstance(args.teacher, list) or args.teacher_modes or args.teacher_weights:
+        return _run_mixture(args)
     try:
         opts, ignored = build_options(args)
         result = plan_all(opts, _parse_modes(args.modes))
@@ -517,6 +549,134 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(format_report(result, opts, ignored, options))
     return 0
+
+
+# --- several teachers ------------------------------------------------------------------------
+
+
+def build_mixture(args: argparse.Namespace) -> tuple[MixtureOptions, list[str]]:
+    """:class:`~megatron_kd.planner.mixture.MixtureOptions` from parsed options: several
+    ``--teacher`` with one ``--kd-mode`` each; the other options as one teacher's."""
+    names = args.teacher if isinstance(args.teacher, list) else [args.teacher]
+    if len(names) < 2 or names[0] is None:
+        given = [flag for flag, value in (("--kd-mode", args.teacher_modes),
+                                          ("--kd-teacher-weights", args.teacher_weights))
+                 if value]
+        raise ValueError(f"{' and '.join(given)} with one teacher: they are for several "
+                         f"--teacher (a mixture); one teacher's modes are chosen with --modes")
+    if not args.teacher_modes:
+        raise ValueError(f"{len(names)} teachers and no --kd-mode: give one mode per teacher "
+                         f"({' | '.join(TEACHER_MODES)}), in --teacher's order")
+    if args.modes:
+        raise ValueError(f"--modes {args.modes} with several teachers: each teacher's mode is "
+                         f"its --kd-mode")
+    one = argparse.Namespace(**{**vars(args), "teacher": names[0]})
+    opts, ignored = build_options(one)
+    teachers = (opts.teacher, *(load_model(name) for name in names[1:]))
+    return MixtureOptions(base=opts, teachers=teachers, modes=tuple(args.teacher_modes),
+                          weights=args.teacher_weights), ignored
+
+
+def _run_mixture(args: argparse.Namespace) -> int:
+    try:
+        mopts, ignored = build_mixture(args)
+        plan = plan_mixture(mopts)
+        start = mixture_launch(mopts, plan)
+    except ValueError as exc:
+        print(f"megatron-kd plan: error: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(mixture_to_json(mopts, plan, ignored, start), indent=2))
+    else:
+        print(format_mixture(mopts, plan, ignored, start))
+    return 0
+
+
+def _teacher_summary(plan: TeacherPlan, opts: PlanOptions) -> str:
+    """A teacher's row of the teachers' table: where it runs and what it costs."""
+    if plan.mode == "colocated":
+        return "in the student's groups (forwards one at a time)"
+    if plan.mode == "disaggregated":
+        tl = plan.teacher_layout
+        rate = plan.wire.get(Traffic.HIDDEN_RATE_STUDENT, 0.0)
+        return (f"{plan.replicas} x (tp={tl.tp} pp={tl.pp} dp={tl.dp} ep={tl.ep}) = "
+                f"{plan.gpus} GPU(s) on {plan.nodes} node(s), "
+                f"{mem.total_bytes(plan.teacher_terms) / GIB:.2f} GiB a GPU"
+                f"{'' if plan.fits else ' (OOM)'}; hidden "
+                f"{plan.wire.get(Traffic.HIDDEN_BYTES_PER_DP_RANK, 0.0):,.0f} B/step/DP rank, "
+                f"{rate:.3g} GB/s a student GPU: "
+                f"{'keeps up' if plan.wire_ok else 'TOO SLOW'}")
+    return (f"cache {plan.wire[Traffic.CACHE_SIZE]:,.0f} GB per 1B tokens (top-K {opts.topk}), "
+            f"read {plan.wire[Traffic.CACHE_READ_RATE]:.3g} GB/s a DP rank, build "
+            f"{plan.wire[Traffic.CACHE_BUILD_GPU_HOURS]:,.0f} GPU-hours per 1B tokens")
+
+
+def format_mixture(mopts: MixtureOptions, plan: MixturePlan, ignored: list[str],
+                   start: MixtureLaunch) -> str:
+    """The text report of a mixture's plan."""
+    opts = mopts.base
+    teachers = ", ".join(f"{t.name} ({t.total_params() / 1e9:.1f}B, {mode}, weight {w:.3g})"
+                         for t, mode, w in zip(mopts.teachers, mopts.modes,
+                                               mopts.normalized_weights))
+    head = (f"plan: {len(mopts.teachers)} teachers {teachers} -> student {opts.student.name} "
+            f"({opts.student.total_params() / 1e9:.1f}B) on {opts.nodes} x {opts.gpus_per_node} "
+            f"{opts.gpu.name}; s={opts.seq_length} b={opts.micro_batch_size} "
+            f"G={opts.global_batch_size}; window {_window_text(opts)}, ring "
+            f"D={opts.prefetch_depth}, top-K {opts.topk}")
+    parts = [head]
+    if ignored:
+        parts.append(f"ignored launch flags: {' '.join(ignored)}")
+    lines = [f"== mixture of {len(mopts.teachers)} teachers: {plan.verdict}",
+             "   " + _layout_line(plan.layout, "student")
+             + f" (worst pipeline stage {plan.worst_stage})",
+             f"   {'per-GPU memory term':<40}{'GiB':>9}"]
+    for term, value in plan.terms.items():
+        if term is not Term.RESERVE:
+            label = term.label + (" (largest call)" if term in CALL_WORKING else "")
+            lines.append(f"   {label:<40}{value / GIB:>9.2f}")
+    for teacher in plan.teachers:
+        for term, value in teacher.terms.items():
+            lines.append(f"   {f'[{teacher.index}] {term.label}':<40}{value / GIB:>9.2f}")
+    lines.append(f"   {Term.RESERVE.label:<40}{plan.terms[Term.RESERVE] / GIB:>9.2f}")
+    status = "fits" if plan.total_bytes <= plan.usable_bytes else "OOM"
+    lines.append(
+        f"   {'total':<40}{plan.total_bytes / GIB:>9.2f}  of {plan.usable_bytes / GIB:.1f} "
+        f"({opts.gpu.name}'s {plan.capacity_bytes / GIB:.1f} less {opts.headroom:.0%} "
+        f"headroom): {status}")
+    lines.append("   (the loss runs once per teacher: each call's window buffers are freed "
+                 "before the next, its gradients kept for the backward; the colocated "
+                 "teachers' forwards run one at a time, never with the attention backward: "
+                 "the total counts the largest)")
+    lines.append(
+        f"   step {plan.step_time_s:.2f} s at MFU {opts.mfu:.2f} (pipeline bubble "
+        f"{plan.bubble:.1%}): {plan.student_tokens_per_s:,.0f} student tokens/s on "
+        f"{plan.student_gpus} GPUs")
+    lines.append(f"   {'teacher':<24}{'mode':<15}{'weight':>7}{'GiB/GPU':>9}  runs / costs")
+    for t in plan.teachers:
+        name = f"[{t.index}] {t.name}"
+        lines.append(f"   {name:<24}{t.mode:<15}{t.weight:>7.3g}{t.student_bytes / GIB:>9.2f}  "
+                     f"{_teacher_summary(t, opts)}")
+    for note in (*plan.notes, *(f"teacher {t.index}: {n}" for t in plan.teachers
+                                for n in t.notes)):
+        lines.append(f"   note: {note}")
+    lines += [f"   {line}" for line in start.lines()]
+    parts.append("\n".join(lines))
+    return "\n\n".join(parts)
+
+
+def mixture_to_json(mopts: MixtureOptions, plan: MixturePlan, ignored: list[str],
+                    start: MixtureLaunch) -> dict:
+    opts = mopts.base
+    return {
+        "teachers": [{**t.to_dict(), "kd_mode": mode}
+                     for t, mode in zip(mopts.teachers, mopts.modes)],
+        "teacher_weights": mopts.weights,
+        "student": opts.student.to_dict(),
+        "gpu": asdict(opts.gpu),
+        "inter_node_link": asdict(opts.inter_node_link),
+        "ignored_launch_flags": ignored,
+        "mixture": {**plan.to_dict(), "launch": start.to_dict()},
+    }
 
 
 # --- --from-args: a Megatron-LM launch line -----------------------------------------------
@@ -582,8 +742,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--kd-loss-weight-grad", choices=WEIGHT_GRADS, default=None)
     # Megatron-LM: one type, or one per layer
     p.add_argument("--cp-comm-type", nargs="+", default=None)
-    for name in ("recompute-granularity", "recompute-method", "kd-teacher-load"):
+    for name in ("recompute-granularity", "recompute-method"):
         p.add_argument(f"--{name}", default=None)
+    # one value or several (a mixture of teachers: refused by name, not dropped)
+    p.add_argument("--kd-teacher-load", nargs="+", default=None)
     for name in (
         "sequence-parallel", "use-distributed-optimizer", "grad-reduce-in-bf16", "bf16", "fp16",
     ):
@@ -681,9 +843,13 @@ def _planner_values(ns: argparse.Namespace) -> dict:
         v["grad_bytes"] = 2
     hidden_dropout = 0.1 if ns.hidden_dropout is None else ns.hidden_dropout
     v["hidden_dropout"] = hidden_dropout > 0
+    if ns.kd_teacher_load is not None and len(ns.kd_teacher_load) > 1:
+        raise ValueError(f"--from-args with --kd-teacher-load {' '.join(ns.kd_teacher_load)}: "
+                         f"a launch of several teachers is planned from --teacher A B ... "
+                         f"--kd-mode M N ..., not read from its launch line")
     if ns.kd_teacher_load is not None:
         # a megatron_kd checkpoint directory (or a preset / config)
-        v["teacher"] = ns.kd_teacher_load
+        v["teacher"] = ns.kd_teacher_load[0]
     return v
 
 

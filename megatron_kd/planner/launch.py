@@ -15,6 +15,11 @@ dataset), ``$HF_TOKENIZER`` and ``$TRAIN_ITERS``.
 
 The colocated-dense mode is the incumbent dense loss, planned for comparison: megatron-kd runs
 the fused loss (colocated-fused), so that mode has no launch lines.
+
+Several teachers (:mod:`.mixture`, :func:`mixture_launch`): the student's flags with one value per
+teacher of the per-teacher flags, and a ``teacher serve`` or ``cache build`` line per served or
+cached teacher, its variables numbered by teacher (``$TEACHER_CKPT_1``, ...); no ``sbatch`` lines
+(the Slurm scripts of ``examples/slurm/`` start one teacher job).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from dataclasses import dataclass
 from megatron_kd.arch import Role
 from megatron_kd.arch.megatron_lm_args import megatron_lm_flags
 from megatron_kd.planner.memory import GpuLoss, ParallelLayout
+from megatron_kd.planner.mixture import MixtureOptions, MixturePlan
 from megatron_kd.planner.plan import Mode, ModePlan, PlanOptions
 from megatron_kd.planner.search import search_teacher
 
@@ -295,7 +301,95 @@ def shell_join(tokens) -> str:
                     for t in tokens)
 
 
-def _teacher_path(opts: PlanOptions) -> str:
-    """The teacher's checkpoint: the planned path when it is a directory, else a variable."""
+def _teacher_path(opts: PlanOptions, variable: str = "$TEACHER_CKPT") -> str:
+    """The teacher's checkpoint: the planned path when it is a directory, else ``variable``."""
     name = opts.teacher.name
-    return name if os.path.isdir(name) else "$TEACHER_CKPT"
+    return name if os.path.isdir(name) else variable
+
+
+# --- several teachers ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class MixtureLaunch:
+    """How to start a mixture's plan: the student's ``megatron-kd train`` flags and one teacher
+    job per served teacher (``teacher serve``) and per cached teacher (``cache build``)."""
+
+    student_flags: tuple[str, ...]
+    data_flags: tuple[str, ...] = DATA_FLAGS
+    model_flags: tuple[str, ...] = MODEL_FLAGS
+    teacher_commands: tuple[tuple[str, ...], ...] = ()
+    """``teacher serve ...`` or ``cache build ...`` of each served or cached teacher, in teacher
+    order (a colocated teacher runs in the student's job)."""
+    teacher_indices: tuple[int, ...] = ()
+    """The teacher of each of :attr:`teacher_commands`."""
+
+    def to_dict(self) -> dict:
+        return {
+            "student_flags": list(self.student_flags),
+            "student_flags_text": shell_join(self.student_flags),
+            "data_flags": list(self.data_flags),
+            "model_flags": list(self.model_flags),
+            "teacher_commands": [{"teacher": i, "command": list(c),
+                                  "command_text": shell_join(c)}
+                                 for i, c in zip(self.teacher_indices, self.teacher_commands)],
+        }
+
+    def lines(self) -> list[str]:
+        out = ["launch, `megatron-kd train`'s flags (the student's, the model's, the data's):",
+               f"  {shell_join(self.student_flags + self.model_flags + self.data_flags)}"]
+        for i, command in zip(self.teacher_indices, self.teacher_commands):
+            out += [f"teacher {i}'s job:", f"  {shell_join(command)}"]
+        return out
+
+
+def mixture_launch(mopts: MixtureOptions, plan: MixturePlan) -> MixtureLaunch:
+    """The launch lines of a mixture's plan (:mod:`.mixture`): ``--kd-mode`` one mode per
+    teacher, ``--kd-teacher-load`` one checkpoint per colocated or disaggregated teacher,
+    ``--kd-teacher-endpoint`` one per disaggregated teacher, ``--kd-topk-cache`` one per offline
+    teacher, ``--kd-teacher-weights`` as given; the shell variables of teacher ``i`` are
+    ``$TEACHER_CKPT_i``, ``$KD_TEACHER_ENDPOINT_i``, ``$KD_CACHE_DIR_i``."""
+    opts, modes = mopts.base, mopts.modes
+    paths = [_teacher_path(mopts.teacher_options(i), f"$TEACHER_CKPT_{i}")
+             for i in range(len(modes))]
+    loaded = [i for i, m in enumerate(modes) if m != "offline"]
+    served = [i for i, m in enumerate(modes) if m == "disaggregated"]
+    cached = [i for i, m in enumerate(modes) if m == "offline"]
+    experts = opts.student.is_moe or any(mopts.teachers[i].is_moe for i, m in enumerate(modes)
+                                         if m == "colocated")
+    flags = [*_layout_flags(plan.layout, experts=experts, num_layers=opts.student.num_layers),
+             "--micro-batch-size", str(opts.micro_batch_size),
+             "--global-batch-size", str(opts.global_batch_size),
+             "--seq-length", str(opts.seq_length), "--bf16", "--kd-mode", *modes]
+    if loaded:
+        flags += ["--kd-teacher-load", *(paths[i] for i in loaded), "--kd-teacher-dtype", "bf16"]
+    if served:
+        flags += ["--kd-teacher-endpoint", *(f"$KD_TEACHER_ENDPOINT_{i}" for i in served),
+                  "--kd-wire-dtype", opts.wire_dtype,
+                  "--kd-prefetch-depth", str(opts.prefetch_depth)]
+    if cached:
+        flags += ["--kd-topk-cache", *(f"$KD_CACHE_DIR_{i}" for i in cached)]
+    if mopts.weights is not None:
+        flags += ["--kd-teacher-weights", *(f"{w:g}" for w in mopts.weights)]
+    if opts.window_size is not None:
+        flags += ["--kd-window-size", str(opts.window_size)]
+    gpu, default = opts.gpu_loss, GpuLoss()
+    if gpu is not None:
+        if gpu.window_bytes != default.window_bytes:
+            flags += ["--kd-loss-window-mib", f"{gpu.window_bytes / (1 << 20):g}"]
+        if gpu.weight_grad != default.weight_grad:
+            flags += ["--kd-loss-weight-grad", gpu.weight_grad]
+    commands, indices = [], []
+    for i, teacher in enumerate(plan.teachers):
+        if teacher.mode == "disaggregated":
+            commands.append(_serve_command(mopts.teacher_options(i), teacher.teacher_layout,
+                                           paths[i]))
+        elif teacher.mode == "offline":
+            command, _ = _cache_command(mopts.teacher_options(i), paths[i])
+            commands.append(tuple(f"$KD_CACHE_DIR_{i}" if t == "$KD_CACHE_DIR" else t
+                                  for t in command))
+        else:
+            continue
+        indices.append(i)
+    return MixtureLaunch(student_flags=tuple(flags), teacher_commands=tuple(commands),
+                         teacher_indices=tuple(indices))

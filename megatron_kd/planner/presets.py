@@ -100,6 +100,13 @@ _MODELS = [
         source="meta-llama/Llama-3.1-8B config.json",
     ),
     PlannedModel(
+        name="llama-3.1-70b",
+        arch=_llama(layers=80, hidden=8192, heads=64, groups=8, head_dim=128, ffn=28672,
+                    tied=False, rope_factor=8.0),
+        published_total_params=70.6e9,
+        source="meta-llama/Llama-3.1-70B config.json",
+    ),
+    PlannedModel(
         name="llama-3.2-3b",
         arch=_llama(layers=28, hidden=3072, heads=24, groups=8, head_dim=128, ffn=8192,
                     tied=True, rope_factor=32.0),

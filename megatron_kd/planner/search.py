@@ -66,10 +66,20 @@ def plan_mode(opts: PlanOptions, mode: Mode) -> ModePlan:
     candidates = sorted(student_candidates(opts, mode),
                         key=lambda layout: _search_key(opts, layout))
     teacher_search = search_teacher(opts) if mode is Mode.DISAGGREGATED else None
-    best_oom: ModePlan | None = None
+    return first_fit(candidates, lambda layout: evaluate(opts, mode, layout, teacher_search),
+                     f"{mode.value}: no layout could be evaluated for {opts.student.name} <- "
+                     f"{opts.teacher.name}")
+
+
+def first_fit(candidates: list, evaluate_one, nothing: str):
+    """The plan of the first of ``candidates`` (layouts, preferred first) that fits, else the
+    one of lowest peak memory, with a note; ``evaluate_one(layout)`` plans one (its
+    ``ValueError`` skips the layout, or is raised when it is the only one). ``nothing``: the
+    ``ValueError`` when no layout could be evaluated."""
+    best_oom = None
     for layout in candidates:
         try:
-            plan = evaluate(opts, mode, layout, teacher_search)
+            plan = evaluate_one(layout)
         except ValueError:
             if len(candidates) == 1:
                 raise
@@ -79,10 +89,7 @@ def plan_mode(opts: PlanOptions, mode: Mode) -> ModePlan:
         if best_oom is None or plan.total_bytes < best_oom.total_bytes:
             best_oom = plan
     if best_oom is None:
-        raise ValueError(
-            f"{mode.value}: no layout could be evaluated for {opts.student.name} <- "
-            f"{opts.teacher.name}"
-        )
+        raise ValueError(nothing)
     if len(candidates) > 1:
         note = f"no layout of {len(candidates)} searched fits; shown: lowest peak memory"
         best_oom = replace(best_oom, notes=(*best_oom.notes, note))

@@ -7,6 +7,8 @@ validation``, each also ``... vs samples``); the distillation's own go under ``k
 
 ========================================  ====================================================
 ``kd loss``, ``total loss``               the divergence (``T^2`` included) and what is trained
+``kd loss teacher <i>``                   several teachers: teacher ``i``'s own divergence (the
+                                          ``kd loss`` is their weighted sum)
 ``kd/student - teacher lm loss``          evaluation: how far the student is from the teacher
 ``kd/wire-bytes``, ``kd/wire-bytes-out``  disaggregated: hidden-state bytes received, token-id
                                           bytes sent (the step's, all student ranks)
@@ -134,6 +136,8 @@ def step_scalars(record: dict, metrics: MetricsSection, batch_size: int,
     out = {"lm loss": record.get("lm_loss"), "kd loss": record.get("kd_loss"),
            "total loss": record.get("loss"), "learning-rate": record.get("lr"),
            "grad-norm": record.get("grad_norm"), "batch-size": batch_size}
+    for i, kd in enumerate(record.get("teacher_kd_losses") or ()):  # several teachers
+        out[f"kd loss teacher {i}"] = kd
     if metrics.log_timers_to_tensorboard:
         out["iteration-time"] = record.get("step_time_s")
         for name, value in (record.get("timers") or {}).items():

@@ -66,6 +66,12 @@ class CheckedRun:
     notes: list[str] = field(default_factory=list)
     topk_cache: Any = None
     """Offline mode: the opened, checked top-K cache (a ``TopKCacheReader``)."""
+    teacher_archs: tuple = ()
+    """Each teacher's architecture (None: a cached one), in ``kd.teachers`` order;
+    :attr:`teacher_arch` is the first one that has one."""
+    topk_caches: tuple = ()
+    """Each teacher's opened cache (None: not an offline one), in ``kd.teachers`` order;
+    :attr:`topk_cache` is the first one."""
     datasets: tuple | None = None
     """Offline mode: ``(train, valid)``, built once by :func:`check_run` to check the cache."""
     pretrained: str | None = None
@@ -156,9 +162,10 @@ def _check_flags(config: RunConfig) -> None:
                          f"--data-path; --mock-data has none (drop the flag or give --data-path)")
     config.kernels.check_transformer_impl(transformer_engine_available())
     config.parallel.ddp_overlap()  # --overlap-param-gather needs the distributed optimizer
-    if data.reset_position_ids and config.kd.mode != "colocated" and config.kd.loss.kd_weight > 0:
+    moved = [t.mode for t in config.kd.teachers if t.mode != "colocated"]
+    if data.reset_position_ids and moved and config.kd.loss.kd_weight > 0:
         raise ValueError(
-            f"--reset-position-ids with --kd-mode {config.kd.mode}: the teacher (served or "
+            f"--reset-position-ids with --kd-mode {moved[0]}: the teacher (served or "
             f"cached) is given the token ids only and numbers them 0..s-1, so its targets "
             f"would not be those of the student's positions; use --kd-mode colocated (its "
             f"teacher takes the student's position ids), or drop the flag")
@@ -261,20 +268,16 @@ def check_run(config: RunConfig, world_size: int) -> CheckedRun:
         pretrained = read_checkpoint_arch(pretrained_dir)
     layout, gbs = _layout(config, world_size, config.arch.num_layers
                           or (pretrained.num_layers if pretrained is not None else None))
-    teacher_arch = None
-    if kd.teacher_load:
-        # the student's ranks hold the teacher's output layer in the student's partition (a
-        # disaggregated teacher's own layout is its replicas' business: `teacher serve` checks it)
-        teacher_dir, teacher_arch = check_teacher(kd.teacher_load, seq_length=data.seq_length,
-                                                  teacher_args=kd.teacher_args)
-        kd = dataclasses.replace(kd, teacher_load=teacher_dir)
-    cache_spec = None
-    if kd.mode == "offline":
-        if not os.path.isdir(kd.topk_cache):
-            raise ValueError(f"--kd-topk-cache {kd.topk_cache!r} is not a directory")
-        # Only the manifest here (the student's vocabulary); the full check follows below.
-        cache_spec = CacheSpec.from_json(load_manifest(kd.topk_cache))
-    tokenizer = resolve_tokenizer(data, kd.teacher_load, student_dir=pretrained_dir)
+    checked = [_check_teacher(t, data) for t in kd.teachers]
+    kd = _with_teachers(kd, [t for t, _, _ in checked])
+    archs = tuple(arch for _, arch, _ in checked)
+    teacher_arch = next((a for a in archs if a is not None), None)
+    cache_spec = next((spec for _, _, spec in checked if spec is not None), None)
+    loaded = [t.teacher_load for t in kd.teachers if t.teacher_load]
+    tokenizer = resolve_tokenizer(data, loaded[0] if loaded else None,
+                                  student_dir=pretrained_dir)
+    if len(checked) > 1:
+        _check_shared_vocabulary(checked, tokenizer, data)
     vocab, padded = _vocabulary(config.arch, teacher_arch, cache_spec, tokenizer, layout.tp,
                                 pretrained)
     if tokenizer is None:
@@ -285,31 +288,99 @@ def check_run(config: RunConfig, world_size: int) -> CheckedRun:
     run = CheckedRun(kd=kd, student_arch=student_arch, teacher_arch=teacher_arch,
                      tokenizer=tokenizer, layout=layout, global_batch_size=gbs,
                      micro_batch_size=config.optimizer.micro_batch_size,
-                     params_dtype=torch.bfloat16 if config.parallel.bf16 else torch.float32)
+                     params_dtype=torch.bfloat16 if config.parallel.bf16 else torch.float32,
+                     teacher_archs=archs, topk_caches=(None,) * len(archs))
     run.pretrained = pretrained_dir
     if config.parallel.sequence_parallel and layout.tp == 1:
         run.notes.append("--sequence-parallel is off at --tensor-model-parallel-size 1 (as in "
                          "Megatron-LM: there is no sequence to split)")
-    check_run_layout(layout, student_arch, kd_mode=kd.mode, teacher_arch=teacher_arch,
-                     seq_length=data.seq_length, num_microbatches=run.num_microbatches,
-                     transformer_engine=transformer_engine_available())
-    if kd.mode == "offline":
-        _open_topk_cache(data, run)
+    for i, (t, arch) in enumerate(zip(kd.teachers, archs)):
+        if arch is not None or i == 0:  # the student, with each teacher that has a model
+            check_run_layout(layout, student_arch, kd_mode=t.mode, teacher_arch=arch,
+                             seq_length=data.seq_length, num_microbatches=run.num_microbatches,
+                             transformer_engine=transformer_engine_available())
+    caches = tuple(_open_topk_cache(data, run, t.topk_cache) if t.mode == "offline" else None
+                   for t in kd.teachers)
+    run.topk_caches = caches
+    run.topk_cache = next((c for c in caches if c is not None), None)
     return run
 
 
-def _open_topk_cache(data: DataSection, run: CheckedRun) -> None:
-    """Offline mode: build the run's datasets and open the top-K cache, refusing one made for
-    other data, sequence length, vocabulary or tokenizer (no fallback to an LM-only loss)."""
-    run.datasets = build_datasets(data, run.student_arch.vocab_size, run.tokenizer,
-                                  run.global_batch_size)
+def _check_teacher(kd: KDArgs, data: DataSection) -> tuple[KDArgs, Any, Any]:
+    """``(kd, architecture, cache manifest)`` of one teacher: its checkpoint checked (and its
+    directory resolved in ``kd``), or its cache's manifest read."""
+    teacher_arch = cache_spec = None
+    if kd.teacher_load:
+        # the student's ranks hold the teacher's output layer in the student's partition (a
+        # disaggregated teacher's own layout is its replicas' business: `teacher serve` checks it)
+        teacher_dir, teacher_arch = check_teacher(kd.teacher_load, seq_length=data.seq_length,
+                                                  teacher_args=kd.teacher_args)
+        kd = dataclasses.replace(kd, teacher_load=teacher_dir)
+    if kd.mode == "offline":
+        if not os.path.isdir(kd.topk_cache):
+            raise ValueError(f"--kd-topk-cache {kd.topk_cache!r} is not a directory")
+        # Only the manifest here (the student's vocabulary); the full check follows below.
+        cache_spec = CacheSpec.from_json(load_manifest(kd.topk_cache))
+    return kd, teacher_arch, cache_spec
+
+
+def _with_teachers(kd: KDArgs, teachers: list[KDArgs]) -> KDArgs:
+    """``kd`` with its teachers replaced by ``teachers`` (checked: resolved directories)."""
+    if len(teachers) == 1:
+        return teachers[0]
+    return dataclasses.replace(teachers[0], extra_teachers=tuple(teachers[1:]),
+                               teacher_weights=kd.teacher_weights)
+
+
+def _teacher_name(i: int, kd: KDArgs) -> str:
+    where = kd.topk_cache if kd.mode == "offline" else kd.teacher_load
+    return f"teacher {i} (--kd-mode {kd.mode} {where})"
+
+
+def _check_shared_vocabulary(checked: list, tokenizer, data: DataSection) -> None:
+    """Several teachers share the student's tokenizer: their vocabularies are one size (else
+    ``ValueError`` with each size and tokenizer), and each loaded teacher's ``tokenizer.json``
+    and recorded tokenizer are the run's (``tokenizer``, None with ``--mock-data``)."""
+    sizes, names = [], []
+    for kd, arch, spec in checked:
+        sizes.append(arch.vocab_size if arch is not None else spec.vocab_size)
+        if arch is not None:
+            tok_file = os.path.join(kd.teacher_load, "tokenizer.json")
+            names.append(tok_file if os.path.isfile(tok_file) else "no tokenizer.json")
+        else:
+            names.append(f"the cache's tokenizer {spec.tokenizer}")
+    if len(set(sizes)) > 1:
+        listed = "; ".join(f"{_teacher_name(i, kd)}: {size} tokens, {name}" for i, (
+            (kd, _, _), size, name) in enumerate(zip(checked, sizes, names)))
+        raise ValueError(f"the teachers' vocabularies differ ({listed}): a mixture's teachers "
+                         f"must share the student's tokenizer")
+    if tokenizer is None:
+        return
+    data = dataclasses.replace(data, tokenizer_model=tokenizer.path)
+    for i, (kd, arch, _) in enumerate(checked):
+        if arch is None:  # a cache checks its tokenizer when it is opened
+            continue
+        try:  # the one-teacher checks: its tokenizer.json and its recorded tokenizer
+            resolve_tokenizer(data, kd.teacher_load)
+        except ValueError as e:
+            raise ValueError(f"{_teacher_name(i, kd)}: {e}; a mixture's teachers must share "
+                             f"the student's tokenizer") from None
+
+
+def _open_topk_cache(data: DataSection, run: CheckedRun, directory: str):
+    """Offline: build the run's datasets (once) and open the top-K cache ``directory``,
+    refusing one made for other data, sequence length, vocabulary or tokenizer (no fallback to
+    an LM-only loss)."""
+    if run.datasets is None:
+        run.datasets = build_datasets(data, run.student_arch.vocab_size, run.tokenizer,
+                                      run.global_batch_size)
     try:
-        run.topk_cache = open_cache_for_run(
-            run.kd.topk_cache, dataset=run.datasets[0], tokenizer=run.tokenizer,
+        return open_cache_for_run(
+            directory, dataset=run.datasets[0], tokenizer=run.tokenizer,
             seq_length=data.seq_length, vocab_size=run.student_arch.vocab_size,
             num_samples=data.num_samples(run.global_batch_size)[0])
     except ValueError as e:
-        raise ValueError(f"--kd-topk-cache {run.kd.topk_cache!r}: {e}") from None
+        raise ValueError(f"--kd-topk-cache {directory!r}: {e}") from None
 
 
 def build_datasets(data: DataSection, vocab_size: int, tokenizer, global_batch_size: int,

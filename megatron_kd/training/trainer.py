@@ -62,7 +62,7 @@ from megatron_kd.integration.cpu_shim import device_context
 from megatron_kd.integration.groups import collective_device
 from megatron_kd.integration.loss_func import make_kd_loss_func
 from megatron_kd.integration.output_layer import output_layer_weight, unwrap_model
-from megatron_kd.modes.build import build_teacher_source
+from megatron_kd.modes.build import build_run_source
 from megatron_kd.modes.source import Microbatch, SourceConfig, StudentPlace
 from megatron_kd.modes.stats import SourceStepStats
 from megatron_kd.placement import compute_device
@@ -148,13 +148,16 @@ class Trainer:
             tp_group=self.tp_group if layout.tp > 1 else None,
             cp_group=ps.get_context_parallel_group() if cp else None,
             tp_cp_group=ps.get_tensor_and_context_parallel_group() if cp else None)
-        self.teacher = build_teacher_source(
-            run.kd, run.teacher_arch, place,
+        self.teacher = build_run_source(
+            run.kd, run.teacher_archs or (run.teacher_arch,), place,
             SourceConfig(micro_batch_size=config.optimizer.micro_batch_size,
                          seq_length=config.data.seq_length,
                          sequence_parallel=layout.sequence_parallel,
                          attention=config.kernels.attention_backend),
-            topk_cache=run.topk_cache)
+            topk_caches=run.topk_caches or (run.topk_cache,))
+        # several teachers: each one's KD term is reported beside the weighted sum
+        self.teacher_keys = tuple(f"kd_loss_{i}" for i in range(len(run.kd.teachers))) \
+            if len(run.kd.teachers) > 1 else ()
         self._build_data()
 
     # -- models -----------------------------------------------------------------------------
@@ -219,12 +222,14 @@ class Trainer:
             self.batches.sample_ids(self._consumed, m, len(self.train_ds)))
         mb = Microbatch(step=step, index=m, sample_ids=ids, tokens=tokens,
                         positions=self.positions, model_inputs=((tokens, position_ids, None), {}))
-        source = self.teacher
-        with self.timers.time(source.timer) if source.timer else contextlib.nullcontext():
-            inputs = source.inputs(mb, training=not self._evaluating)
-        if inputs.present:
-            self.guard.watch(m, inputs.what, inputs.watched)
-        return inputs
+        sources = getattr(self.teacher, "sources", (self.teacher,))  # a mixture: each teacher
+        parts = []
+        for source in sources:
+            with self.timers.time(source.timer) if source.timer else contextlib.nullcontext():
+                parts.append(source.inputs(mb, training=not self._evaluating))
+            if parts[-1].present:
+                self.guard.watch(m, parts[-1].what, parts[-1].watched)
+        return self.teacher.combine(parts) if len(parts) > 1 else parts[0]
 
     def _named_failures(self, loss_func):
         """``loss_func``, its non-finite-loss errors naming the teacher source when it is one."""
@@ -273,10 +278,12 @@ class Trainer:
             raise FloatingPointError("optimizer step skipped (non-finite gradients)")
         lr = self.optimizer.param_groups[0]["lr"]
         self.scheduler.step(increment=1)
-        red = self._reduce_reports(reports)
+        red = self._reduce_reports(reports, (*self.REPORT_KEYS, *self.teacher_keys))
         record = {"loss": _mean(red["loss"]), "kd_loss": _mean(red["kd_loss"]),
                   "lm_loss": _mean(red["lm_loss"]), "lr": lr,
                   "grad_norm": None if grad_norm is None else float(grad_norm)}
+        if self.teacher_keys:  # several teachers: each one's KD term (unweighted)
+            record["teacher_kd_losses"] = [_mean(red[key]) for key in self.teacher_keys]
         # the teacher's statistics over the whole world (rank 0 logs them)
         stats = self.teacher.step_stats(dist.group.WORLD)
         for event in stats.events:
@@ -331,7 +338,9 @@ class Trainer:
             # holds a checkpoint: a resumed run takes its own), or --finetune's --load
             load_model_checkpoint(self.chunks, self.run.pretrained)
             self.optimizer.reload_model_params()  # main weights (bf16) from the loaded ones
-        self.teacher.start(self._schedule(start_iter, self._stop_at(start_iter)))
+        stop = self._stop_at(start_iter)
+        # re-iterable: several teachers each iterate it
+        self.teacher.start(_Schedule(lambda: self._schedule(start_iter, stop)))
         return start_iter, consumed
 
     def _stop_at(self, start_iter: int) -> int:
@@ -509,13 +518,24 @@ class Trainer:
             "teacher_arch": run.teacher_arch.to_dict() if run.teacher_arch else None,
             "world_size": dist.get_world_size(),
             "rank": self.rank,
-            "kd_mode": run.kd.mode,
+            "kd_mode": run.kd.mode if not run.kd.extra_teachers
+            else [t.mode for t in run.kd.teachers],
             "topk_wait_s": None,
             **self.teacher.summary(),
             "tp": run.layout.tp, "pp": run.layout.pp, "dp": run.layout.dp,
             "vp": run.layout.virtual_stages, "cp": run.layout.cp,
             "sequence_parallel": run.layout.sequence_parallel,
         }
+
+
+class _Schedule:
+    """An iterable that makes its iterator anew each time (a schedule several sources read)."""
+
+    def __init__(self, make) -> None:
+        self._make = make
+
+    def __iter__(self):
+        return self._make()
 
 
 def _never_called(output_tensor):  # loss function of non-last pipeline stages

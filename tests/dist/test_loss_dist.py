@@ -145,6 +145,18 @@ def _mismatched_shards(ctx):
                            tp_group=group)
 
 
+def _bad_dtype_on_rank_1(ctx):
+    from megatron_kd.loss import DenseTeacher, KDLossConfig, vocab_parallel_kd_loss
+    group = ctx.group(2)
+    if group is None:
+        return None
+    h = torch.randn(4, 2, 8)
+    th = torch.randn(4, 2, 6, dtype=torch.float64 if ctx.rank == 1 else torch.float32)
+    vocab_parallel_kd_loss(h, torch.randn(50, 8),
+                           DenseTeacher(hidden=th, weight=torch.randn(50, 6)),
+                           config=KDLossConfig(), tp_group=group)
+
+
 def _token_count_disagrees(ctx):
     from megatron_kd.loss import DenseTeacher, KDLossConfig, vocab_parallel_kd_loss
     group = ctx.group(2)
@@ -159,7 +171,17 @@ def test_bad_shard_on_one_rank_raises_on_every_rank_without_hanging(pool):
     with pytest.raises(RankFailure) as info:
         pool.run(_mismatched_shards, timeout=60)
     text = str(info.value)
-    assert "teacher shard has 49 vocab rows but the student shard has 50" in text
+    message = ("the teacher's output layer has 99 vocabulary rows (shards [50, 49] over the 2 "
+               "TP rank(s)) but the student's has 100 (shards [50, 50])")
+    assert text.count(message) == 2  # rank 0 raised the same error as well
+    assert "did not finish" not in text
+
+
+def test_a_local_error_on_one_rank_raises_on_every_rank_without_hanging(pool):
+    with pytest.raises(RankFailure) as info:
+        pool.run(_bad_dtype_on_rank_1, timeout=60)
+    text = str(info.value)
+    assert "teacher.hidden dtype torch.float64 != teacher.weight dtype torch.float32" in text
     assert "invalid input on tensor-parallel rank(s) [1]" in text  # rank 0 raised as well
     assert "did not finish" not in text
 

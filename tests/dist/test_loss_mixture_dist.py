@@ -84,7 +84,8 @@ def test_a_vocabulary_that_differs_on_one_rank_stops_every_rank(pool):
     with pytest.raises(RankFailure) as info:
         pool.run(_vocabulary_differs_on_rank_1, timeout=60)
     text = str(info.value)
-    message = ("teacher 1 (DenseTeacher) has an output layer of 99 vocabulary rows (shards "
-               "[50, 49] over the 2 TP rank(s)) but the student's has 100 (shards [50, 50])")
+    message = ("in the loss of teacher 1 of 2 (DenseTeacher, weight 0.5): the teacher's output "
+               "layer has 99 vocabulary rows (shards [50, 49] over the 2 TP rank(s)) but the "
+               "student's has 100 (shards [50, 50])")
     assert text.count(message) == 2  # rank 0 and rank 1 alike
     assert "did not finish" not in text

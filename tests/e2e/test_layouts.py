@@ -6,14 +6,17 @@ with ``megatron-kd import-hf`` and started from there (``--pretrained-checkpoint
 architecture flags: the architecture is the checkpoint's), so every layout starts from the same
 weights. The teacher is the tier's tiny teacher. 6 steps, fp32, no dropout; each layout's
 per-step losses equal the TP 1 / PP 1 run's within 2e-5 relative (sums of the same products in
-another order: fp32 rounding, ~1e-7 a step, compounding over the optimizer's steps).
+another order: fp32 rounding, ~1e-7 a step, compounding over the optimizer's steps). Two
+teachers (a weighted mixture, both colocated) hold to the same rule in each layout.
 """
 
 import pytest
 from support.hf_models import tiny_qwen3, tiny_qwen3_moe, tiny_qwen35
 from support.train_cases import (
+    TEACHER_ARCH,
     cache_build_argv,
     case_cache_build,
+    case_make_teacher,
     case_train,
     check_flags,
     import_hf_model,
@@ -217,3 +220,27 @@ def test_moe_and_deltanet_students_need_sequence_parallelism_at_tp2(request, arg
                                          "--sequence-parallel"):
         check_flags(argv(request.getfixturevalue(student), "--tensor-model-parallel-size", "2"),
                     2)
+
+
+@pytest.fixture(scope="module")
+def two_teachers(pool, teacher, tmp_path_factory):
+    """The flags of a mixture of the tier's teacher and one of other weights (1 : 3)."""
+    other = str(tmp_path_factory.mktemp("other_teacher") / "ckpt")
+    pool.run(case_make_teacher, other, TEACHER_ARCH, 11)
+    return ["--kd-mode", "colocated", "colocated", "--kd-teacher-load", teacher, other,
+            "--kd-teacher-weights", "1", "3"]
+
+
+@pytest.mark.parametrize("student, layouts", [
+    ("dense", [TP2_SP, PP2_VP2, ["--context-parallel-size", "2"]]),
+    ("moe", [[*TP2_SP, "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size",
+              "1"]]),
+    ("hybrid", [TP2_SP]),
+])
+def test_two_teachers_in_each_layout(request, pool, argv, two_teachers, student, layouts):
+    model = request.getfixturevalue(student)
+    slow = ["--lr", "1e-3"] if student == "hybrid" else []  # see the DeltaNet test above
+    flat = _losses(pool, argv(model, *two_teachers, *slow, teacher_load=False))
+    for layout in layouts:
+        assert _losses(pool, argv(model, *two_teachers, *slow, *layout, teacher_load=False)) \
+            == pytest.approx(flat, rel=REL), layout

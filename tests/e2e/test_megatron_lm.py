@@ -14,7 +14,8 @@ its tiers share one stand-in for Megatron-LM (``get_args``, its writers) and one
    stage called without tokens, disaggregated) against CP 1; ``--kd-mode offline`` on a cache
    holding the run's rows in another order (TP 2 against the fused loss on the rows the test
    knows, CP 2, PP 2 without tokens on the last stage, caches without the run's samples
-   refused).
+   refused); two colocated teachers (weights 1 3, TP 2 with sequence parallelism) against the
+   two one-teacher runs, and the checks of several teachers.
 
 Megatron-LM itself (``megatron.training``, ``pretrain_gpt.py``) is not installable here. The
 stand-ins below replace only what megatron-core lacks, and play Megatron-LM's part as the
@@ -733,7 +734,8 @@ def case_pipeline_schedule(ctx, teacher_dir, kd_argv, drop_inputs=False, tp=1,
                 "weights": stage_weights([model]) if weights else None}
 
 
-def case_train_microbatches(ctx, teacher_dir, kd_argv, n=3, tensorboard_dir=None, tp=2, cp=1):
+def case_train_microbatches(ctx, teacher_dir, kd_argv, n=3, tensorboard_dir=None, tp=2, cp=1,
+                            sequence_parallel=False):
     """TP ``tp`` x CP ``cp``: ``n`` training microbatches through the patched forward step and
     loss function (one data iterator, as Megatron-LM's), then one evaluation microbatch;
     per-microbatch loss reports and the summed gradients, both summed over the
@@ -743,7 +745,7 @@ def case_train_microbatches(ctx, teacher_dir, kd_argv, n=3, tensorboard_dir=None
     from megatron_kd.integration.groups import model_parallel
 
     args = _lm_args([*_teacher_argv(teacher_dir), *kd_argv], tensor_model_parallel_size=tp,
-                    context_parallel_size=cp)
+                    context_parallel_size=cp, sequence_parallel=sequence_parallel)
     writer = None
     if tensorboard_dir is not None and ctx.rank == ctx.world_size - 1:
         from torch.utils.tensorboard import SummaryWriter
@@ -1475,6 +1477,96 @@ def test_offline_cache_checked_against_megatron_lm_flags(offline_caches, tmp_pat
     with pytest.raises(ValueError, match=re.escape(
             f"--kd-topk-cache {str(tmp_path)!r}: {tmp_path}/manifest.json: no manifest")):
         opened(str(tmp_path))
+
+
+# --- several teachers --------------------------------------------------------------------------
+# --kd-mode once per teacher: a weighted mixture. Its loss is sum_i w_i * L_i (each teacher's
+# fused loss, the CE once; weights normalized to sum 1), so with the student's weights held
+# (no optimizer step between microbatches) its total loss and gradients are the weighted sums of
+# the one-teacher runs', and each teacher's own KD loss is that teacher's run's "kd loss".
+
+@pytest.fixture(scope="module")
+def other_teacher_dir(pool, tmp_path_factory):
+    """A second teacher: the tier teacher's architecture, other weights."""
+    from support.train_cases import TEACHER_ARCH, case_make_teacher
+
+    d = str(tmp_path_factory.mktemp("other_teacher") / "ckpt")
+    pool.run(case_make_teacher, d, TEACHER_ARCH, 11)
+    return d
+
+
+def test_two_colocated_teachers_are_the_weighted_one_teacher_runs(pool, teacher_dir,
+                                                                  other_teacher_dir):
+    """Two colocated teachers, weights 1 3, at TP 2 with ``--sequence-parallel`` through the
+    patched entry points: each microbatch reports each teacher's KD loss (``kd loss teacher
+    <i>``) equal to that teacher's run alone, ``kd loss`` their weighted sum, and the total loss
+    and every gradient are 1/4 and 3/4 of the one-teacher runs' (fp32, the same operations but
+    for the weighting: 1e-5); evaluation reports them too."""
+    argv = ["--kd-ce-weight", "0.3", "--kd-temperature", "1.5"]
+    run = partial(pool.run, case_train_microbatches, None, sequence_parallel=True)
+    mixed = run([*argv, "--kd-mode", "colocated", "colocated", "--kd-teacher-load", teacher_dir,
+                 other_teacher_dir, "--kd-teacher-weights", "1", "3"])
+    alone = [run([*argv, "--kd-teacher-load", d]) for d in (teacher_dir, other_teacher_dir)]
+    for m, a0, a1 in zip(mixed, *alone, strict=True):
+        assert m["teacher_built"] and not m["client"]
+        assert len(m["reports"]) == 3
+        for rep, rep0, rep1 in zip(m["reports"] + [m["eval"]], a0["reports"] + [a0["eval"]],
+                                   a1["reports"] + [a1["eval"]], strict=True):
+            assert set(rep) == {"total loss", "kd loss", "lm loss", "kd loss teacher 0",
+                                "kd loss teacher 1"}
+            assert rep["kd loss teacher 0"] == pytest.approx(rep0["kd loss"], rel=1e-5)
+            assert rep["kd loss teacher 1"] == pytest.approx(rep1["kd loss"], rel=1e-5)
+            assert rep["kd loss teacher 0"][0] != pytest.approx(rep["kd loss teacher 1"][0],
+                                                                rel=1e-3)  # two teachers
+            assert rep["kd loss"][0] == pytest.approx(
+                0.25 * rep0["kd loss"][0] + 0.75 * rep1["kd loss"][0], rel=1e-5)
+            assert rep["lm loss"] == pytest.approx(rep0["lm loss"], rel=1e-6)
+        for rep, rep0, rep1 in zip(m["reports"], a0["reports"], a1["reports"]):
+            assert rep["total loss"][0] == pytest.approx(
+                0.25 * rep0["total loss"][0] + 0.75 * rep1["total loss"][0], rel=1e-5)
+        assert m["grads"].keys() == a0["grads"].keys()
+        for name, grad in m["grads"].items():
+            want = 0.25 * a0["grads"][name] + 0.75 * a1["grads"][name]
+            torch.testing.assert_close(grad, want, rtol=1e-5,
+                                       atol=1e-5 * float(want.abs().max()), msg=name)
+
+
+def test_several_teachers_checked_each(monkeypatch):
+    """Each teacher is checked as one is, in ``--kd-mode`` order (its architecture returned,
+    its directory resolved); teachers of different vocabularies are refused naming each size,
+    and two disaggregated teachers (the data iterator is read ahead for one) naming the
+    modes."""
+    import dataclasses
+
+    from support.train_cases import TEACHER_ARCH
+
+    from megatron_kd.arch import GPTArchConfig
+    from megatron_kd.megatron_lm import checks
+    from megatron_kd.megatron_lm.checks import check_megatron_teachers
+
+    archs = {"/a": GPTArchConfig(**TEACHER_ARCH),
+             "/b": dataclasses.replace(GPTArchConfig(**TEACHER_ARCH), hidden_size=48),
+             "/small": dataclasses.replace(GPTArchConfig(**TEACHER_ARCH), vocab_size=400)}
+    # the checkpoints' own checks (tensors against the architecture) are not this test's
+    monkeypatch.setattr(checks, "check_teacher", lambda load, **kw: (load + "/iter", archs[load]))
+    two = ["--kd-mode", "colocated", "disaggregated", "--kd-teacher-endpoint", "/e",
+           "--kd-teacher-weights", "1", "3"]
+    kd, got = check_megatron_teachers(_lm_args([*two, "--kd-teacher-load", "/a", "/b"]))
+    assert got == (archs["/a"], archs["/b"])
+    assert [(t.mode, t.teacher_load) for t in kd.teachers] == [
+        ("colocated", "/a/iter"), ("disaggregated", "/b/iter")]
+    assert kd.weights == (0.25, 0.75)
+    assert check_megatron_args(_lm_args([*two, "--kd-teacher-load", "/a", "/b"]))[1] is archs["/a"]
+    with pytest.raises(ValueError, match=re.escape(
+            "the teachers' vocabularies differ (teacher 0 (--kd-mode colocated /a/iter): 500 "
+            "tokens; teacher 1 (--kd-mode disaggregated /small/iter): 400 tokens)")):
+        check_megatron_teachers(_lm_args([*two, "--kd-teacher-load", "/a", "/small"]))
+    with pytest.raises(ValueError, match=re.escape(
+            "--kd-mode disaggregated disaggregated: Megatron-LM's pretrain_gpt.py takes at most "
+            "one disaggregated teacher (teachers [0, 1] are)")):
+        check_megatron_teachers(_lm_args(["--kd-mode", "disaggregated", "disaggregated",
+                                          "--kd-teacher-load", "/a", "/b",
+                                          "--kd-teacher-endpoint", "/e", "/f"]))
 
 
 def _model_dir(path, **arch):

@@ -35,7 +35,9 @@ on the wire) gives the same losses as ``megatron-kd train``'s colocated CP2, wit
 microbatch for both CP ranks. ``--kd-mode offline`` on a cache ``megatron-kd cache build``
 made with the run's data flags gives ``megatron-kd train --kd-mode offline``'s losses at DP 2
 and TP 2 (1e-5 relative), and a cache built for other data (``--mock-data``) stops the run
-before its first iteration naming its first sample and the cache.
+before its first iteration naming its first sample and the cache. Two colocated teachers
+(weights 1 3, TP 2 with ``--sequence-parallel``) give ``megatron-kd train``'s two-teacher losses
+and each teacher's own KD loss (1e-5 relative).
 """
 
 import json
@@ -436,6 +438,67 @@ def test_real_pretrain_gpt_with_a_moe_teacher(inputs, tmp_path, dist_pool_factor
         for it in range(1, ITERS + 1):
             for key in KEYS:
                 assert got[it][key] == pytest.approx(want[it][key], rel=1e-5), (root, it, key)
+
+
+# --- several teachers: a weighted mixture ------------------------------------------------------
+_TEACHER_VALUE = re.compile(r"kd loss teacher (\d+): ([0-9.E+-]+)")
+
+
+def _megatron_lm_teacher_losses(log):
+    """``{iteration: [teacher i's kd loss]}`` from Megatron-LM's log (iteration 2 undone as
+    :func:`megatron_lm_losses` does)."""
+    lines = {}
+    for m in map(_LINE.search, log.splitlines()):
+        if m:
+            values = dict(_TEACHER_VALUE.findall(m.group(2)))
+            lines[int(m.group(1))] = [float(values[str(i)]) for i in range(len(values))]
+    if 1 in lines and 2 in lines:
+        lines[2] = [2 * b - a for a, b in zip(lines[1], lines[2], strict=True)]
+    return lines
+
+
+def test_real_pretrain_gpt_two_teachers_match_megatron_kd_train(inputs, tmp_path,
+                                                                dist_pool_factory):
+    """Two colocated teachers (the tier's and a sharper one), weights 1 3, at TP 2 with
+    ``--sequence-parallel`` inside the real ``pretrain_gpt.py``: every iteration's total, KD
+    (the weighted sum) and LM loss and each teacher's own KD loss (``kd loss teacher <i>``)
+    are ``megatron-kd train``'s same two-teacher run's, 1e-5 relative."""
+    from support.train_cases import TEACHER_ARCH, case_make_teacher
+
+    python = _megatron_lm_python()
+    other = str(tmp_path / "other_teacher")
+    # sharper than the tier's (std 0.25): its divergence differs by far more than the tolerance
+    dist_pool_factory(2).run(case_make_teacher, other, dict(TEACHER_ARCH, init_method_std=0.5),
+                             11)
+    two = ["--kd-mode", "colocated", "colocated", "--kd-teacher-load", inputs["teacher"], other,
+           "--kd-teacher-weights", "1", "3"]
+    spec = LAYOUTS["tp2_sp"]
+    log = str(tmp_path / "kd.jsonl")
+    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    _torchrun(sys.executable, spec.nproc, [
+        "-m", "megatron_kd", "train", *COMMON, *spec.flags, "--data-path", inputs["data"],
+        "--tokenizer-model", inputs["tokenizer"], *two, "--log-json", log, "--no-progress"], env)
+    want = _megatron_kd_steps(log)
+    with open(log, encoding="utf-8") as f:
+        want_teachers = {r["step"]: r["teacher_kd_losses"] for r in map(json.loads, f)
+                         if "step_time_s" in r}
+    assert sorted(want) == list(range(1, ITERS + 1))
+    for step, (kd0, kd1) in want_teachers.items():
+        assert want[step]["kd loss"] == pytest.approx(0.25 * kd0 + 0.75 * kd1, rel=1e-6)
+        assert kd0 != pytest.approx(kd1, rel=1e-3)  # two teachers, two divergences
+    for root in _checkouts():
+        out = _pretrain_gpt(python, root, tmp_path, spec.nproc, [
+            *COMMON, *MEGATRON_LM_ONLY, *spec.flags, *spec.megatron_lm_flags,
+            "--data-path", inputs["data"], *two])
+        label = f"two teachers {_git(root, 'rev-parse', '--short', 'HEAD')}"
+        got_steps, got_valid = megatron_lm_losses(out)
+        _assert_steps_match(got_steps, want, label)
+        got_teachers = _megatron_lm_teacher_losses(out)
+        for it in range(1, ITERS + 1):
+            print(f"{label} iteration {it}: kd loss teacher 0, 1 {got_teachers[it]} "
+                  f"(megatron-kd train {want_teachers[it]})")
+            assert got_teachers[it] == pytest.approx(want_teachers[it], rel=1e-5), (label, it)
+        assert {"total loss", "kd loss", "lm loss"} <= set(got_valid), got_valid
 
 
 # --- offline: a cache built by `megatron-kd cache build` inside pretrain_gpt.py -----------------

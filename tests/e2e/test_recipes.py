@@ -6,7 +6,9 @@ Qwen3.5-35B-A3B -> Qwen3.5-9B: a Qwen3.5-MoE teacher and a Qwen3.5 student (Gate
 hybrids), imported, planned, the teacher served by a replica and the student trained against it
 at TP 2 with sequence parallelism, a top-K cache built and the student trained from it, both
 runs reported, the student exported. Llama-3.1-8B -> Llama-3.2-3B: Llama teacher and student
-with Llama-3's ``llama3`` RoPE scaling, imported, planned, trained colocated, exported. The
+with Llama-3's ``llama3`` RoPE scaling, imported, planned, trained colocated, exported; then
+Llama-3.1-8B and 70B -> Llama-3.2-3B: a second (wider) teacher imported, the two planned, the
+wider one served at TP 2 with sequence parallelism and the student trained on both, exported. The
 single-process commands run ``megatron-kd``'s ``main`` in this process; the multi-rank ones on
 each rank of the test's gloo pool, as ``torchrun`` would start them (without ``--bf16`` and
 ``--use-distributed-optimizer``, which need a GPU). Both exports load with
@@ -91,8 +93,36 @@ def llama(tmp) -> list[tuple[str, list[str]]]:
     ]
 
 
+def llama_two(tmp) -> list[tuple[str, list[str]]]:
+    """The two-teacher Llama recipe's commands, values for tiny models."""
+    endpoint = f"{tmp}/endpoint"
+    prepare = _prepare(tmp)
+    plan = prepare[3][1]
+    return prepare[:1] + [
+        ("import-hf", ["import-hf", "--hf-path", f"{tmp}/teacher70_hf", "--save",
+                       f"{tmp}/teacher-70b"]),
+        *prepare[1:3],
+        ("plan", [*plan[:3], f"{tmp}/teacher-70b", "--kd-mode", "colocated", "disaggregated",
+                  "--kd-teacher-weights", "1", "1", *plan[3:]]),
+        ("teacher serve", ["teacher", "serve", "--kd-teacher-load", f"{tmp}/teacher-70b",
+                           "--kd-teacher-endpoint", endpoint, "--tensor-model-parallel-size",
+                           "2", "--sequence-parallel", "--max-seq-length", SEQ,
+                           "--kd-teacher-dtype", "bf16"]),
+        ("train", ["train", "--pretrained-checkpoint", f"{tmp}/student", "--kd-mode",
+                   "colocated", "disaggregated", "--kd-teacher-load", f"{tmp}/teacher",
+                   f"{tmp}/teacher-70b", "--kd-teacher-dtype", "bf16", "--kd-teacher-endpoint",
+                   endpoint, "--kd-wire-dtype", "bf16", "--kd-teacher-weights", "1", "1",
+                   *_data(tmp), "--lr", "1e-2", "--bf16", "--use-distributed-optimizer",
+                   "--save", f"{tmp}/run2", "--load", f"{tmp}/run2", "--save-interval", "2",
+                   "--log-json", f"{tmp}/run2.jsonl"]),
+        ("export-hf", ["export-hf", "--load", f"{tmp}/run2", "--save", f"{tmp}/distilled2",
+                       "--dtype", "bfloat16"]),
+    ]
+
+
 RECIPES = {"qwen35": ("docs/recipes/qwen3.5-35b-a3b-to-9b.md", qwen35),
-           "llama": ("docs/recipes/llama-3.1-8b-to-3.2-3b.md", llama)}
+           "llama": ("docs/recipes/llama-3.1-8b-to-3.2-3b.md", llama),
+           "llama-two": ("docs/recipes/llama-3.1-8b-and-70b-to-3.2-3b.md", llama_two)}
 
 
 @pytest.mark.parametrize("name", sorted(RECIPES))
@@ -194,13 +224,18 @@ def test_qwen35_recipe(dist_pool_factory, tmp_path, tokenizer_file, corpus, caps
     _assert_trained_export(tmp, plan_out)
 
 
-def test_llama_recipe(dist_pool_factory, tmp_path, tokenizer_file, corpus, capsys):
+def test_llama_recipes(dist_pool_factory, tmp_path, tokenizer_file, corpus, capsys):
+    """The one-teacher Llama recipe, then the two-teacher one in the same directory (the
+    commands the two pages share, the same in both, run once)."""
     tmp = str(tmp_path)
     _models(tmp_path, tokenizer_file, corpus,
             tiny_llama(tmp_path, tied=False, vocab=VOCAB, name="teacher",
                        llama3_rope_factor=8.0)[0],
             tiny_llama(tmp_path, tied=True, vocab=VOCAB, name="student",
                        llama3_rope_factor=32.0)[0])
+    wider = tiny_llama(tmp_path, tied=False, vocab=VOCAB, name="teacher70", ffn=96,
+                       llama3_rope_factor=8.0)[0]  # the 70B's stand-in: other weights
+    os.rename(wider, tmp_path / "teacher70_hf")
     steps = llama(tmp)
     for _, argv in steps[:4]:
         _main(argv)
@@ -215,3 +250,38 @@ def test_llama_recipe(dist_pool_factory, tmp_path, tokenizer_file, corpus, capsy
     assert exported["rope_parameters"]["rope_type"] == "llama3"
     assert exported["rope_parameters"]["factor"] == 32.0
     _assert_trained_export(tmp, plan_out)
+    _llama_two_teachers(tmp, tmp_path, pool, [argv for _, argv in steps], capsys)
+
+
+def _llama_two_teachers(tmp, tmp_path, pool, done, capsys) -> None:
+    """The two-teacher page's commands not run already (by the one-teacher page)."""
+    steps = [(label, argv) for label, argv in llama_two(tmp) if argv not in done]
+    assert [label for label, _ in steps] == ["import-hf", "plan", "teacher serve", "train",
+                                             "export-hf"]
+    _main(steps[0][1])
+    _main(steps[1][1])
+    plan_out = capsys.readouterr().out
+    assert "== mixture of 2 teachers: fits" in plan_out and "[1] " in plan_out
+    serve = steps[2][1]
+    replica = Replica(serve[serve.index("--kd-teacher-endpoint") + 1], f"{tmp}/teacher-70b",
+                      log=tmp_path / "replica70.jsonl", tp=2,
+                      extra=serve[serve.index("--sequence-parallel"):])
+    try:
+        pool.run(case_cli, steps[3][1] + ["--no-progress"])
+    finally:
+        replica.stop()
+    # 3 steps of 4 one-sample microbatches over 2 data-parallel ranks: each asked once
+    assert replica.final_stats()["requests"] == 3 * 4
+    with open(f"{tmp}/run2.jsonl", encoding="utf-8") as f:
+        records = [json.loads(line) for line in f]
+    trained = [r for r in records if "teacher_kd_losses" in r]
+    assert [r["step"] for r in trained] == [1, 2, 3]
+    assert all(len(r["teacher_kd_losses"]) == 2 and len(r["kd_teachers"]) == 2
+               and r["kd_teachers"][1]["kd_wire_bytes"] > 0 for r in trained)
+    _main(steps[4][1])
+    model = transformers.AutoModelForCausalLM.from_pretrained(f"{tmp}/distilled2",
+                                                              dtype=torch.float32)
+    first = transformers.AutoModelForCausalLM.from_pretrained(f"{tmp}/distilled",
+                                                              dtype=torch.float32)
+    state = first.state_dict()  # another run than the one-teacher page's: other weights
+    assert any(not torch.equal(p, state[n]) for n, p in model.state_dict().items())

@@ -201,7 +201,8 @@ def _bench_step_module():
 
 def test_bench_wire_precision(tmp_path):
     out = tmp_path / "wire.json"
-    _tool(tmp_path, "bench_wire_precision.py", "--smoke", "--out", str(out), "--plot", "")
+    _tool(tmp_path, "bench_wire_precision.py", "--smoke", "--in-process", "--out", str(out),
+          "--plot", "")
     report = _json(out)
     assert set(report["runs"]) == {"fp32", "bf16", "fp8"}
     assert all(len(rows) == 2 for rows in report["runs"].values())
@@ -230,8 +231,8 @@ def test_soak_service_short(tmp_path):
     a replica's rank is SIGKILLed and restarted and garbage connections and bytes come in;
     nothing lost, no loss changed, nothing left running."""
     out = tmp_path / "soak.json"
-    r = _tool(tmp_path, "soak_service.py", "--short", "--seed", "38", "--out", str(out),
-              "--plot", "", timeout=400)
+    r = _tool(tmp_path, "soak_service.py", "--short", "--same-process", "--seed", "38", "--out",
+              str(out), "--plot", "", timeout=400)
     report = _json(out)
     t = report["totals"]
     assert report["ok"] and report["problems"] == [], r.stdout[-3000:]
@@ -325,7 +326,8 @@ def _assert_profile_ran_or_skipped_for_its_reason(step: dict,
 def test_gpu_check_every_step_on_cpu(tmp_path):
     """Every step of the hardware check on the CPU, end to end; what each reports."""
     out = tmp_path / "check"
-    r = _tool(tmp_path, "gpu_check.py", "--device", "cpu", "--out", str(out), timeout=600)
+    r = _tool(tmp_path, "gpu_check.py", "--device", "cpu", "--shared-processes", "--out", str(out),
+              timeout=600)
     report = _json(out / "report.json")
     steps = {s["step"]: s for s in report["steps"]}
     assert list(steps) == list(GPU_CHECK_STEPS), r.stdout

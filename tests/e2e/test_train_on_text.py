@@ -90,3 +90,15 @@ def test_teacher_tokenizer_checks(dist_pool_factory, tokenizer_file, corpus, tmp
         check_flags(base[:-1] + [other_prefix, "--kd-teacher-load", good,
                                          "--tokenizer-model", other_tok], 2)
     assert plan.student_arch.vocab_size == 400 and plan.student_arch.padded_vocab_size == 512
+    # two teachers: the second's tokenizer.json, or its recorded tokenizer, is not the run's
+    mixed = str(tmp_path / "mixed")
+    shutil.copytree(good, mixed)
+    shutil.copy(other_tok, os.path.join(mixed, "tokenizer.json"))
+    two = base + ["--kd-mode", "colocated", "colocated"]
+    with pytest.raises(ValueError, match=r"teacher 1 \(--kd-mode colocated .*mixed\): "
+                                         r"--tokenizer-model .* is not the teacher's tokenizer"):
+        check_flags(two + ["--kd-teacher-load", good, mixed], 2)
+    with pytest.raises(ValueError, match=r"teacher 1 \(--kd-mode colocated .*other\): the "
+                                         r"teacher .* was made with another tokenizer"):
+        check_flags(two + ["--kd-teacher-load", good, other], 2)
+    assert check_flags(two + ["--kd-teacher-load", good, good], 2).tokenizer.sha256 == tok.sha256

@@ -93,7 +93,8 @@ def test_bad_shapes_are_refused():
     sp = spec()
     inp = make_inputs(sp)
     teacher = teacher_of(inp, weight=inp["teacher_weight"][:-1])
-    with pytest.raises(ValueError, match="same partition"):
+    with pytest.raises(ValueError, match=r"the teacher's output layer has 1008 vocabulary rows "
+                                         r"\(shards \[1008\] .*but the student's has 1009"):
         vocab_parallel_agreement(inp["student_hidden"], inp["student_weight"], teacher)
 
 

@@ -182,7 +182,8 @@ def test_bad_input_raises_the_fused_loss_errors():
     # the teacher's vocabulary shard differs from the student's
     teacher = DenseTeacher(hidden=torch.randn(4, 2, 6), weight=torch.randn(49, 6))
     message = _error("dense", h, w, teacher)
-    assert "teacher shard has 49 vocab rows but the student shard has 50" in message
+    assert ("the teacher's output layer has 49 vocabulary rows (shards [49] over the 1 TP "
+            "rank(s)) but the student's has 50 (shards [50])") in message
     assert message == _error("cpu", h, w, teacher)
     # a true vocabulary larger than the output layer
     good = DenseTeacher(hidden=torch.randn(4, 2, 6), weight=torch.randn(50, 6))

@@ -33,7 +33,8 @@ from megatron_kd.cli import main
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 #: Pages that quote the planner, and those of them whose prose figures are all the planner's.
 PAGES = ["README.md", "docs/planner.md", "docs/recipes/qwen3.5-35b-a3b-to-9b.md",
-         "docs/recipes/llama-3.1-8b-to-3.2-3b.md"]
+         "docs/recipes/llama-3.1-8b-to-3.2-3b.md",
+         "docs/recipes/llama-3.1-8b-and-70b-to-3.2-3b.md"]
 PROSE_CHECKED = PAGES[1:]
 FENCE = re.compile(r"^```+\s*([\w-]*)\s*$")
 TABLE_MARK = re.compile(r"^<!-- tools/plan_examples\.py: (\w+) -->$")

@@ -298,8 +298,9 @@ def test_error_teacher_hidden_mismatch():
 def test_error_teacher_and_student_shards_differ():
     args = _dense()
     args["teacher"] = replace(args["teacher"], weight=args["teacher"].weight[:1000])
-    with pytest.raises(ValueError, match=r"teacher shard has 1000 vocab rows but the student "
-                                         r"shard has 1009"):
+    with pytest.raises(ValueError, match=r"the teacher's output layer has 1000 vocabulary rows "
+                                         r"\(shards \[1000\] over the 1 TP rank\(s\)\) but "
+                                         r"the student's has 1009 \(shards \[1009\]\)"):
         vocab_parallel_kd_loss(**args)
 
 

@@ -186,10 +186,10 @@ def test_a_teacher_that_is_not_a_record_is_refused():
 def test_a_dense_teacher_of_another_vocabulary_is_refused_by_index_and_sizes():
     case, inp, recs = _two(mixture_spec(teachers=("renormalize", "dense", "dense")))
     small = DenseTeacher(hidden=recs[2].hidden, weight=recs[2].weight[:1000])
-    with pytest.raises(ValueError, match=r"teacher 2 \(DenseTeacher\) has an output layer of "
-                                         r"1000 vocabulary rows \(shards \[1000\] over the 1 "
-                                         r"TP rank\(s\)\) but the student's has 1009 "
-                                         r"\(shards \[1009\]\)"):
+    with pytest.raises(ValueError, match=r"teacher 2 of 3 \(DenseTeacher, weight 0.333333\): "
+                                         r"the teacher's output layer has 1000 vocabulary rows "
+                                         r"\(shards \[1000\] over the 1 TP rank\(s\)\) but "
+                                         r"the student's has 1009 \(shards \[1009\]\)"):
         mixture_kd_loss(inp["student_hidden"], inp["student_weight"], [*recs[:2], small],
                         [1, 1, 1], config=config_of(case))
 

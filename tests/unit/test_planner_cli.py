@@ -34,6 +34,7 @@ from megatron_kd.planner.traffic import Traffic
 # presets leave out).
 PUBLISHED = [
     ("llama-3.1-8b", 8.03e9, None, False, 0.02),
+    ("llama-3.1-70b", 70.6e9, None, False, 0.02),
     ("llama-3.2-3b", 3.21e9, None, False, 0.02),
     ("llama-3.2-1b", 1.24e9, None, False, 0.02),
     ("qwen3-8b", 8.2e9, None, False, 0.02),
@@ -149,6 +150,12 @@ def test_load_model_from_megatron_kd_checkpoint(tmp_path):
     assert model.total_params() == MODEL_PRESETS["llama-3.2-1b"].total_params()
     launch = parse_launch_args(f"--kd-teacher-load {tmp_path} --kd-window-size 512")
     assert launch.values["teacher"] == str(tmp_path) and launch.values["window_size"] == 512
+    # a launch of two teachers is refused, not read as its first
+    with pytest.raises(ValueError, match=rf"--from-args with --kd-teacher-load {tmp_path} "
+                                         rf"/ckpt/70b: a launch of several teachers is planned "
+                                         rf"from --teacher A B"):
+        parse_launch_args(f"--kd-mode colocated disaggregated --kd-teacher-load {tmp_path} "
+                          f"/ckpt/70b")
 
 
 def test_load_model_from_file_and_unknown(tmp_path):

@@ -110,7 +110,8 @@ def test_each_loss_flag_lands_in_its_own_field():
 _KD_DISAGGREGATED = {"--kd-mode": "disaggregated", "--kd-teacher-load": "/pin/teacher-load",
                      "--kd-teacher-args": "/pin/teacher-args.txt", "--kd-teacher-dtype": "bf16",
                      "--kd-teacher-endpoint": "/pin/endpoint", "--kd-teacher-timeout": "37.5",
-                     "--kd-wire-dtype": "fp8", "--kd-prefetch-depth": "3"}
+                     "--kd-wire-dtype": "fp8", "--kd-prefetch-depth": "3",
+                     "--kd-teacher-weights": "2.5"}
 _KD_OFFLINE = {"--kd-mode": "offline", "--kd-topk-cache": "/pin/topk-cache",
                "--kd-topk-tail": "ghost", "--kd-prefetch-depth": "5"}
 
@@ -138,11 +139,13 @@ def test_each_kd_flag_lands_in_its_own_field(parse):
             dis.topk_cache, dis.loss.topk_tail) == (
         "disaggregated", "/pin/teacher-load", "/pin/teacher-args.txt", "bf16", "/pin/endpoint",
         37.5, "fp8", 3, None, "renormalize")
+    assert dis.teacher_weights == (2.5,) and dis.weights == (1.0,)  # one teacher: all of it
     off = parse(_KD_OFFLINE)
     assert (off.mode, off.teacher_load, off.teacher_args, off.teacher_dtype,
             off.teacher_endpoint, off.teacher_timeout, off.wire_dtype, off.prefetch_depth,
             off.topk_cache, off.loss.topk_tail) == (
         "offline", None, None, "fp32", None, 600.0, None, 5, "/pin/topk-cache", "ghost")
+    assert off.teacher_weights is None and off.extra_teachers == ()
     # the values given differ from every default (else a flag read into nothing would pass)
     default = KDArgs(teacher_load="t")
     assert (default.mode, default.teacher_args, default.teacher_dtype, default.teacher_endpoint,
