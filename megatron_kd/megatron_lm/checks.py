@@ -29,7 +29,7 @@ from megatron_kd.cache.format import CacheFormatError
 from megatron_kd.cache.reader import TopKCacheReader
 from megatron_kd.integration.teacher import check_teacher
 from megatron_kd.megatron_lm.pretrained import use_pretrained_checkpoint
-from megatron_kd.modes.args import KDArgs
+from megatron_kd.modes.args import KDArgs, check_shared_vocabulary
 from megatron_kd.parallel import ParallelLayout
 from megatron_kd.parallel.sequence import check_sequence_split
 
@@ -125,13 +125,10 @@ def check_megatron_teachers(args: argparse.Namespace):
     # before Megatron-LM loads it (after the model is built): this project's checkpoints
     use_pretrained_checkpoint(args)
     checked = [_check_one_teacher(t, args, layout) for t in teachers]
-    if len(checked) == 1:
-        return checked[0][0], (checked[0][1],)
-    _check_shared_vocabulary(checked, args)
-    resolved = [t for t, _ in checked]
-    kd = dataclasses.replace(resolved[0], extra_teachers=tuple(resolved[1:]),
-                             teacher_weights=kd.teacher_weights)
-    return kd, tuple(arch for _, arch in checked)
+    resolved = [t for t, _, _ in checked]
+    if len(checked) > 1:
+        check_shared_vocabulary(resolved, [vocab for _, _, vocab in checked])
+    return kd.with_teachers(resolved), tuple(arch for _, arch, _ in checked)
 
 
 def _check_one_look_ahead(teachers) -> None:
@@ -149,14 +146,13 @@ def _check_one_look_ahead(teachers) -> None:
 
 
 def _check_one_teacher(kd: KDArgs, args: argparse.Namespace, layout: ParallelLayout):
-    """``(kd, arch)`` of one teacher: its directory resolved and its architecture checked
-    against the layout and the student's vocabulary (None: offline, its cache opened and
-    checked, or no teacher)."""
+    """``(kd, arch, vocab)`` of one teacher: its directory resolved and its architecture
+    checked against the layout and the student's vocabulary (None: offline, its cache opened
+    and checked, or no teacher), and its true vocabulary size (None without a teacher)."""
     if kd.mode == "offline":
-        open_topk_cache(kd, args)
-        return kd, None
+        return kd, None, open_topk_cache(kd, args).spec.vocab_size
     if not kd.teacher_load:
-        return kd, None
+        return kd, None, None
     teacher_dir, arch = check_teacher(kd.teacher_load, seq_length=args.seq_length or 1,
                                       teacher_args=kd.teacher_args)
     kd = dataclasses.replace(kd, teacher_load=teacher_dir)
@@ -178,21 +174,7 @@ def _check_one_teacher(kd: KDArgs, args: argparse.Namespace, layout: ParallelLay
             f"(true vocabulary {arch.vocab_size}): both output layers must have the same rows; "
             f"use the teacher's tokenizer and a --make-vocab-size-divisible-by that gives "
             f"{arch.padded_vocab_size}")
-    return kd, arch
-
-
-def _check_shared_vocabulary(checked, args: argparse.Namespace) -> None:
-    """Several teachers: one (true) vocabulary size, a loaded teacher's or a cache's; else
-    ``ValueError`` naming each teacher and size."""
-    sizes = [arch.vocab_size if arch is not None else open_topk_cache(kd, args).spec.vocab_size
-             for kd, arch in checked]
-    if len(set(sizes)) > 1:
-        listed = "; ".join(
-            f"teacher {i} (--kd-mode {kd.mode} "
-            f"{kd.topk_cache if kd.mode == 'offline' else kd.teacher_load}): {size} tokens"
-            for i, ((kd, _), size) in enumerate(zip(checked, sizes)))
-        raise ValueError(f"the teachers' vocabularies differ ({listed}): a mixture's teachers "
-                         f"must share the student's tokenizer")
+    return kd, arch, arch.vocab_size
 
 
 def open_topk_cache(kd: KDArgs, args: argparse.Namespace) -> TopKCacheReader | None:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,7 +49,8 @@ from megatron_kd.loss.config import KINDS as KD_LOSSES
 from megatron_kd.loss.mixture import check_mixture_kind
 
 __all__ = ["KD_MODES", "LOSS_FLAGS", "PER_TEACHER", "TEACHER_DTYPES", "WIRE_DTYPES", "KDArgs",
-           "add_kd_args", "add_teacher_flags", "teacher_torch_dtype"]
+           "add_kd_args", "add_teacher_flags", "check_shared_vocabulary", "teacher_label",
+           "teacher_torch_dtype"]
 
 KD_MODES = ("colocated", "disaggregated", "offline")
 TEACHER_DTYPES = ("fp32", "bf16")
@@ -307,6 +309,16 @@ class KDArgs:
         return (dataclasses.replace(self, extra_teachers=(), teacher_weights=None),
                 *self.extra_teachers)
 
+    def with_teachers(self, teachers: Sequence[KDArgs]) -> KDArgs:
+        """These flags with their teachers replaced by ``teachers`` (one-teacher
+        :class:`KDArgs` in the same order, e.g. with their directories resolved), the weights
+        kept."""
+        first, *others = teachers
+        if not others:
+            return first
+        return dataclasses.replace(first, extra_teachers=tuple(others),
+                                   teacher_weights=self.teacher_weights)
+
     @property
     def weights(self) -> tuple[float, ...]:
         """The teachers' weights, normalized to sum 1."""
@@ -402,3 +414,22 @@ def _per_teacher(given: dict[str, Any]) -> list[dict[str, Any]] | None:
         for i, v in zip(who, values):
             out[i][name] = v
     return out
+
+
+def teacher_label(i: int, kd: KDArgs) -> str:
+    """Teacher ``i`` as an error names it: its mode and its checkpoint or cache."""
+    where = kd.topk_cache if kd.mode == "offline" else kd.teacher_load
+    return f"teacher {i} (--kd-mode {kd.mode} {where})"
+
+
+def check_shared_vocabulary(teachers: Sequence[KDArgs], sizes: Sequence[int],
+                            tokenizers: Sequence[str] | None = None) -> None:
+    """Several teachers' true vocabulary sizes (``sizes``, teacher order) are one: else
+    ``ValueError`` naming each teacher, its size and (``tokenizers``) its tokenizer."""
+    if len(set(sizes)) <= 1:
+        return
+    listed = "; ".join(
+        f"{teacher_label(i, kd)}: {size} tokens" + (f", {tokenizers[i]}" if tokenizers else "")
+        for i, (kd, size) in enumerate(zip(teachers, sizes)))
+    raise ValueError(f"the teachers' vocabularies differ ({listed}): a mixture's teachers must "
+                     f"share the student's tokenizer")

@@ -83,10 +83,7 @@ class Launch:
 
     def to_dict(self) -> dict:
         return {
-            "student_flags": list(self.student_flags),
-            "student_flags_text": shell_join(self.student_flags),
-            "data_flags": list(self.data_flags),
-            "model_flags": list(self.model_flags),
+            **_student_dict(self),
             "teacher_command": list(self.teacher_command),
             "teacher_command_text": shell_join(self.teacher_command),
             "sbatch": list(self.sbatch),
@@ -94,8 +91,7 @@ class Launch:
 
     def lines(self) -> list[str]:
         """The launch as the text report prints it."""
-        out = ["launch, `megatron-kd train`'s flags (the student's, the model's, the data's):",
-               f"  {shell_join(self.student_flags + self.model_flags + self.data_flags)}"]
+        out = _student_lines(self)
         if self.teacher_command:
             out += ["the teacher job:", f"  {shell_join(self.teacher_command)}"]
         out.append("on Slurm (examples/slurm/):")
@@ -164,15 +160,22 @@ def student_flags(opts: PlanOptions, plan: ModePlan, teacher: str = "$TEACHER_CK
         flags += ["--kd-teacher-endpoint", "$KD_TEACHER_ENDPOINT",
                   "--kd-wire-dtype", opts.wire_dtype,
                   "--kd-prefetch-depth", str(opts.prefetch_depth)]
+    return tuple(flags + _loss_flags(opts))
+
+
+def _loss_flags(opts: PlanOptions) -> list[str]:
+    """The loss's flags of ``opts``: its window bound, and the GPU path's settings where they
+    are not the defaults."""
+    flags = []
     if opts.window_size is not None:
         flags += ["--kd-window-size", str(opts.window_size)]
     gpu, default = opts.gpu_loss, GpuLoss()
-    if gpu is not None:  # the GPU path's settings where they are not the defaults
+    if gpu is not None:
         if gpu.window_bytes != default.window_bytes:
             flags += ["--kd-loss-window-mib", f"{gpu.window_bytes / (1 << 20):g}"]
         if gpu.weight_grad != default.weight_grad:
             flags += ["--kd-loss-weight-grad", gpu.weight_grad]
-    return tuple(flags)
+    return flags
 
 
 def _layout_flags(layout: ParallelLayout, *, experts: bool, num_layers: int) -> list[str]:
@@ -318,29 +321,36 @@ class MixtureLaunch:
     student_flags: tuple[str, ...]
     data_flags: tuple[str, ...] = DATA_FLAGS
     model_flags: tuple[str, ...] = MODEL_FLAGS
-    teacher_commands: tuple[tuple[str, ...], ...] = ()
-    """``teacher serve ...`` or ``cache build ...`` of each served or cached teacher, in teacher
-    order (a colocated teacher runs in the student's job)."""
-    teacher_indices: tuple[int, ...] = ()
-    """The teacher of each of :attr:`teacher_commands`."""
+    teacher_jobs: tuple[tuple[int, tuple[str, ...]], ...] = ()
+    """``(teacher, command)``: ``teacher serve ...`` or ``cache build ...`` of each served or
+    cached teacher, in teacher order (a colocated teacher runs in the student's job)."""
 
     def to_dict(self) -> dict:
         return {
-            "student_flags": list(self.student_flags),
-            "student_flags_text": shell_join(self.student_flags),
-            "data_flags": list(self.data_flags),
-            "model_flags": list(self.model_flags),
+            **_student_dict(self),
             "teacher_commands": [{"teacher": i, "command": list(c),
                                   "command_text": shell_join(c)}
-                                 for i, c in zip(self.teacher_indices, self.teacher_commands)],
+                                 for i, c in self.teacher_jobs],
         }
 
     def lines(self) -> list[str]:
-        out = ["launch, `megatron-kd train`'s flags (the student's, the model's, the data's):",
-               f"  {shell_join(self.student_flags + self.model_flags + self.data_flags)}"]
-        for i, command in zip(self.teacher_indices, self.teacher_commands):
+        out = _student_lines(self)
+        for i, command in self.teacher_jobs:
             out += [f"teacher {i}'s job:", f"  {shell_join(command)}"]
         return out
+
+
+def _student_dict(launch: Launch | MixtureLaunch) -> dict:
+    """The student's part of a launch's JSON: its flags, the data's and the model's."""
+    return {"student_flags": list(launch.student_flags),
+            "student_flags_text": shell_join(launch.student_flags),
+            "data_flags": list(launch.data_flags), "model_flags": list(launch.model_flags)}
+
+
+def _student_lines(launch: Launch | MixtureLaunch) -> list[str]:
+    """The student's part of a launch's text: ``megatron-kd train``'s flags."""
+    return ["launch, `megatron-kd train`'s flags (the student's, the model's, the data's):",
+            f"  {shell_join(launch.student_flags + launch.model_flags + launch.data_flags)}"]
 
 
 def mixture_launch(mopts: MixtureOptions, plan: MixturePlan) -> MixtureLaunch:
@@ -371,25 +381,14 @@ def mixture_launch(mopts: MixtureOptions, plan: MixturePlan) -> MixtureLaunch:
         flags += ["--kd-topk-cache", *(f"$KD_CACHE_DIR_{i}" for i in cached)]
     if mopts.weights is not None:
         flags += ["--kd-teacher-weights", *(f"{w:g}" for w in mopts.weights)]
-    if opts.window_size is not None:
-        flags += ["--kd-window-size", str(opts.window_size)]
-    gpu, default = opts.gpu_loss, GpuLoss()
-    if gpu is not None:
-        if gpu.window_bytes != default.window_bytes:
-            flags += ["--kd-loss-window-mib", f"{gpu.window_bytes / (1 << 20):g}"]
-        if gpu.weight_grad != default.weight_grad:
-            flags += ["--kd-loss-weight-grad", gpu.weight_grad]
-    commands, indices = [], []
+    flags += _loss_flags(opts)
+    jobs = []
     for i, teacher in enumerate(plan.teachers):
         if teacher.mode == "disaggregated":
-            commands.append(_serve_command(mopts.teacher_options(i), teacher.teacher_layout,
-                                           paths[i]))
+            jobs.append((i, _serve_command(mopts.teacher_options(i), teacher.teacher_layout,
+                                           paths[i])))
         elif teacher.mode == "offline":
             command, _ = _cache_command(mopts.teacher_options(i), paths[i])
-            commands.append(tuple(f"$KD_CACHE_DIR_{i}" if t == "$KD_CACHE_DIR" else t
-                                  for t in command))
-        else:
-            continue
-        indices.append(i)
-    return MixtureLaunch(student_flags=tuple(flags), teacher_commands=tuple(commands),
-                         teacher_indices=tuple(indices))
+            jobs.append((i, tuple(f"$KD_CACHE_DIR_{i}" if t == "$KD_CACHE_DIR" else t
+                                  for t in command)))
+    return MixtureLaunch(student_flags=tuple(flags), teacher_jobs=tuple(jobs))

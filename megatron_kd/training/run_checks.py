@@ -39,7 +39,7 @@ from megatron_kd.integration.checkpoint import (
 from megatron_kd.integration.cpu_shim import on_cpu
 from megatron_kd.integration.gpt import transformer_engine_available
 from megatron_kd.integration.teacher import check_teacher
-from megatron_kd.modes.args import KDArgs
+from megatron_kd.modes.args import KDArgs, check_shared_vocabulary, teacher_label
 from megatron_kd.parallel import ParallelLayout, pad_vocab_size
 from megatron_kd.parallel.layout import microbatches_per_step
 from megatron_kd.training.run_config import ArchitectureSection, DataSection, RunConfig
@@ -269,7 +269,7 @@ def check_run(config: RunConfig, world_size: int) -> CheckedRun:
     layout, gbs = _layout(config, world_size, config.arch.num_layers
                           or (pretrained.num_layers if pretrained is not None else None))
     checked = [_check_teacher(t, data) for t in kd.teachers]
-    kd = _with_teachers(kd, [t for t, _, _ in checked])
+    kd = kd.with_teachers([t for t, _, _ in checked])
     archs = tuple(arch for _, arch, _ in checked)
     teacher_arch = next((a for a in archs if a is not None), None)
     cache_spec = next((spec for _, _, spec in checked if spec is not None), None)
@@ -324,19 +324,6 @@ def _check_teacher(kd: KDArgs, data: DataSection) -> tuple[KDArgs, Any, Any]:
     return kd, teacher_arch, cache_spec
 
 
-def _with_teachers(kd: KDArgs, teachers: list[KDArgs]) -> KDArgs:
-    """``kd`` with its teachers replaced by ``teachers`` (checked: resolved directories)."""
-    if len(teachers) == 1:
-        return teachers[0]
-    return dataclasses.replace(teachers[0], extra_teachers=tuple(teachers[1:]),
-                               teacher_weights=kd.teacher_weights)
-
-
-def _teacher_name(i: int, kd: KDArgs) -> str:
-    where = kd.topk_cache if kd.mode == "offline" else kd.teacher_load
-    return f"teacher {i} (--kd-mode {kd.mode} {where})"
-
-
 def _check_shared_vocabulary(checked: list, tokenizer, data: DataSection) -> None:
     """Several teachers share the student's tokenizer: their vocabularies are one size (else
     ``ValueError`` with each size and tokenizer), and each loaded teacher's ``tokenizer.json``
@@ -349,11 +336,7 @@ def _check_shared_vocabulary(checked: list, tokenizer, data: DataSection) -> Non
             names.append(tok_file if os.path.isfile(tok_file) else "no tokenizer.json")
         else:
             names.append(f"the cache's tokenizer {spec.tokenizer}")
-    if len(set(sizes)) > 1:
-        listed = "; ".join(f"{_teacher_name(i, kd)}: {size} tokens, {name}" for i, (
-            (kd, _, _), size, name) in enumerate(zip(checked, sizes, names)))
-        raise ValueError(f"the teachers' vocabularies differ ({listed}): a mixture's teachers "
-                         f"must share the student's tokenizer")
+    check_shared_vocabulary([kd for kd, _, _ in checked], sizes, names)
     if tokenizer is None:
         return
     data = dataclasses.replace(data, tokenizer_model=tokenizer.path)
@@ -363,7 +346,7 @@ def _check_shared_vocabulary(checked: list, tokenizer, data: DataSection) -> Non
         try:  # the one-teacher checks: its tokenizer.json and its recorded tokenizer
             resolve_tokenizer(data, kd.teacher_load)
         except ValueError as e:
-            raise ValueError(f"{_teacher_name(i, kd)}: {e}; a mixture's teachers must share "
+            raise ValueError(f"{teacher_label(i, kd)}: {e}; a mixture's teachers must share "
                              f"the student's tokenizer") from None
 
 
